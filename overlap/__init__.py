@@ -1,0 +1,28 @@
+"""overlap: sharded data parallel (FSDP / ZeRO-3) for PyTorch that hides its communication.
+
+    model = overlap.wrap(model)            # parameters, gradients, optimizer state sharded 1/N
+    opt = torch.optim.AdamW(model.parameters())
+"""
+
+from overlap.config import OverlapConfig
+from overlap.api import (
+    clip_grad_norm_,
+    full_state_dict,
+    load_full_state_dict,
+    no_sync,
+    step_stats,
+)
+from overlap.stats import StepStats
+from overlap.wrap import wrap
+
+__all__ = [
+    "OverlapConfig",
+    "StepStats",
+    "clip_grad_norm_",
+    "full_state_dict",
+    "load_full_state_dict",
+    "no_sync",
+    "step_stats",
+    "wrap",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,152 @@
+"""`OverlapConfig`: every knob of `overlap.wrap`, documented and validated in one place."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+import torch.nn as nn
+
+UnitPolicy = Literal["auto"] | frozenset[type[nn.Module]] | Callable[[nn.Module], bool]
+
+_DTYPES = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+}
+_PARAM_CODECS = (None,)  # "bf16", "int8", "fp8" arrive with the compression issue
+_GRAD_CODECS = (None,)  # "bf16", "int8", "int4" arrive with the compression issue
+
+
+def _dtype_name(dtype: torch.dtype | None) -> str | None:
+    if dtype is None:
+        return None
+    return str(dtype).removeprefix("torch.")
+
+
+@dataclass(frozen=True, kw_only=True)
+class OverlapConfig:
+    """How `overlap.wrap` shards a model and schedules its communication.
+
+    Keyword overrides passed to `overlap.wrap(model, field=value)` replace fields of this config.
+    """
+
+    unit_policy: Any = "auto"
+    """Which modules become units (one all-gather / one reduce-scatter each).
+    "auto": the repeated blocks, i.e. children of a ModuleList/Sequential whose class occurs at
+    least twice there (the layers of a transformer); a set of module classes; or a callable
+    `module -> bool`. Parameters outside every unit belong to the root unit."""
+
+    min_unit_numel: int = 0
+    """Consecutive units (in registration order) are merged until each holds at least this many
+    elements: the shard granularity. Bigger units mean fewer, larger collectives (better on
+    high-latency links) and more memory per unsharded unit. 0 keeps the policy's units."""
+
+    prefetch_depth: int = 1
+    """How many units ahead of the one computing are all-gathered, in forward and in backward.
+    0 gathers each unit only when it is needed (no overlap)."""
+
+    max_inflight_allgather_bytes: int | None = None
+    """Byte cap on unsharded parameters held at once (being gathered or gathered, the unit in use
+    included). Prefetch stops at the cap; the unit that is needed now is always gathered.
+    None: no cap beyond `prefetch_depth`."""
+
+    reshard_after_forward: bool = True
+    """True frees each unit's unsharded parameters after its forward and gathers them again for
+    backward (ZeRO-3). False keeps them until the unit's backward is done (ZeRO-2: one all-gather
+    per step, more memory)."""
+
+    reduce_scatter_bucket_bytes: int = 0
+    """Gradients of consecutive units (in backward order) are reduce-scattered together once their
+    bytes reach this size. 0 reduces every unit on its own, as soon as its gradients are ready."""
+
+    param_dtype: torch.dtype | None = None
+    """Dtype of the all-gathered parameters and of the forward/backward compute (mixed precision);
+    floating inputs of the root forward are cast to it. The sharded master parameters, their
+    gradients and the optimizer state stay in the parameters' own dtype. None: no cast."""
+
+    reduce_dtype: torch.dtype | None = None
+    """Dtype in which gradients are reduce-scattered. None: `param_dtype` if set, else the
+    parameters' dtype."""
+
+    param_compression: str | None = None
+    """Codec for the weight all-gather. Only None (uncompressed) is available in this version."""
+
+    grad_compression: str | None = None
+    """Codec for the gradient reduce-scatter. Only None (uncompressed) is available in this
+    version."""
+
+    error_feedback: bool = False
+    """Carry gradient quantization residuals to the next step (needs `grad_compression`)."""
+
+    def __post_init__(self) -> None:
+        policy = self.unit_policy
+        if isinstance(policy, (set, list, tuple)):
+            object.__setattr__(self, "unit_policy", frozenset(policy))
+            policy = self.unit_policy
+        if not (policy == "auto" or callable(policy) or isinstance(policy, frozenset)):
+            raise ValueError(
+                f"unit_policy must be 'auto', a set of nn.Module classes or a callable, got {policy!r}"
+            )
+        if isinstance(policy, frozenset) and not all(
+            isinstance(c, type) and issubclass(c, nn.Module) for c in policy
+        ):
+            raise ValueError(f"unit_policy set must hold nn.Module classes, got {set(policy)!r}")
+        for name in ("min_unit_numel", "prefetch_depth", "reduce_scatter_bucket_bytes"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+        cap = self.max_inflight_allgather_bytes
+        if cap is not None and (not isinstance(cap, int) or cap <= 0):
+            raise ValueError(f"max_inflight_allgather_bytes must be None or an int > 0, got {cap!r}")
+        for name in ("param_dtype", "reduce_dtype"):
+            value = getattr(self, name)
+            if isinstance(value, str):
+                if value not in _DTYPES:
+                    raise ValueError(f"{name} must be one of {sorted(_DTYPES)}, got {value!r}")
+                object.__setattr__(self, name, _DTYPES[value])
+            elif value is not None and value not in _DTYPES.values():
+                raise ValueError(f"{name} must be a floating torch.dtype or None, got {value!r}")
+        if self.param_compression not in _PARAM_CODECS:
+            raise ValueError(
+                f"param_compression={self.param_compression!r} is not available in this version "
+                f"of overlap; use one of {_PARAM_CODECS}"
+            )
+        if self.grad_compression not in _GRAD_CODECS:
+            raise ValueError(
+                f"grad_compression={self.grad_compression!r} is not available in this version "
+                f"of overlap; use one of {_GRAD_CODECS}"
+            )
+        if self.error_feedback and self.grad_compression is None:
+            raise ValueError("error_feedback=True needs a grad_compression codec")
+
+    def replace(self, **overrides: Any) -> OverlapConfig:
+        """A copy with `overrides` applied; unknown names raise `TypeError`."""
+        names = {f.name for f in dataclasses.fields(self)}
+        unknown = sorted(set(overrides) - names)
+        if unknown:
+            raise TypeError(f"unknown OverlapConfig field(s) {unknown}; fields are {sorted(names)}")
+        return dataclasses.replace(self, **overrides)
+
+    def to_dict(self) -> dict[str, Any]:
+        if self.unit_policy != "auto":
+            raise ValueError("only unit_policy='auto' can be saved as JSON")
+        out = dataclasses.asdict(self)
+        out["param_dtype"] = _dtype_name(self.param_dtype)
+        out["reduce_dtype"] = _dtype_name(self.reduce_dtype)
+        return out
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> OverlapConfig:
+        return cls(**json.loads(Path(path).read_text()))
+
+
+DEFAULT_CONFIG = OverlapConfig()

@@ -1,0 +1,258 @@
+"""Execution: carries out the schedule's actions with real tensors, streams and work handles.
+
+[Note: buffer lifetime]
+A collective's buffers live in the `CommResult` it returns, and that result is stored with the
+unit (gathers) or the bucket (reductions) until the matching wait action; only then are the
+references dropped. On CUDA the wait first makes the compute stream wait for the comm stream's
+event, so by the time the caching allocator may hand a freed block to the compute stream, the
+comm stream is done with it. No `record_stream` anywhere.
+
+[Note: streams]
+CUDA: `gather_stream` runs all-gathers and their copy-out; `reduce_stream` runs reduce-scatters
+and the accumulation into sharded gradients. They are separate so that a reduce-scatter never
+queues behind a prefetched all-gather in the same stream. Both are created with high priority so
+their small copy kernels are not starved by compute. Each begins its work by waiting on the
+compute stream at issue time, and the unsharded storage is (re)allocated on the compute stream, so
+a block the compute stream freed is never written by a comm stream before compute is done with it.
+CPU (gloo): collectives run on gloo's worker threads (async work handles); the training thread
+does the copies when it waits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor, Shard
+from torch.profiler import record_function
+
+from overlap import comm
+from overlap.schedule import (
+    Action,
+    CheckOrder,
+    Free,
+    Gather,
+    Reduce,
+    WaitGather,
+    WaitReduce,
+)
+from overlap.stats import StatsRecorder
+from overlap.units import UnitLayout
+
+
+@dataclass
+class UnitTensors:
+    """The tensors of one unit on this rank. See [Note: flat layout] in units.py."""
+
+    layout: UnitLayout
+    shard: torch.Tensor  # flat shard buffer (master dtype); sharded params' locals are views
+    sharded_params: list[nn.Parameter]  # DTensor Shard(0), what the optimizer sees
+    unsharded_flat: torch.Tensor  # gather dtype; storage has 0 bytes while SHARDED
+    unsharded_params: list[nn.Parameter]  # views of unsharded_flat, what forward uses
+    owners: list[tuple[nn.Module, str]]  # (module, attribute) for each parameter
+    gather: comm.CommResult | None = None
+    gather_event: torch.cuda.Event | None = None
+
+    @property
+    def unsharded_nbytes(self) -> int:
+        return self.unsharded_flat.numel() * self.unsharded_flat.element_size()
+
+    def swap_in(self, params: list[nn.Parameter]) -> None:
+        for (module, name), param in zip(self.owners, params):
+            module._parameters[name] = param
+
+
+@dataclass
+class PendingReduce:
+    result: comm.CommResult
+    event: torch.cuda.Event | None
+
+
+@dataclass
+class Runtime:
+    units: list[UnitTensors]
+    group: dist.ProcessGroup
+    rank: int
+    world_size: int
+    device: torch.device
+    gather_dtype: torch.dtype | None  # None: each unit's own dtype
+    reduce_dtype: torch.dtype | None
+    stats: StatsRecorder
+    timeout: timedelta | None = None
+    gather_stream: torch.cuda.Stream | None = field(init=False, default=None)
+    reduce_stream: torch.cuda.Stream | None = field(init=False, default=None)
+    _pending: dict[int, PendingReduce] = field(init=False, default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.device.type == "cuda":
+            self.gather_stream = torch.cuda.Stream(self.device, priority=-1)
+            self.reduce_stream = torch.cuda.Stream(self.device, priority=-1)
+
+    # ------------------------------------------------------------------ dispatch
+    def run(self, actions: list[Action]) -> None:
+        for action in actions:
+            match action:
+                case Gather(unit):
+                    self.gather(unit)
+                case WaitGather(unit):
+                    self.wait_gather(unit)
+                case Free(unit):
+                    self.free(unit)
+                case Reduce(bucket, units):
+                    self.reduce(bucket, units)
+                case WaitReduce(bucket, units):
+                    self.wait_reduce(bucket, units)
+                case CheckOrder(what, order_hash, order):
+                    self.check_order(what, order_hash, order)
+                case _:
+                    raise AssertionError(f"rank {self.rank}: unknown action {action!r}")
+
+    def _stream(self, stream: torch.cuda.Stream | None) -> contextlib.AbstractContextManager:
+        return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+
+    # ------------------------------------------------------------------ verbs
+    def gather(self, index: int) -> None:
+        unit = self.units[index]
+        dtype = self.gather_dtype or unit.shard.dtype
+        with record_function(f"overlap::gather {unit.layout.label}"):
+            if self.gather_stream is not None:
+                self.gather_stream.wait_stream(torch.cuda.current_stream(self.device))
+                self._alloc_unsharded(unit)  # on the compute stream, see [Note: streams]
+            with self._stream(self.gather_stream):
+                unit.gather = comm.all_gather_flat(unit.shard, self.group, self.world_size, dtype)
+                if self.gather_stream is not None:
+                    comm.wait(unit.gather, self.timeout)  # the gather stream waits, not the CPU
+                    self._copy_out(unit)
+                    unit.gather_event = self.gather_stream.record_event()
+        self.stats.record_issue("gather", unit.unsharded_nbytes)
+
+    def wait_gather(self, index: int) -> None:
+        unit = self.units[index]
+        assert unit.gather is not None, f"rank {self.rank}: unit {index} waited before gather"
+        t0 = time.perf_counter()
+        with record_function(f"overlap::wait_gather {unit.layout.label}"):
+            if unit.gather_event is not None:
+                torch.cuda.current_stream(self.device).wait_event(unit.gather_event)
+                unit.gather_event = None
+            else:
+                comm.wait(unit.gather, self.timeout)
+                self._alloc_unsharded(unit)
+                self._copy_out(unit)
+            unit.gather = None  # [Note: buffer lifetime]
+            unit.swap_in(unit.unsharded_params)
+        self.stats.record_wait("gather", f"{unit.layout.label} gather", t0)
+
+    def _alloc_unsharded(self, unit: UnitTensors) -> None:
+        storage = unit.unsharded_flat.untyped_storage()
+        if storage.nbytes() == 0:
+            storage.resize_(unit.unsharded_nbytes)
+
+    def _copy_out(self, unit: UnitTensors) -> None:
+        """Rank-major gather output -> parameter-major unsharded buffer, one fused pass."""
+        assert unit.gather is not None
+        n, chunks = self.world_size, unit.layout.chunk_sizes
+        src = unit.gather.output.view(n, -1)
+        dst = [
+            unit.unsharded_flat[s.unsharded_offset : s.unsharded_offset + n * s.chunk_numel].view(n, -1)
+            for s in unit.layout.slots
+        ]
+        # The unsharded params alias this storage and autograd may hold them from forward: a
+        # refill must not bump their version counter (the data is the same as before the free).
+        with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(unit.unsharded_flat):
+            torch.split_with_sizes_copy(src, chunks, dim=1, out=dst)
+
+    def free(self, index: int) -> None:
+        unit = self.units[index]
+        with record_function(f"overlap::free {unit.layout.label}"):
+            unit.swap_in(unit.sharded_params)
+            unit.unsharded_flat.untyped_storage().resize_(0)
+
+    def reduce(self, bucket: int, indices: tuple[int, ...]) -> None:
+        """Copy the bucket's unsharded gradients into one rank-major buffer; reduce-scatter it."""
+        n = self.world_size
+        first = self.units[indices[0]]
+        dtype = self.reduce_dtype or first.unsharded_flat.dtype
+        with record_function(f"overlap::reduce bucket{bucket}"):
+            columns = []
+            for index in indices:
+                unit = self.units[index]
+                for slot, param in zip(unit.layout.slots, unit.unsharded_params):
+                    grad = param.grad
+                    if grad is None:
+                        columns.append(torch.zeros(n, slot.chunk_numel, dtype=dtype, device=self.device))
+                        continue
+                    flat = grad.reshape(-1)
+                    pad = n * slot.chunk_numel - flat.numel()
+                    if pad:
+                        flat = F.pad(flat, (0, pad))
+                    columns.append(flat.view(n, -1))
+                    param.grad = None
+            full = torch.empty(n, sum(c.shape[1] for c in columns), dtype=dtype, device=self.device)
+            torch.cat(columns, dim=1, out=full)
+            del columns
+            event = None
+            if self.reduce_stream is not None:
+                self.reduce_stream.wait_stream(torch.cuda.current_stream(self.device))
+            with self._stream(self.reduce_stream):
+                result = comm.reduce_scatter_flat(full.view(-1), self.group, n)
+                if self.reduce_stream is not None:
+                    comm.wait(result, self.timeout)
+                    event = self.reduce_stream.record_event()
+        self._pending[bucket] = PendingReduce(result, event)
+        self.stats.record_issue("reduce", full.numel() * full.element_size())
+
+    def wait_reduce(self, bucket: int, indices: tuple[int, ...]) -> None:
+        pending = self._pending.pop(bucket)
+        t0 = time.perf_counter()
+        with record_function(f"overlap::wait_reduce bucket{bucket}"):
+            if pending.event is not None:
+                torch.cuda.current_stream(self.device).wait_event(pending.event)
+            reduced = comm.wait(pending.result, self.timeout)
+        self.stats.record_wait("reduce", f"bucket{bucket} reduce", t0)
+        with torch.no_grad():
+            # Sum, then divide: at world size 2 this equals DDP's (g/2 + g/2) bitwise.
+            reduced.div_(self.world_size)
+            offset = 0
+            for index in indices:
+                unit = self.units[index]
+                self._accumulate(unit, reduced[offset : offset + unit.layout.shard_numel])
+                offset += unit.layout.shard_numel
+
+    def _accumulate(self, unit: UnitTensors, reduced: torch.Tensor) -> None:
+        """Add a unit's reduced shard into its sharded parameters' `.grad` (created if None)."""
+        for slot, param in zip(unit.layout.slots, unit.sharded_params):
+            if not param.requires_grad:
+                continue
+            local = reduced[slot.shard_offset : slot.shard_offset + slot.chunk_numel]
+            local = local.view(slot.rows_per_rank, *slot.shape[1:])[: slot.local_rows(self.rank)]
+            if local.dtype != param.dtype:
+                local = local.to(param.dtype)
+            if param.grad is None:
+                param.grad = DTensor.from_local(
+                    local,
+                    param.device_mesh,
+                    [Shard(0)],
+                    run_check=False,
+                    shape=param.shape,
+                    stride=param.stride(),
+                )
+            else:
+                param.grad.to_local().add_(local)
+
+    def check_order(self, what: str, order_hash: int, order: tuple[int, ...]) -> None:
+        hashes = comm.all_gather_int(order_hash, self.group, self._check_device())
+        if len(set(hashes)) != 1:
+            raise ValueError(
+                f"overlap: the {what} order of units differs across ranks (rank {self.rank} ran "
+                f"units {list(order)}; order hashes by rank: {hashes}). Every rank must run the "
+                "same modules in the same order, or the collectives would exchange wrong data."
+            )
+
+    def _check_device(self) -> torch.device:
+        return self.device

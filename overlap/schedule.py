@@ -1,0 +1,369 @@
+"""The schedule: the one place that decides what happens next.
+
+Hooks report events (a unit's forward starts, its gradients are ready, backward ended); the
+schedule answers with *actions* (gather unit k, wait for unit k, free unit k, reduce a bucket,
+wait for a bucket). It never touches a tensor or a process group, so the same code drives the
+real runtime and, later, the planner's virtual clock.
+
+[Note: unit states]
+Each unit moves through
+
+    SHARDED --gather--> GATHERING --wait--> UNSHARDED --free--> SHARDED            (forward)
+    SHARDED --gather--> GATHERING --wait--> UNSHARDED --grads ready--> REDUCING --reduced--> SHARDED
+    SHARDED --no gradient this step--> REDUCING --reduced (zeros)--> SHARDED
+
+and nothing else (`LEGAL_TRANSITIONS`, asserted on every move). A unit that is kept after forward
+(reshard_after_forward=False, or the last unit, which backward needs first) goes straight from
+UNSHARDED in forward to its backward.
+
+[Note: prefetch budget]
+Outside the root unit (which stays unsharded for the whole step, as FSDP2 keeps its root), at
+most `prefetch_depth + 1` units are GATHERING or UNSHARDED at once: the unit computing now and the
+ones prefetched for it. Prefetch tops up after every event, so a freed unit is replaced at once.
+In backward one more may linger: the unit whose gradients are still being accumulated while the
+next unit's backward has already begun ("the unit being reduced"). The unit needed *now* is always
+gathered, even past the budget. `max_inflight_allgather_bytes` caps the same set by bytes.
+
+[Note: collective order]
+Every rank must issue the same collectives in the same order. Gathers follow the unit order
+recorded on the first step; the first step's forward and gradient-ready orders are hashed and
+compared across ranks (`CheckOrder`) so that a rank whose model runs differently raises instead
+of exchanging the wrong units. Units whose parameters got no gradient are reduced all the same,
+in a fixed order, when backward ends.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+
+class UnitState(enum.Enum):
+    SHARDED = "sharded"  # only the 1/N shard exists; the unsharded buffer holds 0 bytes
+    GATHERING = "gathering"  # all-gather issued, not waited; holds the gather buffers
+    UNSHARDED = "unsharded"  # full parameters materialized and swapped into the modules
+    REDUCING = "reducing"  # backward done, parameters freed; gradients queued or in flight
+
+
+LEGAL_TRANSITIONS: dict[UnitState, frozenset[UnitState]] = {
+    # SHARDED -> REDUCING: a unit that got no gradient this step is reduced (as zeros) anyway.
+    UnitState.SHARDED: frozenset({UnitState.GATHERING, UnitState.REDUCING}),
+    UnitState.GATHERING: frozenset({UnitState.UNSHARDED}),
+    UnitState.UNSHARDED: frozenset({UnitState.SHARDED, UnitState.REDUCING}),
+    UnitState.REDUCING: frozenset({UnitState.SHARDED}),
+}
+
+
+class Phase(enum.Enum):
+    IDLE = "idle"  # between steps: every unit SHARDED, no collective in flight
+    FORWARD = "forward"
+    BACKWARD = "backward"
+
+
+# Actions. The runtime carries them out in the order given.
+class Gather(NamedTuple):
+    unit: int
+
+
+class WaitGather(NamedTuple):
+    unit: int
+
+
+class Free(NamedTuple):
+    unit: int
+
+
+class Reduce(NamedTuple):
+    bucket: int
+    units: tuple[int, ...]
+
+
+class WaitReduce(NamedTuple):
+    bucket: int
+    units: tuple[int, ...]
+
+
+class CheckOrder(NamedTuple):
+    what: str  # "forward" or "backward"
+    order_hash: int
+    order: tuple[int, ...]
+
+
+Action = Gather | WaitGather | Free | Reduce | WaitReduce | CheckOrder
+
+
+@dataclass(frozen=True)
+class ScheduleConfig:
+    """The slice of OverlapConfig the schedule needs, in unit terms."""
+
+    prefetch_depth: int
+    max_inflight_bytes: int | None
+    reshard_after_forward: bool
+    bucket_bytes: int
+
+
+def order_hash(order: tuple[int, ...]) -> int:
+    digest = hashlib.blake2b(repr(order).encode(), digest_size=7).digest()
+    return int.from_bytes(digest, "little")  # < 2**56: fits an int64 tensor
+
+
+@dataclass
+class Schedule:
+    """Per-unit state machine plus the prefetch and bucketing policy. See the module notes.
+
+    `unit_bytes[u]`: unsharded bytes of unit u (in the gather dtype); `grad_bytes[u]`: bytes its
+    gradients add to a reduce-scatter bucket. `root` is the unit of parameters outside every
+    block (or None when there are none).
+    """
+
+    unit_bytes: list[int]
+    grad_bytes: list[int]
+    config: ScheduleConfig
+    root: int | None = None
+    states: list[UnitState] = field(init=False)
+    phase: Phase = field(init=False, default=Phase.IDLE)
+    forward_order: tuple[int, ...] | None = field(init=False, default=None)
+    backward_order: tuple[int, ...] | None = field(init=False, default=None)
+    sync_grads: bool = field(init=False, default=True)  # False inside overlap.no_sync
+    _seen_forward: list[int] = field(init=False, default_factory=list)
+    _seen_backward: list[int] = field(init=False, default_factory=list)
+    _forward_checked: bool = field(init=False, default=False)
+    _backward_checked: bool = field(init=False, default=False)
+    _cursor: int = field(init=False, default=-1)  # position of the computing unit in the order
+    _started_backward: set[int] = field(init=False, default_factory=set)
+    _bucket: list[int] = field(init=False, default_factory=list)
+    _bucket_bytes: int = field(init=False, default=0)
+    _num_buckets: int = field(init=False, default=0)
+    _in_flight: list[Reduce] = field(init=False, default_factory=list)
+    _max_unsharded: int = field(init=False, default=0)
+    _max_unsharded_bytes: int = field(init=False, default=0)
+
+    def __post_init__(self) -> None:
+        self.states = [UnitState.SHARDED] * len(self.unit_bytes)
+
+    # ---------------------------------------------------------------- queries
+    @property
+    def num_units(self) -> int:
+        return len(self.unit_bytes)
+
+    def held_units(self) -> list[int]:
+        """Units (root excluded) whose unsharded parameters exist or are being gathered."""
+        held = (UnitState.GATHERING, UnitState.UNSHARDED)
+        return [u for u, s in enumerate(self.states) if s in held and u != self.root]
+
+    def max_unsharded(self) -> tuple[int, int]:
+        """Most non-root units (and their bytes) held at once since the last `reset_peak()`."""
+        return self._max_unsharded, self._max_unsharded_bytes
+
+    def reset_peak(self) -> None:
+        held = self.held_units()
+        self._max_unsharded = len(held)
+        self._max_unsharded_bytes = sum(self.unit_bytes[u] for u in held)
+
+    def _predicted_forward(self) -> tuple[int, ...]:
+        if self.forward_order is not None:
+            return self.forward_order
+        return tuple(range(self.num_units))  # first step: registration order (root first)
+
+    def _predicted_backward(self) -> tuple[int, ...]:
+        forward = self.forward_order or tuple(self._seen_forward)
+        rest = tuple(u for u in reversed(forward) if u != self.root)
+        return ((self.root,) if self.root is not None else ()) + rest
+
+    # ---------------------------------------------------------------- moves
+    def _move(self, unit: int, new: UnitState) -> None:
+        old = self.states[unit]
+        assert new in LEGAL_TRANSITIONS[old], f"unit {unit}: illegal transition {old} -> {new}"
+        self.states[unit] = new
+        held = self.held_units()
+        self._max_unsharded = max(self._max_unsharded, len(held))
+        held_bytes = sum(self.unit_bytes[u] for u in held)
+        self._max_unsharded_bytes = max(self._max_unsharded_bytes, held_bytes)
+
+    def _gather(self, unit: int, out: list[Action]) -> None:
+        self._move(unit, UnitState.GATHERING)
+        out.append(Gather(unit))
+
+    def _ensure_unsharded(self, unit: int, out: list[Action]) -> None:
+        if self.states[unit] is UnitState.REDUCING:
+            raise RuntimeError(
+                f"unit {unit} is needed again after its backward finished in this step; "
+                "a unit may run forward several times but backward through it only once per step"
+            )
+        if self.states[unit] is UnitState.SHARDED:
+            self._gather(unit, out)
+
+    def _wait(self, unit: int, out: list[Action]) -> None:
+        if self.states[unit] is UnitState.GATHERING:
+            self._move(unit, UnitState.UNSHARDED)
+            out.append(WaitGather(unit))
+
+    def _prefetch(self, order: tuple[int, ...], out: list[Action]) -> None:
+        """Top up prefetch along `order` after the cursor, within the budget."""
+        cfg = self.config
+        held = self.held_units()
+        held_bytes = sum(self.unit_bytes[u] for u in held)
+        for unit in order[self._cursor + 1 :]:
+            if len(held) >= cfg.prefetch_depth + 1:
+                return
+            state = self.states[unit]
+            if state in (UnitState.GATHERING, UnitState.UNSHARDED) or unit == self.root:
+                continue
+            if state is UnitState.REDUCING:
+                continue
+            size = self.unit_bytes[unit]
+            if cfg.max_inflight_bytes is not None and held_bytes + size > cfg.max_inflight_bytes:
+                return
+            self._gather(unit, out)
+            held.append(unit)
+            held_bytes += size
+
+    # ---------------------------------------------------------------- forward events
+    def begin_forward(self) -> list[Action]:
+        """The root module's forward starts."""
+        out: list[Action] = []
+        if self.phase is Phase.BACKWARD:
+            raise RuntimeError("forward started while the previous backward has not finished")
+        if self.phase is Phase.IDLE:
+            self._seen_forward = []
+            self._cursor = -1
+            self.reset_peak()
+        self.phase = Phase.FORWARD
+        if self.root is not None:
+            out += self.pre_forward(self.root)
+        return out
+
+    def pre_forward(self, unit: int) -> list[Action]:
+        out: list[Action] = []
+        if unit not in self._seen_forward:
+            self._seen_forward.append(unit)
+        order = self._predicted_forward()
+        if unit in order:
+            self._cursor = order.index(unit)
+        self._ensure_unsharded(unit, out)
+        self._prefetch(order, out)
+        self._wait(unit, out)
+        return out
+
+    def post_forward(self, unit: int, grad_enabled: bool) -> list[Action]:
+        out: list[Action] = []
+        if unit == self.root:
+            return out  # the root stays unsharded until the step ends
+        keep = grad_enabled and (
+            not self.config.reshard_after_forward
+            or (self.forward_order is not None and unit == self.forward_order[-1])
+        )
+        if not keep and self.states[unit] is UnitState.UNSHARDED:
+            self._move(unit, UnitState.SHARDED)
+            out.append(Free(unit))
+            self._prefetch(self._predicted_forward(), out)
+        return out
+
+    def end_forward(self, grad_enabled: bool) -> list[Action]:
+        """The root module's forward returned."""
+        out: list[Action] = []
+        if self.forward_order is None:
+            self.forward_order = tuple(self._seen_forward)
+        if not self._forward_checked:
+            self._forward_checked = True
+            out.append(CheckOrder("forward", order_hash(self.forward_order), self.forward_order))
+        if not grad_enabled:
+            out += self._release_all()
+            self.phase = Phase.IDLE
+            return out
+        # Backward comes next: start gathering the first units it needs.
+        self._cursor = 0
+        self._prefetch(self._predicted_backward(), out)
+        return out
+
+    def _release_all(self) -> list[Action]:
+        out: list[Action] = []
+        for unit, state in enumerate(self.states):
+            if state is UnitState.GATHERING:
+                self._wait(unit, out)
+            if self.states[unit] is UnitState.UNSHARDED:
+                self._move(unit, UnitState.SHARDED)
+                out.append(Free(unit))
+        return out
+
+    # ---------------------------------------------------------------- backward events
+    def pre_backward(self, unit: int) -> list[Action]:
+        """The gradient of one of the unit's forward outputs arrived."""
+        out: list[Action] = []
+        if self.phase is not Phase.BACKWARD:
+            self.phase = Phase.BACKWARD
+            self._seen_backward = []
+            self._started_backward = set()
+        if unit in self._started_backward:
+            return out
+        self._started_backward.add(unit)
+        order = self._predicted_backward()
+        if unit in order:
+            self._cursor = order.index(unit)
+        self._ensure_unsharded(unit, out)
+        self._prefetch(order, out)
+        self._wait(unit, out)
+        return out
+
+    def post_backward(self, unit: int) -> list[Action]:
+        """All gradients of the unit are accumulated: free it and queue its gradients."""
+        out: list[Action] = []
+        if self.states[unit] is not UnitState.UNSHARDED:
+            return out  # already handled (e.g. flushed at the end of backward)
+        self._finish_unit(unit, out)
+        self._prefetch(self._predicted_backward(), out)
+        return out
+
+    def _finish_unit(self, unit: int, out: list[Action]) -> None:
+        """Free the unit's parameters; queue its gradients for reduction unless in no_sync."""
+        self._seen_backward.append(unit)
+        reduce = self.sync_grads and self.grad_bytes[unit] > 0
+        if self.states[unit] is UnitState.UNSHARDED:
+            self._move(unit, UnitState.REDUCING if reduce else UnitState.SHARDED)
+            out.append(Free(unit))
+        elif reduce:  # no gradient reached this unit: it is reduced (as zeros) all the same
+            self._move(unit, UnitState.REDUCING)
+        if reduce:
+            self._bucket.append(unit)
+            self._bucket_bytes += self.grad_bytes[unit]
+            if self._bucket_bytes >= self.config.bucket_bytes:
+                out += self._issue_bucket()
+
+    def _issue_bucket(self) -> list[Action]:
+        if not self._bucket:
+            return []
+        action = Reduce(self._num_buckets, tuple(self._bucket))
+        self._num_buckets += 1
+        self._bucket, self._bucket_bytes = [], 0
+        self._in_flight.append(action)
+        return [action]
+
+    def end_backward(self) -> list[Action]:
+        """Autograd finished: flush what is left, wait for every reduction, end the step."""
+        out: list[Action] = []
+        order = self._predicted_backward()
+        order += tuple(u for u in range(self.num_units) if u not in order)
+        for unit in order:  # prefetched for a backward that did not come
+            self._wait(unit, out)
+        # Units that did not see all their gradients (unused parameters, or no gradient at all)
+        # are reduced anyway, in a fixed order, so every rank issues the same collectives.
+        for unit in order:
+            if self.states[unit] is not UnitState.REDUCING and (
+                self.states[unit] is UnitState.UNSHARDED or self.sync_grads
+            ):
+                self._finish_unit(unit, out)
+        out += self._issue_bucket()
+        for reduce in self._in_flight:
+            out.append(WaitReduce(reduce.bucket, reduce.units))
+            for unit in reduce.units:
+                self._move(unit, UnitState.SHARDED)
+        self._in_flight = []
+        assert not self.held_units(), f"units still unsharded after backward: {self.held_units()}"
+        if not self._backward_checked and self.sync_grads:
+            self._backward_checked = True
+            self.backward_order = tuple(self._seen_backward)
+            out.append(CheckOrder("backward", order_hash(self.backward_order), self.backward_order))
+        self.phase = Phase.IDLE
+        return out

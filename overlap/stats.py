@@ -1,0 +1,68 @@
+"""Per-step accounting: how long the compute thread waited on communication, and what moved."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+
+@dataclass
+class StepStats:
+    """What the last completed step did. Times are wall-clock on the calling thread.
+
+    `allgather_wait_ms` / `reduce_wait_ms` are the *exposed* communication: the time the
+    training thread spent blocked on an all-gather or reduce-scatter (plus the copy-out that
+    follows a gather). Communication that finished while compute ran costs nothing here.
+    """
+
+    step: int = 0
+    allgather_wait_ms: float = 0.0
+    reduce_wait_ms: float = 0.0
+    num_allgathers: int = 0
+    num_reduce_scatters: int = 0
+    allgather_bytes: int = 0
+    """Bytes each rank receives from all-gathers (the full unsharded units, padding included)."""
+    reduce_scatter_bytes: int = 0
+    """Bytes each rank contributes to reduce-scatters (full unit gradients, padding included)."""
+    max_unsharded_units: int = 0
+    """Most units holding unsharded parameters at one moment during the step."""
+    max_unsharded_bytes: int = 0
+    unit_waits_ms: dict[str, float] = field(default_factory=dict)
+    """Exposed wait per unit label ("unit3 gather", "bucket0 reduce"), for the biggest offenders."""
+
+    @property
+    def exposed_comm_ms(self) -> float:
+        return self.allgather_wait_ms + self.reduce_wait_ms
+
+
+class StatsRecorder:
+    """Collects one step's numbers; `finish()` publishes them as the last `StepStats`."""
+
+    def __init__(self) -> None:
+        self.current = StepStats()
+        self.last: StepStats | None = None
+
+    def record_wait(self, kind: str, label: str, t0: float) -> None:
+        ms = (time.perf_counter() - t0) * 1e3
+        if kind == "gather":
+            self.current.allgather_wait_ms += ms
+        else:
+            self.current.reduce_wait_ms += ms
+        self.current.unit_waits_ms[label] = self.current.unit_waits_ms.get(label, 0.0) + ms
+
+    def record_issue(self, kind: str, num_bytes: int) -> None:
+        if kind == "gather":
+            self.current.num_allgathers += 1
+            self.current.allgather_bytes += num_bytes
+        else:
+            self.current.num_reduce_scatters += 1
+            self.current.reduce_scatter_bytes += num_bytes
+
+    def record_unsharded(self, num_units: int, num_bytes: int) -> None:
+        cur = self.current
+        cur.max_unsharded_units = max(cur.max_unsharded_units, num_units)
+        cur.max_unsharded_bytes = max(cur.max_unsharded_bytes, num_bytes)
+
+    def finish(self) -> None:
+        self.last = self.current
+        self.current = StepStats(step=self.last.step + 1)

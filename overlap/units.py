@@ -1,0 +1,184 @@
+"""Which modules form a unit, and how a unit's parameters lie in its flat buffers.
+
+A *unit* is the granularity of communication: one all-gather brings all of its parameters, one
+reduce-scatter (or a share of a bucket) sends all of its gradients. This module only decides
+grouping and layout; it holds no tensors of its own.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+# [Note: flat layout]
+# Every parameter is padded on dim 0 to `rows_per_rank * world_size` rows and cut into
+# `world_size` equal chunks of `rows_per_rank` rows (torch.chunk semantics, as DTensor Shard(0)
+# uses: rank r owns rows [r*c, min((r+1)*c, dim0)), the last ranks may own fewer or none).
+# A unit's *shard buffer* on rank r is the concatenation of its parameters' chunks r:
+#     shard = [p0 chunk r | p1 chunk r | ...]                      (shard_numel elements)
+# The all-gather output is rank-major: [shard of rank 0 | shard of rank 1 | ...], viewed as
+# (world_size, shard_numel). The *unsharded buffer* is parameter-major: each parameter's padded
+# full tensor in turn, so that parameter i's column block of the rank-major view, viewed as
+# (world_size, chunk_numel_i), maps onto its padded tensor viewed the same way. Copy-out is then
+# one `split_with_sizes_copy` along dim 1, and gradient copy-in one `torch.cat` along dim 1.
+
+
+@dataclass(frozen=True)
+class ParamSlot:
+    """Where one parameter lives in its unit's flat buffers."""
+
+    fqn: str  # name in the wrapped model, e.g. "layers.3.attn.in_proj_weight"
+    module_fqn: str  # owning module, "" for the root
+    param_name: str  # attribute on the owning module
+    shape: torch.Size  # original (unsharded) shape
+    rows_per_rank: int  # dim-0 rows of every rank's chunk (the last ranks' chunks are padded)
+    chunk_numel: int  # rows_per_rank * prod(shape[1:])
+    shard_offset: int  # offset of this parameter's chunk in the shard buffer
+    unsharded_offset: int  # offset of the padded full tensor in the unsharded buffer
+
+    @property
+    def row_numel(self) -> int:
+        return math.prod(self.shape[1:])
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def local_rows(self, rank: int) -> int:
+        """Rows of the real (unpadded) parameter that `rank` owns."""
+        dim0 = self.shape[0] if len(self.shape) > 0 else 1
+        return max(0, min(self.rows_per_rank, dim0 - rank * self.rows_per_rank))
+
+
+@dataclass(frozen=True)
+class UnitLayout:
+    """The parameters of one unit and the sizes of its flat buffers (per rank)."""
+
+    index: int
+    label: str  # e.g. "unit3 (layers.3)" for messages and profiler ranges
+    module_fqns: tuple[str, ...]  # the modules whose forward belongs to this unit
+    slots: tuple[ParamSlot, ...]
+    world_size: int
+
+    @property
+    def shard_numel(self) -> int:
+        return sum(s.chunk_numel for s in self.slots)
+
+    @property
+    def unsharded_numel(self) -> int:
+        return self.shard_numel * self.world_size
+
+    @property
+    def numel(self) -> int:
+        return sum(s.numel for s in self.slots)
+
+    @property
+    def chunk_sizes(self) -> list[int]:
+        return [s.chunk_numel for s in self.slots]
+
+
+def make_layout(
+    index: int,
+    label: str,
+    module_fqns: tuple[str, ...],
+    params: list[tuple[str, str, str, torch.Size]],
+    world_size: int,
+) -> UnitLayout:
+    """Lay out `params` (fqn, module_fqn, param_name, shape) per [Note: flat layout]."""
+    slots = []
+    shard_off = 0
+    for fqn, module_fqn, param_name, shape in params:
+        dim0 = shape[0] if len(shape) > 0 else 1
+        rows = math.ceil(dim0 / world_size)
+        row_numel = math.prod(shape[1:])
+        chunk = rows * row_numel
+        slots.append(
+            ParamSlot(
+                fqn=fqn,
+                module_fqn=module_fqn,
+                param_name=param_name,
+                shape=shape,
+                rows_per_rank=rows,
+                chunk_numel=chunk,
+                shard_offset=shard_off,
+                unsharded_offset=shard_off * world_size,
+            )
+        )
+        shard_off += chunk
+    return UnitLayout(index, label, module_fqns, tuple(slots), world_size)
+
+
+def _is_repeated_block_parent(module: nn.Module) -> bool:
+    return isinstance(module, (nn.ModuleList, nn.Sequential))
+
+
+def find_unit_modules(
+    root: nn.Module, policy: str | frozenset[type[nn.Module]] | Callable[[nn.Module], bool]
+) -> list[str]:
+    """FQNs of the modules that become units, outermost first, in registration order.
+
+    A module nested inside another chosen module is not a unit of its own (one level of units:
+    every parameter belongs to exactly one unit, which keeps the collective sequence simple).
+    """
+    if policy == "auto":
+        chosen_ids: set[int] = set()
+        for module in root.modules():
+            if not _is_repeated_block_parent(module):
+                continue
+            counts = Counter(type(child) for child in module.children())
+            for child in module.children():
+                if counts[type(child)] >= 2 and any(True for _ in child.parameters()):
+                    chosen_ids.add(id(child))
+
+        def is_unit(m: nn.Module) -> bool:
+            return id(m) in chosen_ids
+
+    elif isinstance(policy, frozenset):
+
+        def is_unit(m: nn.Module) -> bool:
+            return isinstance(m, tuple(policy))
+
+    else:
+        is_unit = policy  # type: ignore[assignment]
+
+    fqns: list[str] = []
+
+    def visit(module: nn.Module, prefix: str) -> None:
+        for name, child in module.named_children():
+            fqn = f"{prefix}{name}"
+            if is_unit(child):
+                fqns.append(fqn)
+            else:
+                visit(child, fqn + ".")
+
+    visit(root, "")
+    return fqns
+
+
+def group_units(
+    unit_fqns: list[str], numels: dict[str, int], min_unit_numel: int
+) -> list[tuple[str, ...]]:
+    """Merge consecutive unit modules until each group holds at least `min_unit_numel` elements.
+
+    A trailing group below the threshold joins its predecessor, so no small tail unit remains.
+    """
+    groups: list[list[str]] = []
+    current: list[str] = []
+    current_numel = 0
+    for fqn in unit_fqns:
+        current.append(fqn)
+        current_numel += numels[fqn]
+        if current_numel >= min_unit_numel:
+            groups.append(current)
+            current, current_numel = [], 0
+    if current:
+        if groups and min_unit_numel > 0:
+            groups[-1].extend(current)
+        else:
+            groups.append(current)
+    return [tuple(g) for g in groups]

@@ -1,0 +1,380 @@
+"""`overlap.wrap`: shard a model in place and install the hooks that drive the schedule.
+
+The orchestrator. It turns module hooks into schedule events and hands the schedule's actions to
+the runtime:
+
+    root forward pre-hook   -> Schedule.begin_forward        (root unit gathered, prefetch starts)
+    unit forward pre-hook   -> Schedule.pre_forward(u)       (wait for u, prefetch ahead)
+    unit forward hook       -> Schedule.post_forward(u)      (free u; pre-backward hooks on outputs)
+    root forward hook       -> Schedule.end_forward          (order check; backward prefetch)
+    output gradient hook    -> Schedule.pre_backward(u)      (wait for u, prefetch ahead)
+    post-accumulate-grad    -> Schedule.post_backward(u)     (when all of u's grads are in)
+    autograd end callback   -> Schedule.end_backward         (flush buckets, wait reductions)
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.autograd import Variable
+from torch.autograd.graph import register_multi_grad_hook
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+from torch.utils._pytree import tree_flatten, tree_map
+
+from overlap import comm
+from overlap.config import OverlapConfig
+from overlap.runtime import Runtime, UnitTensors
+from overlap.schedule import Action, Schedule, ScheduleConfig, order_hash
+from overlap.stats import StatsRecorder
+from overlap.units import UnitLayout, find_unit_modules, group_units, make_layout
+
+
+class OverlapState:
+    """Everything `wrap` attaches to a model (as `model._overlap_state`)."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        config: OverlapConfig,
+        group: dist.ProcessGroup,
+        mesh: DeviceMesh,
+        units: list[UnitTensors],
+        root_unit: int | None,
+        unit_modules: list[tuple[nn.Module, ...]],
+    ) -> None:
+        self.config = config
+        self.group = group
+        self.mesh = mesh
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        self.units = units
+        self.root_unit = root_unit
+        self.stats = StatsRecorder()
+        device = units[0].shard.device if units else torch.device("cpu")
+        gather_dtype = config.param_dtype
+        reduce_dtype = config.reduce_dtype or config.param_dtype
+        self.schedule = Schedule(
+            unit_bytes=[u.unsharded_nbytes for u in units],
+            grad_bytes=[_grad_bytes(u, reduce_dtype) for u in units],
+            config=ScheduleConfig(
+                prefetch_depth=config.prefetch_depth,
+                max_inflight_bytes=config.max_inflight_allgather_bytes,
+                reshard_after_forward=config.reshard_after_forward,
+                bucket_bytes=config.reduce_scatter_bucket_bytes,
+            ),
+            root=root_unit,
+        )
+        self.runtime = Runtime(
+            units, group, self.rank, self.world_size, device, gather_dtype, reduce_dtype, self.stats
+        )
+        self._num_trainable = [sum(p.requires_grad for p in u.unsharded_params) for u in units]
+        self._num_ready = [0] * len(units)
+        self._backward_queued = False
+        self._handles: list[Any] = []
+        self._install_hooks(model, unit_modules)
+
+    # ------------------------------------------------------------------ hooks
+    def _install_hooks(self, model: nn.Module, unit_modules: list[tuple[nn.Module, ...]]) -> None:
+        self._handles.append(
+            model.register_forward_pre_hook(self._root_pre_forward, prepend=True, with_kwargs=True)
+        )
+        self._handles.append(model.register_forward_hook(self._root_post_forward))
+        for index, modules in enumerate(unit_modules):
+            if index == self.root_unit:
+                continue
+            for position, module in enumerate(modules):
+                last = position == len(modules) - 1
+                self._handles.append(
+                    module.register_forward_pre_hook(
+                        functools.partial(self._unit_pre_forward, index), prepend=True
+                    )
+                )
+                self._handles.append(
+                    module.register_forward_hook(
+                        functools.partial(self._unit_post_forward, index, last)
+                    )
+                )
+        for index, unit in enumerate(self.units):
+            for param in unit.unsharded_params:
+                if param.requires_grad:
+                    param.register_post_accumulate_grad_hook(
+                        functools.partial(self._grad_ready, index)
+                    )
+
+    def _run(self, actions: list[Action]) -> None:
+        if actions:
+            self.runtime.run(actions)
+
+    def _root_pre_forward(
+        self, module: nn.Module, args: tuple, kwargs: dict
+    ) -> tuple[tuple, dict] | None:
+        self._run(self.schedule.begin_forward())
+        dtype = self.config.param_dtype
+        if dtype is None:
+            return None
+
+        def cast(x: Any) -> Any:
+            if isinstance(x, torch.Tensor) and x.is_floating_point() and not isinstance(x, DTensor):
+                return x.to(dtype)
+            return x
+
+        return tree_map(cast, args), tree_map(cast, kwargs)
+
+    def _root_post_forward(self, module: nn.Module, args: tuple, output: Any) -> None:
+        grad_enabled = torch.is_grad_enabled()
+        if grad_enabled:
+            self._on_backward_of(output, self.root_unit)
+        self._run(self.schedule.end_forward(grad_enabled))
+        if not grad_enabled:
+            self._finish_step()
+
+    def _unit_pre_forward(self, index: int, module: nn.Module, args: tuple) -> None:
+        self._run(self.schedule.pre_forward(index))
+
+    def _unit_post_forward(
+        self, index: int, last: bool, module: nn.Module, args: tuple, output: Any
+    ) -> None:
+        grad_enabled = torch.is_grad_enabled()
+        if grad_enabled:
+            self._on_backward_of(output, index)
+        if last:
+            self._run(self.schedule.post_forward(index, grad_enabled))
+
+    def _on_backward_of(self, output: Any, index: int | None) -> None:
+        """Call `_pre_backward(index)` when the first gradient w.r.t. `output` arrives."""
+        tensors = [
+            t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad
+        ]
+        if tensors:
+            register_multi_grad_hook(
+                tensors, functools.partial(self._pre_backward, index), mode="any"
+            )
+
+    def _pre_backward(self, index: int | None, grad: Any) -> None:
+        if not self._backward_queued:
+            self._backward_queued = True
+            Variable._execution_engine.queue_callback(self._end_backward)
+        if index is not None:
+            self._run(self.schedule.pre_backward(index))
+
+    def _grad_ready(self, index: int, param: torch.Tensor) -> None:
+        self._num_ready[index] += 1
+        if self._num_ready[index] == self._num_trainable[index]:
+            self._run(self.schedule.post_backward(index))
+
+    def _end_backward(self) -> None:
+        self._backward_queued = False
+        self._num_ready = [0] * len(self.units)
+        self._run(self.schedule.end_backward())
+        self._finish_step()
+
+    def _finish_step(self) -> None:
+        peak_units, peak_bytes = self.schedule.max_unsharded()
+        self.stats.record_unsharded(peak_units, peak_bytes)
+        self.stats.finish()
+
+
+def _grad_bytes(unit: UnitTensors, reduce_dtype: torch.dtype | None) -> int:
+    if not any(p.requires_grad for p in unit.sharded_params):
+        return 0
+    dtype = reduce_dtype or unit.unsharded_flat.dtype
+    return unit.layout.unsharded_numel * torch.empty(0, dtype=dtype).element_size()
+
+
+# ---------------------------------------------------------------------- wrap
+
+
+def wrap(
+    model: nn.Module,
+    group: dist.ProcessGroup | DeviceMesh | None = None,
+    config: OverlapConfig | None = None,
+    **overrides: Any,
+) -> nn.Module:
+    """Shard `model` in place across `group` and return it.
+
+    Parameters become DTensor shards (`Shard(0)`) under their original names and ndim, so
+    `torch.optim.AdamW(model.parameters())` builds a sharded optimizer. Forward and backward
+    all-gather each unit's parameters just ahead of use and reduce-scatter its gradients while
+    backward goes on. `overrides` replace fields of `config` (e.g. `prefetch_depth=2`).
+    Collective over `group`: every rank must call it with the same model structure.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"overlap.wrap expects an nn.Module, got {type(model).__name__}")
+    if getattr(model, "_overlap_state", None) is not None:
+        raise ValueError("overlap.wrap: this model is already wrapped")
+    config = (config or OverlapConfig()).replace(**overrides)
+    if not dist.is_initialized():
+        raise RuntimeError(
+            "overlap.wrap needs torch.distributed: call dist.init_process_group first "
+            "(or launch with torchrun / overlap.launch.run_local_world)"
+        )
+    device = _model_device(model)
+    group, mesh = _resolve_group(group, device)
+    rank, world_size = dist.get_rank(group), dist.get_world_size(group)
+    _check_same_model(model, group, device)
+
+    unit_fqns = find_unit_modules(model, config.unit_policy)
+    modules = dict(model.named_modules())
+    params_of = _params_by_unit_module(model, unit_fqns)
+    numels = {fqn: sum(math.prod(p[3]) for p in params_of[fqn]) for fqn in unit_fqns}
+    groups = group_units(unit_fqns, numels, config.min_unit_numel)
+
+    layouts: list[UnitLayout] = []
+    unit_modules: list[tuple[nn.Module, ...]] = []
+    root_unit = None
+    if params_of[""]:
+        root_unit = 0
+        layouts.append(make_layout(0, "root", ("",), params_of[""], world_size))
+        unit_modules.append((model,))
+    for members in groups:
+        index = len(layouts)
+        params = [p for fqn in members for p in params_of[fqn]]
+        label = f"unit{index} ({members[0]}{'..' + members[-1] if len(members) > 1 else ''})"
+        layouts.append(make_layout(index, label, members, params, world_size))
+        unit_modules.append(tuple(modules[fqn] for fqn in members))
+
+    units = [_shard_unit(model, layout, mesh, rank, config) for layout in layouts]
+    state = OverlapState(model, config, group, mesh, units, root_unit, unit_modules)
+    model._overlap_state = state
+    return model
+
+
+def _model_device(model: nn.Module) -> torch.device:
+    devices = {p.device for p in model.parameters()}
+    if not devices:
+        raise ValueError("overlap.wrap: the model has no parameters to shard")
+    if len(devices) > 1:
+        where = {}
+        for name, p in model.named_parameters():
+            where.setdefault(p.device, name)
+        raise ValueError(
+            "overlap.wrap: parameters are on several devices "
+            f"({', '.join(f'{d} (e.g. {n})' for d, n in where.items())}); move the model to one"
+        )
+    (device,) = devices
+    if device.type == "meta":
+        raise ValueError(
+            "overlap.wrap: meta-device models are not supported yet; materialize the model first"
+        )
+    return device
+
+
+def _resolve_group(
+    group: dist.ProcessGroup | DeviceMesh | None, device: torch.device
+) -> tuple[dist.ProcessGroup, DeviceMesh]:
+    if isinstance(group, DeviceMesh):
+        if group.ndim != 1:
+            raise ValueError("overlap.wrap: only a 1-D DeviceMesh (shard) is supported so far")
+        return group.get_group(), group
+    pg = group if group is not None else dist.group.WORLD
+    assert pg is not None
+    return pg, DeviceMesh.from_group(pg, device.type)
+
+
+def _check_same_model(model: nn.Module, group: dist.ProcessGroup, device: torch.device) -> None:
+    """Every rank must wrap the same structure; a mismatch raises on every rank."""
+    signature = tuple(
+        (name, tuple(p.shape), str(p.dtype), p.requires_grad)
+        for name, p in model.named_parameters()
+    )
+    hashes = comm.all_gather_int(order_hash(signature), group, device)  # type: ignore[arg-type]
+    if len(set(hashes)) != 1:
+        raise ValueError(
+            "overlap.wrap: the model differs across ranks (parameter names, shapes, dtypes or "
+            f"requires_grad); signature hashes by rank: {hashes}. Build the same model on every rank."
+        )
+
+
+def _params_by_unit_module(
+    model: nn.Module, unit_fqns: list[str]
+) -> dict[str, list[tuple[str, str, str, torch.Size]]]:
+    """Assign every parameter to the unit module that contains it ("" = root unit)."""
+    owners: dict[str, list[tuple[str, str, str, torch.Size]]] = {fqn: [] for fqn in unit_fqns}
+    owners[""] = []
+    unit_set = set(unit_fqns)
+    seen: dict[int, str] = {}
+    for module_fqn, module in model.named_modules(remove_duplicate=False):
+        for name, param in module.named_parameters(recurse=False):
+            fqn = f"{module_fqn}.{name}" if module_fqn else name
+            if id(param) in seen:
+                raise ValueError(
+                    f"overlap.wrap: parameter {fqn!r} is the same tensor as {seen[id(param)]!r}; "
+                    "tied (shared) parameters are not supported yet"
+                )
+            seen[id(param)] = fqn
+            if param.dim() == 0:
+                raise ValueError(
+                    f"overlap.wrap: parameter {fqn!r} is a scalar (0-dim); sharding needs dim >= 1 "
+                    "(store it as shape [1])"
+                )
+            owner = ""
+            parts = module_fqn.split(".") if module_fqn else []
+            for i in range(len(parts), 0, -1):
+                prefix = ".".join(parts[:i])
+                if prefix in unit_set:
+                    owner = prefix
+                    break
+            owners[owner].append((fqn, module_fqn, name, param.shape))
+    return owners
+
+
+def _shard_unit(
+    model: nn.Module, layout: UnitLayout, mesh: DeviceMesh, rank: int, config: OverlapConfig
+) -> UnitTensors:
+    """Replace the unit's parameters by DTensor shards that are views of one flat shard buffer."""
+    modules = dict(model.named_modules())
+    owners = [(modules[s.module_fqn], s.param_name) for s in layout.slots]
+    full = [module._parameters[name] for module, name in owners]
+    dtypes = {p.dtype for p in full}
+    if len(dtypes) != 1:
+        raise ValueError(
+            f"overlap.wrap: {layout.label} mixes parameter dtypes {sorted(map(str, dtypes))}; "
+            "a unit is gathered through one flat buffer, so give its parameters one dtype"
+        )
+    (dtype,) = dtypes
+    if not dtype.is_floating_point:
+        raise ValueError(f"overlap.wrap: {layout.label} has non-floating parameters ({dtype})")
+    device = full[0].device
+    world_size = layout.world_size
+    shard = torch.zeros(layout.shard_numel, dtype=dtype, device=device)
+    gather_dtype = config.param_dtype or dtype
+    unsharded_flat = torch.empty(layout.unsharded_numel, dtype=gather_dtype, device=device)
+    sharded_params, unsharded_params = [], []
+    for slot, param in zip(layout.slots, full):
+        rows, local_rows = slot.rows_per_rank, slot.local_rows(rank)
+        chunk = shard[slot.shard_offset : slot.shard_offset + slot.chunk_numel]
+        local = chunk.view(rows, *slot.shape[1:])[:local_rows]
+        with torch.no_grad():
+            local.copy_(param.detach()[rank * rows : rank * rows + local_rows])
+        dtensor = DTensor.from_local(
+            local, mesh, [Shard(0)], run_check=False, shape=param.shape, stride=param.stride()
+        )
+        sharded_params.append(nn.Parameter(dtensor, requires_grad=param.requires_grad))
+        padded = unsharded_flat[
+            slot.unsharded_offset : slot.unsharded_offset + world_size * slot.chunk_numel
+        ]
+        view = padded.view(world_size * rows, *slot.shape[1:])[: slot.shape[0]]
+        unsharded_params.append(nn.Parameter(view, requires_grad=param.requires_grad))
+    unsharded_flat.untyped_storage().resize_(0)
+    unit = UnitTensors(layout, shard, sharded_params, unsharded_flat, unsharded_params, owners)
+    unit.swap_in(sharded_params)
+    return unit
+
+
+def state_of(model: nn.Module) -> OverlapState:
+    state = getattr(model, "_overlap_state", None)
+    if state is None:
+        raise ValueError("this model is not wrapped with overlap.wrap")
+    return state
+
+
+def iter_units(model: nn.Module) -> Iterable[UnitTensors]:
+    return state_of(model).units
+
