@@ -1,0 +1,64 @@
+"""Small models for the multi-rank tests. Dimensions are chosen so that dim 0 of several
+parameters does not divide by 2 or 4 (padding), and so that the root unit has parameters."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.up = nn.Linear(dim, hidden)
+        self.down = nn.Linear(hidden, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.nn.functional.gelu(self.up(self.norm(x))))
+
+
+class TinyLM(nn.Module):
+    """Embedding + repeated blocks + head: the shape of a causal LM, a few thousand parameters."""
+
+    def __init__(self, vocab: int = 37, dim: int = 24, hidden: int = 30, layers: int = 4) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.blocks = nn.ModuleList([Block(dim, hidden) for _ in range(layers)])
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.embed(idx)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
+
+
+def tiny_lm(seed: int = 0, **kwargs: int) -> TinyLM:
+    torch.manual_seed(seed)
+    return TinyLM(**kwargs)
+
+
+def encoder_stack(seed: int = 0, layers: int = 3, dim: int = 16) -> nn.Sequential:
+    """W1's shape in miniature: a Sequential of TransformerEncoderLayers, no root parameters."""
+    torch.manual_seed(seed)
+    return nn.Sequential(
+        *[
+            nn.TransformerEncoderLayer(dim, 2, 2 * dim + 3, batch_first=True, dropout=0.0)
+            for _ in range(layers)
+        ]
+    )
+
+
+def batch(model: nn.Module, rank: int, step: int) -> torch.Tensor:
+    """A per-rank, per-step input for either model."""
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    if isinstance(model, TinyLM) or hasattr(model, "embed"):
+        return torch.randint(0, model.embed.num_embeddings, (2, 5), generator=g)
+    dim = model[0].self_attn.embed_dim
+    return torch.randn(2, 5, dim, generator=g)
+
+
+def loss_of(out: torch.Tensor) -> torch.Tensor:
+    return out.float().pow(2).mean()
