@@ -26,10 +26,13 @@ gathered, even past the budget. `max_inflight_allgather_bytes` caps the same set
 
 [Note: collective order]
 Every rank must issue the same collectives in the same order. Gathers follow the unit order
-recorded on the first step; the first step's forward and gradient-ready orders are hashed and
-compared across ranks (`CheckOrder`) so that a rank whose model runs differently raises instead
-of exchanging the wrong units. Units whose parameters got no gradient are reduced all the same,
-in a fixed order, when backward ends.
+recorded on the first step. Until the first forward (and the first backward) has completed, every
+gather (and reduction) is preceded by a `CheckOrder`: a tiny all-gather of what this rank is about
+to exchange. Checks pair with checks on every rank, so a rank whose model runs differently raises
+a ValueError on all ranks at the first divergent collective, instead of exchanging the wrong
+units (or, with gloo, aborting on a size mismatch). After that the recorded orders are trusted
+and the checks cost nothing. Units whose parameters got no gradient are reduced all the same, in
+a fixed order, when backward ends.
 """
 
 from __future__ import annotations
@@ -37,7 +40,6 @@ from __future__ import annotations
 import enum
 import hashlib
 from dataclasses import dataclass, field
-from typing import NamedTuple
 
 
 class UnitState(enum.Enum):
@@ -62,30 +64,37 @@ class Phase(enum.Enum):
     BACKWARD = "backward"
 
 
-# Actions. The runtime carries them out in the order given.
-class Gather(NamedTuple):
+# Actions. The runtime carries them out in the order given. Frozen dataclasses (not NamedTuples,
+# which compare equal to any tuple of the same values: Gather(0) == Free(0)).
+@dataclass(frozen=True)
+class Gather:
     unit: int
 
 
-class WaitGather(NamedTuple):
+@dataclass(frozen=True)
+class WaitGather:
     unit: int
 
 
-class Free(NamedTuple):
+@dataclass(frozen=True)
+class Free:
     unit: int
 
 
-class Reduce(NamedTuple):
+@dataclass(frozen=True)
+class Reduce:
     bucket: int
     units: tuple[int, ...]
 
 
-class WaitReduce(NamedTuple):
+@dataclass(frozen=True)
+class WaitReduce:
     bucket: int
     units: tuple[int, ...]
 
 
-class CheckOrder(NamedTuple):
+@dataclass(frozen=True)
+class CheckOrder:
     what: str  # "forward" or "backward"
     order_hash: int
     order: tuple[int, ...]
@@ -184,6 +193,9 @@ class Schedule:
 
     def _gather(self, unit: int, out: list[Action]) -> None:
         self._move(unit, UnitState.GATHERING)
+        if not (self._forward_checked and self._backward_checked):
+            key = ("gather", unit)
+            out.append(CheckOrder("gather", order_hash(key), (unit,)))
         out.append(Gather(unit))
 
     def _ensure_unsharded(self, unit: int, out: list[Action]) -> None:
@@ -274,7 +286,7 @@ class Schedule:
             self.phase = Phase.IDLE
             return out
         # Backward comes next: start gathering the first units it needs.
-        self._cursor = 0
+        self._cursor = -1
         self._prefetch(self._predicted_backward(), out)
         return out
 
@@ -338,6 +350,9 @@ class Schedule:
         self._num_buckets += 1
         self._bucket, self._bucket_bytes = [], 0
         self._in_flight.append(action)
+        if not self._backward_checked:
+            key = ("reduce", action.units)
+            return [CheckOrder("reduce", order_hash(key), action.units), action]
         return [action]
 
     def end_backward(self) -> list[Action]:
