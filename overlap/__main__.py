@@ -1,0 +1,3 @@
+from overlap.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,215 @@
+"""Start a process group: a local world of spawned CPU/GPU ranks, or the one torchrun set up.
+
+Demos, tests and benchmarks run the same per-rank function either way; this module is the only
+place that knows how the world came to be.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Literal, NamedTuple
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.multiprocessing.spawn import ProcessException
+
+Backend = Literal["gloo", "nccl"]
+DEFAULT_TIMEOUT_S = 300.0
+"""Collective timeout: long enough for a slow CPU step, short enough that a hang fails."""
+
+
+@dataclass(frozen=True)
+class WorldInfo:
+    """Where this rank runs: what a per-rank function needs besides the process group."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    backend: str
+    device: torch.device
+
+
+def num_cpu_cores() -> int:
+    """Cores this process may run on (the affinity mask, which containers narrow)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def default_world() -> tuple[int, Backend]:
+    """Embedded default: every local GPU with NCCL, else two CPU ranks with gloo."""
+    if torch.cuda.is_available() and torch.cuda.device_count() > 0:
+        return torch.cuda.device_count(), "nccl"
+    return 2, "gloo"
+
+
+def current_device() -> torch.device:
+    """The device this rank computes on, as chosen when its group was initialized."""
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def in_torchrun() -> bool:
+    """True when a launcher (torchrun) already chose this process's rank and world."""
+    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
+
+
+def _device_for(backend: str, local_rank: int) -> torch.device:
+    if backend == "nccl":
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def init_from_env(timeout_s: float = DEFAULT_TIMEOUT_S) -> WorldInfo:
+    """Join the world torchrun describes in the environment (NCCL on CUDA, gloo on CPU)."""
+    if not in_torchrun():
+        raise RuntimeError("init_from_env: RANK/WORLD_SIZE/LOCAL_RANK are not set; use torchrun")
+    local_rank = int(os.environ["LOCAL_RANK"])
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    device = _device_for(backend, local_rank)
+    if not dist.is_initialized():
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+    return WorldInfo(dist.get_rank(), dist.get_world_size(), local_rank, backend, device)
+
+
+def _free_port() -> int:
+    """A port the OS just handed out; rank 0's store binds it moments later."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class _RankDone(NamedTuple):
+    rank: int
+    value: Any
+
+
+class _RankFailed(NamedTuple):
+    """A rank's exception, stamped so the parent can tell the root cause from its echoes."""
+
+    rank: int
+    time_s: float
+    traceback: str
+
+
+def _rank_main(
+    rank: int,
+    fn: Callable[..., Any],
+    world_size: int,
+    port: int,
+    backend: str,
+    timeout_s: float,
+    threads_per_rank: int,
+    results: Any,
+    args: tuple[Any, ...],
+) -> None:
+    """Body of each spawned rank: join the group, run `fn`, hand back its result, leave."""
+    torch.set_num_threads(threads_per_rank)
+    device = _device_for(backend, rank)
+    dist.init_process_group(
+        backend,
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=timeout_s),
+        device_id=device if backend == "nccl" else None,
+    )
+    try:
+        results.put(_RankDone(rank, fn(rank, world_size, *args)))
+    except BaseException:
+        results.put(_RankFailed(rank, time.time(), traceback.format_exc()))
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def _drain(
+    results: Any, done: dict[int, Any], failed: list[_RankFailed], wait_s: float = 0.0
+) -> None:
+    """Move queued rank reports into `done` / `failed`; wait up to `wait_s` for the first."""
+    while True:
+        try:
+            item = results.get(timeout=wait_s) if wait_s else results.get_nowait()
+        except queue.Empty:
+            return
+        wait_s = 0.0
+        if isinstance(item, _RankFailed):
+            failed.append(item)
+        else:
+            done[item.rank] = item.value
+
+
+def _world_error(nproc: int, failed: list[_RankFailed], fallback: ProcessException) -> RuntimeError:
+    """Name the rank that failed first: once it dies, its peers fail too (connection reset),
+    and their errors only echo the real one."""
+    if not failed:
+        return RuntimeError(
+            f"rank {fallback.error_index} of {nproc} failed:\n{fallback.msg.strip()}"
+        )
+    first = min(failed, key=lambda f: f.time_s)
+    others = sorted({f.rank for f in failed} - {first.rank})
+    echo = f" (then ranks {others} failed too)" if others else ""
+    return RuntimeError(f"rank {first.rank} of {nproc} failed{echo}:\n{first.traceback.strip()}")
+
+
+def run_local_world(
+    fn: Callable[..., Any],
+    nproc: int,
+    *args: Any,
+    backend: Backend = "gloo",
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    threads_per_rank: int | None = None,
+    deadline_s: float | None = None,
+) -> list[Any]:
+    """Run `fn(rank, world_size, *args)` on `nproc` spawned ranks on this machine; return the
+    ranks' return values in rank order.
+
+    `fn` and `args` must be picklable (a module-level function). A rank that raises fails the
+    whole world: the others are terminated and a `RuntimeError` naming the rank carries its
+    traceback. `timeout_s` bounds each collective; `deadline_s`, if given, the whole run.
+    Each rank gets `threads_per_rank` intra-op threads (default: the cores split evenly), so
+    ranks do not oversubscribe the CPU and distort overlap measurements.
+    """
+    if nproc < 1:
+        raise ValueError(f"run_local_world: nproc must be >= 1, got {nproc}")
+    threads = threads_per_rank or max(1, num_cpu_cores() // nproc)
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    rank_args = (fn, nproc, _free_port(), backend, timeout_s, threads, results, args)
+    procs = mp.start_processes(
+        _rank_main, rank_args, nprocs=nproc, join=False, start_method="spawn"
+    )
+    done: dict[int, Any] = {}
+    failed: list[_RankFailed] = []
+    start = time.monotonic()
+    try:
+        # Drain while joining: a rank blocks on exit until its queued result is read.
+        while not procs.join(timeout=0.1):
+            _drain(results, done, failed)
+            if deadline_s is not None and time.monotonic() - start > deadline_s:
+                raise TimeoutError(
+                    f"run_local_world: ranks {_alive(procs)} still running after {deadline_s:.0f}s"
+                )
+    except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
+        _drain(results, done, failed, wait_s=1.0)
+        raise _world_error(nproc, failed, e) from None
+    finally:
+        for p in procs.processes:
+            if p.is_alive():
+                p.terminate()
+    _drain(results, done, failed)
+    return [done.get(r) for r in range(nproc)]
+
+
+def _alive(procs: mp.ProcessContext) -> list[int]:
+    return [r for r, p in enumerate(procs.processes) if p.is_alive()]
