@@ -180,6 +180,7 @@ def standard(name: str, model: nn.Module, x: torch.Tensor, lr: float, **kw: Any)
 def make_overlap(args: Namespace, x: torch.Tensor, name: str, overrides: dict) -> Contender:
     import overlap
 
+    overrides = {"cpu_keep_freed_memory": args.keep_freed_memory, **overrides}
     model = overlap.wrap(build_model(args), **overrides)
 
     def exposed_comm_ms() -> float:
@@ -378,6 +379,14 @@ def run_segment(c: Contender, num_steps: int) -> None:
 
 def worker(rank: int, args: Namespace, port: int) -> None:
     torch.set_num_threads(args.threads)
+    # [Note: one allocator setting for all] overlap.wrap on CPU raises glibc's mmap/trim
+    # thresholds (OverlapConfig.cpu_keep_freed_memory), which is process-wide; every contender
+    # lives in this process, so apply it up front to all of them (order-independent and fair),
+    # or to none with --no-keep-freed-memory.
+    if args.keep_freed_memory:
+        from overlap.runtime import keep_freed_cpu_memory
+
+        keep_freed_cpu_memory()
     dist.init_process_group(
         "gloo",
         init_method=f"tcp://127.0.0.1:{port}",
@@ -528,6 +537,12 @@ def free_port() -> int:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--contenders", default=",".join(ALL_CONTENDERS))
+    p.add_argument(
+        "--no-keep-freed-memory",
+        dest="keep_freed_memory",
+        action="store_false",
+        help="leave glibc's malloc thresholds alone for every contender (see the Note in worker)",
+    )
     p.add_argument("--overlap-config", action="append", default=[], metavar="KEY=VALUE,...")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--steps", type=int, default=6, help="timed steps per contender per round")

@@ -21,7 +21,11 @@ does the copies when it waits.
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import ctypes.util
+import functools
 import time
+import warnings
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -44,6 +48,32 @@ from overlap.schedule import (
 )
 from overlap.stats import StatsRecorder
 from overlap.units import UnitLayout
+
+
+# [Note: CPU page faults]
+# glibc serves blocks above M_MMAP_THRESHOLD (128 KiB at first, adapting up to 32 MiB) with mmap
+# and returns them with munmap, and trims the heap top above M_TRIM_THRESHOLD. Every unsharded
+# buffer, gather output and reduce-scatter buffer ZeRO-3 allocates is then fresh memory whose
+# pages fault on first touch: W1 (12 MiB units) measured ~7 ms per copy-out on fresh pages against
+# ~1.2 ms on reused ones, ~90 ms a step in all. Raising both thresholds makes freed blocks stay in
+# the heap and be reused, as CUDA's caching allocator does on GPUs.
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_THRESHOLD = -3
+
+
+@functools.cache
+def keep_freed_cpu_memory() -> bool:
+    """Process-wide, once: keep freed large blocks for reuse (see [Note: CPU page faults])."""
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name)
+        mallopt = libc.mallopt
+    except (OSError, AttributeError, TypeError):
+        return False  # not glibc (musl, macOS): nothing to tune
+    ok = mallopt(_M_MMAP_THRESHOLD, 32 << 20) == 1 and mallopt(_M_TRIM_THRESHOLD, 1 << 30) == 1
+    if not ok:
+        warnings.warn("overlap: mallopt refused the CPU allocator settings; continuing without")
+    return ok
 
 
 @dataclass

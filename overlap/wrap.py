@@ -30,7 +30,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from overlap import comm
 from overlap.config import OverlapConfig
-from overlap.runtime import Runtime, UnitTensors
+from overlap.runtime import Runtime, UnitTensors, keep_freed_cpu_memory
 from overlap.schedule import Action, Schedule, ScheduleConfig, order_hash
 from overlap.stats import StatsRecorder
 from overlap.units import UnitLayout, find_unit_modules, group_units, make_layout
@@ -240,6 +240,8 @@ def wrap(
         layouts.append(make_layout(index, label, members, params, world_size))
         unit_modules.append(tuple(modules[fqn] for fqn in members))
 
+    if device.type == "cpu" and config.cpu_keep_freed_memory:
+        keep_freed_cpu_memory()
     units = [_shard_unit(model, layout, mesh, rank, config) for layout in layouts]
     state = OverlapState(model, config, group, mesh, units, root_unit, unit_modules)
     model._overlap_state = state
