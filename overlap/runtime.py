@@ -85,7 +85,7 @@ class UnitTensors:
     sharded_params: list[nn.Parameter]  # DTensor Shard(0), what the optimizer sees
     unsharded_flat: torch.Tensor  # gather dtype; storage has 0 bytes while SHARDED
     unsharded_params: list[nn.Parameter]  # views of unsharded_flat, what forward uses
-    owners: list[tuple[nn.Module, str]]  # (module, attribute) for each parameter
+    owners: list[list[tuple[nn.Module, str]]]  # per parameter, every (module, attribute) holding it
     gather: comm.CommResult | None = None
     gather_event: torch.cuda.Event | None = None
 
@@ -94,8 +94,9 @@ class UnitTensors:
         return self.unsharded_flat.numel() * self.unsharded_flat.element_size()
 
     def swap_in(self, params: list[nn.Parameter]) -> None:
-        for (module, name), param in zip(self.owners, params):
-            module._parameters[name] = param
+        for holders, param in zip(self.owners, params):
+            for module, name in holders:
+                module._parameters[name] = param
 
 
 @dataclass
@@ -204,16 +205,27 @@ class Runtime:
             unit.unsharded_flat.untyped_storage().resize_(0)
 
     def reduce(self, bucket: int, indices: tuple[int, ...]) -> None:
-        """Copy the bucket's unsharded gradients into one rank-major buffer; reduce-scatter it."""
+        """Copy the bucket's unsharded gradients into one rank-major buffer; reduce-scatter it.
+
+        [Note: used flags] After the gradient columns, each trainable parameter adds one column
+        holding 1 where this rank produced a gradient for it, else 0. Every row of that column
+        has the same value, so after the reduce-scatter each rank holds the number of ranks
+        that used the parameter. A parameter no rank used keeps `.grad` None, as DDP
+        (find_unused_parameters=True) leaves it, instead of getting zeros that an optimizer
+        with weight decay or momentum would act on.
+        """
         n = self.world_size
         first = self.units[indices[0]]
         dtype = self.reduce_dtype or first.unsharded_flat.dtype
         with record_function(f"overlap::reduce bucket{bucket}"):
-            columns = []
+            columns, used = [], []
             for index in indices:
                 unit = self.units[index]
                 for slot, param in zip(unit.layout.slots, unit.unsharded_params):
+                    if not slot.requires_grad:
+                        continue
                     grad = param.grad
+                    used.append(grad is not None)
                     if grad is None:
                         columns.append(torch.zeros(n, slot.chunk_numel, dtype=dtype, device=self.device))
                         continue
@@ -223,8 +235,10 @@ class Runtime:
                         flat = F.pad(flat, (0, pad))
                     columns.append(flat.view(n, -1))
                     param.grad = None
-            full = torch.empty(n, sum(c.shape[1] for c in columns), dtype=dtype, device=self.device)
-            torch.cat(columns, dim=1, out=full)
+            flags = torch.tensor(used, dtype=dtype, device=self.device).expand(n, -1)
+            width = sum(c.shape[1] for c in columns) + len(used)
+            full = torch.empty(n, width, dtype=dtype, device=self.device)
+            torch.cat([*columns, flags], dim=1, out=full)
             del columns
             event = None
             if self.reduce_stream is not None:
@@ -245,21 +259,26 @@ class Runtime:
                 torch.cuda.current_stream(self.device).wait_event(pending.event)
             reduced = comm.wait(pending.result, self.timeout)
         self.stats.record_wait("reduce", f"bucket{bucket} reduce", t0)
+        units = [self.units[i] for i in indices]
+        grad_numel = sum(u.layout.grad_shard_numel for u in units)
         with torch.no_grad():
+            grads, used = reduced[:grad_numel], reduced[grad_numel:].tolist()
             # Sum, then divide: at world size 2 this equals DDP's (g/2 + g/2) bitwise.
-            reduced.div_(self.world_size)
+            grads.div_(self.world_size)
             offset = 0
-            for index in indices:
-                unit = self.units[index]
-                self._accumulate(unit, reduced[offset : offset + unit.layout.shard_numel])
-                offset += unit.layout.shard_numel
+            for unit in units:
+                num_trainable = len(unit.layout.grad_slots)
+                self._accumulate(unit, grads[offset : offset + unit.layout.grad_shard_numel], used[:num_trainable])
+                used = used[num_trainable:]
+                offset += unit.layout.grad_shard_numel
 
-    def _accumulate(self, unit: UnitTensors, reduced: torch.Tensor) -> None:
-        """Add a unit's reduced shard into its sharded parameters' `.grad` (created if None)."""
-        for slot, param in zip(unit.layout.slots, unit.sharded_params):
-            if not param.requires_grad:
-                continue
-            local = reduced[slot.shard_offset : slot.shard_offset + slot.chunk_numel]
+    def _accumulate(self, unit: UnitTensors, reduced: torch.Tensor, used: list[float]) -> None:
+        """Add a unit's reduced gradient shard into its sharded parameters' `.grad`."""
+        trainable = [(s, p) for s, p in zip(unit.layout.slots, unit.sharded_params) if s.requires_grad]
+        for (slot, param), num_users in zip(trainable, used):
+            if num_users == 0:
+                continue  # [Note: used flags]
+            local = reduced[slot.grad_offset : slot.grad_offset + slot.chunk_numel]
             local = local.view(slot.rows_per_rank, *slot.shape[1:])[: slot.local_rows(self.rank)]
             if local.dtype != param.dtype:
                 local = local.to(param.dtype)

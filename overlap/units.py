@@ -29,17 +29,28 @@ import torch.nn as nn
 
 
 @dataclass(frozen=True)
+class ParamInfo:
+    """A parameter as `wrap` found it, before layout."""
+
+    fqn: str  # first name in the wrapped model, e.g. "layers.3.attn.in_proj_weight"
+    owners: tuple[tuple[str, str], ...]  # every (module FQN, attribute) holding it (ties: >1)
+    shape: torch.Size
+    requires_grad: bool
+
+
+@dataclass(frozen=True)
 class ParamSlot:
     """Where one parameter lives in its unit's flat buffers."""
 
-    fqn: str  # name in the wrapped model, e.g. "layers.3.attn.in_proj_weight"
-    module_fqn: str  # owning module, "" for the root
-    param_name: str  # attribute on the owning module
+    fqn: str
+    owners: tuple[tuple[str, str], ...]  # (module FQN, attribute) pairs to swap it into
     shape: torch.Size  # original (unsharded) shape
+    requires_grad: bool
     rows_per_rank: int  # dim-0 rows of every rank's chunk (the last ranks' chunks are padded)
     chunk_numel: int  # rows_per_rank * prod(shape[1:])
     shard_offset: int  # offset of this parameter's chunk in the shard buffer
     unsharded_offset: int  # offset of the padded full tensor in the unsharded buffer
+    grad_offset: int  # offset of its chunk in the gradient shard; -1 when frozen
 
     @property
     def row_numel(self) -> int:
@@ -81,35 +92,47 @@ class UnitLayout:
     def chunk_sizes(self) -> list[int]:
         return [s.chunk_numel for s in self.slots]
 
+    @property
+    def grad_slots(self) -> tuple[ParamSlot, ...]:
+        """The trainable parameters: only their gradients are reduce-scattered."""
+        return tuple(s for s in self.slots if s.requires_grad)
+
+    @property
+    def grad_shard_numel(self) -> int:
+        return sum(s.chunk_numel for s in self.grad_slots)
+
 
 def make_layout(
     index: int,
     label: str,
     module_fqns: tuple[str, ...],
-    params: list[tuple[str, str, str, torch.Size]],
+    params: list[ParamInfo],
     world_size: int,
 ) -> UnitLayout:
-    """Lay out `params` (fqn, module_fqn, param_name, shape) per [Note: flat layout]."""
+    """Lay out `params` per [Note: flat layout]."""
     slots = []
-    shard_off = 0
-    for fqn, module_fqn, param_name, shape in params:
+    shard_off = grad_off = 0
+    for info in params:
+        shape = info.shape
         dim0 = shape[0] if len(shape) > 0 else 1
         rows = math.ceil(dim0 / world_size)
         row_numel = math.prod(shape[1:])
         chunk = rows * row_numel
         slots.append(
             ParamSlot(
-                fqn=fqn,
-                module_fqn=module_fqn,
-                param_name=param_name,
+                fqn=info.fqn,
+                owners=info.owners,
                 shape=shape,
+                requires_grad=info.requires_grad,
                 rows_per_rank=rows,
                 chunk_numel=chunk,
                 shard_offset=shard_off,
                 unsharded_offset=shard_off * world_size,
+                grad_offset=grad_off if info.requires_grad else -1,
             )
         )
         shard_off += chunk
+        grad_off += chunk if info.requires_grad else 0
     return UnitLayout(index, label, module_fqns, tuple(slots), world_size)
 
 

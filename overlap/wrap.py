@@ -33,7 +33,7 @@ from overlap.config import OverlapConfig
 from overlap.runtime import Runtime, UnitTensors, keep_freed_cpu_memory
 from overlap.schedule import Action, Schedule, ScheduleConfig, order_hash
 from overlap.stats import StatsRecorder
-from overlap.units import UnitLayout, find_unit_modules, group_units, make_layout
+from overlap.units import ParamInfo, UnitLayout, find_unit_modules, group_units, make_layout
 
 
 class OverlapState:
@@ -182,10 +182,10 @@ class OverlapState:
 
 
 def _grad_bytes(unit: UnitTensors, reduce_dtype: torch.dtype | None) -> int:
-    if not any(p.requires_grad for p in unit.sharded_params):
-        return 0
+    """Bytes the unit adds to a reduce-scatter bucket (0: nothing to reduce)."""
     dtype = reduce_dtype or unit.unsharded_flat.dtype
-    return unit.layout.unsharded_numel * torch.empty(0, dtype=dtype).element_size()
+    numel = unit.layout.grad_shard_numel * unit.layout.world_size
+    return numel * torch.empty(0, dtype=dtype).element_size()
 
 
 # ---------------------------------------------------------------------- wrap
@@ -223,7 +223,7 @@ def wrap(
     unit_fqns = find_unit_modules(model, config.unit_policy)
     modules = dict(model.named_modules())
     params_of = _params_by_unit_module(model, unit_fqns)
-    numels = {fqn: sum(math.prod(p[3]) for p in params_of[fqn]) for fqn in unit_fqns}
+    numels = {fqn: sum(math.prod(p.shape) for p in params_of[fqn]) for fqn in unit_fqns}
     groups = group_units(unit_fqns, numels, config.min_unit_numel)
 
     layouts: list[UnitLayout] = []
@@ -294,46 +294,58 @@ def _check_same_model(model: nn.Module, group: dist.ProcessGroup, device: torch.
         )
 
 
-def _params_by_unit_module(
-    model: nn.Module, unit_fqns: list[str]
-) -> dict[str, list[tuple[str, str, str, torch.Size]]]:
-    """Assign every parameter to the unit module that contains it ("" = root unit)."""
-    owners: dict[str, list[tuple[str, str, str, torch.Size]]] = {fqn: [] for fqn in unit_fqns}
-    owners[""] = []
+def _unit_of_module(module_fqn: str, unit_set: set[str]) -> str:
+    """The unit module containing `module_fqn` ("" = the root unit)."""
+    parts = module_fqn.split(".") if module_fqn else []
+    for i in range(len(parts), 0, -1):
+        prefix = ".".join(parts[:i])
+        if prefix in unit_set:
+            return prefix
+    return ""
+
+
+def _params_by_unit_module(model: nn.Module, unit_fqns: list[str]) -> dict[str, list[ParamInfo]]:
+    """Assign every parameter to the unit module that contains it ("" = root unit).
+
+    A parameter held by several modules (tied weights, e.g. GPT-2's embedding and LM head)
+    belongs to the unit of their lowest common ancestor, as FSDP does: the one unit containing
+    all its owners, or the root unit when they sit in different units.
+    """
     unit_set = set(unit_fqns)
-    seen: dict[int, str] = {}
+    found: dict[int, tuple[str, list[tuple[str, str]], nn.Parameter]] = {}
     for module_fqn, module in model.named_modules(remove_duplicate=False):
         for name, param in module.named_parameters(recurse=False):
             fqn = f"{module_fqn}.{name}" if module_fqn else name
-            if id(param) in seen:
-                raise ValueError(
-                    f"overlap.wrap: parameter {fqn!r} is the same tensor as {seen[id(param)]!r}; "
-                    "tied (shared) parameters are not supported yet"
-                )
-            seen[id(param)] = fqn
             if param.dim() == 0:
                 raise ValueError(
                     f"overlap.wrap: parameter {fqn!r} is a scalar (0-dim); sharding needs dim >= 1 "
                     "(store it as shape [1])"
                 )
-            owner = ""
-            parts = module_fqn.split(".") if module_fqn else []
-            for i in range(len(parts), 0, -1):
-                prefix = ".".join(parts[:i])
-                if prefix in unit_set:
-                    owner = prefix
-                    break
-            owners[owner].append((fqn, module_fqn, name, param.shape))
-    return owners
+            if param.is_sparse or param.is_complex() or not param.dtype.is_floating_point:
+                raise ValueError(
+                    f"overlap.wrap: parameter {fqn!r} ({param.dtype}, layout {param.layout}) is "
+                    "not a dense real floating tensor, which is all overlap can shard"
+                )
+            entry = found.setdefault(id(param), (fqn, [], param))
+            if (module_fqn, name) not in entry[1]:
+                entry[1].append((module_fqn, name))
+    by_unit: dict[str, list[ParamInfo]] = {fqn: [] for fqn in unit_fqns}
+    by_unit[""] = []
+    for fqn, owners, param in found.values():
+        units = {_unit_of_module(module_fqn, unit_set) for module_fqn, _ in owners}
+        unit = units.pop() if len(units) == 1 else ""
+        info = ParamInfo(fqn, tuple(owners), param.shape, param.requires_grad)
+        by_unit[unit].append(info)
+    return by_unit
 
 
 def _shard_unit(
     model: nn.Module, layout: UnitLayout, mesh: DeviceMesh, rank: int, config: OverlapConfig
 ) -> UnitTensors:
     """Replace the unit's parameters by DTensor shards that are views of one flat shard buffer."""
-    modules = dict(model.named_modules())
-    owners = [(modules[s.module_fqn], s.param_name) for s in layout.slots]
-    full = [module._parameters[name] for module, name in owners]
+    modules = dict(model.named_modules(remove_duplicate=False))
+    owners = [[(modules[m], name) for m, name in slot.owners] for slot in layout.slots]
+    full = [holders[0][0]._parameters[holders[0][1]] for holders in owners]
     dtypes = {p.dtype for p in full}
     if len(dtypes) != 1:
         raise ValueError(
