@@ -240,8 +240,15 @@ class Schedule:
             raise RuntimeError("forward started while the previous backward has not finished")
         if self.phase is Phase.IDLE:
             self._seen_forward = []
-            self._cursor = -1
             self.reset_peak()
+        else:
+            # Another forward before backward: what end_forward gathered for backward is not
+            # needed yet, and keeping it would break the prefetch budget. Free it.
+            for unit in self.held_units():
+                self._wait(unit, out)
+                self._move(unit, UnitState.SHARDED)
+                out.append(Free(unit))
+        self._cursor = -1
         self.phase = Phase.FORWARD
         if self.root is not None:
             out += self.pre_forward(self.root)
@@ -301,13 +308,17 @@ class Schedule:
         return out
 
     # ---------------------------------------------------------------- backward events
-    def pre_backward(self, unit: int) -> list[Action]:
-        """The gradient of one of the unit's forward outputs arrived."""
-        out: list[Action] = []
+    def begin_backward(self) -> None:
+        """The first gradient of this backward pass arrived (idempotent)."""
         if self.phase is not Phase.BACKWARD:
             self.phase = Phase.BACKWARD
             self._seen_backward = []
             self._started_backward = set()
+
+    def pre_backward(self, unit: int) -> list[Action]:
+        """The gradient of one of the unit's forward outputs arrived."""
+        out: list[Action] = []
+        self.begin_backward()
         if unit in self._started_backward:
             return out
         self._started_backward.add(unit)

@@ -26,12 +26,13 @@ from torch.autograd import Variable
 from torch.autograd.graph import register_multi_grad_hook
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from overlap import comm
 from overlap.config import OverlapConfig
+from overlap.init import ParamInitFn, materialize_and_shard
 from overlap.runtime import Runtime, UnitTensors, keep_freed_cpu_memory
-from overlap.schedule import Action, Schedule, ScheduleConfig, order_hash
+from overlap.schedule import Action, Phase, Schedule, ScheduleConfig, UnitState, order_hash
 from overlap.stats import StatsRecorder
 from overlap.units import ParamInfo, UnitLayout, find_unit_modules, group_units, make_layout
 
@@ -76,6 +77,8 @@ class OverlapState:
         )
         self._num_trainable = [sum(p.requires_grad for p in u.unsharded_params) for u in units]
         self._num_ready = [0] * len(units)
+        self._num_forwards = [0] * len(units)  # forwards this step that can report (b) below
+        self._num_done = [0] * len(units)
         self._backward_queued = False
         self._handles: list[Any] = []
         self._install_hooks(model, unit_modules)
@@ -93,7 +96,8 @@ class OverlapState:
                 last = position == len(modules) - 1
                 self._handles.append(
                     module.register_forward_pre_hook(
-                        functools.partial(self._unit_pre_forward, index), prepend=True
+                        functools.partial(self._unit_pre_forward, index, position == 0),
+                        prepend=True,
                     )
                 )
                 self._handles.append(
@@ -112,9 +116,17 @@ class OverlapState:
         if actions:
             self.runtime.run(actions)
 
+    # [Note: forward during backward]
+    # Activation checkpointing (torch.utils.checkpoint) runs a unit's forward again inside
+    # backward to recompute what it discarded. Those calls fire the forward hooks too; in the
+    # BACKWARD phase they only make sure the unit is gathered (as its pre-backward would) and
+    # never free it or register hooks, since its backward is about to use the parameters.
+
     def _root_pre_forward(
         self, module: nn.Module, args: tuple, kwargs: dict
     ) -> tuple[tuple, dict] | None:
+        if self.schedule.phase is Phase.BACKWARD:
+            return None  # [Note: forward during backward]
         self._run(self.schedule.begin_forward())
         dtype = self.config.param_dtype
         if dtype is None:
@@ -128,6 +140,8 @@ class OverlapState:
         return tree_map(cast, args), tree_map(cast, kwargs)
 
     def _root_post_forward(self, module: nn.Module, args: tuple, output: Any) -> None:
+        if self.schedule.phase is Phase.BACKWARD:
+            return
         grad_enabled = torch.is_grad_enabled()
         if grad_enabled:
             self._on_backward_of(output, self.root_unit)
@@ -135,12 +149,20 @@ class OverlapState:
         if not grad_enabled:
             self._finish_step()
 
-    def _unit_pre_forward(self, index: int, module: nn.Module, args: tuple) -> None:
+    def _unit_pre_forward(self, index: int, first: bool, module: nn.Module, args: tuple) -> Any:
+        if self.schedule.phase is Phase.BACKWARD:
+            self._run(self.schedule.pre_backward(index))  # [Note: forward during backward]
+            return None
         self._run(self.schedule.pre_forward(index))
+        if first and torch.is_grad_enabled():
+            return self._on_backward_done(args, index)
+        return None
 
     def _unit_post_forward(
         self, index: int, last: bool, module: nn.Module, args: tuple, output: Any
     ) -> None:
+        if self.schedule.phase is Phase.BACKWARD:
+            return
         grad_enabled = torch.is_grad_enabled()
         if grad_enabled:
             self._on_backward_of(output, index)
@@ -157,14 +179,54 @@ class OverlapState:
                 tensors, functools.partial(self._pre_backward, index), mode="any"
             )
 
+    # [Note: end of a unit's backward]
+    # A unit's backward is over when (a) every trainable parameter's gradient has been
+    # accumulated (post-accumulate-grad hooks, counted), or (b) the gradient w.r.t. its inputs
+    # has been computed, once for each forward it ran this step (`_BackwardDone` on its inputs).
+    # (b) covers units with frozen or unused parameters, whose count never completes. It is
+    # safe because autograd runs AccumulateGrad nodes before any other ready node (they carry
+    # the highest sequence number), so a parameter's gradient produced by the same node as the
+    # input gradient is already accumulated. A gradient that still arrives after its unit was
+    # reduced (a parameter used outside its unit's forward) raises instead of being lost.
+
+    def _on_backward_done(self, args: tuple, index: int) -> tuple | None:
+        flat, spec = tree_flatten(args)
+        positions = [
+            i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad
+        ]
+        if not positions:
+            return None  # nothing flows back into this unit's inputs; (a) or end_backward
+        self._num_forwards[index] += 1
+        outs = _BackwardDone.apply(self, index, *(flat[i] for i in positions))
+        for i, t in zip(positions, outs):
+            flat[i] = t
+        return tree_unflatten(flat, spec)
+
     def _pre_backward(self, index: int | None, grad: Any) -> None:
         if not self._backward_queued:
             self._backward_queued = True
+            self.schedule.begin_backward()
             Variable._execution_engine.queue_callback(self._end_backward)
         if index is not None:
             self._run(self.schedule.pre_backward(index))
 
+    def _unit_backward_done(self, index: int) -> None:
+        self._num_done[index] += 1
+        if self._num_done[index] == self._num_forwards[index]:
+            self._run(self.schedule.post_backward(index))
+
     def _grad_ready(self, index: int, param: torch.Tensor) -> None:
+        if self.schedule.states[index] is not UnitState.UNSHARDED:
+            name = next(
+                s.fqn
+                for s, p in zip(self.units[index].layout.slots, self.units[index].unsharded_params)
+                if p is param
+            )
+            raise RuntimeError(
+                f"overlap: the gradient of {name!r} arrived after {self.units[index].layout.label} "
+                "finished its backward; a parameter must be used inside its unit's forward (or "
+                "choose a unit_policy that puts the module using it in the same unit)"
+            )
         self._num_ready[index] += 1
         if self._num_ready[index] == self._num_trainable[index]:
             self._run(self.schedule.post_backward(index))
@@ -172,6 +234,8 @@ class OverlapState:
     def _end_backward(self) -> None:
         self._backward_queued = False
         self._num_ready = [0] * len(self.units)
+        self._num_forwards = [0] * len(self.units)
+        self._num_done = [0] * len(self.units)
         self._run(self.schedule.end_backward())
         self._finish_step()
 
@@ -179,6 +243,20 @@ class OverlapState:
         peak_units, peak_bytes = self.schedule.max_unsharded()
         self.stats.record_unsharded(peak_units, peak_bytes)
         self.stats.finish()
+
+
+class _BackwardDone(torch.autograd.Function):
+    """Identity on a unit's inputs whose backward reports that the unit's backward is over."""
+
+    @staticmethod
+    def forward(ctx: Any, state: OverlapState, index: int, *tensors: torch.Tensor) -> Any:
+        ctx.state, ctx.index = state, index
+        return tuple(t.view_as(t) for t in tensors)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> Any:
+        ctx.state._unit_backward_done(ctx.index)
+        return (None, None, *grads)
 
 
 def _grad_bytes(unit: UnitTensors, reduce_dtype: torch.dtype | None) -> int:
@@ -195,6 +273,9 @@ def wrap(
     model: nn.Module,
     group: dist.ProcessGroup | DeviceMesh | None = None,
     config: OverlapConfig | None = None,
+    *,
+    param_init_fn: ParamInitFn | None = None,
+    device: torch.device | str | None = None,
     **overrides: Any,
 ) -> nn.Module:
     """Shard `model` in place across `group` and return it.
@@ -204,6 +285,12 @@ def wrap(
     all-gather each unit's parameters just ahead of use and reduce-scatter its gradients while
     backward goes on. `overrides` replace fields of `config` (e.g. `prefetch_depth=2`).
     Collective over `group`: every rank must call it with the same model structure.
+
+    A model built on the meta device is materialized one unit at a time on `device` (default:
+    the current CUDA device for an NCCL group, else the CPU) and initialized by
+    `param_init_fn(module)` or each module's `reset_parameters()`, in the order eager
+    construction uses (see [Note: init order] in init.py): the same values as the eager model
+    built with the same seed, without ever holding the whole model unsharded.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"overlap.wrap expects an nn.Module, got {type(model).__name__}")
@@ -215,7 +302,21 @@ def wrap(
             "overlap.wrap needs torch.distributed: call dist.init_process_group first "
             "(or launch with torchrun / overlap.launch.run_local_world)"
         )
-    device = _model_device(model)
+    model_device = _model_device(model)
+    deferred = model_device.type == "meta"
+    if device is not None:
+        device = torch.device(device)
+        if not deferred and device != model_device:
+            raise ValueError(
+                f"overlap.wrap: device={device} but the model is on {model_device}; `device` is "
+                "for meta-device models (move a materialized model yourself)"
+            )
+    elif deferred:
+        device = _default_device(group)
+    else:
+        device = model_device
+    if not deferred and param_init_fn is not None:
+        raise ValueError("overlap.wrap: param_init_fn is only used for meta-device models")
     group, mesh = _resolve_group(group, device)
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
     _check_same_model(model, group, device)
@@ -242,7 +343,20 @@ def wrap(
 
     if device.type == "cpu" and config.cpu_keep_freed_memory:
         keep_freed_cpu_memory()
-    units = [_shard_unit(model, layout, mesh, rank, config) for layout in layouts]
+    def shard(index: int) -> UnitTensors:
+        return _shard_unit(model, layouts[index], mesh, rank, config)
+
+    if deferred:
+        index_of = {fqn: i for i, layout in enumerate(layouts) if i != root_unit for fqn in layout.module_fqns}
+        unit_set = set(unit_fqns)
+
+        def unit_of_module(fqn: str) -> int | None:
+            return index_of.get(_unit_of_module(fqn, unit_set))
+
+        members = [layout.module_fqns for layout in layouts]
+        units = materialize_and_shard(model, unit_of_module, members, device, param_init_fn, shard)
+    else:
+        units = [shard(i) for i in range(len(layouts))]
     state = OverlapState(model, config, group, mesh, units, root_unit, unit_modules)
     model._overlap_state = state
     return model
@@ -261,11 +375,16 @@ def _model_device(model: nn.Module) -> torch.device:
             f"({', '.join(f'{d} (e.g. {n})' for d, n in where.items())}); move the model to one"
         )
     (device,) = devices
-    if device.type == "meta":
-        raise ValueError(
-            "overlap.wrap: meta-device models are not supported yet; materialize the model first"
-        )
     return device
+
+
+def _default_device(group: dist.ProcessGroup | DeviceMesh | None) -> torch.device:
+    if isinstance(group, DeviceMesh):
+        return torch.device(group.device_type)
+    backend = dist.get_backend(group)
+    if "nccl" in str(backend) and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def _resolve_group(

@@ -1,0 +1,122 @@
+"""Deferred initialization: shard a model built on the meta device, one unit at a time.
+
+A model too big for one device is built under `torch.device("meta")` (shapes only) and handed to
+`overlap.wrap`. Here each unit is materialized at full size, initialized, cut into this rank's
+shard and dropped before the next unit is materialized, so no rank ever holds more than one
+unit's full parameters (plus the root unit's, kept until the end of the walk).
+
+[Note: init order]
+Values must equal those of the eager model built with the same seed, so the random number
+generator must be consumed in the same order as eager construction. Modules are initialized in
+post-order (children before their parent, in registration order), which is the order in which
+torch.nn's modules and most model code initialize during construction (a module's `__init__`
+builds its children, each initializing itself, then initializes its own parameters:
+`nn.MultiheadAttention` resets `out_proj` inside `out_proj`'s constructor, then its own
+`in_proj_weight`). Each module runs `param_init_fn(module)` when given, else its
+`reset_parameters()` (or `_reset_parameters()`, which `nn.MultiheadAttention` uses). A model whose
+constructor initializes in another order, e.g. with `self.apply(fn)` at the end of the root's
+`__init__`, passes `param_init_fn=fn` (`Module.apply` is post-order too).
+
+Tied parameters: eager code ties after construction (`head.weight = embed.weight`), so the
+module initialized first keeps its values and the later owner's draws are thrown away. Here the
+first owner in the walk initializes the shared tensor; a later owner initializes a scratch copy
+(drawing the same random numbers) that is then dropped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import torch
+import torch.nn as nn
+
+ParamInitFn = Callable[[nn.Module], None]
+
+
+def _post_order(module: nn.Module, prefix: str = "") -> Iterator[tuple[str, nn.Module]]:
+    for name, child in module.named_children():
+        yield from _post_order(child, f"{prefix}{name}.")
+    yield prefix.removesuffix("."), module
+
+
+def _init_module(module: nn.Module, param_init_fn: ParamInitFn | None, done: set[int]) -> None:
+    """Run the module's init; parameters already initialized (`done`, by id) get a scratch copy."""
+    shared = {
+        name: p for name, p in module._parameters.items() if p is not None and id(p) in done
+    }
+    for name, p in shared.items():
+        module._parameters[name] = nn.Parameter(torch.empty_like(p), p.requires_grad)
+    try:
+        if param_init_fn is not None:
+            param_init_fn(module)
+        else:
+            for name in ("reset_parameters", "_reset_parameters"):
+                reset = getattr(module, name, None)
+                if callable(reset):
+                    reset()
+                    break
+    finally:
+        module._parameters.update(shared)
+    done.update(id(p) for p in module._parameters.values() if p is not None)
+
+
+def _materialize(modules: list[nn.Module], device: torch.device, cache: dict[int, torch.Tensor]) -> None:
+    """Give the modules' own meta parameters and buffers real (uninitialized) storage.
+
+    `cache` maps a meta tensor to its replacement, so a parameter tied across modules stays one
+    tensor (`Module.to_empty` would give each owner its own copy).
+    """
+    for module in modules:
+        for name, param in module._parameters.items():
+            if param is None or not param.is_meta:
+                continue
+            if id(param) not in cache:
+                real = torch.empty_like(param, device=device)
+                cache[id(param)] = nn.Parameter(real, requires_grad=param.requires_grad)
+            module._parameters[name] = cache[id(param)]  # type: ignore[assignment]
+        for name, buf in module._buffers.items():
+            if buf is not None and buf.is_meta:
+                if id(buf) not in cache:
+                    cache[id(buf)] = torch.empty_like(buf, device=device)
+                module._buffers[name] = cache[id(buf)]
+
+
+def materialize_and_shard(
+    model: nn.Module,
+    unit_of_module: Callable[[str], int | None],
+    unit_members: list[tuple[str, ...]],
+    device: torch.device,
+    param_init_fn: ParamInitFn | None,
+    shard: Callable[[int], object],
+) -> list[object]:
+    """Materialize, initialize and shard every unit, walking modules per [Note: init order].
+
+    `unit_of_module(fqn)` names the unit a module's own parameters belong to (None: the root
+    unit); `shard(unit)` cuts that unit's now-real parameters into this rank's shard and replaces
+    them in the model (dropping the full tensors). Returns `shard`'s results by unit index.
+    """
+    cache: dict[int, torch.Tensor] = {}
+    initialized: set[int] = set()
+    done: list[object] = [None] * len(unit_members)
+    walk = list(_post_order(model))
+    modules_of: dict[int | None, list[nn.Module]] = {}
+    for fqn, module in walk:
+        modules_of.setdefault(unit_of_module(fqn), []).append(module)
+    _materialize(modules_of.get(None, []), device, cache)  # the root unit lives until the end
+    started: set[int] = set()
+    remaining = {u: len(mods) for u, mods in modules_of.items() if u is not None}
+    for fqn, module in walk:
+        unit = unit_of_module(fqn)
+        if unit is not None and unit not in started:
+            started.add(unit)
+            _materialize(modules_of[unit], device, cache)
+        with torch.no_grad():
+            _init_module(module, param_init_fn, initialized)
+        if unit is not None:
+            remaining[unit] -= 1
+            if remaining[unit] == 0:
+                done[unit] = shard(unit)
+    for unit, result in enumerate(done):
+        if result is None:
+            done[unit] = shard(unit)  # the root unit, and units with no modules of their own
+    return done
