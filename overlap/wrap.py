@@ -337,6 +337,8 @@ def wrap(
     for members in groups:
         index = len(layouts)
         params = [p for fqn in members for p in params_of[fqn]]
+        if not params:
+            continue  # its parameters are tied to modules elsewhere and moved up to the root
         label = f"unit{index} ({members[0]}{'..' + members[-1] if len(members) > 1 else ''})"
         layouts.append(make_layout(index, label, members, params, world_size))
         unit_modules.append(tuple(modules[fqn] for fqn in members))
