@@ -81,6 +81,10 @@ class OverlapConfig:
     mmap'd memory whose first touch page-faults (~7 ms per 12 MiB here). Process-wide: it affects
     every allocation of the process, and resident memory stays at its high-water mark."""
 
+    trace_dir: str | None = None
+    """Write a Chrome/Perfetto trace of the last few steps (one `trace_rank{r}.json` per rank)
+    into this folder; the environment variable OVERLAP_TRACE=dir does the same. None: off."""
+
     param_compression: str | None = None
     """Codec for the weight all-gather. Only None (uncompressed) is available in this version."""
 

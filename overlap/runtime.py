@@ -47,6 +47,7 @@ from overlap.schedule import (
     WaitReduce,
 )
 from overlap.stats import StatsRecorder
+from overlap.trace import TraceRecorder
 from overlap.units import UnitLayout
 
 
@@ -116,6 +117,7 @@ class Runtime:
     reduce_dtype: torch.dtype | None
     stats: StatsRecorder
     timeout: timedelta | None = None
+    trace: TraceRecorder | None = None
     gather_stream: torch.cuda.Stream | None = field(init=False, default=None)
     reduce_stream: torch.cuda.Stream | None = field(init=False, default=None)
     _pending: dict[int, PendingReduce] = field(init=False, default_factory=dict)
@@ -162,6 +164,8 @@ class Runtime:
                     self._copy_out(unit)
                     unit.gather_event = self.gather_stream.record_event()
         self.stats.record_issue("gather", unit.unsharded_nbytes)
+        if self.trace is not None:
+            self.trace.comm("all-gather", unit.layout.label, unit.gather.work, unit.unsharded_nbytes)
 
     def wait_gather(self, index: int) -> None:
         unit = self.units[index]
@@ -178,6 +182,8 @@ class Runtime:
             unit.gather = None  # [Note: buffer lifetime]
             unit.swap_in(unit.unsharded_params)
         self.stats.record_wait("gather", f"{unit.layout.label} gather", t0)
+        if self.trace is not None:
+            self.trace.span("wait", f"wait gather {unit.layout.label}", int(t0 * 1e9), self.trace.now())
 
     def _alloc_unsharded(self, unit: UnitTensors) -> None:
         storage = unit.unsharded_flat.untyped_storage()
@@ -249,7 +255,10 @@ class Runtime:
                     comm.wait(result, self.timeout)
                     event = self.reduce_stream.record_event()
         self._pending[bucket] = PendingReduce(result, event)
-        self.stats.record_issue("reduce", full.numel() * full.element_size())
+        num_bytes = full.numel() * full.element_size()
+        self.stats.record_issue("reduce", num_bytes)
+        if self.trace is not None:
+            self.trace.comm("reduce-scatter", self._bucket_label(bucket, indices), result.work, num_bytes)
 
     def wait_reduce(self, bucket: int, indices: tuple[int, ...]) -> None:
         pending = self._pending.pop(bucket)
@@ -259,6 +268,9 @@ class Runtime:
                 torch.cuda.current_stream(self.device).wait_event(pending.event)
             reduced = comm.wait(pending.result, self.timeout)
         self.stats.record_wait("reduce", f"bucket{bucket} reduce", t0)
+        if self.trace is not None:
+            label = self._bucket_label(bucket, indices)
+            self.trace.span("wait", f"wait reduce {label}", int(t0 * 1e9), self.trace.now())
         units = [self.units[i] for i in indices]
         grad_numel = sum(u.layout.grad_shard_numel for u in units)
         with torch.no_grad():
@@ -293,6 +305,10 @@ class Runtime:
                 )
             else:
                 param.grad.to_local().add_(local)
+
+    def _bucket_label(self, bucket: int, indices: tuple[int, ...]) -> str:
+        names = ",".join(self.units[i].layout.label.split(" ")[0] for i in indices)
+        return f"bucket{bucket} [{names}]"
 
     def check_order(self, what: str, order_hash: int, order: tuple[int, ...]) -> None:
         hashes = comm.all_gather_int(order_hash, self.group, self._check_device())

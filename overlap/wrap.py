@@ -34,6 +34,7 @@ from overlap.init import ParamInitFn, materialize_and_shard
 from overlap.runtime import Runtime, UnitTensors, keep_freed_cpu_memory
 from overlap.schedule import Action, Phase, Schedule, ScheduleConfig, UnitState, order_hash
 from overlap.stats import StatsRecorder
+from overlap.trace import TraceRecorder, trace_dir_from
 from overlap.units import ParamInfo, UnitLayout, find_unit_modules, group_units, make_layout
 
 
@@ -72,8 +73,18 @@ class OverlapState:
             ),
             root=root_unit,
         )
+        trace_dir = trace_dir_from(config.trace_dir)
+        self.trace = TraceRecorder(trace_dir, self.rank) if trace_dir is not None else None
         self.runtime = Runtime(
-            units, group, self.rank, self.world_size, device, gather_dtype, reduce_dtype, self.stats
+            units,
+            group,
+            self.rank,
+            self.world_size,
+            device,
+            gather_dtype,
+            reduce_dtype,
+            self.stats,
+            trace=self.trace,
         )
         self._num_trainable = [sum(p.requires_grad for p in u.unsharded_params) for u in units]
         self._num_ready = [0] * len(units)
@@ -154,6 +165,8 @@ class OverlapState:
             self._run(self.schedule.pre_backward(index))  # [Note: forward during backward]
             return None
         self._run(self.schedule.pre_forward(index))
+        if self.trace is not None and first:
+            self.trace.begin("compute", f"forward {self.units[index].layout.label}")
         if first and torch.is_grad_enabled():
             return self._on_backward_done(args, index)
         return None
@@ -167,6 +180,8 @@ class OverlapState:
         if grad_enabled:
             self._on_backward_of(output, index)
         if last:
+            if self.trace is not None:
+                self.trace.end("compute", f"forward {self.units[index].layout.label}")
             self._run(self.schedule.post_forward(index, grad_enabled))
 
     def _on_backward_of(self, output: Any, index: int | None) -> None:
@@ -209,11 +224,18 @@ class OverlapState:
             Variable._execution_engine.queue_callback(self._end_backward)
         if index is not None:
             self._run(self.schedule.pre_backward(index))
+            if self.trace is not None and index != self.root_unit:  # the root spans it all
+                self.trace.begin("compute", f"backward {self.units[index].layout.label}")
+
+    def _post_backward(self, index: int) -> None:
+        if self.trace is not None:
+            self.trace.end("compute", f"backward {self.units[index].layout.label}")
+        self._run(self.schedule.post_backward(index))
 
     def _unit_backward_done(self, index: int) -> None:
         self._num_done[index] += 1
         if self._num_done[index] == self._num_forwards[index]:
-            self._run(self.schedule.post_backward(index))
+            self._post_backward(index)
 
     def _grad_ready(self, index: int, param: torch.Tensor) -> None:
         if self.schedule.states[index] is not UnitState.UNSHARDED:
@@ -229,7 +251,7 @@ class OverlapState:
             )
         self._num_ready[index] += 1
         if self._num_ready[index] == self._num_trainable[index]:
-            self._run(self.schedule.post_backward(index))
+            self._post_backward(index)
 
     def _end_backward(self) -> None:
         self._backward_queued = False
@@ -243,6 +265,8 @@ class OverlapState:
         peak_units, peak_bytes = self.schedule.max_unsharded()
         self.stats.record_unsharded(peak_units, peak_bytes)
         self.stats.finish()
+        if self.trace is not None:
+            self.trace.finish_step()
 
 
 class _BackwardDone(torch.autograd.Function):
