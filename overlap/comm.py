@@ -64,12 +64,14 @@ def wait(result: CommResult, timeout: timedelta | None = None) -> torch.Tensor:
     return result.output
 
 
-def all_gather_int(value: int, group: dist.ProcessGroup, device: torch.device) -> list[int]:
+def all_gather_int(
+    value: int, group: dist.ProcessGroup, device: torch.device, timeout: timedelta | None = None
+) -> list[int]:
     """Every rank's `value` (an int64), in rank order. Blocking; for checks, not the hot path."""
     world_size = dist.get_world_size(group)
-    send = torch.tensor([value], dtype=torch.int64, device=device)
-    out = torch.empty(world_size, dtype=torch.int64, device=device)
     if world_size == 1:
         return [value]
-    _all_gather(out, send, group=group)
+    send = torch.tensor([value], dtype=torch.int64, device=device)
+    out = torch.empty(world_size, dtype=torch.int64, device=device)
+    wait(CommResult(out, _all_gather(out, send, group=group, async_op=True), (send,)), timeout)
     return out.tolist()

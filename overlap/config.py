@@ -81,6 +81,11 @@ class OverlapConfig:
     mmap'd memory whose first touch page-faults (~7 ms per 12 MiB here). Process-wide: it affects
     every allocation of the process, and resident memory stays at its high-water mark."""
 
+    collective_timeout_s: float | None = None
+    """Seconds a wait on an all-gather or reduce-scatter may take before it raises (a dead or
+    stuck rank becomes an error instead of a hang). None: the process group's own timeout
+    (`init_process_group(timeout=...)`)."""
+
     trace_dir: str | None = None
     """Write a Chrome/Perfetto trace of the last few steps (one `trace_rank{r}.json` per rank)
     into this folder; the environment variable OVERLAP_TRACE=dir does the same. None: off."""
@@ -112,6 +117,9 @@ class OverlapConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+        timeout = self.collective_timeout_s
+        if timeout is not None and (isinstance(timeout, bool) or not timeout > 0):
+            raise ValueError(f"collective_timeout_s must be None or > 0, got {timeout!r}")
         cap = self.max_inflight_allgather_bytes
         if cap is not None and (not isinstance(cap, int) or cap <= 0):
             raise ValueError(f"max_inflight_allgather_bytes must be None or an int > 0, got {cap!r}")

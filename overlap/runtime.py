@@ -311,13 +311,10 @@ class Runtime:
         return f"bucket{bucket} [{names}]"
 
     def check_order(self, what: str, order_hash: int, order: tuple[int, ...]) -> None:
-        hashes = comm.all_gather_int(order_hash, self.group, self._check_device())
+        hashes = comm.all_gather_int(order_hash, self.group, self.device, self.timeout)
         if len(set(hashes)) != 1:
             raise ValueError(
                 f"overlap: the {what} order of units differs across ranks (rank {self.rank} ran "
                 f"units {list(order)}; order hashes by rank: {hashes}). Every rank must run the "
                 "same modules in the same order, or the collectives would exchange wrong data."
             )
-
-    def _check_device(self) -> torch.device:
-        return self.device

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import math
+from datetime import timedelta
 from collections.abc import Iterable
 from typing import Any
 
@@ -84,6 +85,9 @@ class OverlapState:
             gather_dtype,
             reduce_dtype,
             self.stats,
+            timeout=None
+            if config.collective_timeout_s is None
+            else timedelta(seconds=config.collective_timeout_s),
             trace=self.trace,
         )
         self._num_trainable = [sum(p.requires_grad for p in u.unsharded_params) for u in units]

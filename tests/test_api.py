@@ -256,3 +256,25 @@ def test_config_roundtrip(tmp_path):
     assert overlap.OverlapConfig.load(tmp_path / "c.json") == config
     with pytest.raises(ValueError, match="reduce_scatter_bucket_bytes"):
         overlap.OverlapConfig(reduce_scatter_bucket_bytes=-1)
+
+
+def dead_peer_times_out(rank: int, world: int) -> tuple[str, float]:
+    """Rank 1 stops taking part after wrap; rank 0's first gather wait must raise, not hang."""
+    import time
+
+    model = overlap.wrap(tiny_lm(), collective_timeout_s=2.0)
+    if rank == 1:
+        time.sleep(6)  # a stuck rank
+        return "slept", 0.0
+    t0 = time.monotonic()
+    try:
+        model(batch(model, rank, 0))
+    except Exception as e:  # gloo raises RuntimeError on timeout
+        return f"raised {type(e).__name__}: {e}", time.monotonic() - t0
+    return "no error", time.monotonic() - t0
+
+
+def test_stuck_peer_raises_within_the_collective_timeout(world2):
+    (what, seconds), (rank1, _) = world2.run(dead_peer_times_out, timeout_s=60)
+    assert what.startswith("raised") and 1.5 < seconds < 5.0, (what, seconds)
+    assert rank1 == "slept"
