@@ -90,6 +90,23 @@ class OverlapConfig:
     """Write a Chrome/Perfetto trace of the last few steps (one `trace_rank{r}.json` per rank)
     into this folder; the environment variable OVERLAP_TRACE=dir does the same. None: off."""
 
+    metrics_file: str | None = None
+    """Append one JSON line of telemetry per step (step and gap times, exposed comm, bytes, RSS,
+    CPU time; GPU memory, utilization, power, PCIe/NVLink through NVML on GPUs). "{rank}" in the
+    path is replaced by the rank. None: off."""
+
+    alert_exposed_comm_share: float | None = None
+    """Warn (logger "overlap") when exposed communication exceeds this share of a step."""
+
+    alert_collective_slowdown: float | None = None
+    """Warn when a collective takes more than this multiple of its running median."""
+
+    alert_step_gap_ms: float | None = None
+    """Warn when the time between steps (optimizer, data loading) exceeds this."""
+
+    alert_memory_bytes: int | None = None
+    """Warn when GPU memory in use (or RSS on CPU) exceeds this."""
+
     param_compression: str | None = None
     """Codec for the weight all-gather. Only None (uncompressed) is available in this version."""
 

@@ -89,6 +89,7 @@ class UnitTensors:
     owners: list[list[tuple[nn.Module, str]]]  # per parameter, every (module, attribute) holding it
     gather: comm.CommResult | None = None
     gather_event: torch.cuda.Event | None = None
+    gather_issued_at: float = 0.0  # perf_counter at issue, for StepStats.collective_ms
 
     @property
     def unsharded_nbytes(self) -> int:
@@ -104,6 +105,7 @@ class UnitTensors:
 class PendingReduce:
     result: comm.CommResult
     event: torch.cuda.Event | None
+    issued_at: float
 
 
 @dataclass
@@ -164,6 +166,7 @@ class Runtime:
                     self._copy_out(unit)
                     unit.gather_event = self.gather_stream.record_event()
         self.stats.record_issue("gather", unit.unsharded_nbytes)
+        unit.gather_issued_at = time.perf_counter()
         if self.trace is not None:
             self.trace.comm("all-gather", unit.layout.label, unit.gather.work, unit.unsharded_nbytes)
 
@@ -182,6 +185,7 @@ class Runtime:
             unit.gather = None  # [Note: buffer lifetime]
             unit.swap_in(unit.unsharded_params)
         self.stats.record_wait("gather", f"{unit.layout.label} gather", t0)
+        self.stats.record_latency(f"{unit.layout.label} gather", unit.gather_issued_at)
         if self.trace is not None:
             self.trace.span("wait", f"wait gather {unit.layout.label}", int(t0 * 1e9), self.trace.now())
 
@@ -254,7 +258,7 @@ class Runtime:
                 if self.reduce_stream is not None:
                     comm.wait(result, self.timeout)
                     event = self.reduce_stream.record_event()
-        self._pending[bucket] = PendingReduce(result, event)
+        self._pending[bucket] = PendingReduce(result, event, time.perf_counter())
         num_bytes = full.numel() * full.element_size()
         self.stats.record_issue("reduce", num_bytes)
         if self.trace is not None:
@@ -268,6 +272,8 @@ class Runtime:
                 torch.cuda.current_stream(self.device).wait_event(pending.event)
             reduced = comm.wait(pending.result, self.timeout)
         self.stats.record_wait("reduce", f"bucket{bucket} reduce", t0)
+        names = ",".join(self.units[i].layout.label.split(" ")[0] for i in indices)
+        self.stats.record_latency(f"reduce [{names}]", pending.issued_at)
         if self.trace is not None:
             label = self._bucket_label(bucket, indices)
             self.trace.span("wait", f"wait reduce {label}", int(t0 * 1e9), self.trace.now())

@@ -29,6 +29,13 @@ class StepStats:
     max_unsharded_bytes: int = 0
     unit_waits_ms: dict[str, float] = field(default_factory=dict)
     """Exposed wait per unit label ("unit3 gather", "bucket0 reduce"), for the biggest offenders."""
+    collective_ms: dict[str, float] = field(default_factory=dict)
+    """Issue-to-ready time per collective (an upper bound: "ready" is when it was waited on)."""
+    step_ms: float = 0.0
+    """From the step's first forward to the end of its backward (or of an eval forward)."""
+    gap_ms: float = 0.0
+    """From the end of the previous step to this step's first forward: the optimizer step, data
+    loading and whatever else the training loop does between steps."""
 
     @property
     def exposed_comm_ms(self) -> float:
@@ -41,6 +48,18 @@ class StatsRecorder:
     def __init__(self) -> None:
         self.current = StepStats()
         self.last: StepStats | None = None
+        self._step_start: float | None = None
+        self._last_end: float | None = None
+
+    def begin_step(self) -> None:
+        """The first forward of a step starts."""
+        now = time.perf_counter()
+        self._step_start = now
+        if self._last_end is not None:
+            self.current.gap_ms = (now - self._last_end) * 1e3
+
+    def record_latency(self, label: str, t_issue: float) -> None:
+        self.current.collective_ms[label] = (time.perf_counter() - t_issue) * 1e3
 
     def record_wait(self, kind: str, label: str, t0: float) -> None:
         ms = (time.perf_counter() - t0) * 1e3
@@ -64,5 +83,9 @@ class StatsRecorder:
         cur.max_unsharded_bytes = max(cur.max_unsharded_bytes, num_bytes)
 
     def finish(self) -> None:
+        now = time.perf_counter()
+        if self._step_start is not None:
+            self.current.step_ms = (now - self._step_start) * 1e3
+        self._step_start, self._last_end = None, now
         self.last = self.current
         self.current = StepStats(step=self.last.step + 1)

@@ -32,6 +32,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from overlap import comm
 from overlap.config import OverlapConfig
 from overlap.init import ParamInitFn, materialize_and_shard
+from overlap.monitor import Monitor
 from overlap.runtime import Runtime, UnitTensors, keep_freed_cpu_memory
 from overlap.schedule import Action, Phase, Schedule, ScheduleConfig, UnitState, order_hash
 from overlap.stats import StatsRecorder
@@ -73,6 +74,15 @@ class OverlapState:
                 bucket_bytes=config.reduce_scatter_bucket_bytes,
             ),
             root=root_unit,
+        )
+        self.monitor = Monitor(
+            self.rank,
+            device,
+            metrics_file=config.metrics_file,
+            alert_exposed_comm_share=config.alert_exposed_comm_share,
+            alert_collective_slowdown=config.alert_collective_slowdown,
+            alert_step_gap_ms=config.alert_step_gap_ms,
+            alert_memory_bytes=config.alert_memory_bytes,
         )
         trace_dir = trace_dir_from(config.trace_dir)
         self.trace = TraceRecorder(trace_dir, self.rank) if trace_dir is not None else None
@@ -142,6 +152,8 @@ class OverlapState:
     ) -> tuple[tuple, dict] | None:
         if self.schedule.phase is Phase.BACKWARD:
             return None  # [Note: forward during backward]
+        if self.schedule.phase is Phase.IDLE:
+            self.stats.begin_step()
         self._run(self.schedule.begin_forward())
         dtype = self.config.param_dtype
         if dtype is None:
@@ -269,6 +281,8 @@ class OverlapState:
         peak_units, peak_bytes = self.schedule.max_unsharded()
         self.stats.record_unsharded(peak_units, peak_bytes)
         self.stats.finish()
+        assert self.stats.last is not None
+        self.monitor.on_step(self.stats.last)
         if self.trace is not None:
             self.trace.finish_step()
 
