@@ -3,6 +3,7 @@
     python benchmarks/step_w1.py                       # W1, all contenders, 3 rounds
     python benchmarks/step_w1.py --overlap-config prefetch_depth=2 --json out/w1.json
     python benchmarks/step_w1.py --contenders ddp,floor-compute --layers 2 --rounds 1
+    python benchmarks/step_w1.py --link 1gbit          # each rank behind an emulated 1 Gbit/s link
 
 Two ranks x one thread each, spawned once; every contender is a fresh, identically initialized
 model in the same processes. Rounds interleave the contenders (order rotated each round); a round
@@ -64,6 +65,8 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the checkout's `overlap`
+
+from overlap.bench.link import LinkSpec, active_link, run_linked_command
 
 ALL_CONTENDERS = ("overlap", "fsdp2", "fsdp2-tuned", "ddp", "floor-compute", "floor-compute||comm")
 # Untimed steps per contender per round (and once up front, where step 1 is the parity check).
@@ -377,7 +380,8 @@ def run_segment(c: Contender, num_steps: int) -> None:
     c.current_rss_bytes = int(mem[1])
 
 
-def worker(rank: int, args: Namespace, port: int) -> None:
+def worker(rank: int, args: Namespace, port: int | None) -> None:
+    """One rank; `port` None: the world is described by the environment (an emulated link)."""
     torch.set_num_threads(args.threads)
     # [Note: one allocator setting for all] overlap.wrap on CPU raises glibc's mmap/trim
     # thresholds (OverlapConfig.cpu_keep_freed_memory), which is process-wide; every contender
@@ -389,7 +393,7 @@ def worker(rank: int, args: Namespace, port: int) -> None:
         keep_freed_cpu_memory()
     dist.init_process_group(
         "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
+        init_method="env://" if port is None else f"tcp://127.0.0.1:{port}",
         rank=rank,
         world_size=args.world_size,
         timeout=datetime.timedelta(seconds=args.timeout_s),
@@ -479,7 +483,8 @@ def report(args: Namespace, world: int, contenders: list[Contender]) -> None:
     mib = 2**20
     print(
         f"\nW1 step: {args.layers} x TransformerEncoderLayer(d={args.dim}, ff={args.ff}), "
-        f"B={args.batch} T={args.seq}, world={world} x {args.threads} thread(s), gloo loopback; "
+        f"B={args.batch} T={args.seq}, world={world} x {args.threads} thread(s), "
+        f"gloo {active_link() or 'loopback'}; "
         f"{args.rounds} rounds x {args.steps} steps"
     )
     w = max(len(row["name"]) for row in rows)
@@ -523,7 +528,8 @@ def report(args: Namespace, world: int, contenders: list[Contender]) -> None:
         path = Path(args.json)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(
-            json.dumps({"world_size": world, "link": "loopback", "runs": rows}, indent=2) + "\n"
+            json.dumps({"world_size": world, "link": active_link() or "loopback", "runs": rows}, indent=2)
+            + "\n"
         )
         print(f"wrote {path}")
 
@@ -558,10 +564,19 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     p.add_argument("--timeout-s", type=int, default=300, help="process-group timeout")
     p.add_argument("--json", default=None, metavar="PATH")
+    p.add_argument("--link", default=None, metavar="RATE[,DELAY]", help="e.g. 1gbit, 1gbit,200us")
     args = p.parse_args()
     if args.rounds < 1 or args.steps < 1:
         raise SystemExit("--rounds and --steps must be >= 1")
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
+    if active_link() is not None:  # a rank inside the emulated link: the env names it
+        worker(int(os.environ["RANK"]), args, None)
+        return
+    if args.link:  # every rank re-runs this script with these arguments, in its namespace
+        argv = [sys.executable, str(Path(__file__).resolve()), *sys.argv[1:]]
+        spec = LinkSpec.parse(args.link)
+        run_linked_command(argv, args.world_size, spec, num_threads=args.threads)
+        return
     mp.spawn(worker, args=(args, free_port()), nprocs=args.world_size, join=True)
 
 

@@ -1,0 +1,42 @@
+"""`overlap bench`: microbenchmarks that give the numbers users choose a setup by.
+
+    overlap bench comm      nccl-tests-style collective sweep (all_gather, reduce_scatter, ...)
+    overlap bench overlap   compute alone vs comm alone vs both at once: how much comm hides
+
+Each benchmark is a module exposing `add_arguments(parser)`, `run(args) -> int` and an importable
+function taking a frozen config; adding one is one row in `BENCHES`. All accept `--link RATE[,DELAY]`
+to run the ranks over an emulated network link (`overlap.bench.link`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+
+BENCHES: dict[str, tuple[str, str]] = {
+    "comm": ("overlap.bench.comm", "collective bandwidth sweep, printed as nccl-tests does"),
+    "overlap": (
+        "overlap.bench.overlap",
+        "matmuls with concurrent collectives: share of comm hidden",
+    ),
+}
+"""Benchmark -> (module, one-line help); a module is imported only when its benchmark is chosen."""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add one sub-parser per benchmark; each module adds its own flags."""
+    sub = parser.add_subparsers(dest="bench", required=True, metavar="BENCH")
+    for name, (module, help_text) in BENCHES.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        importlib.import_module(module).add_arguments(p)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the benchmark chosen on the command line; its exit code. A link that cannot be set
+    up here (not root, no iproute2) is a one-line error, not a traceback."""
+    from overlap.bench.link import LinkError
+
+    try:
+        return int(importlib.import_module(BENCHES[args.bench][0]).run(args))
+    except LinkError as e:
+        raise SystemExit(f"overlap bench {args.bench}: {e}") from None
