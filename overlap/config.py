@@ -65,6 +65,11 @@ class OverlapConfig:
     """Gradients of consecutive units (in backward order) are reduce-scattered together once their
     bytes reach this size. 0 reduces every unit on its own, as soon as its gradients are ready."""
 
+    reduce_scatter_impl: str = "auto"
+    """How gradients are reduce-scattered: "native" (the backend's reduce-scatter), "all_to_all"
+    (all-to-all, then a local sum in rank order), or "auto": all_to_all on gloo, whose own
+    reduce-scatter puts twice the bytes on the wire, native elsewhere (NCCL)."""
+
     param_dtype: torch.dtype | None = None
     """Dtype of the all-gathered parameters and of the forward/backward compute (mixed precision);
     floating inputs of the root forward are cast to it. The sharded master parameters, their
@@ -134,6 +139,11 @@ class OverlapConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+        if self.reduce_scatter_impl not in ("auto", "native", "all_to_all"):
+            raise ValueError(
+                "reduce_scatter_impl must be 'auto', 'native' or 'all_to_all', "
+                f"got {self.reduce_scatter_impl!r}"
+            )
         timeout = self.collective_timeout_s
         if timeout is not None and (isinstance(timeout, bool) or not timeout > 0):
             raise ValueError(f"collective_timeout_s must be None or > 0, got {timeout!r}")

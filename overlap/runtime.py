@@ -120,6 +120,7 @@ class Runtime:
     stats: StatsRecorder
     timeout: timedelta | None = None
     trace: TraceRecorder | None = None
+    reduce_impl: comm.ReduceImpl = "native"
     gather_stream: torch.cuda.Stream | None = field(init=False, default=None)
     reduce_stream: torch.cuda.Stream | None = field(init=False, default=None)
     _pending: dict[int, PendingReduce] = field(init=False, default_factory=dict)
@@ -254,7 +255,7 @@ class Runtime:
             if self.reduce_stream is not None:
                 self.reduce_stream.wait_stream(torch.cuda.current_stream(self.device))
             with self._stream(self.reduce_stream):
-                result = comm.reduce_scatter_flat(full.view(-1), self.group, n)
+                result = comm.reduce_scatter_flat(full.view(-1), self.group, n, self.reduce_impl)
                 if self.reduce_stream is not None:
                     comm.wait(result, self.timeout)
                     event = self.reduce_stream.record_event()

@@ -99,6 +99,7 @@ class OverlapState:
             if config.collective_timeout_s is None
             else timedelta(seconds=config.collective_timeout_s),
             trace=self.trace,
+            reduce_impl=_reduce_impl(config.reduce_scatter_impl, group),
         )
         self._num_trainable = [sum(p.requires_grad for p in u.unsharded_params) for u in units]
         self._num_ready = [0] * len(units)
@@ -285,6 +286,13 @@ class OverlapState:
         self.monitor.on_step(self.stats.last)
         if self.trace is not None:
             self.trace.finish_step()
+
+
+def _reduce_impl(choice: str, group: dist.ProcessGroup) -> comm.ReduceImpl:
+    """See [Note: reduce-scatter through all-to-all] in comm.py."""
+    if choice != "auto":
+        return choice  # type: ignore[return-value]
+    return "all_to_all" if "gloo" in str(dist.get_backend(group)) else "native"
 
 
 class _BackwardDone(torch.autograd.Function):

@@ -52,7 +52,7 @@ def test_state_dicts(world2):
 
 def collectives_and_labels(rank: int, world: int, config: dict) -> dict:
     calls: list[str] = []
-    ag, rs = comm._all_gather, comm._reduce_scatter
+    ag, rs, a2a = comm._all_gather, comm._reduce_scatter, comm._all_to_all
 
     def count_ag(*a, **k):
         calls.append("all_gather")
@@ -62,7 +62,11 @@ def collectives_and_labels(rank: int, world: int, config: dict) -> dict:
         calls.append("reduce_scatter")
         return rs(*a, **k)
 
-    comm._all_gather, comm._reduce_scatter = count_ag, count_rs
+    def count_a2a(*a, **k):  # the gradient path on gloo (reduce_scatter_impl="auto")
+        calls.append("reduce_scatter")
+        return a2a(*a, **k)
+
+    comm._all_gather, comm._reduce_scatter, comm._all_to_all = count_ag, count_rs, count_a2a
     model = overlap.wrap(tiny_lm(layers=4), **config)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     per_step = []
@@ -78,7 +82,7 @@ def collectives_and_labels(rank: int, world: int, config: dict) -> dict:
         opt.zero_grad()
         per_step.append(list(calls))
     stats = overlap.step_stats(model)
-    comm._all_gather, comm._reduce_scatter = ag, rs
+    comm._all_gather, comm._reduce_scatter, comm._all_to_all = ag, rs, a2a
     return {"calls": per_step, "labels": labels, "stats": stats}
 
 
@@ -139,8 +143,9 @@ def no_sync_matches_ddp(rank: int, world: int) -> dict:
     ref = DDP(copy.deepcopy(base))
     ours = overlap.wrap(base)
     calls = []
-    rs = comm._reduce_scatter
+    rs, a2a = comm._reduce_scatter, comm._all_to_all
     comm._reduce_scatter = lambda *a, **k: (calls.append(1), rs(*a, **k))[1]
+    comm._all_to_all = lambda *a, **k: (calls.append(1), a2a(*a, **k))[1]
     for micro in range(3):
         x = batch(base, rank, micro)
         if micro < 2:
@@ -152,7 +157,7 @@ def no_sync_matches_ddp(rank: int, world: int) -> dict:
         else:
             loss_of(ref(x)).backward()
             loss_of(ours(x)).backward()
-    comm._reduce_scatter = rs
+    comm._reduce_scatter, comm._all_to_all = rs, a2a
     named = dict(ref.module.named_parameters())
     for name, p in ours.named_parameters():
         local = p.grad.to_local()

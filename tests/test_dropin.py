@@ -246,12 +246,13 @@ def test_meta_init_with_param_init_fn(world2):
 def eval_forward_reduces_nothing(rank: int, world: int) -> dict:
     model = overlap.wrap(TinyLM())
     calls = []
-    rs = comm._reduce_scatter
+    rs, a2a = comm._reduce_scatter, comm._all_to_all
     comm._reduce_scatter = lambda *a, **k: (calls.append(1), rs(*a, **k))[1]
+    comm._all_to_all = lambda *a, **k: (calls.append(1), a2a(*a, **k))[1]
     model.eval()
     with torch.no_grad():
         model(batch(model, rank, 0))
-    comm._reduce_scatter = rs
+    comm._reduce_scatter, comm._all_to_all = rs, a2a
     assert not calls
     assert all(u.unsharded_flat.untyped_storage().nbytes() == 0 for u in model._overlap_state.units)
     return {}

@@ -115,6 +115,7 @@ CONFIGS_2 = [
     pytest.param({"min_unit_numel": 3000}, id="merged-units"),
     pytest.param({"max_inflight_allgather_bytes": 4000, "prefetch_depth": 4}, id="byte-cap"),
     pytest.param({"unit_policy": {nn.LayerNorm}}, id="class-policy"),
+    pytest.param({"reduce_scatter_impl": "native"}, id="native-reduce-scatter"),
 ]
 
 
