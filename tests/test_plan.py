@@ -1,0 +1,82 @@
+"""Planner: the cost model's arithmetic by hand, and the simulator's invariants (it replays the
+runtime's own schedule, so counts and memory must match what the schedule allows)."""
+
+from __future__ import annotations
+
+import pytest
+
+from overlap import OverlapConfig
+from overlap.plan.cost import LINKS, Link, Topology, UnitCost, flops_compute, ring_time_s
+from overlap.plan.simulate import simulate
+
+LINK = Link("test", alpha_s=1e-5, busbw_gbps=10.0)
+
+
+def test_ring_times_by_hand():
+    topo = Topology(4, 8, LINK, LINKS["ndr400"])
+    # all-gather of 1 GB over 4 ranks: 3 steps of 10 us + 3/4 * 1e9 B / 1e10 B/s = 75 ms
+    assert ring_time_s("all_gather", 1e9, topo) == pytest.approx(3e-5 + 0.075)
+    assert ring_time_s("reduce_scatter", 1e9, topo) == pytest.approx(3e-5 + 0.075)
+    assert ring_time_s("all_reduce", 1e9, topo) == pytest.approx(2 * (3e-5 + 0.075))
+    assert ring_time_s("all_gather", 1e9, Topology(1, 8, LINK, LINK)) == 0.0
+    # 16 ranks on 8-rank nodes: the inter-node link bounds the ring
+    big = Topology(16, 8, LINK, LINKS["ndr400"])
+    assert ring_time_s("all_gather", 1e9, big) == pytest.approx(15 * 15e-6 + 15 / 16 * 1e9 / 45e9)
+    with pytest.raises(ValueError):
+        ring_time_s("broadcast", 1.0, topo)
+
+
+def test_flops_compute():
+    fwd, bwd = flops_compute(numel=1_000_000, tokens=1000, tflops=1.0)
+    assert fwd == pytest.approx(2e9 / 1e12) and bwd == pytest.approx(2 * fwd)
+
+
+def units(n: int = 6, fwd: float = 0.01, nbytes: int = 10_000_000) -> list[UnitCost]:
+    return [UnitCost(f"u{i}", nbytes, nbytes, fwd, 2 * fwd) for i in range(n)]
+
+
+TOPO = Topology(2, 2, LINK, LINK)
+
+
+def test_no_comm_hidden_without_prefetch_and_all_hidden_with_it():
+    t_gather = ring_time_s("all_gather", 10_000_000, TOPO)
+    none = simulate(units(), OverlapConfig(prefetch_depth=0), TOPO)
+    assert none.exposed_s >= 6 * t_gather  # every forward gather is exposed at least
+    deep = simulate(units(fwd=0.05), OverlapConfig(prefetch_depth=2), TOPO, backend="gloo")
+    # compute per unit (50 ms) dwarfs a gather (~0.5 ms): only the first gather and the last
+    # reduce-scatter remain exposed
+    t_reduce = ring_time_s("reduce_scatter", 10_000_000, TOPO)
+    assert deep.exposed_s == pytest.approx(t_gather + t_reduce, rel=0.05)
+    assert deep.step_s == pytest.approx(deep.compute_s + deep.exposed_s)
+
+
+@pytest.mark.parametrize("depth", [0, 1, 2, 3])
+@pytest.mark.parametrize("reshard", [True, False])
+def test_counts_and_memory_follow_the_schedule(depth, reshard):
+    n = 6
+    p = simulate(units(n), OverlapConfig(prefetch_depth=depth, reshard_after_forward=reshard), TOPO, record=True)
+    assert p.num_allgathers == (2 * n - 1 if reshard else n)  # ZeRO-3 keeps the last unit
+    assert p.num_reduce_scatters == n
+    if reshard:
+        assert p.peak_unsharded_units <= depth + 1
+    # compute is serial and never overlaps itself; every wait ends when its collective does
+    compute = sorted((a, b) for lane, _, a, b in p.events if lane == "compute")
+    assert all(b0 <= a1 + 1e-12 for (_, b0), (a1, _) in zip(compute, compute[1:]))
+
+
+def test_byte_cap_bounds_memory():
+    cap = 25_000_000  # two and a half units
+    p = simulate(units(6), OverlapConfig(prefetch_depth=4, max_inflight_allgather_bytes=cap), TOPO)
+    assert p.peak_unsharded_bytes <= cap
+
+
+def test_one_nccl_lane_queues_reduce_behind_gathers():
+    one = simulate(units(6, fwd=0.0001), OverlapConfig(prefetch_depth=2), TOPO, backend="nccl")
+    two = simulate(units(6, fwd=0.0001), OverlapConfig(prefetch_depth=2), TOPO, backend="gloo")
+    assert one.step_s > two.step_s  # comm-bound: a second lane finishes sooner
+
+
+def test_cpu_contention_charges_comm_time():
+    base = simulate(units(), OverlapConfig(), TOPO, backend="gloo")
+    loaded = simulate(units(), OverlapConfig(), TOPO, backend="gloo", cpu_contention=0.5)
+    assert loaded.step_s == pytest.approx(base.step_s + 0.5 * base.comm_busy_s)
