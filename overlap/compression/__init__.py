@@ -1,0 +1,32 @@
+"""Compressed communication: codecs (strategy objects) and error feedback."""
+
+from overlap.compression.codecs import (
+    GRAD_CODECS,
+    PARAM_CODECS,
+    BF16Codec,
+    Codec,
+    Encoded,
+    FP8Codec,
+    IdentityCodec,
+    Int4Codec,
+    Int8Codec,
+    make_grad_codec,
+    make_param_codec,
+)
+from overlap.compression.feedback import encode_with_feedback, quantization_residual
+
+__all__ = [
+    "GRAD_CODECS",
+    "PARAM_CODECS",
+    "BF16Codec",
+    "Codec",
+    "Encoded",
+    "FP8Codec",
+    "IdentityCodec",
+    "Int4Codec",
+    "Int8Codec",
+    "encode_with_feedback",
+    "make_grad_codec",
+    "make_param_codec",
+    "quantization_residual",
+]

@@ -1,0 +1,342 @@
+"""Codecs: how a flat tensor travels on the wire. Strategy objects chosen once by the config.
+
+A codec turns a flat tensor into an `Encoded` (codes, optional per-block scales) and back. The
+collectives call `encode` on the sender and `decode` / `decode_accumulate` on the receiver; the
+schedule never asks which codec is in use (DESIGN.md, layer 4).
+
+Wire layout for the collectives: a chunk whose numel is a multiple of `alignment_numel` encodes
+to `wire_bytes(chunk_numel)` bytes, [codes | fp32 scales]. `to_chunk_bytes` lays out a rank-major
+buffer chunk-major for one uint8 all-to-all (reduce-scatter); concatenating each rank's
+`to_bytes(encode(shard))` (all-gather) gives the same layout; `from_chunk_bytes` splits either.
+
+[Note: codec numerics]
+- identity: the tensor itself (no copy); bitwise.
+- bf16: round-to-nearest-even cast; exact for bf16-representable inputs; Inf/NaN pass through
+  (finite fp32 values above bf16's max round to Inf, as any bf16 cast does).
+- int8 / int4 / fp8: blockwise absmax scaling ([Note: blockwise quantization format] in
+  overlap/kernels/reference.py). Per element, |x - decode(encode(x))| <= scale / 2 with
+  scale = absmax(block) / qmax (qmax = 127 int8, 7 int4) for round-to-nearest, < scale for
+  stochastic rounding (which is unbiased instead); fp8 e4m3 keeps 3 mantissa bits: relative
+  error <= 2^-4 for |x| >= 2^-6 * scale, absolute <= 2^-10 * scale below. Blocks whose scale is
+  subnormal add up to 128 * 2^-149 of absolute error. -0.0 decodes to +0.0.
+- Inf/NaN: quantizing codecs raise ValueError by default (`check_finite=True`; one check over
+  the num_blocks scales, which costs a host sync on CUDA). With `check_finite=False` they pass
+  through: a block holding Inf/NaN decodes to NaN across the whole block, so loss scalers and
+  NaN checks downstream still see it.
+- Error feedback: with round-to-nearest, `decode(enc) + (x - decode(enc)) == x` exactly in fp32
+  (the residual is always exactly representable: Sterbenz's lemma, since a nonzero code is within
+  a factor of 2 of its input). `encode_with_feedback` below keeps that residual.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import ClassVar, NamedTuple
+
+import torch
+
+from overlap.kernels import (
+    code_numel,
+    dequantize_blockwise,
+    num_blocks_for,
+    quantize_blockwise,
+)
+from overlap.kernels.reference import CodeFormat
+
+_SCALE_BYTES = 4  # fp32 per block
+
+
+class Encoded(NamedTuple):
+    """A tensor as it travels: `codes` (and `scales`, fp32 per block, or None), flat."""
+
+    codes: torch.Tensor
+    scales: torch.Tensor | None
+    numel: int
+    dtype: torch.dtype  # of the tensor that was encoded; decode() returns this dtype
+
+
+class Codec(ABC):
+    """Encode a flat tensor for the wire and decode (or decode-and-add) it on the receiver."""
+
+    name: ClassVar[str]
+    alignment_numel: int = 1
+    """Chunks whose numel is a multiple of this encode to independent, contiguous slices of one
+    encoding of the whole tensor (codes and scales both split evenly): pad shards to it."""
+
+    @abstractmethod
+    def encode(self, x: torch.Tensor) -> Encoded:
+        """Encode `x` (read flat; any floating dtype)."""
+
+    @abstractmethod
+    def _decode_into(self, enc: Encoded, out: torch.Tensor, accumulate: bool) -> None:
+        """Write (or add, summing in fp32) the decoded values into flat, contiguous `out`."""
+
+    @abstractmethod
+    def wire_bytes(self, numel: int, dtype: torch.dtype = torch.float32) -> int:
+        """Bytes that `numel` elements of `dtype` occupy on the wire (codes + scales)."""
+
+    def decode(self, enc: Encoded, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """A new flat tensor of `dtype` (default: the encoded tensor's dtype)."""
+        out = torch.empty(enc.numel, dtype=dtype or enc.dtype, device=enc.codes.device)
+        self._decode_into(enc, out, accumulate=False)
+        return out
+
+    def decode_accumulate(self, enc: Encoded, out: torch.Tensor) -> torch.Tensor:
+        """`out += decode(enc)`, summed in fp32 and stored in out's dtype. Returns `out`."""
+        self._check_out(enc, out, "decode_accumulate")
+        self._decode_into(enc, out.view(-1), accumulate=True)
+        return out
+
+    def decode_into(self, enc: Encoded, out: torch.Tensor) -> torch.Tensor:
+        """Write the decoded values into `out` (contiguous, numel elements, any floating dtype)."""
+        self._check_out(enc, out, "decode_into")
+        self._decode_into(enc, out.view(-1), accumulate=False)
+        return out
+
+    def _check_out(self, enc: Encoded, out: torch.Tensor, what: str) -> None:
+        if out.numel() != enc.numel or not out.is_contiguous():
+            raise ValueError(
+                f"{type(self).__name__}.{what}: out must be contiguous with "
+                f"{enc.numel} elements, got shape {tuple(out.shape)}"
+            )
+
+    def to_chunk_bytes(self, enc: Encoded, num_chunks: int) -> torch.Tensor:
+        """The wire bytes of `num_chunks` equal chunks, chunk-major: [codes_0 scales_0 codes_1 ...].
+
+        For all-to-all / all-gather of one uint8 buffer: chunk r is bytes
+        [r * wire_bytes(chunk_numel), (r + 1) * wire_bytes(chunk_numel)). Needs the chunk numel
+        to be a multiple of `alignment_numel` (see [Note: codec numerics]).
+        """
+        self._check_chunks(enc.numel, num_chunks)
+        parts = [enc.codes.reshape(-1).view(torch.uint8).view(num_chunks, -1)]
+        if enc.scales is not None:
+            parts.append(enc.scales.reshape(-1).view(torch.uint8).view(num_chunks, -1))
+        return torch.cat(parts, dim=1).view(-1) if len(parts) > 1 else parts[0].reshape(-1)
+
+    def from_chunk_bytes(
+        self, buf: torch.Tensor, num_chunks: int, chunk_numel: int, dtype: torch.dtype
+    ) -> list[Encoded]:
+        """Split a chunk-major byte buffer (from `to_chunk_bytes`, or gathered / exchanged
+        `to_bytes` of equal chunks) into one `Encoded` per chunk (views, no copy)."""
+        step = self.wire_bytes(chunk_numel, dtype)
+        if buf.dtype != torch.uint8 or buf.numel() != num_chunks * step:
+            raise ValueError(
+                f"{type(self).__name__}.from_chunk_bytes: expected {num_chunks} x {step} uint8 "
+                f"bytes, got {buf.numel()} {buf.dtype}"
+            )
+        return [
+            self.from_bytes(buf[r * step : (r + 1) * step], chunk_numel, dtype)
+            for r in range(num_chunks)
+        ]
+
+    def _check_chunks(self, numel: int, num_chunks: int) -> None:
+        if num_chunks <= 0 or numel % num_chunks or (numel // num_chunks) % self.alignment_numel:
+            raise ValueError(
+                f"{type(self).__name__}: {numel} elements do not split into {num_chunks} chunks "
+                f"of a multiple of {self.alignment_numel} elements; pad the shards to it"
+            )
+
+    def to_bytes(self, enc: Encoded) -> torch.Tensor:
+        """One flat uint8 tensor (codes, then scales) of `wire_bytes` bytes, for byte collectives."""
+        parts = [enc.codes.reshape(-1).view(torch.uint8)]
+        if enc.scales is not None:
+            parts.append(enc.scales.reshape(-1).view(torch.uint8))
+        return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+    def from_bytes(self, buf: torch.Tensor, numel: int, dtype: torch.dtype) -> Encoded:
+        """Inverse of `to_bytes` (views into `buf`, no copy)."""
+        raise NotImplementedError  # overridden by every concrete codec
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+
+class IdentityCodec(Codec):
+    """No compression: the tensor itself travels (the encoding is a view of the input)."""
+
+    name = "identity"
+
+    def encode(self, x: torch.Tensor) -> Encoded:
+        return Encoded(x.reshape(-1), None, x.numel(), x.dtype)
+
+    def _decode_into(self, enc: Encoded, out: torch.Tensor, accumulate: bool) -> None:
+        _store(out, enc.codes, accumulate)
+
+    def wire_bytes(self, numel: int, dtype: torch.dtype = torch.float32) -> int:
+        return numel * dtype.itemsize
+
+    def from_bytes(self, buf: torch.Tensor, numel: int, dtype: torch.dtype) -> Encoded:
+        return Encoded(buf[: numel * dtype.itemsize].view(dtype), None, numel, dtype)
+
+
+class BF16Codec(Codec):
+    """bfloat16 on the wire (round-to-nearest-even); Inf/NaN pass through."""
+
+    name = "bf16"
+
+    def encode(self, x: torch.Tensor) -> Encoded:
+        return Encoded(x.reshape(-1).to(torch.bfloat16), None, x.numel(), x.dtype)
+
+    def _decode_into(self, enc: Encoded, out: torch.Tensor, accumulate: bool) -> None:
+        _store(out, enc.codes, accumulate)
+
+    def wire_bytes(self, numel: int, dtype: torch.dtype = torch.float32) -> int:
+        return numel * 2
+
+    def from_bytes(self, buf: torch.Tensor, numel: int, dtype: torch.dtype) -> Encoded:
+        return Encoded(buf[: numel * 2].view(torch.bfloat16), None, numel, dtype)
+
+
+class _BlockwiseCodec(Codec):
+    """Blockwise absmax codes through `overlap.kernels` (see [Note: codec numerics])."""
+
+    bits: ClassVar[int]
+    fmt: ClassVar[CodeFormat]
+    default_block_size: ClassVar[int]
+
+    def __init__(
+        self,
+        block_size: int | None = None,
+        *,
+        stochastic: bool = False,
+        generator: torch.Generator | None = None,
+        check_finite: bool = True,
+    ) -> None:
+        block = self.default_block_size if block_size is None else block_size
+        if not isinstance(block, int) or block <= 0 or (self.bits == 4 and block % 2):
+            raise ValueError(
+                f"{type(self).__name__}: block_size must be a positive int"
+                f"{' (even: two codes per byte)' if self.bits == 4 else ''}, got {block_size!r}"
+            )
+        if stochastic and self.fmt == "fp8":
+            raise ValueError("FP8Codec: stochastic rounding is not available; use Int8Codec for it")
+        self.block_size = block
+        self.alignment_numel = block
+        self.stochastic = stochastic
+        self.generator = generator
+        self.check_finite = check_finite
+
+    def encode(self, x: torch.Tensor) -> Encoded:
+        codes, scales = quantize_blockwise(
+            x, self.bits, self.block_size, self.stochastic, self.generator, fmt=self.fmt
+        )
+        if self.check_finite:
+            bad = torch.isnan(scales)
+            if bool(bad.any()):
+                raise ValueError(
+                    f"overlap.compression.{type(self).__name__}: the input holds Inf or NaN in "
+                    f"{int(bad.sum())} of {scales.numel()} blocks of {self.block_size}; quantized "
+                    "codes cannot carry them. Fix the overflow (lower the learning rate, use a "
+                    "loss scaler) or build the codec with check_finite=False to pass such blocks "
+                    "through as NaN."
+                )
+        return Encoded(codes, scales, x.numel(), x.dtype)
+
+    def _decode_into(self, enc: Encoded, out: torch.Tensor, accumulate: bool) -> None:
+        assert enc.scales is not None, "blockwise codes travel with their scales"
+        dequantize_blockwise(
+            enc.codes, enc.scales, self.bits, self.block_size, enc.numel, out, accumulate, fmt=self.fmt
+        )
+
+    def wire_bytes(self, numel: int, dtype: torch.dtype = torch.float32) -> int:
+        return code_numel(numel, self.bits, self.block_size) + _SCALE_BYTES * num_blocks_for(
+            numel, self.block_size
+        )
+
+    def from_bytes(self, buf: torch.Tensor, numel: int, dtype: torch.dtype) -> Encoded:
+        n_codes = code_numel(numel, self.bits, self.block_size)
+        nb = num_blocks_for(numel, self.block_size)
+        codes = buf[:n_codes]
+        if self.bits == 8 and self.fmt == "int":
+            codes = codes.view(torch.int8)
+        scales = buf[n_codes : n_codes + _SCALE_BYTES * nb].view(torch.float32)
+        return Encoded(codes, scales, numel, dtype)
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(block_size={self.block_size}, stochastic={self.stochastic}, "
+            f"check_finite={self.check_finite})"
+        )
+
+
+class Int8Codec(_BlockwiseCodec):
+    """int8 codes, one fp32 scale per block: ~3.9x fewer bytes than fp32 at block 256."""
+
+    name = "int8"
+    bits = 8
+    fmt = "int"
+    default_block_size = 256
+
+
+class Int4Codec(_BlockwiseCodec):
+    """int4 codes packed two per byte (q + 8 per nibble), one fp32 scale per block."""
+
+    name = "int4"
+    bits = 4
+    fmt = "int"
+    default_block_size = 128
+
+
+class FP8Codec(_BlockwiseCodec):
+    """float8 e4m3fn codes (sent as uint8: gloo has no float8), one fp32 scale per block."""
+
+    name = "fp8"
+    bits = 8
+    fmt = "fp8"
+    default_block_size = 256
+
+    def __init__(self, block_size: int | None = None, *, check_finite: bool = True) -> None:
+        if not hasattr(torch, "float8_e4m3fn"):
+            raise ValueError(
+                f"FP8Codec needs torch.float8_e4m3fn, which torch {torch.__version__} lacks; "
+                "use param_compression='int8' or 'bf16'"
+            )
+        super().__init__(block_size, check_finite=check_finite)
+
+
+def _store(out: torch.Tensor, values: torch.Tensor, accumulate: bool) -> None:
+    flat = out.view(-1)
+    if not accumulate:
+        flat.copy_(values)
+    elif flat.dtype == torch.float32:
+        flat.add_(values)  # promotes `values` to fp32 per element
+    else:
+        flat.copy_(flat.float() + values.float())
+
+
+PARAM_CODECS = (None, "bf16", "int8", "fp8")
+GRAD_CODECS = (None, "bf16", "int8", "int4")
+
+
+def make_param_codec(
+    name: str | None, *, block_size: int | None = None, check_finite: bool = True
+) -> Codec:
+    """The codec for `OverlapConfig.param_compression` (None -> IdentityCodec)."""
+    if name is None:
+        return IdentityCodec()
+    if name == "bf16":
+        return BF16Codec()
+    if name == "int8":
+        return Int8Codec(block_size, check_finite=check_finite)
+    if name == "fp8":
+        return FP8Codec(block_size, check_finite=check_finite)
+    raise ValueError(f"param_compression must be one of {PARAM_CODECS}, got {name!r}")
+
+
+def make_grad_codec(
+    name: str | None,
+    *,
+    block_size: int | None = None,
+    stochastic: bool = False,
+    generator: torch.Generator | None = None,
+    check_finite: bool = True,
+) -> Codec:
+    """The codec for `OverlapConfig.grad_compression` (None -> IdentityCodec)."""
+    if name is None:
+        return IdentityCodec()
+    if name == "bf16":
+        return BF16Codec()
+    if name in ("int8", "int4"):
+        cls = Int8Codec if name == "int8" else Int4Codec
+        return cls(block_size, stochastic=stochastic, generator=generator, check_finite=check_finite)
+    raise ValueError(f"grad_compression must be one of {GRAD_CODECS}, got {name!r}")

@@ -1,0 +1,135 @@
+"""Blockwise quantize / dequantize(-accumulate): checked wrappers that dispatch to a backend.
+
+Backends, fastest first: Triton on CUDA tensors (when triton imports), the C++ extension on CPU
+tensors (built at first use, see [Note: just-in-time C++ build] in cpu.py), else the torch
+reference (`reference.py`), which defines the format ([Note: blockwise quantization format]).
+`backend=` forces one ("ref", "cpp", "triton") for tests and benchmarks.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+
+from overlap.kernels import cpu
+from overlap.kernels.reference import (
+    CodeFormat,
+    code_numel,
+    dequantize_blockwise_ref,
+    num_blocks_for,
+    quantize_blockwise_ref,
+)
+
+Backend = Literal["auto", "ref", "cpp", "triton"]
+_FMT_ID = {"int": 0, "fp8": 1}
+
+
+def _check_format(bits: int, block: int, fmt: CodeFormat, stochastic: bool) -> None:
+    if fmt not in _FMT_ID:
+        raise ValueError(f"overlap.kernels: fmt must be 'int' or 'fp8', got {fmt!r}")
+    if bits not in (4, 8) or (fmt == "fp8" and bits != 8):
+        raise ValueError(f"overlap.kernels: bits must be 8 or 4 (int only), got bits={bits} fmt={fmt!r}")
+    if not isinstance(block, int) or block <= 0 or (bits == 4 and block % 2):
+        raise ValueError(f"overlap.kernels: block must be a positive int (even for 4 bits), got {block!r}")
+    if stochastic and fmt == "fp8":
+        raise ValueError("overlap.kernels: stochastic rounding is available for int formats only")
+
+
+def _triton_usable(t: torch.Tensor, block: int) -> bool:
+    if t.device.type != "cuda" or block & (block - 1):  # Triton tiles are powers of two
+        return False
+    from overlap.kernels import triton_kernels
+
+    return triton_kernels.available()
+
+
+def select_backend(device: torch.device, block: int, backend: Backend = "auto") -> str:
+    """The backend `quantize_blockwise` / `dequantize_blockwise` would use for this device."""
+    if backend != "auto":
+        return backend
+    if device.type == "cuda":
+        probe = torch.empty(0, device=device)
+        return "triton" if _triton_usable(probe, block) else "ref"
+    if device.type == "cpu" and cpu.load_extension() is not None:
+        return "cpp"
+    return "ref"
+
+
+def quantize_blockwise(
+    x: torch.Tensor,
+    bits: int,
+    block: int,
+    stochastic: bool = False,
+    generator: torch.Generator | None = None,
+    *,
+    fmt: CodeFormat = "int",
+    backend: Backend = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize `x` (any shape, read flat) blockwise -> (codes, fp32 scales).
+
+    Stochastic rounding draws `num_blocks * block` uniforms from `generator` (on x's device);
+    every backend consumes the same draw, so results are reproducible across backends.
+    """
+    _check_format(bits, block, fmt, stochastic)
+    if not x.is_floating_point():
+        raise TypeError(f"overlap.kernels.quantize_blockwise: x must be floating, got {x.dtype}")
+    x = x.contiguous().view(-1)
+    noise = None
+    if stochastic:
+        nb = num_blocks_for(x.numel(), block)
+        noise = torch.rand(nb * block, generator=generator, device=x.device, dtype=torch.float32)
+    chosen = select_backend(x.device, block, backend)
+    if chosen == "cpp":
+        ext = cpu.load_extension()
+        if ext is None:
+            raise RuntimeError("overlap.kernels: backend='cpp' requested but the extension is not built")
+        return ext.quantize_blockwise(x, bits, block, _FMT_ID[fmt], noise)
+    if chosen == "triton":
+        from overlap.kernels import triton_kernels
+
+        return triton_kernels.quantize_blockwise(x, bits, block, fmt=fmt, noise=noise)
+    return quantize_blockwise_ref(x, bits, block, stochastic, fmt=fmt, noise=noise)
+
+
+def dequantize_blockwise(
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    bits: int,
+    block: int,
+    numel: int,
+    out: torch.Tensor | None = None,
+    accumulate: bool = False,
+    *,
+    fmt: CodeFormat = "int",
+    backend: Backend = "auto",
+) -> torch.Tensor:
+    """Decode the first `numel` elements into `out` (new fp32 if None); `accumulate` adds into it
+    (sum in fp32, stored in out's dtype). Returns `out`."""
+    _check_format(bits, block, fmt, False)
+    nb = num_blocks_for(numel, block)
+    if codes.numel() != code_numel(numel, bits, block) or scales.numel() != nb:
+        raise ValueError(
+            f"overlap.kernels.dequantize_blockwise: {codes.numel()} codes / {scales.numel()} scales "
+            f"do not match numel={numel}, bits={bits}, block={block}"
+        )
+    if out is None:
+        if accumulate:
+            raise ValueError("overlap.kernels.dequantize_blockwise: accumulate=True needs `out`")
+        out = torch.empty(numel, dtype=torch.float32, device=codes.device)
+    elif out.numel() != numel or not out.is_contiguous() or not out.is_floating_point():
+        raise ValueError("overlap.kernels.dequantize_blockwise: out must be contiguous, floating, numel elements")
+    codes = codes.contiguous()
+    scales = scales.contiguous().float()
+    chosen = select_backend(codes.device, block, backend)
+    if chosen == "cpp":
+        ext = cpu.load_extension()
+        if ext is None:
+            raise RuntimeError("overlap.kernels: backend='cpp' requested but the extension is not built")
+        ext.dequantize_blockwise(codes, scales, bits, block, numel, out, accumulate, _FMT_ID[fmt])
+        return out
+    if chosen == "triton":
+        from overlap.kernels import triton_kernels
+
+        return triton_kernels.dequantize_blockwise(codes, scales, bits, block, numel, out, accumulate, fmt=fmt)
+    return dequantize_blockwise_ref(codes, scales, bits, block, numel, out, accumulate, fmt)
