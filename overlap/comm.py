@@ -14,6 +14,8 @@ from typing import Any, Literal, NamedTuple
 import torch
 import torch.distributed as dist
 
+from overlap.compression import Codec, encode_with_feedback
+
 # torch 2.13 deprecates all_gather_into_tensor / reduce_scatter_tensor in favour of the
 # *_single names (a FutureWarning on every call); torch 2.11 has only the old names.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -83,6 +85,86 @@ def _sum_chunks(world_size: int, n: int) -> Callable[[torch.Tensor], torch.Tenso
         return total
 
     return finish
+
+
+def all_gather_encoded(
+    shard: torch.Tensor, group: dist.ProcessGroup, world_size: int, dtype: torch.dtype, codec: Codec
+) -> CommResult:
+    """All-gather through `codec`: every rank's shard is encoded, the bytes gathered, and each
+    rank's part decoded into a rank-major `dtype` tensor by `wait`. The fp32 master shard is
+    untouched; only the wire copy is compressed (this rank decodes its own part too, so every
+    rank computes with the same values)."""
+    numel = shard.numel()
+    send = codec.to_bytes(codec.encode(shard))
+    received = torch.empty(world_size * send.numel(), dtype=torch.uint8, device=shard.device)
+    work = None
+    if world_size == 1:
+        received.copy_(send)
+    else:
+        work = _all_gather(received, send, group=group, async_op=True)
+
+    def finish(buf: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(world_size * numel, dtype=dtype, device=buf.device)
+        for r, part in enumerate(codec.from_chunk_bytes(buf, world_size, numel, shard.dtype)):
+            codec.decode_into(part, out[r * numel : (r + 1) * numel])
+        return out
+
+    return CommResult(received, work, (send,), finish)
+
+
+def reduce_scatter_encoded(
+    grads: torch.Tensor,
+    tail: torch.Tensor,
+    group: dist.ProcessGroup,
+    world_size: int,
+    codec: Codec,
+    residual: torch.Tensor | None = None,
+) -> CommResult:
+    """Reduce-scatter the rank-major `grads` (world_size, n) through `codec`: row r is encoded
+    (with error feedback into row r of `residual` when given) and sent to rank r by all-to-all;
+    `wait` decodes the world_size received rows and sums them in fp32, in rank order.
+
+    `tail` (world_size, k) rides along uncompressed and is summed exactly (the used-flag columns
+    of runtime.reduce). The result is [sum of grads row | sum of tail row], in grads' dtype.
+    """
+    n, k = grads.shape[1], tail.shape[1]
+    dtype = grads.dtype
+    # Each row: [tail | codes and scales], both parts padded to 8 bytes so that every view of
+    # the received bytes (fp32 scales, the tail's dtype) is aligned.
+    tail_bytes = k * tail.element_size()
+    tail_span = _round8(tail_bytes)
+    wire = codec.wire_bytes(n, dtype)
+    step = tail_span + _round8(wire)
+    send = torch.zeros(world_size * step, dtype=torch.uint8, device=grads.device)
+    for r in range(world_size):
+        if residual is not None:
+            enc, _ = encode_with_feedback(codec, grads[r], residual[r])
+        else:
+            enc = codec.encode(grads[r])
+        row = send[r * step : (r + 1) * step]
+        row[:tail_bytes].copy_(tail[r].contiguous().view(torch.uint8))
+        row[tail_span : tail_span + wire].copy_(codec.to_bytes(enc))
+    received = torch.empty_like(send)
+    work = None
+    if world_size == 1:
+        received.copy_(send)
+    else:
+        work = _all_to_all(received, send, group=group, async_op=True)
+
+    def finish(buf: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros(n + k, dtype=torch.float32, device=buf.device)
+        for r in range(world_size):
+            row = buf[r * step : (r + 1) * step]
+            enc = codec.from_bytes(row[tail_span : tail_span + wire], n, dtype)
+            codec.decode_accumulate(enc, out[:n])
+            out[n:] += row[:tail_bytes].view(tail.dtype).float()
+        return out.to(dtype)
+
+    return CommResult(received, work, (send,), finish)
+
+
+def _round8(num_bytes: int) -> int:
+    return (num_bytes + 7) // 8 * 8
 
 
 def wait(result: CommResult, timeout: timedelta | None = None) -> torch.Tensor:

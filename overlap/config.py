@@ -19,8 +19,8 @@ _DTYPES = {
     "float16": torch.float16,
     "bfloat16": torch.bfloat16,
 }
-_PARAM_CODECS = (None,)  # "bf16", "int8", "fp8" arrive with the compression issue
-_GRAD_CODECS = (None,)  # "bf16", "int8", "int4" arrive with the compression issue
+_PARAM_CODECS = (None, "bf16", "int8", "fp8")  # overlap.compression.PARAM_CODECS
+_GRAD_CODECS = (None, "bf16", "int8", "int4")  # overlap.compression.GRAD_CODECS
 
 
 def _dtype_name(dtype: torch.dtype | None) -> str | None:
@@ -113,14 +113,30 @@ class OverlapConfig:
     """Warn when GPU memory in use (or RSS on CPU) exceeds this."""
 
     param_compression: str | None = None
-    """Codec for the weight all-gather. Only None (uncompressed) is available in this version."""
+    """Codec for the weight all-gather: None, "bf16", "int8" or "fp8" (blockwise absmax). The
+    fp32 master shards stay exact; only the copy on the wire is compressed, and every rank
+    (this one included) computes with the decoded values."""
 
     grad_compression: str | None = None
-    """Codec for the gradient reduce-scatter. Only None (uncompressed) is available in this
-    version."""
+    """Codec for the gradient reduce-scatter: None, "bf16", "int8" or "int4". Compressed
+    gradients travel by all-to-all (each rank's chunk for rank r is encoded and sent to r) and
+    are decoded and summed in fp32 on the receiver."""
+
+    compression_block_size: int | None = None
+    """Elements per scale for the blockwise codecs (None: the codec's default, 256 for int8 and
+    fp8, 128 for int4)."""
+
+    stochastic_rounding: bool = False
+    """Round gradient codes stochastically (unbiased, no extra memory) instead of to nearest."""
 
     error_feedback: bool = False
-    """Carry gradient quantization residuals to the next step (needs `grad_compression`)."""
+    """Carry what gradient quantization dropped into the next step's gradient (needs
+    `grad_compression`). Costs one residual the size of a full unsharded gradient per rank, for
+    every bucket (4 bytes per parameter element in fp32, 2 in bf16; see
+    `error_feedback_dtype`). The residuals are training state."""
+
+    error_feedback_dtype: torch.dtype = torch.float32
+    """float32 (exact: decoded + residual == gradient) or bfloat16 (half the memory)."""
 
     def __post_init__(self) -> None:
         policy = self.unit_policy
@@ -168,6 +184,13 @@ class OverlapConfig:
                 f"grad_compression={self.grad_compression!r} is not available in this version "
                 f"of overlap; use one of {_GRAD_CODECS}"
             )
+        if isinstance(self.error_feedback_dtype, str):
+            object.__setattr__(self, "error_feedback_dtype", _DTYPES.get(self.error_feedback_dtype))
+        if self.error_feedback_dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError("error_feedback_dtype must be torch.float32 or torch.bfloat16")
+        block = self.compression_block_size
+        if block is not None and (not isinstance(block, int) or block <= 0 or block % 2):
+            raise ValueError(f"compression_block_size must be None or an even int > 0, got {block!r}")
         if self.error_feedback and self.grad_compression is None:
             raise ValueError("error_feedback=True needs a grad_compression codec")
 
@@ -185,6 +208,7 @@ class OverlapConfig:
         out = dataclasses.asdict(self)
         out["param_dtype"] = _dtype_name(self.param_dtype)
         out["reduce_dtype"] = _dtype_name(self.reduce_dtype)
+        out["error_feedback_dtype"] = _dtype_name(self.error_feedback_dtype)
         return out
 
     def save(self, path: str | Path) -> None:

@@ -37,6 +37,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.profiler import record_function
 
 from overlap import comm
+from overlap.compression import Codec
 from overlap.schedule import (
     Action,
     CheckOrder,
@@ -121,6 +122,11 @@ class Runtime:
     timeout: timedelta | None = None
     trace: TraceRecorder | None = None
     reduce_impl: comm.ReduceImpl = "native"
+    param_codec: Codec | None = None  # None: uncompressed all-gather
+    grad_codec: Codec | None = None  # None: uncompressed reduce-scatter (reduce_impl)
+    residual_dtype: torch.dtype | None = None  # error feedback on when set
+    residuals: dict[tuple[int, ...], torch.Tensor] = field(default_factory=dict)
+    """Error-feedback residual per bucket (its units): [world_size, gradient columns]."""
     gather_stream: torch.cuda.Stream | None = field(init=False, default=None)
     reduce_stream: torch.cuda.Stream | None = field(init=False, default=None)
     _pending: dict[int, PendingReduce] = field(init=False, default_factory=dict)
@@ -161,12 +167,18 @@ class Runtime:
                 self.gather_stream.wait_stream(torch.cuda.current_stream(self.device))
                 self._alloc_unsharded(unit)  # on the compute stream, see [Note: streams]
             with self._stream(self.gather_stream):
-                unit.gather = comm.all_gather_flat(unit.shard, self.group, self.world_size, dtype)
+                if self.param_codec is None:
+                    unit.gather = comm.all_gather_flat(unit.shard, self.group, self.world_size, dtype)
+                else:
+                    unit.gather = comm.all_gather_encoded(
+                        unit.shard, self.group, self.world_size, dtype, self.param_codec
+                    )
                 if self.gather_stream is not None:
-                    comm.wait(unit.gather, self.timeout)  # the gather stream waits, not the CPU
-                    self._copy_out(unit)
+                    # the gather stream waits, not the CPU
+                    self._copy_out(unit, comm.wait(unit.gather, self.timeout))
                     unit.gather_event = self.gather_stream.record_event()
-        self.stats.record_issue("gather", unit.unsharded_nbytes)
+        received = unit.gather.output
+        self.stats.record_issue("gather", received.numel() * received.element_size())
         unit.gather_issued_at = time.perf_counter()
         if self.trace is not None:
             self.trace.comm("all-gather", unit.layout.label, unit.gather.work, unit.unsharded_nbytes)
@@ -180,9 +192,9 @@ class Runtime:
                 torch.cuda.current_stream(self.device).wait_event(unit.gather_event)
                 unit.gather_event = None
             else:
-                comm.wait(unit.gather, self.timeout)
+                gathered = comm.wait(unit.gather, self.timeout)
                 self._alloc_unsharded(unit)
-                self._copy_out(unit)
+                self._copy_out(unit, gathered)
             unit.gather = None  # [Note: buffer lifetime]
             unit.swap_in(unit.unsharded_params)
         self.stats.record_wait("gather", f"{unit.layout.label} gather", t0)
@@ -195,11 +207,10 @@ class Runtime:
         if storage.nbytes() == 0:
             storage.resize_(unit.unsharded_nbytes)
 
-    def _copy_out(self, unit: UnitTensors) -> None:
+    def _copy_out(self, unit: UnitTensors, gathered: torch.Tensor) -> None:
         """Rank-major gather output -> parameter-major unsharded buffer, one fused pass."""
-        assert unit.gather is not None
         n, chunks = self.world_size, unit.layout.chunk_sizes
-        src = unit.gather.output.view(n, -1)
+        src = gathered.view(n, -1)
         dst = [
             unit.unsharded_flat[s.unsharded_offset : s.unsharded_offset + n * s.chunk_numel].view(n, -1)
             for s in unit.layout.slots
@@ -255,15 +266,35 @@ class Runtime:
             if self.reduce_stream is not None:
                 self.reduce_stream.wait_stream(torch.cuda.current_stream(self.device))
             with self._stream(self.reduce_stream):
-                result = comm.reduce_scatter_flat(full.view(-1), self.group, n, self.reduce_impl)
+                if self.grad_codec is None:
+                    result = comm.reduce_scatter_flat(full.view(-1), self.group, n, self.reduce_impl)
+                else:
+                    width_grads = full.shape[1] - len(used)
+                    residual = self._residual(indices, width_grads)
+                    result = comm.reduce_scatter_encoded(
+                        full[:, :width_grads], full[:, width_grads:], self.group, n, self.grad_codec, residual
+                    )
                 if self.reduce_stream is not None:
                     comm.wait(result, self.timeout)
                     event = self.reduce_stream.record_event()
         self._pending[bucket] = PendingReduce(result, event, time.perf_counter())
-        num_bytes = full.numel() * full.element_size()
+        sent = result.inputs[0]
+        num_bytes = sent.numel() * sent.element_size()
         self.stats.record_issue("reduce", num_bytes)
         if self.trace is not None:
             self.trace.comm("reduce-scatter", self._bucket_label(bucket, indices), result.work, num_bytes)
+
+    def _residual(self, indices: tuple[int, ...], width: int) -> torch.Tensor | None:
+        """This bucket's error-feedback residual (zeros the first time), or None when off.
+
+        Keyed by the bucket's units: the schedule forms the same buckets every step."""
+        if self.residual_dtype is None:
+            return None
+        residual = self.residuals.get(indices)
+        if residual is None:
+            residual = torch.zeros(self.world_size, width, dtype=self.residual_dtype, device=self.device)
+            self.residuals[indices] = residual
+        return residual
 
     def wait_reduce(self, bucket: int, indices: tuple[int, ...]) -> None:
         pending = self._pending.pop(bucket)

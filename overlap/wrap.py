@@ -30,6 +30,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from overlap import comm
+from overlap.compression import make_grad_codec, make_param_codec
 from overlap.config import OverlapConfig
 from overlap.init import ParamInitFn, materialize_and_shard
 from overlap.monitor import Monitor
@@ -100,6 +101,18 @@ class OverlapState:
             else timedelta(seconds=config.collective_timeout_s),
             trace=self.trace,
             reduce_impl=_reduce_impl(config.reduce_scatter_impl, group),
+            param_codec=None
+            if config.param_compression is None
+            else make_param_codec(config.param_compression, block_size=config.compression_block_size),
+            grad_codec=None
+            if config.grad_compression is None
+            else make_grad_codec(
+                config.grad_compression,
+                block_size=config.compression_block_size,
+                stochastic=config.stochastic_rounding,
+                generator=_rounding_generator(device, self.rank) if config.stochastic_rounding else None,
+            ),
+            residual_dtype=config.error_feedback_dtype if config.error_feedback else None,
         )
         self._num_trainable = [sum(p.requires_grad for p in u.unsharded_params) for u in units]
         self._num_ready = [0] * len(units)
@@ -286,6 +299,11 @@ class OverlapState:
         self.monitor.on_step(self.stats.last)
         if self.trace is not None:
             self.trace.finish_step()
+
+
+def _rounding_generator(device: torch.device, rank: int) -> torch.Generator:
+    """Independent stochastic-rounding noise per rank (correlated noise would not average out)."""
+    return torch.Generator(device).manual_seed(0x5EED + rank)
 
 
 def _reduce_impl(choice: str, group: dist.ProcessGroup) -> comm.ReduceImpl:

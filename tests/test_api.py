@@ -234,7 +234,7 @@ def bad_inputs(rank: int, world: int) -> dict:
         "not a module": lambda: overlap.wrap(lambda x: x),
         "unknown field": lambda: overlap.wrap(tiny_lm(), prefetch_dpth=2),
         "bad depth": lambda: overlap.wrap(tiny_lm(), prefetch_depth=-1),
-        "codec": lambda: overlap.wrap(tiny_lm(), grad_compression="int4"),
+        "codec": lambda: overlap.wrap(tiny_lm(), grad_compression="int2"),
         "int param": lambda: overlap.wrap(IntParam()),
     }.items():
         try:
