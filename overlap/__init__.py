@@ -4,6 +4,7 @@
     opt = torch.optim.AdamW(model.parameters())
 """
 
+from overlap import checkpoint
 from overlap.config import OverlapConfig
 from overlap.api import (
     clip_grad_norm_,
@@ -17,6 +18,7 @@ from overlap.wrap import wrap
 
 __all__ = [
     "OverlapConfig",
+    "checkpoint",
     "StepStats",
     "clip_grad_norm_",
     "full_state_dict",

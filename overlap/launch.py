@@ -78,7 +78,26 @@ def init_from_env(timeout_s: float = DEFAULT_TIMEOUT_S) -> WorldInfo:
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     device = _device_for(backend, local_rank)
     if not dist.is_initialized():
-        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+        # torchrun's store outlives a restart (--max-restarts): without a per-attempt prefix the
+        # new ranks can read the dead ranks' gloo addresses and fail to connect (seen here in 4
+        # of 8 restarts).
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        store = dist.PrefixStore(
+            f"overlap_attempt_{attempt}",
+            dist.TCPStore(
+                os.environ["MASTER_ADDR"],
+                int(os.environ["MASTER_PORT"]),
+                is_master=False,
+                timeout=timedelta(seconds=timeout_s),
+            ),
+        )
+        dist.init_process_group(
+            backend,
+            store=store,
+            rank=int(os.environ["RANK"]),
+            world_size=int(os.environ["WORLD_SIZE"]),
+            timeout=timedelta(seconds=timeout_s),
+        )
     return WorldInfo(dist.get_rank(), dist.get_world_size(), local_rank, backend, device)
 
 

@@ -87,3 +87,24 @@ def test_error_feedback_beats_plain_int4(world2):
     err = lambda rs: sum(r["param_err"] for r in rs)  # noqa: E731
     assert err(fed) < err(raw), (err(fed), err(raw))
     assert plain[0]["param_err"] == 0.0
+
+
+def residuals_roundtrip(rank: int, world: int, root: str) -> dict:
+    config = {"grad_compression": "int4", "error_feedback": True}
+    model = overlap.wrap(tiny_lm(), **config)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    loss_of(model(batch(model, rank, 0))).backward()
+    opt.step()
+    overlap.checkpoint.save(root, model, opt, step=1)
+    saved = {k: v.clone() for k, v in model._overlap_state.runtime.residuals.items()}
+    assert saved and any(v.abs().sum() > 0 for v in saved.values())
+    fresh = overlap.wrap(tiny_lm(seed=3), **config)
+    opt2 = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+    overlap.checkpoint.load(overlap.checkpoint.latest(root), fresh, opt2)
+    loaded = fresh._overlap_state.runtime.residuals
+    assert set(loaded) == set(saved) and all(torch.equal(loaded[k], saved[k]) for k in saved)
+    return {}
+
+
+def test_error_feedback_residuals_are_checkpointed(world2, tmp_path):
+    world2.run(residuals_roundtrip, root=str(tmp_path))
