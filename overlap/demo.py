@@ -60,6 +60,9 @@ class DemoConfig:
     """Engine knobs: None keeps `overlap.OverlapConfig`'s default."""
     bucket_bytes: int | None = None
     reshard_after_forward: bool | None = None
+    param_compression: str | None = None
+    grad_compression: str | None = None
+    error_feedback: bool | None = None
 
     def wrap_overrides(self) -> dict[str, Any]:
         """The engine knobs that were set, as `overlap.wrap` keyword overrides."""
@@ -67,6 +70,9 @@ class DemoConfig:
             "prefetch_depth": self.prefetch_depth,
             "reduce_scatter_bucket_bytes": self.bucket_bytes,
             "reshard_after_forward": self.reshard_after_forward,
+            "param_compression": self.param_compression,
+            "grad_compression": self.grad_compression,
+            "error_feedback": self.error_feedback,
         }
         return {k: v for k, v in knobs.items() if v is not None}
 
@@ -85,6 +91,8 @@ class DemoResult:
     rss_mb_per_rank: list[float]
     sharded_state_mb_per_rank: list[float]
     wall_s: float
+    losses: list[float] | None = None
+    """Training loss of every step, averaged over ranks."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -300,6 +308,7 @@ def _finish(
     losses = mean_across_ranks(log.losses)
     ms, share = log.window(0)
     result = DemoResult(
+        losses=losses,
         first_loss=losses[0],
         final_loss=statistics.fmean(losses[-min(10, len(losses)) :]),
         val_loss=val,
@@ -371,6 +380,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         const=False,
         default=None,
         help="keep gathered weights until backward (ZeRO-2)",
+    )
+    knobs.add_argument("--param-compression", choices=["bf16", "int8", "fp8"], default=None)
+    knobs.add_argument("--grad-compression", choices=["bf16", "int8", "int4"], default=None)
+    knobs.add_argument(
+        "--error-feedback", action="store_const", const=True, default=None, help="with --grad-compression"
     )
 
 
