@@ -14,7 +14,7 @@ from collections.abc import Sequence
 COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("overlap.demo", "train a small GPT on the Python stdlib's source with overlap.wrap"),
     "report": ("overlap.report", "summarize an overlap trace (exposed comm per unit) and draw its timeline"),
-    "bench": ("overlap.bench", "microbenchmarks: collective bandwidth (comm), comm/compute overlap"),
+    "bench": ("overlap.bench", "benchmarks: collective bandwidth (comm), comm/compute overlap (overlap), training step vs FSDP2/DDP (step)"),
 }
 """Subcommand -> (module, one-line help). Modules are imported only when their command runs,
 so `overlap --help` stays fast and a broken subcommand cannot break the others."""

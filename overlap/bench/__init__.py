@@ -2,6 +2,7 @@
 
     overlap bench comm      nccl-tests-style collective sweep (all_gather, reduce_scatter, ...)
     overlap bench overlap   compute alone vs comm alone vs both at once: how much comm hides
+    overlap bench step      a training step side by side: overlap, FSDP2, DDP and two floors
 
 Each benchmark is a module exposing `add_arguments(parser)`, `run(args) -> int` and an importable
 function taking a frozen config; adding one is one row in `BENCHES`. All accept `--link RATE[,DELAY]`
@@ -18,6 +19,10 @@ BENCHES: dict[str, tuple[str, str]] = {
     "overlap": (
         "overlap.bench.overlap",
         "matmuls with concurrent collectives: share of comm hidden",
+    ),
+    "step": (
+        "overlap.bench.step",
+        "training step side by side (overlap, FSDP2, DDP, floors); --nproc 1,2,4 for scaling",
     ),
 }
 """Benchmark -> (module, one-line help); a module is imported only when its benchmark is chosen."""

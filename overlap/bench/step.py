@@ -1,0 +1,842 @@
+"""`overlap bench step`: one training step side by side: overlap vs FSDP2 vs DDP vs two floors.
+
+    overlap bench step                                     # W1, 2 gloo ranks, all contenders
+    overlap bench step --model gpt --layers 4 --dim 256 --heads 4 --nproc 1,2,4
+    overlap bench step --overlap-config prefetch_depth=2 --json out/w1.json
+    overlap bench step --link 1gbit                        # ranks behind an emulated 1 Gbit/s link
+
+Models (`--model`): `w1`, the core issue's workload, a stack of `--layers`
+nn.TransformerEncoderLayer(d=`--dim`, ff=`--ff`) trained on a fixed random input with loss
+mean(out^2); `gpt`, the package's byte-level GPT (overlap.models.gpt) on a fixed batch of the
+stdlib's bytes (overlap.data) with its own cross-entropy. The unit of sharding is a layer (W1) or
+a Block (gpt); the GPT's embeddings, final norm and head are the root's.
+
+Each world size of `--nproc` (a comma list, e.g. 1,2,4) is its own spawned gloo world of that many
+ranks x `--threads` threads; every contender is a fresh, identically initialized model in the same
+processes. Rounds interleave the contenders (order rotated each round); a round gives each
+contender 2 warm-up steps and `--steps` timed steps, each timed after a barrier and taken as the
+slowest rank. Reported: the median over rounds of each round's median step, and the min-max of
+those round medians. With more than one world size a scaling table follows: tokens/s per world
+size (the global batch grows with the ranks: `--batch` is per rank) and the speedup over the
+smallest world size given; ideal is the ratio of the world sizes.
+
+Contenders
+  overlap[...]         overlap.wrap (default config, plus one per --overlap-config)
+  fsdp2                fully_shard per unit, then the root; defaults
+  fsdp2-tuned          + explicit next/previous-unit prefetch and _set_unshard_async_op(True)
+  ddp                  DistributedDataParallel
+  floor-compute        the plain local step: no communication
+  floor-compute||comm  the plain local step with ZeRO-3's collectives running beside it
+
+[Note: what floor-compute||comm issues, and when]
+Per unit, in the sizes ZeRO-3 would use (the unit's numel padded to a multiple of the world size,
+fp32): an all-gather from its forward pre-hook, an all-gather when the gradient of its output
+arrives (a tensor hook, i.e. the start of its backward) and a reduce-scatter once all its
+parameters have accumulated gradients. The root's own parameters (gpt: embeddings, final norm,
+head) are gathered once before the forward and reduce-scattered once, as FSDP2 keeps the root
+unsharded between forward and backward. All are async_op=True on preallocated buffers that
+nothing reads, so no compute ever waits on them; the step waits for all of them at its end.
+Launching them at the hooks spreads the traffic over the step like a real ZeRO-3 schedule would,
+instead of front-loading it all at step start. On 2 cores the gloo worker threads take CPU from
+compute, so this is "the best this machine can overlap", not compute time alone.
+
+Parity guard: after the up-front warm-up, every data-parallel contender's loss at step 1 (after
+one AdamW update) must match DDP's on each rank within 1e-5 relative, else a WARNING line (the
+floors train on local gradients and are not checked; mixed precision will trip it by design).
+Exposed communication: overlap reports its own (StepStats.exposed_comm_ms, median over steps);
+for the others it is estimated as step - floor-compute (marked "~").
+Memory: state = per-rank bytes of parameters + gradients + optimizer state by accounting (local
+shards of DTensors; DDP's buckets and overlap's/FSDP2's transient unsharded buffers excluded).
+peak RSS is process-wide (all contenders live in the process): the kernel's high-water mark,
+reset before each contender's steps where /proc/self/clear_refs allows, else ru_maxrss.
+
+JSON (`--json PATH`): `{"world_size", "link", "model", "config", "runs": [{"name",
+"median_step_ms", "spread_ms", "tokens_per_s", "exposed_comm_ms", "peak_mem_bytes", ...}]}`, one
+file per world size: PATH itself for a single world size, else PATH with `.n<world size>` before
+its suffix (out/w1.json -> out/w1.n1.json, out/w1.n2.json, ...).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import os
+import resource
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Literal, get_args
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from overlap.bench.comm import all_gather_single, reduce_scatter_single
+from overlap.bench.link import LinkSpec, active_link, run_linked_world
+from overlap.launch import run_local_world
+from overlap.models.gpt import GPT, GPTConfig
+
+ModelName = Literal["w1", "gpt"]
+MODELS: tuple[ModelName, ...] = get_args(ModelName)
+ALL_CONTENDERS = ("overlap", "fsdp2", "fsdp2-tuned", "ddp", "floor-compute", "floor-compute||comm")
+WARMUP_STEPS = 2
+"""Untimed steps per contender per round (and once up front, where step 1 is the parity check)."""
+PARITY_RTOL = 1e-5
+GPT_CORPUS_BYTES = 2**20
+"""The gpt batch is cut from this much stdlib text: plenty for a fixed batch, read in a blink."""
+
+Batch = tuple[torch.Tensor, ...]
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepBenchConfig:
+    """One side-by-side comparison. Defaults are W1 on 2 ranks: a few minutes on 2 CPU cores."""
+
+    model: ModelName = "w1"
+    contenders: tuple[str, ...] = ALL_CONTENDERS
+    overlap_configs: tuple[str, ...] = ()
+    """Extra overlap contenders, one per "key=value[,key=value]" of OverlapConfig overrides."""
+    rounds: int = 3
+    steps: int = 6
+    """Timed steps per contender per round."""
+    layers: int = 8
+    dim: int = 512
+    heads: int = 8
+    ff: int = 2048
+    """W1's feed-forward width (gpt: always 4 x dim)."""
+    batch: int = 4
+    """Sequences per rank per step."""
+    seq: int = 128
+    lr: float = 1e-4
+    seed: int = 0
+    nproc: tuple[int, ...] = (2,)
+    """World sizes, one spawned world each, run in this order."""
+    threads: int = 1
+    """Torch threads per rank."""
+    keep_freed_memory: bool = True
+    """Apply overlap's CPU allocator setting to every contender (see [Note: one allocator ...])."""
+    timeout_s: float = 300.0
+    """Process-group timeout: a hung collective fails after this long."""
+    link: str | None = None
+    """Emulated link for every world, e.g. "1gbit" or "1gbit,200us" (overlap.bench.link)."""
+    json_path: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.model not in MODELS:
+            raise ValueError(f"StepBenchConfig.model: {self.model!r} is not one of {MODELS}")
+        unknown = sorted(set(self.contenders) - set(ALL_CONTENDERS))
+        if unknown or not self.contenders:
+            raise ValueError(
+                f"StepBenchConfig.contenders: unknown {unknown}; choose from {ALL_CONTENDERS}"
+            )
+        if min(self.rounds, self.steps) < 1:
+            raise ValueError("StepBenchConfig: rounds and steps must be >= 1")
+        if min(self.layers, self.dim, self.heads, self.ff, self.batch, self.seq, self.threads) < 1:
+            raise ValueError("StepBenchConfig: model sizes, batch, seq and threads must be >= 1")
+        if self.dim % self.heads:
+            raise ValueError(
+                f"StepBenchConfig: dim={self.dim} must be divisible by heads={self.heads}"
+            )
+        if not self.nproc or min(self.nproc) < 1 or len(set(self.nproc)) != len(self.nproc):
+            raise ValueError(
+                f"StepBenchConfig.nproc: need distinct world sizes >= 1, got {self.nproc}"
+            )
+        for spec in self.overlap_configs:
+            parse_overrides(spec)
+        if self.link is not None:
+            LinkSpec.parse(self.link)  # fail here, not in the ranks
+
+
+# ---------------------------------------------------------------------------------------------
+# workloads: model, units, batch, loss
+
+
+def build_model(cfg: StepBenchConfig) -> nn.Module:
+    torch.manual_seed(cfg.seed)  # same init on every rank and for every contender
+    if cfg.model == "gpt":
+        gpt_cfg = GPTConfig(
+            n_layer=cfg.layers, n_head=cfg.heads, n_embd=cfg.dim, block_size=cfg.seq
+        )
+        return GPT(gpt_cfg)
+    return nn.Sequential(
+        *[
+            nn.TransformerEncoderLayer(
+                d_model=cfg.dim,
+                nhead=cfg.heads,
+                dim_feedforward=cfg.ff,
+                batch_first=True,
+                dropout=0.0,
+            )
+            for _ in range(cfg.layers)
+        ]
+    )
+
+
+def shard_units(model: nn.Module) -> list[nn.Module]:
+    """The modules sharded one by one (FSDP2's fully_shard, the floor's collectives): the GPT's
+    Blocks, W1's layers."""
+    return list(model.blocks) if isinstance(model, GPT) else list(model.children())
+
+
+def root_params(model: nn.Module, units: list[nn.Module]) -> list[nn.Parameter]:
+    in_units = {id(p) for unit in units for p in unit.parameters()}
+    return [p for p in model.parameters() if id(p) not in in_units]
+
+
+def make_batch(cfg: StepBenchConfig, rank: int) -> Batch:
+    """A fixed batch, different per rank: every step of every contender trains on it."""
+    if cfg.model == "gpt":
+        from overlap.data import get_batch, load_stdlib_bytes, rank_generator
+
+        data = load_stdlib_bytes(GPT_CORPUS_BYTES)
+        return get_batch(data, cfg.batch, cfg.seq, rank_generator(cfg.seed, rank))
+    gen = torch.Generator().manual_seed(1000 + rank)
+    return (torch.randn(cfg.batch, cfg.seq, cfg.dim, generator=gen),)
+
+
+def compute_loss(model: nn.Module, batch: Batch) -> torch.Tensor:
+    """gpt: its cross-entropy on (inputs, targets); W1: mean(out^2) of its one input."""
+    if len(batch) == 2:
+        return model(*batch)[1]
+    return model(batch[0]).pow(2).mean()
+
+
+def describe(cfg: StepBenchConfig) -> str:
+    if cfg.model == "gpt":
+        return f"GPT step: {cfg.layers} x Block(d={cfg.dim}, heads={cfg.heads}) on stdlib bytes"
+    return f"W1 step: {cfg.layers} x TransformerEncoderLayer(d={cfg.dim}, ff={cfg.ff})"
+
+
+# ---------------------------------------------------------------------------------------------
+# contenders
+
+
+@dataclass
+class Contender:
+    name: str
+    model: nn.Module
+    opt: torch.optim.Optimizer
+    step: Callable[..., torch.Tensor]
+    """One training step, `step(on_stepped=None)`; returns the (detached) loss."""
+    exposed_comm_ms: Callable[[], float] | None = None
+    """The contender's own measure of the last step's exposed communication, if it has one."""
+    trains_like_ddp: bool = True
+    step_ms: list[list[float]] = field(default_factory=list)  # per round, per timed step
+    exposed_ms: list[float] = field(default_factory=list)
+    state_bytes: int = 0
+    peak_rss_bytes: int = 0
+    current_rss_bytes: int = 0
+    parity_rel: float | None = None
+
+
+def train_step(
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    batch: Batch,
+    on_stepped: Callable[[], None] | None = None,
+) -> torch.Tensor:
+    loss = compute_loss(model, batch)
+    loss.backward()
+    opt.step()
+    if on_stepped is not None:  # gradients still alive here: the accounting hook
+        on_stepped()
+    opt.zero_grad(set_to_none=True)
+    return loss.detach()
+
+
+def standard(name: str, model: nn.Module, batch: Batch, lr: float, **kw: Any) -> Contender:
+    """A contender whose step is the plain `train_step` of `model` under AdamW."""
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+
+    def step(on_stepped: Callable[[], None] | None = None) -> torch.Tensor:
+        return train_step(model, opt, batch, on_stepped)
+
+    return Contender(name, model, opt, step, **kw)
+
+
+def make_overlap(cfg: StepBenchConfig, batch: Batch, name: str, overrides: dict) -> Contender:
+    import overlap
+
+    overrides = {"cpu_keep_freed_memory": cfg.keep_freed_memory, **overrides}
+    model = overlap.wrap(build_model(cfg), **overrides)
+
+    def exposed_comm_ms() -> float:
+        stats = overlap.step_stats(model)  # None only before the first step
+        return float("nan") if stats is None else stats.exposed_comm_ms
+
+    return standard(name, model, batch, cfg.lr, exposed_comm_ms=exposed_comm_ms)
+
+
+def make_fsdp2(cfg: StepBenchConfig, batch: Batch, name: str, tuned: bool) -> Contender:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    model = build_model(cfg)
+    units = [fully_shard(unit, mesh=mesh) for unit in shard_units(model)]
+    root = fully_shard(model, mesh=mesh)
+    assert isinstance(root, FSDPModule), f"rank {dist.get_rank()}: fully_shard returned {root!r}"
+    if tuned:
+        # FSDP2's implicit prefetch needs CUDA streams; on CPU only explicit prefetch with
+        # async unshard overlaps its all-gathers (its reduce-scatter stays synchronous).
+        for i, unit in enumerate(units):
+            if i + 1 < len(units):
+                unit.set_modules_to_forward_prefetch([units[i + 1]])
+            if i > 0:
+                unit.set_modules_to_backward_prefetch([units[i - 1]])
+        root._set_unshard_async_op(True)
+    return standard(name, model, batch, cfg.lr)
+
+
+def attach_zero3_comm(
+    module: nn.Module,
+    params: list[nn.Parameter],
+    works: list[dist.Work],
+    gather_in_backward: bool,
+) -> None:
+    """Hooks that issue the ZeRO-3 collectives of `params` (owned by `module`); see
+    [Note: what floor-compute||comm issues, and when]."""
+    world = dist.get_world_size()
+    padded_numel = -(-sum(p.numel() for p in params) // world) * world
+    shard = torch.zeros(padded_numel // world)
+    gathered_fwd, gathered_bwd = torch.zeros(padded_numel), torch.zeros(padded_numel)
+    grad_flat, grad_shard = torch.zeros(padded_numel), torch.zeros(padded_numel // world)
+    num_grads_ready = 0
+
+    def gather_fwd(_module: nn.Module, _inputs: Any) -> None:
+        works.append(all_gather_single(gathered_fwd, shard, async_op=True))
+
+    def gather_bwd(_grad: torch.Tensor) -> None:
+        works.append(all_gather_single(gathered_bwd, shard, async_op=True))
+
+    def arm_gather_bwd(_module: nn.Module, _inputs: Any, output: torch.Tensor) -> None:
+        output.register_hook(gather_bwd)
+
+    def reduce_when_ready(_param: torch.Tensor) -> None:
+        nonlocal num_grads_ready
+        num_grads_ready += 1
+        if num_grads_ready == len(params):
+            num_grads_ready = 0
+            works.append(reduce_scatter_single(grad_shard, grad_flat, async_op=True))
+
+    module.register_forward_pre_hook(gather_fwd)
+    if gather_in_backward:
+        module.register_forward_hook(arm_gather_bwd)
+    for p in params:
+        p.register_post_accumulate_grad_hook(reduce_when_ready)
+
+
+def make_floor_with_comm(cfg: StepBenchConfig, batch: Batch) -> Contender:
+    """The local step with ZeRO-3's collectives beside it, waited for at the end of the step."""
+    model = build_model(cfg)
+    works: list[dist.Work] = []
+    units = shard_units(model)
+    for unit in units:
+        attach_zero3_comm(unit, list(unit.parameters()), works, gather_in_backward=True)
+    own = root_params(model, units)
+    if own:
+        attach_zero3_comm(model, own, works, gather_in_backward=False)
+    c = standard("floor-compute||comm", model, batch, cfg.lr, trains_like_ddp=False)
+    local_step = c.step
+
+    def step(on_stepped: Callable[[], None] | None = None) -> torch.Tensor:
+        loss = local_step(on_stepped)
+        for work in works:
+            work.wait()
+        works.clear()
+        return loss
+
+    c.step = step
+    return c
+
+
+def parse_overrides(spec: str) -> dict[str, Any]:
+    """ "key=value[,key=value]" -> overlap.wrap overrides; values as Python literals, else str."""
+    overrides: dict[str, Any] = {}
+    for item in filter(None, spec.split(",")):
+        key, sep, raw = item.partition("=")
+        if not sep:
+            raise ValueError(f"--overlap-config expects key=value[,key=value], got {item!r}")
+        lowered = raw.strip().lower()
+        value: Any
+        if lowered in ("true", "false", "none"):
+            value = {"true": True, "false": False, "none": None}[lowered]
+        else:
+            try:
+                value = ast.literal_eval(raw.strip())
+            except (ValueError, SyntaxError):
+                value = raw.strip()  # e.g. param_dtype=bfloat16
+        overrides[key.strip()] = value
+    return overrides
+
+
+def build_contenders(cfg: StepBenchConfig, batch: Batch) -> list[Contender]:
+    wanted = set(cfg.contenders)
+    out = []
+    if "overlap" in wanted:
+        out.append(make_overlap(cfg, batch, "overlap", {}))
+        for spec in cfg.overlap_configs:
+            out.append(make_overlap(cfg, batch, f"overlap[{spec}]", parse_overrides(spec)))
+    if "fsdp2" in wanted:
+        out.append(make_fsdp2(cfg, batch, "fsdp2", tuned=False))
+    if "fsdp2-tuned" in wanted:
+        out.append(make_fsdp2(cfg, batch, "fsdp2-tuned", tuned=True))
+    if "ddp" in wanted:
+        ddp = nn.parallel.DistributedDataParallel(build_model(cfg))
+        out.append(standard("ddp", ddp, batch, cfg.lr))
+    if "floor-compute" in wanted:
+        out.append(
+            standard("floor-compute", build_model(cfg), batch, cfg.lr, trains_like_ddp=False)
+        )
+    if "floor-compute||comm" in wanted:
+        out.append(make_floor_with_comm(cfg, batch))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# memory accounting
+
+
+def local_bytes(t: torch.Tensor | None) -> int:
+    if t is None:
+        return 0
+    if isinstance(t, DTensor):
+        t = t.to_local()
+    return t.numel() * t.element_size()
+
+
+def state_bytes(model: nn.Module, opt: torch.optim.Optimizer) -> int:
+    total = 0
+    for p in model.parameters():
+        total += local_bytes(p) + local_bytes(p.grad)
+    for per_param in opt.state.values():
+        total += sum(local_bytes(v) for v in per_param.values() if isinstance(v, torch.Tensor))
+    return total
+
+
+def current_rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def reset_peak_rss() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets VmHWM to the current RSS
+        return True
+    except OSError:
+        return False
+
+
+def peak_rss_bytes(was_reset: bool) -> int:
+    if was_reset:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+# ---------------------------------------------------------------------------------------------
+# protocol (every rank)
+
+
+def check_parity(contenders: list[Contender], losses: dict[str, list[float]]) -> None:
+    """Loss at step 1 (after one optimizer step) vs DDP, on every rank; rank 0 warns."""
+    ref = losses.get("ddp")
+    for c in contenders:
+        if c.name == "ddp" or not c.trains_like_ddp:
+            continue
+        rel = (
+            float("nan")
+            if ref is None
+            else abs(losses[c.name][1] - ref[1]) / max(abs(ref[1]), 1e-30)
+        )
+        rel_t = torch.tensor([rel], dtype=torch.float64)
+        dist.all_reduce(rel_t, op=dist.ReduceOp.MAX)
+        c.parity_rel = None if ref is None else rel_t.item()
+        if dist.get_rank() != 0:
+            continue
+        if ref is None:
+            print(f"note: ddp not selected, no parity check for {c.name}")
+        elif not rel_t.item() <= PARITY_RTOL:
+            print(
+                f"WARNING: {c.name} loss at step 1 differs from ddp by {rel_t.item():.2e} "
+                f"relative (> {PARITY_RTOL:g})"
+            )
+        else:
+            print(f"parity ok: {c.name} loss at step 1 within {rel_t.item():.1e} of ddp")
+
+
+def warm_up_and_account(contenders: list[Contender]) -> None:
+    """Steps 0 and 1 of every contender; state bytes taken while step 1's gradients live."""
+    losses: dict[str, list[float]] = {}
+    for c in contenders:
+        losses[c.name] = [c.step().item()]
+
+        def account(c: Contender = c) -> None:
+            c.state_bytes = state_bytes(c.model, c.opt)
+
+        losses[c.name].append(c.step(account).item())
+    state = torch.tensor([c.state_bytes for c in contenders], dtype=torch.int64)
+    dist.all_reduce(state, op=dist.ReduceOp.MAX)
+    for c, b in zip(contenders, state.tolist(), strict=True):
+        c.state_bytes = b
+    check_parity(contenders, losses)
+
+
+def run_segment(c: Contender, num_steps: int) -> None:
+    """One contender's turn in a round: warm-up, then timed steps."""
+    for _ in range(WARMUP_STEPS):
+        c.step()
+    was_reset = reset_peak_rss()
+    times, exposed = [], []
+    for _ in range(num_steps):
+        dist.barrier()
+        t0 = time.perf_counter()
+        c.step()
+        times.append((time.perf_counter() - t0) * 1e3)
+        if c.exposed_comm_ms is not None:
+            exposed.append(c.exposed_comm_ms())
+    times_t = torch.tensor(times, dtype=torch.float64)
+    dist.all_reduce(times_t, op=dist.ReduceOp.MAX)  # a step ends when its slowest rank ends
+    c.step_ms.append(times_t.tolist())
+    if exposed:
+        exposed_t = torch.tensor(exposed, dtype=torch.float64)
+        dist.all_reduce(exposed_t)
+        c.exposed_ms.extend((exposed_t / dist.get_world_size()).tolist())
+    mem = torch.tensor([peak_rss_bytes(was_reset), current_rss_bytes()], dtype=torch.int64)
+    dist.all_reduce(mem, op=dist.ReduceOp.MAX)
+    c.peak_rss_bytes = max(c.peak_rss_bytes, int(mem[0]))
+    c.current_rss_bytes = int(mem[1])
+
+
+def step_rank(rank: int, world_size: int, cfg: StepBenchConfig) -> StepReport | None:
+    """The comparison on one rank (all ranks call it); rank 0 prints and returns the report."""
+    from tqdm import tqdm
+
+    torch.set_num_threads(cfg.threads)
+    # [Note: one allocator setting for all] overlap.wrap on CPU raises glibc's mmap/trim
+    # thresholds (OverlapConfig.cpu_keep_freed_memory), which is process-wide; every contender
+    # lives in this process, so apply it up front to all of them (order-independent and fair),
+    # or to none with --no-keep-freed-memory.
+    if cfg.keep_freed_memory:
+        from overlap.runtime import keep_freed_cpu_memory
+
+        keep_freed_cpu_memory()
+    contenders = build_contenders(cfg, make_batch(cfg, rank))
+    warm_up_and_account(contenders)
+    bar = tqdm(
+        total=cfg.rounds * len(contenders),
+        desc=f"bench step {cfg.model} n={world_size}",
+        unit="segment",
+        disable=rank != 0,
+        leave=False,
+    )
+    for r in range(cfg.rounds):
+        k = r % len(contenders)
+        for c in contenders[k:] + contenders[:k]:
+            bar.set_postfix_str(f"round {r} {c.name}")
+            run_segment(c, cfg.steps)
+            bar.update()
+    bar.close()
+    if rank != 0:
+        return None
+    report = summarize(cfg, world_size, contenders)
+    print(format_report(report), flush=True)
+    return report
+
+
+# ---------------------------------------------------------------------------------------------
+# report
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepRun:
+    """One contender's numbers in one world (times: slowest rank; memory: largest rank)."""
+
+    name: str
+    median_step_ms: float
+    spread_ms: tuple[float, float]
+    """Min and max of the per-round medians."""
+    tokens_per_s: float
+    """Global: batch x seq x world size per median step."""
+    exposed_comm_ms: float | None
+    exposed_comm_estimated: bool
+    """True: step - floor-compute, not the contender's own measure."""
+    peak_mem_bytes: int
+    """Peak RSS of the process over the contender's timed steps."""
+    current_rss_bytes: int
+    state_bytes: int
+    """Parameters + gradients + optimizer state, per rank, by accounting."""
+    parity_rel: float | None
+    """Relative difference of the step-1 loss from DDP's; None when not checked."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepReport:
+    world_size: int
+    link: str
+    config: StepBenchConfig
+    runs: list[StepRun]
+
+    def run(self, name: str) -> StepRun | None:
+        return next((r for r in self.runs if r.name == name), None)
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "world_size": self.world_size,
+            "link": self.link,
+            "model": describe(self.config),
+            "config": asdict(self.config),
+            "runs": [asdict(r) for r in self.runs],
+        }
+
+
+def summarize(cfg: StepBenchConfig, world_size: int, contenders: list[Contender]) -> StepReport:
+    tokens = cfg.batch * cfg.seq * world_size
+    spreads = {c.name: [statistics.median(r) for r in c.step_ms] for c in contenders}
+    floor_ms = statistics.median(spreads["floor-compute"]) if "floor-compute" in spreads else None
+    runs = []
+    for c in contenders:
+        med = statistics.median(spreads[c.name])
+        exposed: float | None
+        estimated = False
+        if c.exposed_ms:
+            exposed = statistics.median(c.exposed_ms)
+        elif c.name == "floor-compute":
+            exposed = 0.0
+        elif floor_ms is not None:
+            exposed, estimated = med - floor_ms, True
+        else:
+            exposed = None
+        runs.append(
+            StepRun(
+                name=c.name,
+                median_step_ms=med,
+                spread_ms=(min(spreads[c.name]), max(spreads[c.name])),
+                tokens_per_s=tokens / (med / 1e3),
+                exposed_comm_ms=exposed,
+                exposed_comm_estimated=estimated,
+                peak_mem_bytes=c.peak_rss_bytes,
+                current_rss_bytes=c.current_rss_bytes,
+                state_bytes=c.state_bytes,
+                parity_rel=c.parity_rel,
+            )
+        )
+    return StepReport(
+        world_size=world_size, link=active_link() or "loopback", config=cfg, runs=runs
+    )
+
+
+def format_report(report: StepReport) -> str:
+    cfg, rows, mib = report.config, report.runs, 2**20
+    title = (
+        f"\n{describe(cfg)}, B={cfg.batch} T={cfg.seq}, world={report.world_size} x "
+        f"{cfg.threads} thread(s), gloo {report.link}; {cfg.rounds} rounds x {cfg.steps} steps"
+    )
+    lines = [title]
+    w = max(len(row.name) for row in rows)
+    header = (
+        f"{'contender':<{w}} {'step ms':>9} {'spread ms':>15} {'tok/s':>8} {'exposed ms':>11} "
+        f"{'state MiB':>10} {'peak RSS MiB':>13} {'cur RSS MiB':>12}"
+    )
+    lines += [header, "-" * len(header)]
+    for row in rows:
+        lo, hi = row.spread_ms
+        e = row.exposed_comm_ms
+        e_str = "n/a" if e is None else ("~" if row.exposed_comm_estimated else "") + f"{e:.1f}"
+        lines.append(
+            f"{row.name:<{w}} {row.median_step_ms:>9.1f} {f'{lo:.1f}-{hi:.1f}':>15} "
+            f"{row.tokens_per_s:>8.0f} {e_str:>11} {row.state_bytes / mib:>10.1f} "
+            f"{row.peak_mem_bytes / mib:>13.1f} {row.current_rss_bytes / mib:>12.1f}"
+        )
+    lines.append(
+        "~ = estimate: step - floor-compute.  state = params + grads + optimizer state, per rank."
+    )
+    for row in rows:
+        if not row.name.startswith("overlap"):
+            continue
+        ratios = [
+            f"{row.name}/{other.name} = {row.median_step_ms / other.median_step_ms:.3f}"
+            for other in map(report.run, ("fsdp2", "fsdp2-tuned", "floor-compute||comm", "ddp"))
+            if other is not None
+        ]
+        ddp = report.run("ddp")
+        if ddp is not None and ddp.state_bytes:
+            ratios.append(
+                f"memory (state) {row.name}/ddp = {row.state_bytes / ddp.state_bytes:.3f}"
+            )
+        lines.append("  " + "\n  ".join(ratios))
+    return "\n".join(lines)
+
+
+def format_scaling(reports: list[StepReport]) -> str:
+    """tokens/s per contender per world size, and the speedup over the smallest world size."""
+    reports = sorted(reports, key=lambda r: r.world_size)
+    base = reports[0]
+    names = list(dict.fromkeys(run.name for r in reports for run in r.runs))
+    w = max(len("contender"), *map(len, names))
+    col = 18
+    n0 = base.world_size
+    title = (
+        f"\nscaling: global tokens/s at world size n (speedup vs n={n0}), "
+        f"{base.config.batch} sequences per rank"
+    )
+    header = f"{'contender':<{w}}" + "".join(f"{f'n={r.world_size}':>{col}}" for r in reports)
+    lines = [title, header, "-" * len(header)]
+    for name in names:
+        ref = base.run(name)
+        cells = []
+        for r in reports:
+            run = r.run(name)
+            if run is None:
+                cells.append(f"{'-':>{col}}")
+                continue
+            speedup = f"({run.tokens_per_s / ref.tokens_per_s:.2f}x)" if ref is not None else "(-)"
+            cells.append(f"{f'{run.tokens_per_s:.0f} {speedup}':>{col}}")
+        lines.append(f"{name:<{w}}" + "".join(cells))
+    ideal = "".join(f"{f'({r.world_size / n0:.2f}x)':>{col}}" for r in reports)
+    lines.append(f"{'ideal':<{w}}" + ideal)
+    return "\n".join(lines)
+
+
+def json_path_for(path: str, world_size: int, num_worlds: int) -> Path:
+    """PATH for a single world size; PATH with `.n<world size>` before its suffix otherwise."""
+    p = Path(path)
+    return p if num_worlds == 1 else p.with_name(f"{p.stem}.n{world_size}{p.suffix}")
+
+
+def write_json(report: StepReport, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report.to_json(), indent=2) + "\n")
+    print(f"wrote {path}")
+
+
+def bench_step(cfg: StepBenchConfig) -> list[StepReport]:
+    """The comparison once per world size in `cfg.nproc`, each in its own spawned gloo world
+    (behind an emulated link if `cfg.link`); the reports in that order. Prints each world's
+    table, then (with several world sizes) the scaling table; writes the JSON files."""
+    reports = []
+    for n in cfg.nproc:
+        if cfg.link is not None:
+            spec = LinkSpec.parse(cfg.link)
+            report = run_linked_world(step_rank, n, cfg, spec=spec)[0]
+        else:
+            report = run_local_world(
+                step_rank, n, cfg, timeout_s=cfg.timeout_s, threads_per_rank=cfg.threads
+            )[0]
+        assert report is not None, f"rank 0 of world size {n} returned no report"
+        reports.append(report)
+        if cfg.json_path:
+            write_json(report, json_path_for(cfg.json_path, n, len(cfg.nproc)))
+    if len(reports) > 1:
+        print(format_scaling(reports), flush=True)
+    return reports
+
+
+# ---------------------------------------------------------------------------------------------
+# command line
+
+
+def parse_nproc(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"--nproc expects a comma list of ints, got {text!r}"
+        ) from None
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    d = StepBenchConfig()
+    parser.add_argument("--model", default=d.model, choices=MODELS)
+    parser.add_argument(
+        "--contenders", default=",".join(d.contenders), help=f"comma list from {ALL_CONTENDERS}"
+    )
+    parser.add_argument(
+        "--overlap-config",
+        dest="overlap_config",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE,...",
+        help="one more overlap contender with these OverlapConfig overrides (repeatable)",
+    )
+    parser.add_argument(
+        "--no-keep-freed-memory",
+        dest="keep_freed_memory",
+        action="store_false",
+        help="leave glibc's malloc thresholds alone for every contender",
+    )
+    parser.add_argument("--rounds", type=int, default=d.rounds)
+    parser.add_argument(
+        "--steps", type=int, default=d.steps, help="timed steps per contender per round"
+    )
+    parser.add_argument("--layers", type=int, default=d.layers)
+    parser.add_argument("--dim", type=int, default=d.dim)
+    parser.add_argument("--heads", type=int, default=d.heads)
+    parser.add_argument("--ff", type=int, default=d.ff, help="W1's feed-forward width")
+    parser.add_argument("--batch", type=int, default=d.batch, help="sequences per rank")
+    parser.add_argument("--seq", type=int, default=d.seq)
+    parser.add_argument("--lr", type=float, default=d.lr)
+    parser.add_argument("--seed", type=int, default=d.seed)
+    parser.add_argument(
+        "--nproc",
+        type=parse_nproc,
+        default=d.nproc,
+        metavar="N[,N...]",
+        help="world sizes, e.g. 1,2,4 (several: a scaling table)",
+    )
+    parser.add_argument("--threads", type=int, default=d.threads, help="torch threads per rank")
+    parser.add_argument(
+        "--timeout-s", type=float, default=d.timeout_s, help="process-group timeout"
+    )
+    parser.add_argument(
+        "--link", default=None, metavar="RATE[,DELAY]", help="e.g. 1gbit, 1gbit,200us"
+    )
+    parser.add_argument(
+        "--json",
+        dest="json_path",
+        default=None,
+        metavar="PATH",
+        help="one file per world size: PATH, or PATH with .n<N> before its suffix for several",
+    )
+
+
+def config_from_args(args: argparse.Namespace) -> StepBenchConfig:
+    if args.model == "gpt" and args.ff != StepBenchConfig.ff:
+        print(f"WARNING: --ff {args.ff} is ignored for --model gpt (its MLP is 4 x dim)")
+    return StepBenchConfig(
+        model=args.model,
+        contenders=tuple(c.strip() for c in args.contenders.split(",") if c.strip()),
+        overlap_configs=tuple(args.overlap_config),
+        rounds=args.rounds,
+        steps=args.steps,
+        layers=args.layers,
+        dim=args.dim,
+        heads=args.heads,
+        ff=args.ff,
+        batch=args.batch,
+        seq=args.seq,
+        lr=args.lr,
+        seed=args.seed,
+        nproc=tuple(args.nproc),
+        threads=args.threads,
+        keep_freed_memory=args.keep_freed_memory,
+        timeout_s=args.timeout_s,
+        link=args.link,
+        json_path=args.json_path,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        cfg = config_from_args(args)
+    except (ValueError, TypeError) as e:
+        raise SystemExit(f"overlap bench step: {e}") from None
+    bench_step(cfg)
+    return 0

@@ -1,0 +1,161 @@
+"""`overlap bench step`: tiny real runs (gpt and W1, world sizes 1 and 2) through the CLI and
+through benchmarks/step_w1.py, checked for exit code, JSON schema and the scaling table; and the
+pure pieces (config validation, override parsing, JSON paths, the scaling table's arithmetic).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from overlap.bench.step import (
+    ALL_CONTENDERS,
+    StepBenchConfig,
+    StepReport,
+    StepRun,
+    format_scaling,
+    json_path_for,
+    parse_overrides,
+)
+
+RUN_TIMEOUT_S = 90
+REPO = Path(__file__).resolve().parent.parent
+TINY = ("--layers", "1", "--dim", "32", "--heads", "2", "--seq", "16", "--batch", "2")
+TINY_RUN = ("--rounds", "1", "--steps", "1")
+RUN_KEYS = {
+    "name",
+    "median_step_ms",
+    "spread_ms",
+    "tokens_per_s",
+    "exposed_comm_ms",
+    "peak_mem_bytes",
+}
+
+
+def run_python(*argv: str) -> str:
+    proc = subprocess.run(
+        [sys.executable, *argv],
+        cwd=REPO,
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=RUN_TIMEOUT_S,
+    )
+    assert proc.returncode == 0, f"{' '.join(argv)} failed:\n{proc.stdout}\n{proc.stderr}"
+    return proc.stdout
+
+
+def check_report(path: Path, world_size: int) -> dict:
+    data = json.loads(path.read_text())
+    assert {"world_size", "link", "runs"} <= data.keys()
+    assert data["world_size"] == world_size
+    assert data["link"] == "loopback"
+    assert [r["name"] for r in data["runs"]] == list(ALL_CONTENDERS)
+    for run in data["runs"]:
+        assert RUN_KEYS <= run.keys(), run
+        assert run["median_step_ms"] > 0 and run["tokens_per_s"] > 0
+        lo, hi = run["spread_ms"]
+        assert lo <= run["median_step_ms"] <= hi
+        assert run["peak_mem_bytes"] > 0
+    return data
+
+
+# ---------------------------------------------------------------------------------------------
+# tiny real runs
+
+
+@pytest.mark.parametrize("model", ["gpt", "w1"])
+def test_bench_step_scaling_run(model: str, tmp_path: Path) -> None:
+    out = tmp_path / f"{model}.json"
+    stdout = run_python(
+        "-m", "overlap", "bench", "step", "--model", model, *TINY, *TINY_RUN,
+        "--nproc", "1,2", "--json", str(out),
+    )  # fmt: skip
+    for n in (1, 2):
+        data = check_report(tmp_path / f"{model}.n{n}.json", n)
+        assert data["config"]["model"] == model
+    assert not out.exists()  # several world sizes: one suffixed file each
+    assert "scaling: global tokens/s" in stdout
+    table = stdout[stdout.index("scaling: global tokens/s") :].splitlines()
+    assert "n=1" in table[1] and "n=2" in table[1]
+    for name in ALL_CONTENDERS:
+        row = next(line for line in table if line.startswith(name + " "))
+        assert "(1.00x)" in row, row  # world size 1 is the reference
+    assert "WARNING" not in stdout, stdout  # parity held for every data-parallel contender
+
+
+def test_step_w1_script(tmp_path: Path) -> None:
+    out = tmp_path / "w1.json"
+    stdout = run_python(
+        "benchmarks/step_w1.py", *TINY, "--ff", "64", *TINY_RUN, "--world-size", "2",
+        "--json", str(out),
+    )  # fmt: skip
+    check_report(out, 2)  # a single world size: PATH itself
+    assert "W1 step: 1 x TransformerEncoderLayer(d=32, ff=64)" in stdout
+    assert "overlap/fsdp2 = " in stdout
+    assert "scaling" not in stdout
+
+
+# ---------------------------------------------------------------------------------------------
+# pure pieces
+
+
+def test_config_validation() -> None:
+    assert StepBenchConfig().nproc == (2,)
+    with pytest.raises(ValueError, match="contenders"):
+        StepBenchConfig(contenders=("fsdp3",))
+    with pytest.raises(ValueError, match="nproc"):
+        StepBenchConfig(nproc=(2, 2))
+    with pytest.raises(ValueError, match="nproc"):
+        StepBenchConfig(nproc=(0,))
+    with pytest.raises(ValueError, match="divisible"):
+        StepBenchConfig(dim=30, heads=4)
+    with pytest.raises(ValueError, match="key=value"):
+        StepBenchConfig(overlap_configs=("prefetch_depth",))
+
+
+def test_parse_overrides() -> None:
+    assert parse_overrides("prefetch_depth=2,param_dtype=bfloat16,x=none,y=True") == {
+        "prefetch_depth": 2,
+        "param_dtype": "bfloat16",
+        "x": None,
+        "y": True,
+    }
+
+
+def test_json_path_per_world_size() -> None:
+    assert json_path_for("out/w1.json", 2, 1) == Path("out/w1.json")
+    assert json_path_for("out/w1.json", 4, 3) == Path("out/w1.n4.json")
+
+
+def _report(world_size: int, tokens_per_s: dict[str, float]) -> StepReport:
+    runs = [
+        StepRun(
+            name=name,
+            median_step_ms=1.0,
+            spread_ms=(1.0, 1.0),
+            tokens_per_s=tps,
+            exposed_comm_ms=None,
+            exposed_comm_estimated=False,
+            peak_mem_bytes=1,
+            current_rss_bytes=1,
+            state_bytes=1,
+            parity_rel=None,
+        )
+        for name, tps in tokens_per_s.items()
+    ]
+    return StepReport(world_size=world_size, link="loopback", config=StepBenchConfig(), runs=runs)
+
+
+def test_scaling_table_speedups() -> None:
+    table = format_scaling(
+        [_report(4, {"ddp": 3000.0}), _report(1, {"ddp": 1000.0, "fsdp2": 500.0})]
+    ).splitlines()
+    assert table[2].split() == ["contender", "n=1", "n=4"]
+    assert table[4].split() == ["ddp", "1000", "(1.00x)", "3000", "(3.00x)"]
+    assert table[5].split() == ["fsdp2", "500", "(1.00x)", "-"]
+    assert table[6].split() == ["ideal", "(1.00x)", "(4.00x)"]
