@@ -201,52 +201,21 @@ def test_dispatch_and_fallback_without_ninja(monkeypatch):
         assert cpu.load_extension() is None  # opted out: silent
 
 
-@pytest.fixture(scope="module")
-def triton_interpreted():
-    """A copy of overlap.kernels.triton_kernels whose kernels run in Triton's CPU interpreter.
+def test_triton_interpreter_matches_reference():
+    """Triton's kernels under TRITON_INTERPRET=1 equal the reference bitwise (int8/int4; fp8 is
+    checked on a GPU only: the interpreter's fp32 -> fp8 cast is wrong).
 
-    triton decides interpreter vs GPU when a kernel is decorated, so the copy is imported with
-    TRITON_INTERPRET=1 set (and kept set while it runs), leaving the shared module untouched.
-    """
+    Runs in a fresh interpreter: triton decides interpreter-or-GPU when `triton` is first
+    imported, and other tests in this process may have imported it already."""
     if importlib.util.find_spec("triton") is None:
-        pytest.skip("triton is not installed (pip install triton: ~290 MB wheel, ~1 GB installed)")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("TRITON_INTERPRET", "1")
-        path = ROOT / "overlap" / "kernels" / "triton_kernels.py"
-        spec = importlib.util.spec_from_file_location("overlap_triton_interpreted", path)
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        yield module
-
-
-def test_triton_interpreter_matches_reference(triton_interpreted):
-    tk = triton_interpreted
-    gen = torch.Generator().manual_seed(2)
-    for numel, block in [(1, 2), (7, 4), (64, 64), (100, 16), (333, 64), (1000, 128)]:
-        nb = num_blocks_for(numel, block)
-        for bits in (8, 4):
-            for dtype in (torch.float32, torch.bfloat16):
-                x = _random_input(numel, dtype, gen)
-                where = f"triton int{bits} block={block} numel={numel} {dtype}"
-                ref = quantize_blockwise_ref(x, bits, block)
-                got = tk.quantize_blockwise(x, bits, block)
-                assert torch.equal(ref[0], got[0]) and torch.equal(ref[1], got[1]), where
-                noise = torch.rand(nb * block, generator=gen)
-                sref = quantize_blockwise_ref(x, bits, block, True, noise=noise)
-                sgot = tk.quantize_blockwise(x, bits, block, noise=noise)
-                assert torch.equal(sref[0], sgot[0]) and torch.equal(sref[1], sgot[1]), "stochastic " + where
-                for out_dtype in OUT_DTYPES:
-                    base = torch.randn(numel, generator=gen).to(out_dtype)
-                    for accumulate in (False, True):
-                        r = dequantize_blockwise_ref(*ref, bits, block, numel, base.clone(), accumulate)
-                        o = tk.dequantize_blockwise(*ref, bits, block, numel, base.clone(), accumulate)
-                        assert torch.equal(r, o), f"dequantize acc={accumulate} out={out_dtype} " + where
-
-
-@pytest.mark.skip(reason="Triton's interpreter casts fp32 -> fp8 wrongly; fp8 Triton runs on a GPU only")
-def test_triton_interpreter_fp8():
-    pass
+        pytest.skip("triton is not installed (extra `triton`: pip install -e '.[triton]'; CI installs it)")
+    script = ROOT / "tests" / "triton_interpreter_check.py"
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    result = subprocess.run(
+        [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=240
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "checked" in result.stdout
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
