@@ -312,6 +312,9 @@ class Runtime:
         units = [self.units[i] for i in indices]
         grad_numel = sum(u.layout.grad_shard_numel for u in units)
         with torch.no_grad():
+            # .tolist() reads the used counts on the host ([Note: used flags]): on CUDA this is
+            # one device sync per bucket at the end of backward, the price of DDP's None-grad
+            # semantics for unused parameters (a candidate for a device-side path later).
             grads, used = reduced[:grad_numel], reduced[grad_numel:].tolist()
             # Sum, then divide: at world size 2 this equals DDP's (g/2 + g/2) bitwise.
             grads.div_(self.world_size)
