@@ -69,14 +69,22 @@ def load_events(paths: list[Path]) -> list[dict[str, Any]]:
 
 
 def training_steps(events: list[dict[str, Any]]) -> list[int]:
-    """Steps that ran a backward (eval-only forwards are steps too, but not what we report)."""
-    return sorted({e["args"]["step"] for e in events if e["name"].startswith("backward ")})
+    """Steps that ran a backward (eval-only forwards are steps too, but not what we report):
+    a unit's backward span, or a reduce-scatter (a model whose only unit is the root has no
+    per-unit backward span)."""
+    return sorted(
+        {
+            e["args"].get("issued_step", e["args"]["step"])
+            for e in events
+            if e["name"].startswith("backward ") or e["tid"] == REDUCE
+        }
+    )
 
 
 def summarize(events: list[dict[str, Any]], step: int | None = None) -> list[RankSummary]:
     steps = training_steps(events)
     if not steps:
-        raise ValueError("the trace holds no training step (no backward spans)")
+        raise ValueError("the trace holds no training step (no backward, no reduce-scatter)")
     if step is None:
         step = steps[-2] if len(steps) > 1 else steps[-1]  # the last may still be writing
     out = []

@@ -61,6 +61,11 @@ def check_report(path: Path, world_size: int) -> dict:
         lo, hi = run["spread_ms"]
         assert lo <= run["median_step_ms"] <= hi
         assert run["peak_mem_bytes"] > 0
+        eff = run.get("overlap_efficiency")
+        if run["name"] == "overlap" and world_size > 1:
+            assert eff is not None and 0.0 <= eff <= 1.0, run  # from overlap's own trace
+        else:
+            assert eff is None, run  # world size 1 moves no bytes; others have no trace
     return data
 
 

@@ -64,6 +64,7 @@ import json
 import os
 import resource
 import statistics
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -224,9 +225,12 @@ class Contender:
     """One training step, `step(on_stepped=None)`; returns the (detached) loss."""
     exposed_comm_ms: Callable[[], float] | None = None
     """The contender's own measure of the last step's exposed communication, if it has one."""
+    overlap_efficiency: Callable[[], float] | None = None
+    """Hidden comm / total comm of the last complete step, from the engine's own trace."""
     trains_like_ddp: bool = True
     step_ms: list[list[float]] = field(default_factory=list)  # per round, per timed step
     exposed_ms: list[float] = field(default_factory=list)
+    efficiency: list[float] = field(default_factory=list)  # one per round, mean over ranks
     state_bytes: int = 0
     peak_rss_bytes: int = 0
     current_rss_bytes: int = 0
@@ -268,7 +272,31 @@ def make_overlap(cfg: StepBenchConfig, batch: Batch, name: str, overrides: dict)
         stats = overlap.step_stats(model)  # None only before the first step
         return float("nan") if stats is None else stats.exposed_comm_ms
 
-    return standard(name, model, batch, cfg.lr, exposed_comm_ms=exposed_comm_ms)
+    # Overlap efficiency comes from the engine's trace (comm busy = union of the collectives'
+    # issue->done spans, exposed = union of the waits; overlap.report). The recorder keeps only
+    # the last two steps so that rewriting its file stays cheap on the timed path.
+    from overlap.report import load_events
+    from overlap.report import summarize as summarize_trace
+    from overlap.trace import TraceRecorder
+
+    recorder = TraceRecorder(Path(tempfile.mkdtemp(prefix="overlap-bench-trace-")), dist.get_rank(), max_steps=2)
+    model._overlap_state.trace = recorder
+    model._overlap_state.runtime.trace = recorder
+
+    def overlap_efficiency() -> float:
+        """NaN when there is nothing to measure: world size 1 moves no bytes, or the trace has
+        no complete training step yet."""
+        if dist.get_world_size() == 1:
+            return float("nan")
+        try:
+            summaries = summarize_trace(load_events([recorder.path]))
+        except (FileNotFoundError, ValueError):
+            return float("nan")
+        return summaries[0].efficiency if summaries else float("nan")
+
+    contender = standard(name, model, batch, cfg.lr, exposed_comm_ms=exposed_comm_ms)
+    contender.overlap_efficiency = overlap_efficiency
+    return contender
 
 
 def make_fsdp2(cfg: StepBenchConfig, batch: Batch, name: str, tuned: bool) -> Contender:
@@ -509,6 +537,11 @@ def run_segment(c: Contender, num_steps: int) -> None:
         exposed_t = torch.tensor(exposed, dtype=torch.float64)
         dist.all_reduce(exposed_t)
         c.exposed_ms.extend((exposed_t / dist.get_world_size()).tolist())
+    if c.overlap_efficiency is not None:
+        eff = torch.tensor([c.overlap_efficiency()], dtype=torch.float64)
+        dist.all_reduce(eff)  # NaN on any rank stays NaN: then nothing is recorded
+        if not torch.isnan(eff).item():
+            c.efficiency.append(float(eff) / dist.get_world_size())
     mem = torch.tensor([peak_rss_bytes(was_reset), current_rss_bytes()], dtype=torch.int64)
     dist.all_reduce(mem, op=dist.ReduceOp.MAX)
     c.peak_rss_bytes = max(c.peak_rss_bytes, int(mem[0]))
@@ -575,6 +608,8 @@ class StepRun:
     """Parameters + gradients + optimizer state, per rank, by accounting."""
     parity_rel: float | None
     """Relative difference of the step-1 loss from DDP's; None when not checked."""
+    overlap_efficiency: float | None = None
+    """Hidden comm / total comm (median over rounds, from overlap's trace); None for others."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -626,6 +661,7 @@ def summarize(cfg: StepBenchConfig, world_size: int, contenders: list[Contender]
                 current_rss_bytes=c.current_rss_bytes,
                 state_bytes=c.state_bytes,
                 parity_rel=c.parity_rel,
+                overlap_efficiency=statistics.median(c.efficiency) if c.efficiency else None,
             )
         )
     return StepReport(
@@ -643,20 +679,22 @@ def format_report(report: StepReport) -> str:
     w = max(len(row.name) for row in rows)
     header = (
         f"{'contender':<{w}} {'step ms':>9} {'spread ms':>15} {'tok/s':>8} {'exposed ms':>11} "
-        f"{'state MiB':>10} {'peak RSS MiB':>13} {'cur RSS MiB':>12}"
+        f"{'overlap eff':>11} {'state MiB':>10} {'peak RSS MiB':>13} {'cur RSS MiB':>12}"
     )
     lines += [header, "-" * len(header)]
     for row in rows:
         lo, hi = row.spread_ms
         e = row.exposed_comm_ms
         e_str = "n/a" if e is None else ("~" if row.exposed_comm_estimated else "") + f"{e:.1f}"
+        eff = "n/a" if row.overlap_efficiency is None else f"{row.overlap_efficiency:.0%}"
         lines.append(
             f"{row.name:<{w}} {row.median_step_ms:>9.1f} {f'{lo:.1f}-{hi:.1f}':>15} "
-            f"{row.tokens_per_s:>8.0f} {e_str:>11} {row.state_bytes / mib:>10.1f} "
+            f"{row.tokens_per_s:>8.0f} {e_str:>11} {eff:>11} {row.state_bytes / mib:>10.1f} "
             f"{row.peak_mem_bytes / mib:>13.1f} {row.current_rss_bytes / mib:>12.1f}"
         )
     lines.append(
-        "~ = estimate: step - floor-compute.  state = params + grads + optimizer state, per rank."
+        "~ = estimate: step - floor-compute.  overlap eff = hidden comm / total comm from "
+        "overlap's trace.  state = params + grads + optimizer state, per rank."
     )
     for row in rows:
         if not row.name.startswith("overlap"):
