@@ -28,25 +28,18 @@ input aliases the output; torch does not promise that aliasing works).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
-from dataclasses import asdict, dataclass, replace
-from pathlib import Path
+from dataclasses import asdict, dataclass
 from typing import Literal, get_args
 
 import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from overlap.bench.link import LinkSpec, active_link, run_linked_world
-from overlap.launch import (
-    current_device,
-    default_world,
-    in_torchrun,
-    init_from_env,
-    run_local_world,
-)
+from overlap.bench.link import LinkSpec, active_link
+from overlap.bench.world import run_bench
+from overlap.launch import current_device
 
 Op = Literal["all_gather", "reduce_scatter", "all_reduce", "all_to_all"]
 OPS: tuple[Op, ...] = get_args(Op)
@@ -384,28 +377,7 @@ def comm_rank(rank: int, world_size: int, cfg: CommBenchConfig) -> CommReport | 
 def bench_comm(cfg: CommBenchConfig) -> CommReport | None:
     """Run the sweep in torchrun's world, over an emulated link, or in a spawned local world;
     the report on the process holding rank 0 (None elsewhere). Writes `cfg.json_path` there."""
-    if in_torchrun():
-        if cfg.link is not None:
-            print("WARNING: --link is ignored under torchrun (it applies to spawned local worlds)")
-        info = init_from_env()
-        try:
-            report = comm_rank(info.rank, info.world_size, cfg)
-        finally:
-            dist.destroy_process_group()
-    else:
-        nproc, backend = default_world()
-        nproc = cfg.nproc or nproc
-        if cfg.link is not None:
-            spec = LinkSpec.parse(cfg.link)
-            report = run_linked_world(comm_rank, nproc, replace(cfg, json_path=None), spec=spec)[0]
-        else:
-            report = run_local_world(comm_rank, nproc, cfg, backend=backend)[0]
-    if report is not None and cfg.json_path:
-        path = Path(cfg.json_path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(report.to_json(), indent=2) + "\n")
-        print(f"wrote {path}")
-    return report
+    return run_bench(comm_rank, cfg)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
