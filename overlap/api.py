@@ -56,7 +56,7 @@ def full_state_dict(model: nn.Module, rank0_only: bool = True) -> dict[str, torc
     `load_state_dict` accepts. Collective: every rank must call it. With `rank0_only`, ranks
     other than 0 get an empty dict."""
     state = state_of(model)
-    keep = not rank0_only or state.rank == 0
+    keep = not rank0_only or (state.rank == 0 and state.replica_rank == 0)
     out: dict[str, torch.Tensor] = {}
     for name, value in model.state_dict().items():
         if isinstance(value, DTensor):
@@ -69,6 +69,7 @@ def full_state_dict(model: nn.Module, rank0_only: bool = True) -> dict[str, torc
 @torch.no_grad()
 def load_full_state_dict(model: nn.Module, state_dict: dict[str, Any], strict: bool = True) -> None:
     """Load an unsharded state dict (every rank passes the same one) into the sharded model."""
+    state = state_of(model)
     own = model.state_dict()
     missing = sorted(set(own) - set(state_dict))
     unexpected = sorted(set(state_dict) - set(own))
@@ -85,8 +86,8 @@ def load_full_state_dict(model: nn.Module, state_dict: dict[str, Any], strict: b
             )
         if isinstance(target, DTensor):
             local = target.to_local()
-            rows = math.ceil(target.shape[0] / target.device_mesh.size())
-            start = target.device_mesh.get_local_rank() * rows
+            rows = math.ceil(target.shape[0] / state.world_size)  # the shard dim of the mesh
+            start = state.rank * rows
             local.copy_(source[start : start + local.shape[0]])
         else:
             target.copy_(source)

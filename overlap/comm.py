@@ -7,6 +7,7 @@ them alive until the wait; see [Note: buffer lifetime] in runtime.py).
 
 from __future__ import annotations
 
+import time
 from datetime import timedelta
 from collections.abc import Callable
 from typing import Any, Literal, NamedTuple
@@ -74,6 +75,12 @@ def reduce_scatter_flat(
     out = torch.empty(n, dtype=full.dtype, device=full.device)
     work = _reduce_scatter(out, full, op=dist.ReduceOp.SUM, group=group, async_op=True)
     return CommResult(out, work, (full,))
+
+
+def all_reduce_flat(tensor: torch.Tensor, group: dist.ProcessGroup) -> CommResult:
+    """Sum `tensor` in place over `group` (HSDP: a reduced gradient shard across replicas)."""
+    work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=True)
+    return CommResult(tensor, work, (tensor,))
 
 
 def _sum_chunks(world_size: int, n: int) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -167,13 +174,40 @@ def _round8(num_bytes: int) -> int:
     return (num_bytes + 7) // 8 * 8
 
 
+class CollectiveError(RuntimeError):
+    """A collective failed or timed out: a peer rank died, is stuck, or issued another collective.
+
+    [Note: collective failures]
+    The backend's own error ("Connection closed by peer", "Timed out waiting ...") names neither
+    the collective nor the setting that bounds the wait. `wait` turns it into this error (the
+    backend's error chained as the cause); `Runtime.run` adds the rank and the unit or bucket.
+    Every rank that takes part in the failed collective raises within the timeout, none hangs.
+    """
+
+
 def wait(result: CommResult, timeout: timedelta | None = None) -> torch.Tensor:
-    """Block until `result` is done (CPU) or enqueue the wait on the current stream (CUDA)."""
+    """Block until `result` is done (CPU) or enqueue the wait on the current stream (CUDA).
+
+    Raises `CollectiveError` when the collective fails or does not finish within `timeout`
+    (None: the process group's timeout)."""
     if result.work is not None:
-        if timeout is None:
-            result.work.wait()
-        else:
-            result.work.wait(timeout)
+        t0 = time.monotonic()
+        try:
+            if timeout is None:
+                result.work.wait()
+            else:
+                result.work.wait(timeout)
+        except RuntimeError as e:
+            limit = (
+                "the process group's timeout"
+                if timeout is None
+                else f"collective_timeout_s={timeout.total_seconds():g}"
+            )
+            raise CollectiveError(
+                f"failed after {time.monotonic() - t0:.1f}s ({limit}): a peer rank died, is stuck "
+                "or issued a different collective; the other ranks raise too, so look for the "
+                f"first rank that failed in their logs. Backend error: {type(e).__name__}: {e}"
+            ) from e
     if result.finish is not None:
         return result.finish(result.output)
     return result.output

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor
 from torch.profiler import record_function
 
 from overlap import comm
@@ -84,7 +84,7 @@ class UnitTensors:
 
     layout: UnitLayout
     shard: torch.Tensor  # flat shard buffer (master dtype); sharded params' locals are views
-    sharded_params: list[nn.Parameter]  # DTensor Shard(0), what the optimizer sees
+    sharded_params: list[nn.Parameter]  # DTensor (Shard(0) on the shard dim), what the optimizer sees
     unsharded_flat: torch.Tensor  # gather dtype; storage has 0 bytes while SHARDED
     unsharded_params: list[nn.Parameter]  # views of unsharded_flat, what forward uses
     owners: list[list[tuple[nn.Module, str]]]  # per parameter, every (module, attribute) holding it
@@ -104,9 +104,10 @@ class UnitTensors:
 
 @dataclass
 class PendingReduce:
-    result: comm.CommResult
+    result: comm.CommResult  # the reduce-scatter, then (HSDP) the all-reduce across replicas
     event: torch.cuda.Event | None
     issued_at: float
+    replicated: bool = True  # False: the all-reduce across replicas is still to be issued
 
 
 @dataclass
@@ -127,11 +128,15 @@ class Runtime:
     residual_dtype: torch.dtype | None = None  # error feedback on when set
     residuals: dict[tuple[int, ...], torch.Tensor] = field(default_factory=dict)
     """Error-feedback residual per bucket (its units): [world_size, gradient columns]."""
+    replicate_group: dist.ProcessGroup | None = None
+    """HSDP: reduced shards are summed across replicas here. See [Note: hybrid sharding] in wrap.py."""
     gather_stream: torch.cuda.Stream | None = field(init=False, default=None)
     reduce_stream: torch.cuda.Stream | None = field(init=False, default=None)
     _pending: dict[int, PendingReduce] = field(init=False, default_factory=dict)
+    _bucket_units: dict[int, tuple[int, ...]] = field(init=False, default_factory=dict)
 
     def __post_init__(self) -> None:
+        self.num_replicas = 1 if self.replicate_group is None else dist.get_world_size(self.replicate_group)
         if self.device.type == "cuda":
             self.gather_stream = torch.cuda.Stream(self.device, priority=-1)
             self.reduce_stream = torch.cuda.Stream(self.device, priority=-1)
@@ -139,21 +144,34 @@ class Runtime:
     # ------------------------------------------------------------------ dispatch
     def run(self, actions: list[Action]) -> None:
         for action in actions:
-            match action:
-                case Gather(unit):
-                    self.gather(unit)
-                case WaitGather(unit):
-                    self.wait_gather(unit)
-                case Free(unit):
-                    self.free(unit)
-                case Reduce(bucket, units):
-                    self.reduce(bucket, units)
-                case WaitReduce(bucket, units):
-                    self.wait_reduce(bucket, units)
-                case CheckOrder(what, order_hash, order):
-                    self.check_order(what, order_hash, order)
-                case _:
-                    raise AssertionError(f"rank {self.rank}: unknown action {action!r}")
+            try:
+                match action:
+                    case Gather(unit):
+                        self.gather(unit)
+                    case WaitGather(unit):
+                        self.wait_gather(unit)
+                    case Free(unit):
+                        self.free(unit)
+                    case Reduce(bucket, units):
+                        self.reduce(bucket, units)
+                    case WaitReduce(bucket, units):
+                        self.wait_reduce(bucket, units)
+                    case CheckOrder(what, order_hash, order):
+                        self.check_order(what, order_hash, order)
+                    case _:
+                        raise AssertionError(f"rank {self.rank}: unknown action {action!r}")
+            except comm.CollectiveError as e:  # [Note: collective failures] in comm.py
+                raise comm.CollectiveError(f"overlap: rank {self.rank}: the {self._describe(action)} {e}") from e
+
+    def _describe(self, action: Action) -> str:
+        match action:
+            case Gather(unit) | WaitGather(unit) | Free(unit):
+                return f"all-gather of {self.units[unit].layout.label}"
+            case Reduce(bucket, units) | WaitReduce(bucket, units):
+                return f"gradient reduction of {self._bucket_label(bucket, units)}"
+            case CheckOrder(what, _, _):
+                return f"{what} order check (an all-gather of hashes)"
+        return repr(action)
 
     def _stream(self, stream: torch.cuda.Stream | None) -> contextlib.AbstractContextManager:
         return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
@@ -239,6 +257,7 @@ class Runtime:
         n = self.world_size
         first = self.units[indices[0]]
         dtype = self.reduce_dtype or first.unsharded_flat.dtype
+        self._bucket_units[bucket] = indices
         with record_function(f"overlap::reduce bucket{bucket}"):
             columns, used = [], []
             for index in indices:
@@ -275,14 +294,49 @@ class Runtime:
                         full[:, :width_grads], full[:, width_grads:], self.group, n, self.grad_codec, residual
                     )
                 if self.reduce_stream is not None:
-                    comm.wait(result, self.timeout)
+                    reduced = comm.wait(result, self.timeout)
+                    if self.replicate_group is not None:  # in stream order behind the reduce-scatter
+                        result = self._all_reduce(bucket, indices, reduced)
+                        comm.wait(result, self.timeout)
                     event = self.reduce_stream.record_event()
-        self._pending[bucket] = PendingReduce(result, event, time.perf_counter())
+        pending = PendingReduce(result, event, time.perf_counter())
         sent = result.inputs[0]
         num_bytes = sent.numel() * sent.element_size()
         self.stats.record_issue("reduce", num_bytes)
         if self.trace is not None:
             self.trace.comm("reduce-scatter", self._bucket_label(bucket, indices), result.work, num_bytes)
+        if self.reduce_stream is None and self.replicate_group is not None:
+            self._replicate_pending()
+            pending.replicated = False
+        self._pending[bucket] = pending
+
+    def _all_reduce(self, bucket: int, indices: tuple[int, ...], reduced: torch.Tensor) -> comm.CommResult:
+        """HSDP: issue the sum of a reduced shard across replicas ([Note: hybrid sharding])."""
+        assert self.replicate_group is not None
+        with record_function(f"overlap::all_reduce bucket{bucket}"):
+            result = comm.all_reduce_flat(reduced, self.replicate_group)
+        num_bytes = reduced.numel() * reduced.element_size()
+        self.stats.record_issue("all_reduce", num_bytes)
+        if self.trace is not None:
+            self.trace.comm("all-reduce", self._bucket_label(bucket, indices), result.work, num_bytes)
+        return result
+
+    def _replicate_pending(self) -> None:
+        """CPU HSDP: wait for each earlier bucket's reduce-scatter and issue its all-reduce.
+
+        [Note: HSDP on CPU] gloo work has no stream to chain the all-reduce behind the
+        reduce-scatter, and issuing it from a completion callback would order the replicate
+        group's collectives by timing, differently on each rank. So the chain advances at fixed
+        points of the schedule: when the next bucket's reduce-scatter has been issued, the
+        earlier ones are waited for and their all-reduces issued, in bucket order on every rank.
+        Each reduce-scatter has had the backward compute of the following bucket to finish in,
+        and each all-reduce runs behind the compute after it.
+        """
+        for bucket, pending in self._pending.items():
+            if not pending.replicated:
+                reduced = comm.wait(pending.result, self.timeout)
+                pending.result = self._all_reduce(bucket, self._bucket_units[bucket], reduced)
+                pending.replicated = True
 
     def _residual(self, indices: tuple[int, ...], width: int) -> torch.Tensor | None:
         """This bucket's error-feedback residual (zeros the first time), or None when off.
@@ -297,9 +351,12 @@ class Runtime:
         return residual
 
     def wait_reduce(self, bucket: int, indices: tuple[int, ...]) -> None:
-        pending = self._pending.pop(bucket)
+        pending = self._pending[bucket]
         t0 = time.perf_counter()
         with record_function(f"overlap::wait_reduce bucket{bucket}"):
+            if not pending.replicated:
+                self._replicate_pending()  # this bucket's all-reduce and any before it
+            del self._pending[bucket]
             if pending.event is not None:
                 torch.cuda.current_stream(self.device).wait_event(pending.event)
             reduced = comm.wait(pending.result, self.timeout)
@@ -317,7 +374,7 @@ class Runtime:
             # semantics for unused parameters (a candidate for a device-side path later).
             grads, used = reduced[:grad_numel], reduced[grad_numel:].tolist()
             # Sum, then divide: at world size 2 this equals DDP's (g/2 + g/2) bitwise.
-            grads.div_(self.world_size)
+            grads.div_(self.world_size * self.num_replicas)
             offset = 0
             for unit in units:
                 num_trainable = len(unit.layout.grad_slots)
@@ -339,7 +396,7 @@ class Runtime:
                 param.grad = DTensor.from_local(
                     local,
                     param.device_mesh,
-                    [Shard(0)],
+                    param.placements,
                     run_check=False,
                     shape=param.shape,
                     stride=param.stride(),
@@ -353,6 +410,9 @@ class Runtime:
 
     def check_order(self, what: str, order_hash: int, order: tuple[int, ...]) -> None:
         hashes = comm.all_gather_int(order_hash, self.group, self.device, self.timeout)
+        if self.replicate_group is not None:  # both checks on every rank: all raise, none hangs
+            across = comm.all_gather_int(order_hash, self.replicate_group, self.device, self.timeout)
+            hashes = hashes if len(set(hashes)) != 1 else across
         if len(set(hashes)) != 1:
             raise ValueError(
                 f"overlap: the {what} order of units differs across ranks (rank {self.rank} ran "

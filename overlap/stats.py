@@ -24,6 +24,9 @@ class StepStats:
     """Bytes each rank receives from all-gathers (the full unsharded units, padding included)."""
     reduce_scatter_bytes: int = 0
     """Bytes each rank contributes to reduce-scatters (full unit gradients, padding included)."""
+    num_allreduces: int = 0
+    """HSDP: all-reduces of reduced gradient shards across replicas (0 without replicas)."""
+    allreduce_bytes: int = 0
     max_unsharded_units: int = 0
     """Most units holding unsharded parameters at one moment during the step."""
     max_unsharded_bytes: int = 0
@@ -73,6 +76,9 @@ class StatsRecorder:
         if kind == "gather":
             self.current.num_allgathers += 1
             self.current.allgather_bytes += num_bytes
+        elif kind == "all_reduce":
+            self.current.num_allreduces += 1
+            self.current.allreduce_bytes += num_bytes
         else:
             self.current.num_reduce_scatters += 1
             self.current.reduce_scatter_bytes += num_bytes

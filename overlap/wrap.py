@@ -26,7 +26,7 @@ import torch.nn as nn
 from torch.autograd import Variable
 from torch.autograd.graph import register_multi_grad_hook
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from overlap import comm
@@ -53,12 +53,16 @@ class OverlapState:
         units: list[UnitTensors],
         root_unit: int | None,
         unit_modules: list[tuple[nn.Module, ...]],
+        replicate_group: dist.ProcessGroup | None = None,
     ) -> None:
         self.config = config
-        self.group = group
+        self.group = group  # the shard group: all-gathers and reduce-scatters run here
+        self.replicate_group = replicate_group  # HSDP: reduced shards are all-reduced here
         self.mesh = mesh
-        self.rank = dist.get_rank(group)
-        self.world_size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)  # rank within the shard group
+        self.world_size = dist.get_world_size(group)  # shard group size
+        self.num_replicas = 1 if replicate_group is None else dist.get_world_size(replicate_group)
+        self.replica_rank = 0 if replicate_group is None else dist.get_rank(replicate_group)
         self.units = units
         self.root_unit = root_unit
         self.stats = StatsRecorder()
@@ -113,6 +117,7 @@ class OverlapState:
                 generator=_rounding_generator(device, self.rank) if config.stochastic_rounding else None,
             ),
             residual_dtype=config.error_feedback_dtype if config.error_feedback else None,
+            replicate_group=replicate_group,
         )
         self._num_trainable = [sum(p.requires_grad for p in u.unsharded_params) for u in units]
         self._num_ready = [0] * len(units)
@@ -385,9 +390,11 @@ def wrap(
         device = model_device
     if not deferred and param_init_fn is not None:
         raise ValueError("overlap.wrap: param_init_fn is only used for meta-device models")
-    group, mesh = _resolve_group(group, device)
+    group, replicate_group, mesh = _resolve_group(group, device)
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
     _check_same_model(model, group, device)
+    if replicate_group is not None:
+        _check_same_model(model, replicate_group, device)
 
     unit_fqns = find_unit_modules(model, config.unit_policy)
     modules = dict(model.named_modules())
@@ -427,7 +434,7 @@ def wrap(
         units = materialize_and_shard(model, unit_of_module, members, device, param_init_fn, shard)
     else:
         units = [shard(i) for i in range(len(layouts))]
-    state = OverlapState(model, config, group, mesh, units, root_unit, unit_modules)
+    state = OverlapState(model, config, group, mesh, units, root_unit, unit_modules, replicate_group)
     model._overlap_state = state
     return model
 
@@ -459,14 +466,35 @@ def _default_device(group: dist.ProcessGroup | DeviceMesh | None) -> torch.devic
 
 def _resolve_group(
     group: dist.ProcessGroup | DeviceMesh | None, device: torch.device
-) -> tuple[dist.ProcessGroup, DeviceMesh]:
+) -> tuple[dist.ProcessGroup, dist.ProcessGroup | None, DeviceMesh]:
+    """(shard group, replicate group or None, mesh) for `wrap`'s `group` argument.
+
+    [Note: hybrid sharding]
+    A 2-D DeviceMesh is (replicate, shard): parameters are sharded over the last dimension (the
+    shard group; on a cluster, the GPUs of one node) and replicated over the first. All-gathers
+    and reduce-scatters run inside the shard group; each reduced gradient shard is then summed
+    across replicas by an all-reduce in the replicate group, and divided by the total number of
+    ranks, which makes the update DDP's average over every rank. Parameters are DTensors with
+    placements (Replicate(), Shard(0)).
+    """
     if isinstance(group, DeviceMesh):
-        if group.ndim != 1:
-            raise ValueError("overlap.wrap: only a 1-D DeviceMesh (shard) is supported so far")
-        return group.get_group(), group
+        if group.ndim == 1:
+            return group.get_group(), None, group
+        if group.ndim == 2:
+            replicate = group.get_group(0)
+            return group.get_group(1), (replicate if group.size(0) > 1 else None), group
+        raise ValueError(
+            f"overlap.wrap: a {group.ndim}-D DeviceMesh was given; pass a 1-D mesh (shard) or a "
+            "2-D mesh (replicate, shard), e.g. init_device_mesh('cpu', (2, 2))"
+        )
     pg = group if group is not None else dist.group.WORLD
     assert pg is not None
-    return pg, DeviceMesh.from_group(pg, device.type)
+    return pg, None, DeviceMesh.from_group(pg, device.type)
+
+
+def shard_placements(mesh: DeviceMesh) -> list[Placement]:
+    """DTensor placements of a sharded parameter (and its gradient) on `mesh`."""
+    return [Replicate()] * (mesh.ndim - 1) + [Shard(0)]
 
 
 def _check_same_model(model: nn.Module, group: dist.ProcessGroup, device: torch.device) -> None:
@@ -557,7 +585,7 @@ def _shard_unit(
         with torch.no_grad():
             local.copy_(param.detach()[rank * rows : rank * rows + local_rows])
         dtensor = DTensor.from_local(
-            local, mesh, [Shard(0)], run_check=False, shape=param.shape, stride=param.stride()
+            local, mesh, shard_placements(mesh), run_check=False, shape=param.shape, stride=param.stride()
         )
         sharded_params.append(nn.Parameter(dtensor, requires_grad=param.requires_grad))
         padded = unsharded_flat[
