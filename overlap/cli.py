@@ -14,7 +14,9 @@ from collections.abc import Sequence
 COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("overlap.demo", "train a small GPT on the Python stdlib's source with overlap.wrap"),
     "report": ("overlap.report", "summarize an overlap trace (exposed comm per unit) and draw its timeline"),
+    "plan": ("overlap.plan.command", "predict step time, tokens/s, MFU, memory and cost on a cluster; best config; scaling curve"),
     "bench": ("overlap.bench", "benchmarks: collective bandwidth (comm), comm/compute overlap (overlap), training step vs FSDP2/DDP (step)"),
+    "tune": ("overlap.tune.command", "measure and pick the fastest OverlapConfig for a model on this world; writes its JSON"),
 }
 """Subcommand -> (module, one-line help). Modules are imported only when their command runs,
 so `overlap --help` stays fast and a broken subcommand cannot break the others."""

@@ -44,6 +44,16 @@ LINKS: dict[str, Link] = {
         "InfiniBand NDR 400 Gb/s, one NIC per GPU: 50 GB/s line rate, ~45 GB/s busbw across "
         "nodes in nccl-tests",
     ),
+    "nvlink3": Link(
+        "nvlink3", 8e-6, 240.0,
+        "A100 SXM NVLink3, 600 GB/s bidirectional per GPU (300 GB/s each way, NVIDIA A100 "
+        "datasheet); busbw taken at the same 80% of the one-way rate as the nvlink4 preset",
+    ),
+    "hdr200": Link(
+        "hdr200", 15e-6, 22.5,
+        "InfiniBand HDR 200 Gb/s, one NIC per GPU (NVIDIA ConnectX-6): 25 GB/s line rate; busbw "
+        "at the same 90% of line rate as the ndr400 preset",
+    ),
     "eth100": Link(
         "eth100", 30e-6, 1.4,
         "100 Gb/s Ethernet per node (12.5 GB/s) shared by 8 GPUs, ~90% achievable: 1.4 GB/s per GPU",
@@ -111,6 +121,20 @@ class UnitCost:
     grad_bytes: int  # unsharded bytes in the reduce dtype
     forward_s: float
     backward_s: float
+    gather_wire_bytes: int | None = None
+    """Unsharded bytes the all-gather puts on the wire when a codec compresses it (None:
+    `param_bytes`). Memory is still counted in `param_bytes`: the decoded buffer."""
+    reduce_wire_bytes: int | None = None
+    """Likewise for the gradient exchange (None: `grad_bytes`)."""
+    gather_codec_s: float = 0.0
+    """Encode + decode kernel time of one all-gather, charged to the collective."""
+    reduce_codec_s: float = 0.0
+    """Encode + decode(-accumulate) kernel time of this unit's share of a reduction."""
+
+    def gather_s(self, topo: Topology) -> float:
+        """Seconds of this unit's all-gather: the ring over its wire bytes plus codec kernels."""
+        wire = self.param_bytes if self.gather_wire_bytes is None else self.gather_wire_bytes
+        return ring_time_s("all_gather", wire, topo) + self.gather_codec_s
 
 
 def flops_compute(numel: int, tokens: int, tflops: float) -> tuple[float, float]:

@@ -44,6 +44,9 @@ class Prediction:
     waits_s: dict[str, float] = field(default_factory=dict)
     num_allgathers: int = 0
     num_reduce_scatters: int = 0
+    peak_reduce_bytes: int = 0
+    """Most unsharded gradient bytes waiting for or in a reduction at once: a bucket's buffer
+    lives from its issue (gradients ready) to the end of its collective."""
     events: list[tuple[str, str, float, float]] = field(default_factory=list)
     """(lane, name, start_s, end_s) of the simulated step, for plots and invariant checks."""
 
@@ -62,8 +65,9 @@ class _Clock:
         self.record = record
         self.events: list[tuple[str, str, float, float]] = []
         self.gathered: set[int] = set()  # units whose gather finished and was waited on
+        self.reduce_spans: list[tuple[float, float, int]] = []  # (issued, done, bytes)
 
-    def _issue(self, kind: str, key: int, seconds: float, name: str) -> None:
+    def _issue(self, kind: str, key: int, seconds: float, name: str) -> float:
         lane = min(range(len(self.lanes)), key=lambda i: self.lanes[i])
         start = max(self.now, self.lanes[lane])
         end = start + seconds
@@ -73,6 +77,16 @@ class _Clock:
         self.counts[kind] += 1
         if self.record:
             self.events.append((f"comm{lane}", name, start, end))
+        return end
+
+    def peak_reduce_bytes(self) -> int:
+        """Sweep over the reduce buffers' lifetimes (issue -> done) for the most bytes alive."""
+        points = [(t0, b) for t0, _, b in self.reduce_spans] + [(t1, -b) for _, t1, b in self.reduce_spans]
+        alive = peak = 0
+        for _, delta in sorted(points, key=lambda p: (p[0], p[1])):  # frees before allocations
+            alive += delta
+            peak = max(peak, alive)
+        return peak
 
     def _wait(self, kind: str, key: int, name: str) -> None:
         end = self.done.pop((kind, key))
@@ -87,16 +101,19 @@ class _Clock:
         for a in actions:
             if isinstance(a, Gather):
                 u = self.units[a.unit]
-                self._issue("gather", a.unit, ring_time_s("all_gather", u.param_bytes, self.topo), f"gather {u.name}")
+                self._issue("gather", a.unit, u.gather_s(self.topo), f"gather {u.name}")
             elif isinstance(a, WaitGather):
                 self._wait("gather", a.unit, f"gather {self.units[a.unit].name}")
                 self.gathered.add(a.unit)
             elif isinstance(a, Free):
                 self.gathered.discard(a.unit)
             elif isinstance(a, Reduce):
-                nbytes = sum(self.units[i].grad_bytes for i in a.units)
-                names = ",".join(self.units[i].name for i in a.units)
-                self._issue("reduce", a.bucket, ring_time_s("reduce_scatter", nbytes, self.topo), f"reduce [{names}]")
+                bucket = [self.units[i] for i in a.units]
+                wire = sum(u.grad_bytes if u.reduce_wire_bytes is None else u.reduce_wire_bytes for u in bucket)
+                seconds = ring_time_s("reduce_scatter", wire, self.topo) + sum(u.reduce_codec_s for u in bucket)
+                names = ",".join(u.name for u in bucket)
+                end = self._issue("reduce", a.bucket, seconds, f"reduce [{names}]")
+                self.reduce_spans.append((self.now, end, sum(u.grad_bytes for u in bucket)))
             elif isinstance(a, WaitReduce):
                 names = ",".join(self.units[i].name for i in a.units)
                 self._wait("reduce", a.bucket, f"reduce [{names}]")
@@ -174,5 +191,6 @@ def simulate(
         waits_s=clock.waits,
         num_allgathers=clock.counts["gather"],
         num_reduce_scatters=clock.counts["reduce"],
+        peak_reduce_bytes=clock.peak_reduce_bytes(),
         events=clock.events,
     )
