@@ -47,6 +47,22 @@ def all_gather_flat(
     return CommResult(out, work, (send,))
 
 
+def all_gather_secondary(
+    secondary: torch.Tensor, group: dist.ProcessGroup, num_outer: int
+) -> CommResult:
+    """hpZ: all-gather the inner group's secondary copies back into the rank-major order of a
+    gather over every rank. Inner rank i holds the parts of global ranks o * inner + i for
+    o = 0..num_outer-1 ([Note: secondary copy] in runtime.py); `wait` reorders (inner, outer)
+    into (outer, inner)."""
+    inner = dist.get_world_size(group)
+    result = all_gather_flat(secondary, group, inner, secondary.dtype)
+
+    def finish(out: torch.Tensor) -> torch.Tensor:
+        return out.view(inner, num_outer, -1).transpose(0, 1).reshape(-1)
+
+    return result._replace(finish=finish)
+
+
 ReduceImpl = Literal["native", "all_to_all"]
 
 

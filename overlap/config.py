@@ -70,6 +70,15 @@ class OverlapConfig:
     (all-to-all, then a local sum in rank order), or "auto": all_to_all on gloo, whose own
     reduce-scatter puts twice the bytes on the wire, native elsewhere (NCCL)."""
 
+    hybrid_mode: str = "replicate"
+    """What a 2-D DeviceMesh (outer, inner) passed as `group` means (ignored for a 1-D group):
+    "replicate" (HSDP): shard over the inner dimension, replicate over the outer one; reduced
+    gradient shards are all-reduced across replicas. "secondary" (ZeRO++ hpZ): shard over every
+    rank of the mesh, and after each unit's forward all-gather keep a secondary copy sharded over
+    the inner dimension only, so the backward all-gather stays inside the inner group (a node)
+    instead of crossing the outer link. It costs 1/inner of the model per rank until the unit's
+    gradients are reduced. See [Note: hybrid sharding] in wrap.py."""
+
     param_dtype: torch.dtype | None = None
     """Dtype of the all-gathered parameters and of the forward/backward compute (mixed precision);
     floating inputs of the root forward are cast to it. The sharded master parameters, their
@@ -160,6 +169,8 @@ class OverlapConfig:
                 "reduce_scatter_impl must be 'auto', 'native' or 'all_to_all', "
                 f"got {self.reduce_scatter_impl!r}"
             )
+        if self.hybrid_mode not in ("replicate", "secondary"):
+            raise ValueError(f"hybrid_mode must be 'replicate' or 'secondary', got {self.hybrid_mode!r}")
         timeout = self.collective_timeout_s
         if timeout is not None and (isinstance(timeout, bool) or not timeout > 0):
             raise ValueError(f"collective_timeout_s must be None or > 0, got {timeout!r}")

@@ -91,6 +91,8 @@ class UnitTensors:
     gather: comm.CommResult | None = None
     gather_event: torch.cuda.Event | None = None
     gather_issued_at: float = 0.0  # perf_counter at issue, for StepStats.collective_ms
+    secondary: torch.Tensor | None = None  # hpZ: see [Note: secondary copy]
+    gather_from_secondary: bool = False  # the gather in flight reads the secondary copies
 
     @property
     def unsharded_nbytes(self) -> int:
@@ -130,6 +132,8 @@ class Runtime:
     """Error-feedback residual per bucket (its units): [world_size, gradient columns]."""
     replicate_group: dist.ProcessGroup | None = None
     """HSDP: reduced shards are summed across replicas here. See [Note: hybrid sharding] in wrap.py."""
+    secondary_group: dist.ProcessGroup | None = None
+    """hpZ: backward all-gathers run here, from the secondary copies ([Note: secondary copy])."""
     gather_stream: torch.cuda.Stream | None = field(init=False, default=None)
     reduce_stream: torch.cuda.Stream | None = field(init=False, default=None)
     _pending: dict[int, PendingReduce] = field(init=False, default_factory=dict)
@@ -146,8 +150,8 @@ class Runtime:
         for action in actions:
             try:
                 match action:
-                    case Gather(unit):
-                        self.gather(unit)
+                    case Gather(unit, for_backward):
+                        self.gather(unit, for_backward)
                     case WaitGather(unit):
                         self.wait_gather(unit)
                     case Free(unit):
@@ -177,15 +181,20 @@ class Runtime:
         return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
 
     # ------------------------------------------------------------------ verbs
-    def gather(self, index: int) -> None:
+    def gather(self, index: int, for_backward: bool = False) -> None:
         unit = self.units[index]
         dtype = self.gather_dtype or unit.shard.dtype
+        unit.gather_from_secondary = for_backward and unit.secondary is not None
         with record_function(f"overlap::gather {unit.layout.label}"):
             if self.gather_stream is not None:
                 self.gather_stream.wait_stream(torch.cuda.current_stream(self.device))
                 self._alloc_unsharded(unit)  # on the compute stream, see [Note: streams]
             with self._stream(self.gather_stream):
-                if self.param_codec is None:
+                if unit.gather_from_secondary:
+                    assert self.secondary_group is not None and unit.secondary is not None
+                    outer = self.world_size // dist.get_world_size(self.secondary_group)
+                    unit.gather = comm.all_gather_secondary(unit.secondary, self.secondary_group, outer)
+                elif self.param_codec is None:
                     unit.gather = comm.all_gather_flat(unit.shard, self.group, self.world_size, dtype)
                 else:
                     unit.gather = comm.all_gather_encoded(
@@ -193,7 +202,9 @@ class Runtime:
                     )
                 if self.gather_stream is not None:
                     # the gather stream waits, not the CPU
-                    self._copy_out(unit, comm.wait(unit.gather, self.timeout))
+                    gathered = comm.wait(unit.gather, self.timeout)
+                    self._keep_secondary(unit, gathered)
+                    self._copy_out(unit, gathered)
                     unit.gather_event = self.gather_stream.record_event()
         received = unit.gather.output
         self.stats.record_issue("gather", received.numel() * received.element_size())
@@ -211,6 +222,7 @@ class Runtime:
                 unit.gather_event = None
             else:
                 gathered = comm.wait(unit.gather, self.timeout)
+                self._keep_secondary(unit, gathered)
                 self._alloc_unsharded(unit)
                 self._copy_out(unit, gathered)
             unit.gather = None  # [Note: buffer lifetime]
@@ -219,6 +231,25 @@ class Runtime:
         self.stats.record_latency(f"{unit.layout.label} gather", unit.gather_issued_at)
         if self.trace is not None:
             self.trace.span("wait", f"wait gather {unit.layout.label}", int(t0 * 1e9), self.trace.now())
+
+    def _keep_secondary(self, unit: UnitTensors, gathered: torch.Tensor) -> None:
+        """hpZ: after a forward gather, keep the parts this rank serves to its inner group.
+
+        [Note: secondary copy]
+        With W = outer * inner ranks, global rank g = o * inner + i holds part g of the unit.
+        Inner rank i keeps parts {o * inner + i : o} (outer parts, 1/inner of the unit, in the
+        gather dtype, decoded when the forward gather was compressed). A backward all-gather over
+        the inner group then returns [parts of inner rank 0 | inner rank 1 | ...], i.e. the parts
+        in (inner, outer) order; comm.all_gather_secondary turns that back into rank-major order.
+        Only gathers made with grad enabled keep it (a no_grad forward has no backward), and the
+        copy is dropped when the unit's gradients have been reduced: the optimizer step changes
+        the parameters, so the next step's forward takes a fresh one.
+        """
+        if self.secondary_group is None or unit.gather_from_secondary or not torch.is_grad_enabled():
+            return
+        inner = dist.get_world_size(self.secondary_group)
+        parts = gathered.view(self.world_size // inner, inner, -1)
+        unit.secondary = parts[:, dist.get_rank(self.secondary_group)].reshape(-1).clone()
 
     def _alloc_unsharded(self, unit: UnitTensors) -> None:
         storage = unit.unsharded_flat.untyped_storage()
@@ -367,6 +398,8 @@ class Runtime:
             label = self._bucket_label(bucket, indices)
             self.trace.span("wait", f"wait reduce {label}", int(t0 * 1e9), self.trace.now())
         units = [self.units[i] for i in indices]
+        for unit in units:
+            unit.secondary = None  # [Note: secondary copy]
         grad_numel = sum(u.layout.grad_shard_numel for u in units)
         with torch.no_grad():
             # .tolist() reads the used counts on the host ([Note: used flags]): on CUDA this is

@@ -69,6 +69,7 @@ class Phase(enum.Enum):
 @dataclass(frozen=True)
 class Gather:
     unit: int
+    for_backward: bool = False  # issued from the end of forward on: the unit's backward needs it
 
 
 @dataclass(frozen=True)
@@ -141,6 +142,7 @@ class Schedule:
     _forward_checked: bool = field(init=False, default=False)
     _backward_checked: bool = field(init=False, default=False)
     _cursor: int = field(init=False, default=-1)  # position of the computing unit in the order
+    _gathering_for_backward: bool = field(init=False, default=False)  # after end_forward
     _started_backward: set[int] = field(init=False, default_factory=set)
     _bucket: list[int] = field(init=False, default_factory=list)
     _bucket_bytes: int = field(init=False, default=0)
@@ -196,7 +198,7 @@ class Schedule:
         if not (self._forward_checked and self._backward_checked):
             key = ("gather", unit)
             out.append(CheckOrder("gather", order_hash(key), (unit,)))
-        out.append(Gather(unit))
+        out.append(Gather(unit, self._gathering_for_backward))
 
     def _ensure_unsharded(self, unit: int, out: list[Action]) -> None:
         if self.states[unit] is UnitState.REDUCING:
@@ -249,6 +251,7 @@ class Schedule:
                 self._move(unit, UnitState.SHARDED)
                 out.append(Free(unit))
         self._cursor = -1
+        self._gathering_for_backward = False
         self.phase = Phase.FORWARD
         if self.root is not None:
             out += self.pre_forward(self.root)
@@ -294,6 +297,7 @@ class Schedule:
             return out
         # Backward comes next: start gathering the first units it needs.
         self._cursor = -1
+        self._gathering_for_backward = True
         self._prefetch(self._predicted_backward(), out)
         return out
 

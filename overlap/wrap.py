@@ -14,11 +14,12 @@ the runtime:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from datetime import timedelta
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -48,17 +49,15 @@ class OverlapState:
         self,
         model: nn.Module,
         config: OverlapConfig,
-        group: dist.ProcessGroup,
-        mesh: DeviceMesh,
+        groups: Groups,
         units: list[UnitTensors],
         root_unit: int | None,
         unit_modules: list[tuple[nn.Module, ...]],
-        replicate_group: dist.ProcessGroup | None = None,
     ) -> None:
         self.config = config
-        self.group = group  # the shard group: all-gathers and reduce-scatters run here
-        self.replicate_group = replicate_group  # HSDP: reduced shards are all-reduced here
-        self.mesh = mesh
+        group = self.group = groups.shard  # all-gathers and reduce-scatters run here
+        replicate_group = self.replicate_group = groups.replicate  # HSDP: reduced shards all-reduced here
+        self.mesh = groups.mesh
         self.rank = dist.get_rank(group)  # rank within the shard group
         self.world_size = dist.get_world_size(group)  # shard group size
         self.num_replicas = 1 if replicate_group is None else dist.get_world_size(replicate_group)
@@ -118,6 +117,7 @@ class OverlapState:
             ),
             residual_dtype=config.error_feedback_dtype if config.error_feedback else None,
             replicate_group=replicate_group,
+            secondary_group=groups.secondary if config.reshard_after_forward else None,
         )
         self._num_trainable = [sum(p.requires_grad for p in u.unsharded_params) for u in units]
         self._num_ready = [0] * len(units)
@@ -166,6 +166,15 @@ class OverlapState:
     # BACKWARD phase they only make sure the unit is gathered (as its pre-backward would) and
     # never free it or register hooks, since its backward is about to use the parameters.
 
+    # [Note: hooks under torch.compile]
+    # A block compiled in place (`module.compile()`), or a unit inside a `torch.compile`d module
+    # (unit_policy naming the inner class), has its forward hooks called from a frame that
+    # dynamo traces. Traced, the schedule's Python state (unit states, cursors) becomes guards
+    # that change every call: a recompile per unit and step until dynamo's recompile limit.
+    # The forward hooks are therefore `torch.compiler.disable`d: dynamo breaks the graph around
+    # them and they run eagerly; the block's own forward is still compiled, once for all units.
+
+    @torch.compiler.disable
     def _root_pre_forward(
         self, module: nn.Module, args: tuple, kwargs: dict
     ) -> tuple[tuple, dict] | None:
@@ -185,6 +194,7 @@ class OverlapState:
 
         return tree_map(cast, args), tree_map(cast, kwargs)
 
+    @torch.compiler.disable  # [Note: hooks under torch.compile]
     def _root_post_forward(self, module: nn.Module, args: tuple, output: Any) -> None:
         if self.schedule.phase is Phase.BACKWARD:
             return
@@ -195,6 +205,7 @@ class OverlapState:
         if not grad_enabled:
             self._finish_step()
 
+    @torch.compiler.disable  # [Note: hooks under torch.compile]
     def _unit_pre_forward(self, index: int, first: bool, module: nn.Module, args: tuple) -> Any:
         if self.schedule.phase is Phase.BACKWARD:
             self._run(self.schedule.pre_backward(index))  # [Note: forward during backward]
@@ -206,6 +217,7 @@ class OverlapState:
             return self._on_backward_done(args, index)
         return None
 
+    @torch.compiler.disable  # [Note: hooks under torch.compile]
     def _unit_post_forward(
         self, index: int, last: bool, module: nn.Module, args: tuple, output: Any
     ) -> None:
@@ -390,11 +402,11 @@ def wrap(
         device = model_device
     if not deferred and param_init_fn is not None:
         raise ValueError("overlap.wrap: param_init_fn is only used for meta-device models")
-    group, replicate_group, mesh = _resolve_group(group, device)
+    pgs = _resolve_group(group, device, config.hybrid_mode)
+    group, mesh = pgs.shard, pgs.mesh
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
-    _check_same_model(model, group, device)
-    if replicate_group is not None:
-        _check_same_model(model, replicate_group, device)
+    _check_same_model(model, pgs.everyone, device)
+    _check_same_config(config, pgs.everyone, device)
 
     unit_fqns = find_unit_modules(model, config.unit_policy)
     modules = dict(model.named_modules())
@@ -434,7 +446,7 @@ def wrap(
         units = materialize_and_shard(model, unit_of_module, members, device, param_init_fn, shard)
     else:
         units = [shard(i) for i in range(len(layouts))]
-    state = OverlapState(model, config, group, mesh, units, root_unit, unit_modules, replicate_group)
+    state = OverlapState(model, config, pgs, units, root_unit, unit_modules)
     model._overlap_state = state
     return model
 
@@ -464,32 +476,61 @@ def _default_device(group: dist.ProcessGroup | DeviceMesh | None) -> torch.devic
     return torch.device("cpu")
 
 
+class Groups(NamedTuple):
+    """The process groups `wrap` runs on. See [Note: hybrid sharding]."""
+
+    shard: dist.ProcessGroup  # all-gathers and reduce-scatters
+    replicate: dist.ProcessGroup | None  # HSDP: reduced shards are all-reduced across replicas
+    secondary: dist.ProcessGroup | None  # hpZ: backward all-gathers from the secondary copy
+    mesh: DeviceMesh  # the mesh of the sharded parameters' DTensors
+    everyone: dist.ProcessGroup  # every rank of the model: the same-model/config checks
+
+
 def _resolve_group(
-    group: dist.ProcessGroup | DeviceMesh | None, device: torch.device
-) -> tuple[dist.ProcessGroup, dist.ProcessGroup | None, DeviceMesh]:
-    """(shard group, replicate group or None, mesh) for `wrap`'s `group` argument.
+    group: dist.ProcessGroup | DeviceMesh | None, device: torch.device, hybrid_mode: str
+) -> Groups:
+    """The groups for `wrap`'s `group` argument.
 
     [Note: hybrid sharding]
-    A 2-D DeviceMesh is (replicate, shard): parameters are sharded over the last dimension (the
-    shard group; on a cluster, the GPUs of one node) and replicated over the first. All-gathers
-    and reduce-scatters run inside the shard group; each reduced gradient shard is then summed
-    across replicas by an all-reduce in the replicate group, and divided by the total number of
-    ranks, which makes the update DDP's average over every rank. Parameters are DTensors with
-    placements (Replicate(), Shard(0)).
+    A 2-D DeviceMesh is (outer, inner), e.g. (nodes, GPUs per node).
+    hybrid_mode="replicate" (HSDP): parameters are sharded over the inner dimension (the shard
+    group) and replicated over the outer one. All-gathers and reduce-scatters run inside the
+    shard group; each reduced gradient shard is then summed across replicas by an all-reduce in
+    the replicate group and divided by the total number of ranks, which makes the update DDP's
+    average over every rank. Parameters are DTensors with placements (Replicate(), Shard(0)).
+    hybrid_mode="secondary" (hpZ): parameters are sharded over every rank of the mesh (a 1-D
+    mesh over the flattened group, so DTensors, checkpoints and state dicts are those of plain
+    sharding over all ranks); after a unit's forward all-gather each rank keeps the parts that
+    its inner group needs (1/inner of the unit), and the unit's backward all-gather runs inside
+    the inner group from those copies ([Note: secondary copy] in runtime.py). Gradients are
+    reduce-scattered over every rank.
     """
-    if isinstance(group, DeviceMesh):
-        if group.ndim == 1:
-            return group.get_group(), None, group
-        if group.ndim == 2:
-            replicate = group.get_group(0)
-            return group.get_group(1), (replicate if group.size(0) > 1 else None), group
+    if not isinstance(group, DeviceMesh) or group.ndim == 1:
+        if isinstance(group, DeviceMesh):
+            pg, mesh = group.get_group(), group
+        else:
+            pg = group if group is not None else dist.group.WORLD
+            assert pg is not None
+            mesh = DeviceMesh.from_group(pg, device.type)
+        return Groups(pg, None, None, mesh, pg)
+    if group.ndim != 2:
         raise ValueError(
             f"overlap.wrap: a {group.ndim}-D DeviceMesh was given; pass a 1-D mesh (shard) or a "
             "2-D mesh (replicate, shard), e.g. init_device_mesh('cpu', (2, 2))"
         )
-    pg = group if group is not None else dist.group.WORLD
-    assert pg is not None
-    return pg, None, DeviceMesh.from_group(pg, device.type)
+    ranks = group.mesh.flatten().tolist()
+    everyone = dist.new_group(ranks=sorted(ranks))  # collective over the default group, as wrap is
+    if hybrid_mode == "replicate":
+        replicate = group.get_group(0) if group.size(0) > 1 else None
+        return Groups(group.get_group(1), replicate, None, group, everyone)
+    if ranks != sorted(ranks):
+        raise ValueError(
+            "overlap.wrap: hybrid_mode='secondary' needs a mesh laid out in rank order (as "
+            f"init_device_mesh makes it); got ranks {group.mesh.tolist()}"
+        )
+    flat_mesh = DeviceMesh.from_group(everyone, group.device_type)
+    secondary = group.get_group(1) if group.size(0) > 1 and group.size(1) > 1 else None
+    return Groups(everyone, None, secondary, flat_mesh, everyone)
 
 
 def shard_placements(mesh: DeviceMesh) -> list[Placement]:
@@ -509,6 +550,62 @@ def _check_same_model(model: nn.Module, group: dist.ProcessGroup, device: torch.
             "overlap.wrap: the model differs across ranks (parameter names, shapes, dtypes or "
             f"requires_grad); signature hashes by rank: {hashes}. Build the same model on every rank."
         )
+
+
+# Fields that only change what this rank records or how it allocates, never which collectives
+# run or in what order: they may differ across ranks (e.g. a per-rank metrics file).
+_RANK_LOCAL_FIELDS = frozenset(
+    {
+        "cpu_keep_freed_memory",
+        "collective_timeout_s",
+        "trace_dir",
+        "metrics_file",
+        "alert_exposed_comm_share",
+        "alert_collective_slowdown",
+        "alert_step_gap_ms",
+        "alert_memory_bytes",
+    }
+)
+
+
+def _config_signature(config: OverlapConfig) -> dict[str, str]:
+    """The fields that decide the collectives, as strings equal on ranks that agree."""
+
+    def describe(value: Any) -> str:
+        if isinstance(value, frozenset):  # a unit_policy set of classes
+            return repr(sorted(f"{c.__module__}.{c.__qualname__}" for c in value))
+        if callable(value) and not isinstance(value, type):  # a unit_policy callable
+            return f"{getattr(value, '__module__', '?')}.{getattr(value, '__qualname__', '?')}"
+        return repr(value)
+
+    return {
+        f.name: describe(getattr(config, f.name))
+        for f in dataclasses.fields(config)
+        if f.name not in _RANK_LOCAL_FIELDS
+    }
+
+
+def _check_same_config(config: OverlapConfig, group: dist.ProcessGroup, device: torch.device) -> None:
+    """Every rank must wrap with the same config (prefetch depth, buckets, dtypes, codecs decide
+    the sequence and sizes of the collectives); a mismatch raises on every rank, naming the field."""
+    signature = _config_signature(config)
+    hashes = comm.all_gather_int(order_hash(tuple(signature.items())), group, device)  # type: ignore[arg-type]
+    if len(set(hashes)) == 1:
+        return
+    # Every rank saw the same hashes, so all take this branch and run the same collectives.
+    differing = [
+        name
+        for name, value in signature.items()
+        if len(set(comm.all_gather_int(order_hash((value,)), group, device))) > 1  # type: ignore[arg-type]
+    ]
+    mine = ", ".join(f"{name}={signature[name]}" for name in differing)
+    raise ValueError(
+        f"overlap.wrap: the OverlapConfig differs across ranks in {', '.join(differing)} (on rank "
+        f"{dist.get_rank(group)}: {mine}); config hashes by rank: {hashes}. Pass the same config "
+        "(and keyword overrides) on every rank: these fields decide which collectives run, in "
+        "what order and with what sizes. Only rank-local fields may differ: "
+        f"{', '.join(sorted(_RANK_LOCAL_FIELDS))}."
+    )
 
 
 def _unit_of_module(module_fqn: str, unit_set: set[str]) -> str:

@@ -69,9 +69,9 @@ def test_steady_state_actions_default():
         Free(0), Gather(2), WaitGather(1),
         Free(1), Gather(3), WaitGather(2),
         Free(2), WaitGather(3),
-        Gather(2),  # end of forward: unit 3 is kept for backward, unit 2 prefetched
-        Free(3), Reduce(4, (3,)), Gather(1), WaitGather(2),
-        Free(2), Reduce(5, (2,)), Gather(0), WaitGather(1),
+        Gather(2, True),  # end of forward: unit 3 is kept for backward, unit 2 prefetched
+        Free(3), Reduce(4, (3,)), Gather(1, True), WaitGather(2),
+        Free(2), Reduce(5, (2,)), Gather(0, True), WaitGather(1),
         Free(1), Reduce(6, (1,)), WaitGather(0),
         Free(0), Reduce(7, (0,)),
         WaitReduce(4, (3,)), WaitReduce(5, (2,)), WaitReduce(6, (1,)), WaitReduce(7, (0,)),
