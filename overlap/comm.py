@@ -110,16 +110,26 @@ def _sum_chunks(world_size: int, n: int) -> Callable[[torch.Tensor], torch.Tenso
     return finish
 
 
+def encode_shard(shard: torch.Tensor, codec: Codec) -> torch.Tensor:
+    """The wire bytes of `shard` under `codec`, as `all_gather_encoded` sends them."""
+    return codec.to_bytes(codec.encode(shard))
+
+
 def all_gather_encoded(
-    shard: torch.Tensor, group: dist.ProcessGroup, world_size: int, dtype: torch.dtype, codec: Codec
+    send: torch.Tensor,
+    numel: int,
+    group: dist.ProcessGroup,
+    world_size: int,
+    dtype: torch.dtype,
+    codec: Codec,
+    shard_dtype: torch.dtype = torch.float32,
 ) -> CommResult:
-    """All-gather through `codec`: every rank's shard is encoded, the bytes gathered, and each
-    rank's part decoded into a rank-major `dtype` tensor by `wait`. The fp32 master shard is
-    untouched; only the wire copy is compressed (this rank decodes its own part too, so every
-    rank computes with the same values)."""
-    numel = shard.numel()
-    send = codec.to_bytes(codec.encode(shard))
-    received = torch.empty(world_size * send.numel(), dtype=torch.uint8, device=shard.device)
+    """All-gather through `codec`: `send` is this rank's shard of `numel` elements encoded by
+    `encode_shard`; every rank's bytes are gathered and each part decoded into a rank-major
+    `dtype` tensor by `wait`. The fp32 master shard is untouched; only the wire copy is
+    compressed (this rank decodes its own part too, so every rank computes with the same
+    values)."""
+    received = torch.empty(world_size * send.numel(), dtype=torch.uint8, device=send.device)
     work = None
     if world_size == 1:
         received.copy_(send)
@@ -128,7 +138,7 @@ def all_gather_encoded(
 
     def finish(buf: torch.Tensor) -> torch.Tensor:
         out = torch.empty(world_size * numel, dtype=dtype, device=buf.device)
-        for r, part in enumerate(codec.from_chunk_bytes(buf, world_size, numel, shard.dtype)):
+        for r, part in enumerate(codec.from_chunk_bytes(buf, world_size, numel, shard_dtype)):
             codec.decode_into(part, out[r * numel : (r + 1) * numel])
         return out
 

@@ -92,6 +92,7 @@ class UnitTensors:
     gather_event: torch.cuda.Event | None = None
     gather_issued_at: float = 0.0  # perf_counter at issue, for StepStats.collective_ms
     secondary: torch.Tensor | None = None  # hpZ: see [Note: secondary copy]
+    encoded: torch.Tensor | None = None  # wire bytes of the shard this step: _encoded_shard
     gather_from_secondary: bool = False  # the gather in flight reads the secondary copies
 
     @property
@@ -198,7 +199,8 @@ class Runtime:
                     unit.gather = comm.all_gather_flat(unit.shard, self.group, self.world_size, dtype)
                 else:
                     unit.gather = comm.all_gather_encoded(
-                        unit.shard, self.group, self.world_size, dtype, self.param_codec
+                        self._encoded_shard(unit, for_backward), unit.shard.numel(), self.group, self.world_size,
+                        dtype, self.param_codec, unit.shard.dtype,
                     )
                 if self.gather_stream is not None:
                     # the gather stream waits, not the CPU
@@ -231,6 +233,18 @@ class Runtime:
         self.stats.record_latency(f"{unit.layout.label} gather", unit.gather_issued_at)
         if self.trace is not None:
             self.trace.span("wait", f"wait gather {unit.layout.label}", int(t0 * 1e9), self.trace.now())
+
+    def _encoded_shard(self, unit: UnitTensors, for_backward: bool) -> torch.Tensor:
+        """The unit's shard encoded for a compressed all-gather. A forward gather encodes it
+        and keeps the bytes; the backward gather of the same step resends them (the shard only
+        changes at the optimizer step, after backward). The bytes are dropped once the unit's
+        gradients are reduced, so the next step's forward encodes the updated shard. (Tensor
+        version counters cannot tell: the DTensor views the optimizer writes through do not
+        share the flat shard's counter.)"""
+        assert self.param_codec is not None
+        if not for_backward or unit.encoded is None:
+            unit.encoded = comm.encode_shard(unit.shard, self.param_codec)
+        return unit.encoded
 
     def _keep_secondary(self, unit: UnitTensors, gathered: torch.Tensor) -> None:
         """hpZ: after a forward gather, keep the parts this rank serves to its inner group.
@@ -400,6 +414,7 @@ class Runtime:
         units = [self.units[i] for i in indices]
         for unit in units:
             unit.secondary = None  # [Note: secondary copy]
+            unit.encoded = None  # see _encoded_shard
         grad_numel = sum(u.layout.grad_shard_numel for u in units)
         with torch.no_grad():
             # .tolist() reads the used counts on the host ([Note: used flags]): on CUDA this is

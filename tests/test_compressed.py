@@ -108,3 +108,40 @@ def residuals_roundtrip(rank: int, world: int, root: str) -> dict:
 
 def test_error_feedback_residuals_are_checkpointed(world2, tmp_path):
     world2.run(residuals_roundtrip, root=str(tmp_path))
+
+
+def encodes_per_step(rank: int, world: int) -> dict:
+    """Compressed weights: each unit's shard is encoded once per step (the backward gather
+    resends the forward's bytes), and again after the optimizer changed it."""
+    from overlap import comm
+
+    base = tiny_lm(dim=32, hidden=64)
+    ours = overlap.wrap(base, param_compression="int8")
+    opt = torch.optim.SGD(ours.parameters(), lr=0.1)
+    calls: list[int] = []
+    original = comm.encode_shard
+
+    def counting(shard, codec):
+        calls.append(shard.data_ptr())
+        return original(shard, codec)
+
+    comm.encode_shard = counting
+    counts, losses = [], []
+    try:
+        for step in range(3):
+            calls.clear()
+            loss = loss_of(ours(batch(base, rank, 0)))  # same batch: only the weights change
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            counts.append((len(calls), len(set(calls))))
+            losses.append(loss.item())
+    finally:
+        comm.encode_shard = original
+    return {"counts": counts, "losses": losses, "num_units": len(ours._overlap_state.units)}
+
+
+def test_weight_encoding_is_reused_within_a_step(world2):
+    for r in world2.run(encodes_per_step):
+        assert all(c == (r["num_units"], r["num_units"]) for c in r["counts"]), r
+        assert r["losses"][0] > r["losses"][1] > r["losses"][2], r  # stale bytes would not learn
