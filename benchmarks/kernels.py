@@ -1,14 +1,23 @@
-"""Blockwise quantize / dequantize-accumulate throughput: torch reference vs compiled backends.
+"""Kernel throughput: blockwise quantize / dequantize-accumulate, fused copy-out / copy-in.
 
-    python benchmarks/kernels.py                          # CPU: ref vs cpp, 3 sizes, 7 rounds
+    python benchmarks/kernels.py                          # CPU: every op, 3 sizes, 7 rounds
     python benchmarks/kernels.py --sizes 1M,16M --rounds 11 --compile --json out/kernels.json
+    python benchmarks/kernels.py --ops copy_out,copy_in,memcpy --sizes 4M --rounds 5
 
 Rounds interleave the backends (order rotated each round); each round times one call per
-backend after one untimed warm-up call per (op, size, backend). Reported: median and min-max
-over rounds. GB/s counts bytes moved: quantize reads the fp32 input and writes codes + scales;
-dequantize-accumulate reads codes + scales + out and writes out (fp32).
+backend after one untimed warm-up call per (op, size, backend); on CUDA a call is timed with
+events over 5 back-to-back launches. Reported: median and min-max over rounds, GB/s of bytes
+moved, speedup over the op's first backend, and the share of a plain same-size fp32 copy's
+GB/s (`memcpy` row: `dst.copy_(src)`, the device-to-device copy bandwidth on a GPU).
+Bytes moved: quantize reads the fp32 input and writes codes + scales; dequantize-accumulate reads
+codes + scales + out and writes out (fp32); copies read every source and write every destination
+element (padding included).
 Backends: "ref" (eager torch reference), "cpp" (the C++ extension, on CPU), "compiled"
-(torch.compile of the reference, with --compile), "triton" (on CUDA).
+(torch.compile of the reference, with --compile), "triton" (on CUDA). Copy ops compare against
+"eager": what the runtime does today on a unit laid out as in overlap/units.py (a GPT block of
+about numel elements over `--rows` ranks; `--rows 3` pads the chunks): `split_with_sizes_copy`
+(or per-tensor `copy_` when it casts) for copy-out, pad + `torch.cat` for copy-in. On CPU the
+allocator keeps freed blocks as the runtime sets it ([Note: CPU page faults] in runtime.py).
 """
 
 from __future__ import annotations
@@ -19,12 +28,15 @@ import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import torch
+import torch.nn.functional as F
 
 from overlap.kernels import (
     code_numel,
+    copy_in,
+    copy_out,
     cpu,
     dequantize_blockwise,
     dequantize_blockwise_ref,
@@ -33,10 +45,20 @@ from overlap.kernels import (
     quantize_blockwise_ref,
 )
 from overlap.kernels.reference import CodeFormat
+from overlap.runtime import keep_freed_cpu_memory
+from overlap.units import ParamInfo, UnitLayout, make_layout
 
 Contender = Literal["ref", "cpp", "triton", "compiled"]
+CopyContender = Literal["eager", "cpp", "triton"]
 OPS: list[tuple[str, int, CodeFormat]] = [("quantize", 8, "int"), ("quantize", 4, "int"), ("quantize", 8, "fp8"), ("dequant_acc", 8, "int"),
        ("dequant_acc", 4, "int")]  # fmt: skip
+BF16, FP32 = torch.bfloat16, torch.float32
+# (op, source dtype, destination dtype): gathered fp32 -> bf16 params (mixed precision), a bf16
+# gather, bf16 grads -> fp32 reduce buffer, fp32 throughout
+COPY_OPS: list[tuple[str, torch.dtype, torch.dtype]] = [
+    ("copy_out", FP32, BF16), ("copy_out", BF16, BF16), ("copy_in", BF16, FP32), ("copy_in", FP32, FP32),
+]  # fmt: skip
+_SHORT = {FP32: "f32", BF16: "bf16"}
 
 
 def parse_size(text: str) -> int:
@@ -68,14 +90,86 @@ def make_call(
     )
 
 
-def time_call(fn: Callable[[], object], device: str) -> float:
-    if device == "cuda":
-        torch.cuda.synchronize()
-    start = time.perf_counter()
-    fn()
-    if device == "cuda":
-        torch.cuda.synchronize()
-    return time.perf_counter() - start
+def block_layout(numel: int, rows: int) -> UnitLayout:
+    """One GPT block's parameters (~numel elements, width d a multiple of 64 as in real models)
+    laid out over `rows` ranks: chunks are padded where d is not a multiple of `rows`."""
+    d = max(64, round((numel / 12) ** 0.5 / 64) * 64)
+    shapes = [(3 * d, d), (3 * d,), (d, d), (d,), (d,), (d,), (4 * d, d), (4 * d,), (d, 4 * d), (d,), (d,), (d,)]
+    params = [ParamInfo(f"p{i}", ((f"m{i}", "w"),), torch.Size(s), True) for i, s in enumerate(shapes)]
+    return make_layout(0, "block", ("block",), params, rows)
+
+
+def make_copy_call(
+    op: str, src_dtype: torch.dtype, dst_dtype: torch.dtype, backend: CopyContender, layout: UnitLayout, device: str
+) -> tuple[Callable[[], object], int]:
+    """(call, bytes moved) for one copy op on `layout`, as the runtime would issue it."""
+    n = layout.world_size
+    sizes = [n * s.chunk_numel for s in layout.slots]
+    if op == "copy_out":
+        gathered = torch.randn(layout.unsharded_numel, device=device).to(src_dtype)
+        unsharded = torch.empty(layout.unsharded_numel, dtype=dst_dtype, device=device)
+        outs = [unsharded[s.unsharded_offset : s.unsharded_offset + size] for s, size in zip(layout.slots, sizes)]
+        moved = layout.unsharded_numel * (gathered.element_size() + unsharded.element_size())
+        if backend != "eager":
+            return lambda: copy_out(gathered, outs, num_rows=n, backend=backend), moved
+        views = [o.view(n, -1) for o in outs]
+        if src_dtype == dst_dtype:
+            return lambda: torch.split_with_sizes_copy(gathered.view(n, -1), layout.chunk_sizes, 1, out=views), moved
+
+        def split_and_cast() -> None:
+            for view, block in zip(views, gathered.view(n, -1).split(layout.chunk_sizes, dim=1)):
+                view.copy_(block)
+
+        return split_and_cast, moved
+    grads = [torch.randn(s.shape, device=device).to(src_dtype) for s in layout.slots]
+    flags = torch.ones(n, len(grads), dtype=dst_dtype, device=device)
+    full = torch.empty(n, layout.shard_numel + len(grads), dtype=dst_dtype, device=device)
+    moved = sum(g.numel() for g in grads) * grads[0].element_size() + full.numel() * full.element_size()
+    if backend != "eager":
+        all_sizes = [*sizes, flags.numel()]
+        return lambda: copy_in([*grads, flags.view(-1)], full, sizes=all_sizes, num_rows=n, backend=backend), moved
+
+    def pad_and_cat() -> None:  # overlap/runtime.py Runtime.reduce
+        columns = [
+            (F.pad(g.reshape(-1), (0, size - g.numel())) if size > g.numel() else g).view(n, -1)
+            for g, size in zip(grads, sizes)
+        ]
+        torch.cat([*columns, flags], dim=1, out=full)
+
+    return pad_and_cat, moved
+
+
+def make_memcpy(numel: int, device: str) -> tuple[Callable[[], object], int]:
+    src = torch.randn(numel, device=device)
+    dst = torch.empty_like(src)
+    return lambda: dst.copy_(src), 8 * numel
+
+
+def time_call(fn: Callable[[], object], device: str, reps: int = 5) -> float:
+    if device != "cuda":
+        start = time.perf_counter()
+        fn()
+        return time.perf_counter() - start
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    begin.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    end.synchronize()
+    return begin.elapsed_time(end) / 1e3 / reps
+
+
+def measure(calls: dict[str, Callable[[], object]], rounds: int, device: str) -> dict[str, list[float]]:
+    """Seconds per call for each contender, over interleaved rounds (after one warm-up call)."""
+    for fn in calls.values():
+        fn()  # warm-up (and compile)
+    names = list(calls)
+    times: dict[str, list[float]] = {b: [] for b in names}
+    for r in range(rounds):
+        for b in names[r % len(names) :] + names[: r % len(names)]:
+            times[b].append(time_call(calls[b], device))
+    return times
 
 
 def main() -> None:
@@ -86,53 +180,75 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true", help="also time torch.compile(reference)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--json", default=None, help="write the rows here")
+    parser.add_argument("--ops", default="memcpy,quantize,dequant_acc,copy_out,copy_in", help="which ops to time")
+    parser.add_argument("--rows", type=int, default=2, help="copy ops: ranks the unit is sharded over")
     args = parser.parse_args()
 
     device = args.device
-    backends: list[Contender] = ["ref"]
+    if device == "cpu":
+        keep_freed_cpu_memory()  # as the runtime does: reused, not freshly faulted, pages
+    ops = set(args.ops.split(","))
+    compiled: list[Literal["cpp", "triton"]] = []
     if device == "cpu" and cpu.load_extension() is not None:
-        backends.append("cpp")
+        compiled.append("cpp")
     if device == "cuda":
-        backends.append("triton")
+        compiled.append("triton")
+    backends: list[Contender] = ["ref", *compiled]
     if args.compile:
         backends.append("compiled")
+    copy_backends: list[CopyContender] = ["eager", *compiled]
     print(f"device={device} threads={torch.get_num_threads()} block={args.block} backends={backends}"
-          f" cpp_load_s={cpu.build_seconds}")  # fmt: skip
+          f" copy backends={copy_backends} rows={args.rows} cpp_load_s={cpu.build_seconds}")  # fmt: skip
 
-    rows = []
+    rows: list[dict[str, Any]] = []
+
+    def add_rows(op: str, numel: int, times: dict[str, list[float]], moved: int) -> None:
+        base = statistics.median(next(iter(times.values())))
+        for b, ts in times.items():
+            med = statistics.median(ts)
+            rows.append({
+                "op": op, "numel": numel, "backend": b, "median_ms": med * 1e3, "min_ms": min(ts) * 1e3,
+                "max_ms": max(ts) * 1e3, "gbps": moved / med / 1e9, "speedup_vs_base": base / med,
+            })  # fmt: skip
+
     for numel in [parse_size(s) for s in args.sizes.split(",")]:
-        for op, bits, fmt in OPS:
-            calls = {b: make_call(op, bits, fmt, b, numel, args.block, device) for b in backends}
-            for fn in calls.values():
-                fn()  # warm-up (and compile)
-            times: dict[Contender, list[float]] = {b: [] for b in backends}
-            for r in range(args.rounds):
-                order = backends[r % len(backends) :] + backends[: r % len(backends)]
-                for b in order:
-                    times[b].append(time_call(calls[b], device))
-            moved = bytes_moved(op, bits, numel, args.block)
-            ref_median = statistics.median(times["ref"])
-            for b in backends:
-                med = statistics.median(times[b])
-                rows.append({
-                    "op": f"{op} {fmt if fmt == 'fp8' else f'int{bits}'}", "numel": numel, "backend": b,
-                    "median_ms": med * 1e3, "min_ms": min(times[b]) * 1e3, "max_ms": max(times[b]) * 1e3,
-                    "gbps": moved / med / 1e9, "speedup_vs_ref": ref_median / med,
-                })  # fmt: skip
+        first_row = len(rows)
+        fn, moved = make_memcpy(numel, device)
+        add_rows("memcpy f32", numel, measure({"torch": fn}, args.rounds, device), moved)
+        for op, bits, fmt in OPS if ops & {"quantize", "dequant_acc"} else []:
+            if op not in ops:
+                continue
+            calls: dict[str, Callable[[], object]] = {
+                b: make_call(op, bits, fmt, b, numel, args.block, device) for b in backends
+            }
+            add_rows(f"{op} {fmt if fmt == 'fp8' else f'int{bits}'}", numel, measure(calls, args.rounds, device),
+                     bytes_moved(op, bits, numel, args.block))  # fmt: skip
+        layout = block_layout(numel, args.rows)
+        for op, src_dtype, dst_dtype in COPY_OPS:
+            if op not in ops:
+                continue
+            made = {b: make_copy_call(op, src_dtype, dst_dtype, b, layout, device) for b in copy_backends}
+            times = measure({b: fn for b, (fn, _) in made.items()}, args.rounds, device)
+            add_rows(f"{op} {_SHORT[src_dtype]}>{_SHORT[dst_dtype]}", layout.numel, times, made["eager"][1])
+        copy_gbps = rows[first_row]["gbps"]  # this size's memcpy row
+        for row in rows[first_row:]:
+            row["share_of_memcpy"] = row["gbps"] / copy_gbps
 
-    header = f"{'op':<18}{'numel':>10}  {'backend':<9}{'median ms':>10}{'min-max ms':>18}{'GB/s':>8}{'x ref':>7}"
+    header = (f"{'op':<20}{'numel':>10}  {'backend':<9}{'median ms':>10}{'min-max ms':>16}{'GB/s':>8}"
+              f"{'x base':>8}{'% copy':>8}")  # fmt: skip
     print(header)
     print("-" * len(header))
     for row in rows:
-        spread = f"{row['min_ms']:.2f}-{row['max_ms']:.2f}"
+        spread = f"{row['min_ms']:.3f}-{row['max_ms']:.3f}"
         print(
-            f"{row['op']:<18}{row['numel']:>10}  {row['backend']:<9}{row['median_ms']:>10.2f}{spread:>18}"
-            f"{row['gbps']:>8.2f}{row['speedup_vs_ref']:>7.1f}"
+            f"{row['op']:<20}{row['numel']:>10}  {row['backend']:<9}{row['median_ms']:>10.3f}{spread:>16}"
+            f"{row['gbps']:>8.2f}{row['speedup_vs_base']:>8.1f}{100 * row['share_of_memcpy']:>7.0f}%"
         )
     if args.json:
         path = Path(args.json)
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({"device": device, "block": args.block, "rows": rows}, indent=2) + "\n")
+        payload = {"device": device, "block": args.block, "copy_rows": args.rows, "rows": rows}
+        path.write_text(json.dumps(payload, indent=2) + "\n")
 
 
 if __name__ == "__main__":

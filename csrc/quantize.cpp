@@ -158,6 +158,59 @@ void quantize_impl(const scalar_t* x, int64_t numel, int64_t bits, int64_t block
   });
 }
 
+// Error feedback, fused: t = x + r (fp32), codes = quantize(t), r = t - decode(codes), one block
+// at a time while it is in cache (one pass over memory instead of four). The same fp32 operations
+// as the reference composition (overlap/compression/feedback.py), so the same bits.
+template <typename scalar_t>
+__attribute__((always_inline)) inline void feedback_blocks(const scalar_t* x, float* r, int64_t numel, int64_t bits,
+                                                           int64_t block, int64_t fmt, const float* noise,
+                                                           void* codes_out, float* scales,
+                                                           const float* fp8_table, int64_t b0, int64_t b1) {
+  for (int64_t b = b0; b < b1; ++b) {
+    const int64_t start = b * block;
+    const int64_t len = std::min(block, numel - start);
+    float* rb = r + start;
+    const scalar_t* xb = x + start;
+    for (int64_t i = 0; i < len; ++i) rb[i] = static_cast<float>(xb[i]) + rb[i];
+    quantize_blocks<float>(r, numel, bits, block, fmt, noise, codes_out, scales, b, b + 1);
+    const float s = scales[b];
+    if (fmt == kFmtFp8) {
+      const uint8_t* c = static_cast<const uint8_t*>(codes_out) + start;
+      for (int64_t i = 0; i < len; ++i) rb[i] = rb[i] - fp8_table[c[i]] * s;
+    } else if (bits == 8) {
+      const int8_t* c = static_cast<const int8_t*>(codes_out) + start;
+      for (int64_t i = 0; i < len; ++i) rb[i] = rb[i] - static_cast<float>(c[i]) * s;
+    } else {
+      const uint8_t* c = static_cast<const uint8_t*>(codes_out) + start / 2;
+      for (int64_t i = 0; i < len; ++i) {
+        const int32_t nib = (i & 1) ? (c[i / 2] >> 4) : (c[i / 2] & 0xF);
+        rb[i] = rb[i] - static_cast<float>(nib - 8) * s;
+      }
+    }
+  }
+}
+
+template <typename scalar_t>
+__attribute__((target("avx2"))) void feedback_blocks_avx2(const scalar_t* x, float* r, int64_t numel, int64_t bits,
+                                                          int64_t block, int64_t fmt, const float* noise,
+                                                          void* codes_out, float* scales, const float* table,
+                                                          int64_t b0, int64_t b1) {
+  feedback_blocks<scalar_t>(x, r, numel, bits, block, fmt, noise, codes_out, scales, table, b0, b1);
+}
+
+template <typename scalar_t>
+void feedback_blocks_base(const scalar_t* x, float* r, int64_t numel, int64_t bits, int64_t block, int64_t fmt,
+                          const float* noise, void* codes_out, float* scales, const float* table, int64_t b0,
+                          int64_t b1) {
+  feedback_blocks<scalar_t>(x, r, numel, bits, block, fmt, noise, codes_out, scales, table, b0, b1);
+}
+
+void fill_fp8_table(float* table) {
+  for (int i = 0; i < 256; ++i) {
+    table[i] = static_cast<float>(c10::Float8_e4m3fn(static_cast<uint8_t>(i), c10::Float8_e4m3fn::from_bits()));
+  }
+}
+
 template <typename out_t>
 void dequantize_impl(const void* codes, const float* scales, int64_t numel, int64_t bits,
                      int64_t block, int64_t fmt, out_t* out, bool accumulate) {
@@ -202,22 +255,32 @@ void check_args(int64_t bits, int64_t block, int64_t fmt) {
   TORCH_CHECK(block > 0 && (bits == 8 || block % 2 == 0), "overlap quantize: bad block size ", block);
 }
 
+// Output buffers of a quantization of x: (codes, fp32 scales), one scale per block.
+std::tuple<at::Tensor, at::Tensor> empty_codes(const at::Tensor& x, int64_t bits, int64_t block, int64_t fmt) {
+  const int64_t nb = (x.numel() + block - 1) / block;
+  const int64_t ncodes = bits == 4 ? nb * block / 2 : nb * block;
+  auto codes = at::empty({ncodes}, x.options().dtype(bits == 8 && fmt == kFmtInt ? at::kChar : at::kByte));
+  auto scales = at::empty({nb}, x.options().dtype(at::kFloat));
+  return {codes, scales};
+}
+
+// The stochastic-rounding uniforms, checked; nullptr for round-to-nearest.
+const float* noise_ptr(const std::optional<at::Tensor>& noise, int64_t nb, int64_t block, int64_t fmt) {
+  if (!noise.has_value()) return nullptr;
+  TORCH_CHECK(fmt == kFmtInt, "overlap quantize: stochastic rounding is for int formats");
+  TORCH_CHECK(noise->scalar_type() == at::kFloat && noise->is_contiguous() && noise->numel() == nb * block,
+              "overlap quantize: noise must be contiguous fp32 with num_blocks * block elements");
+  return noise->data_ptr<float>();
+}
+
 std::tuple<at::Tensor, at::Tensor> quantize_blockwise(const at::Tensor& x, int64_t bits, int64_t block,
                                                       int64_t fmt, const std::optional<at::Tensor>& noise) {
   check_args(bits, block, fmt);
   TORCH_CHECK(x.device().is_cpu() && x.is_contiguous(), "overlap quantize: x must be a contiguous CPU tensor");
   const int64_t numel = x.numel();
   const int64_t nb = (numel + block - 1) / block;
-  const int64_t ncodes = bits == 4 ? nb * block / 2 : nb * block;
-  auto codes = at::empty({ncodes}, x.options().dtype(bits == 8 && fmt == kFmtInt ? at::kChar : at::kByte));
-  auto scales = at::empty({nb}, x.options().dtype(at::kFloat));
-  const float* u = nullptr;
-  if (noise.has_value()) {
-    TORCH_CHECK(fmt == kFmtInt, "overlap quantize: stochastic rounding is for int formats");
-    TORCH_CHECK(noise->scalar_type() == at::kFloat && noise->is_contiguous() && noise->numel() == nb * block,
-                "overlap quantize: noise must be contiguous fp32 with num_blocks * block elements");
-    u = noise->data_ptr<float>();
-  }
+  auto [codes, scales] = empty_codes(x, bits, block, fmt);
+  const float* u = noise_ptr(noise, nb, block, fmt);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "overlap_quantize", [&] {
     quantize_impl<scalar_t>(x.data_ptr<scalar_t>(), numel, bits, block, fmt, u, codes.data_ptr(),
                             scales.data_ptr<float>());
@@ -242,6 +305,34 @@ void dequantize_blockwise(const at::Tensor& codes, const at::Tensor& scales, int
   });
 }
 
+std::tuple<at::Tensor, at::Tensor> quantize_feedback_blockwise(const at::Tensor& x, const at::Tensor& residual,
+                                                               int64_t bits, int64_t block, int64_t fmt,
+                                                               const std::optional<at::Tensor>& noise) {
+  check_args(bits, block, fmt);
+  TORCH_CHECK(x.device().is_cpu() && x.is_contiguous(), "overlap quantize_feedback: x must be a contiguous CPU tensor");
+  TORCH_CHECK(residual.scalar_type() == at::kFloat && residual.is_contiguous() && residual.numel() == x.numel() &&
+                  residual.device().is_cpu(),
+              "overlap quantize_feedback: residual must be contiguous fp32 on CPU with x's numel");
+  const int64_t numel = x.numel();
+  const int64_t nb = (numel + block - 1) / block;
+  auto [codes, scales] = empty_codes(x, bits, block, fmt);
+  const float* u = noise_ptr(noise, nb, block, fmt);
+  float table[256];
+  if (fmt == kFmtFp8) fill_fp8_table(table);
+  static const bool has_avx2 = __builtin_cpu_supports("avx2") && std::getenv("OVERLAP_CPU_BASELINE") == nullptr;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "overlap_quantize_feedback", [&] {
+    const auto run = has_avx2 ? &feedback_blocks_avx2<scalar_t> : &feedback_blocks_base<scalar_t>;
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    float* rp = residual.data_ptr<float>();
+    void* cp = codes.data_ptr();
+    float* sp = scales.data_ptr<float>();
+    at::parallel_for(0, nb, grain_blocks(block), [&](int64_t b0, int64_t b1) {
+      run(xp, rp, numel, bits, block, fmt, u, cp, sp, table, b0, b1);
+    });
+  });
+  return {codes, scales};
+}
+
 // For tests: the fp8 bit conversion above applied elementwise (compared with torch's cast).
 at::Tensor fp8_e4m3fn_cast(const at::Tensor& x) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous() && x.device().is_cpu(), "fp32 CPU tensor");
@@ -260,5 +351,8 @@ TORCH_LIBRARY(overlap_cpu, m) {
   m.def("dequantize_blockwise(Tensor codes, Tensor scales, int bits, int block, int numel, Tensor(a!) out, "
         "bool accumulate, int fmt) -> ()",
         &dequantize_blockwise);
+  m.def("quantize_feedback_blockwise(Tensor x, Tensor(a!) residual, int bits, int block, int fmt, Tensor? noise) "
+        "-> (Tensor, Tensor)",
+        &quantize_feedback_blockwise);
   m.def("fp8_e4m3fn_cast(Tensor x) -> Tensor", &fp8_e4m3fn_cast);
 }

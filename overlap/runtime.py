@@ -32,11 +32,10 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 from torch.profiler import record_function
 
-from overlap import comm
+from overlap import comm, kernels
 from overlap.compression import Codec
 from overlap.schedule import (
     Action,
@@ -271,17 +270,17 @@ class Runtime:
             storage.resize_(unit.unsharded_nbytes)
 
     def _copy_out(self, unit: UnitTensors, gathered: torch.Tensor) -> None:
-        """Rank-major gather output -> parameter-major unsharded buffer, one fused pass."""
-        n, chunks = self.world_size, unit.layout.chunk_sizes
-        src = gathered.view(n, -1)
-        dst = [
-            unit.unsharded_flat[s.unsharded_offset : s.unsharded_offset + n * s.chunk_numel].view(n, -1)
+        """Rank-major gather output -> parameter-major unsharded buffer, one fused pass
+        (kernels.copy_out, [Note: fused copy layout] in overlap/kernels/copy.py)."""
+        n = self.world_size
+        outs = [
+            unit.unsharded_flat[s.unsharded_offset : s.unsharded_offset + n * s.chunk_numel]
             for s in unit.layout.slots
         ]
         # The unsharded params alias this storage and autograd may hold them from forward: a
         # refill must not bump their version counter (the data is the same as before the free).
         with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(unit.unsharded_flat):
-            torch.split_with_sizes_copy(src, chunks, dim=1, out=dst)
+            kernels.copy_out(gathered, outs, num_rows=n)
 
     def free(self, index: int) -> None:
         unit = self.units[index]
@@ -304,28 +303,25 @@ class Runtime:
         dtype = self.reduce_dtype or first.unsharded_flat.dtype
         self._bucket_units[bucket] = indices
         with record_function(f"overlap::reduce bucket{bucket}"):
-            columns, used = [], []
+            # One fused pass (kernels.copy_in): gradients cast to the reduce dtype, padded, a
+            # missing gradient as zeros, into the rank-major buffer ([Note: flat layout]).
+            srcs: list[torch.Tensor | None] = []
+            sizes: list[int] = []
+            used: list[bool] = []
             for index in indices:
                 unit = self.units[index]
                 for slot, param in zip(unit.layout.slots, unit.unsharded_params):
                     if not slot.requires_grad:
                         continue
-                    grad = param.grad
-                    used.append(grad is not None)
-                    if grad is None:
-                        columns.append(torch.zeros(n, slot.chunk_numel, dtype=dtype, device=self.device))
-                        continue
-                    flat = grad.reshape(-1)
-                    pad = n * slot.chunk_numel - flat.numel()
-                    if pad:
-                        flat = F.pad(flat, (0, pad))
-                    columns.append(flat.view(n, -1))
+                    used.append(param.grad is not None)
+                    srcs.append(param.grad)
+                    sizes.append(n * slot.chunk_numel)
                     param.grad = None
-            flags = torch.tensor(used, dtype=dtype, device=self.device).expand(n, -1)
-            width = sum(c.shape[1] for c in columns) + len(used)
+            flags = torch.tensor(used, dtype=dtype, device=self.device).repeat(n)
+            width = sum(sizes) // n + len(used)
             full = torch.empty(n, width, dtype=dtype, device=self.device)
-            torch.cat([*columns, flags], dim=1, out=full)
-            del columns
+            kernels.copy_in([*srcs, flags], full, sizes=[*sizes, flags.numel()], num_rows=n)
+            del srcs
             event = None
             if self.reduce_stream is not None:
                 self.reduce_stream.wait_stream(torch.cuda.current_stream(self.device))

@@ -1,4 +1,5 @@
-"""Blockwise quantize / dequantize kernels: every backend equals the torch reference bitwise.
+"""Blockwise quantize / dequantize and fused copy-out / copy-in kernels: every backend equals the
+torch reference bitwise.
 
 Backends: the C++ CPU extension (built at first use; set OVERLAP_REQUIRE_EXT=1 to fail instead
 of skip when it cannot be built, as CI does), Triton under TRITON_INTERPRET=1 (small sizes; int
@@ -53,6 +54,11 @@ def _shapes(gen: torch.Generator, count: int, max_numel: int) -> list[tuple[int,
         block = [2, 16, 64, 128, 256, 1000, 2048][int(torch.randint(7, (1,), generator=gen))]
         out.append((int(torch.randint(1, max_numel, (1,), generator=gen)), block))
     return out
+
+
+def _pythonpath() -> str:
+    """For subprocesses: import the checkout under test, whatever an editable install points at."""
+    return os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
 
 
 def _cpp_or_skip():
@@ -114,7 +120,7 @@ def test_cpp_large_parallel_matches_reference():
 
 
 def test_cpp_baseline_isa_matches_reference():
-    """The extension picks an AVX2 copy of the quantize loop at run time; check the other one."""
+    """The extension picks AVX2 copies of the quantize and cast loops at run time; check the others."""
     _cpp_or_skip()
     code = (
         "import torch\n"
@@ -125,8 +131,17 @@ def test_cpp_baseline_isa_matches_reference():
         "    for block in (64, 1000):\n"
         "        a, b = q(x, bits, block, fmt=fmt, backend='ref'), q(x, bits, block, fmt=fmt, backend='cpp')\n"
         "        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]), (bits, fmt, block)\n"
+        "from overlap.kernels import copy_in, copy_out\n"  # the casts have an AVX2 copy too
+        "f = x * 1e4\n"
+        "for dt in (torch.bfloat16, torch.float16):\n"
+        "    a, b = torch.empty(100_003, dtype=dt), torch.empty(100_003, dtype=dt)\n"
+        "    copy_out(f, [a], backend='ref'); copy_out(f, [b], backend='cpp')\n"
+        "    assert torch.equal(a.view(torch.int16), b.view(torch.int16)), dt\n"
+        "    y, z = torch.empty(100_003), torch.empty(100_003)\n"
+        "    copy_in([a], y, backend='ref'); copy_in([a], z, backend='cpp')\n"
+        "    assert torch.equal(y.view(torch.int32), z.view(torch.int32)), dt\n"
     )
-    env = {**os.environ, "OVERLAP_CPU_BASELINE": "1"}
+    env = {**os.environ, "OVERLAP_CPU_BASELINE": "1", "PYTHONPATH": _pythonpath()}
     result = subprocess.run(
         [sys.executable, "-c", code], env=env, check=False, capture_output=True, text=True, timeout=120
     )
@@ -210,9 +225,9 @@ def test_triton_interpreter_matches_reference():
     if importlib.util.find_spec("triton") is None:
         pytest.skip("triton is not installed (extra `triton`: pip install -e '.[triton]'; CI installs it)")
     script = ROOT / "tests" / "triton_interpreter_check.py"
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": _pythonpath()}
     result = subprocess.run(
-        [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=240
+        [sys.executable, str(script)], check=False, env=env, capture_output=True, text=True, timeout=240
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "checked" in result.stdout
@@ -249,3 +264,260 @@ def test_cuda_sources_compile_with_nvcc(tmp_path):
             timeout=120,
         )
         assert result.returncode == 0, f"nvcc failed on {src.name}:\n{result.stderr}"
+
+
+# ------------------------------------------------------------------------------ fused copy-in / out
+# [Note: fused copy layout] in overlap/kernels/copy.py. Compared on the bits (int views): -0.0 vs
+# +0.0 and rounding ties count. NaN is checked separately (its bits are not specified).
+COPY_PAIRS = [  # (flat dtype, tensors' dtype)
+    (torch.float32, torch.bfloat16),
+    (torch.bfloat16, torch.float32),
+    (torch.float32, torch.float32),
+    (torch.bfloat16, torch.bfloat16),
+    (torch.float32, torch.float16),
+    (torch.float16, torch.float32),
+]
+_INT_VIEW = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(_INT_VIEW[t.dtype])
+
+
+def _copy_values(numel: int, dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
+    """Random values plus the cases casts get wrong: ties, denormals, +-inf, -0, overflow to inf."""
+    x = torch.randn(numel, generator=gen) * torch.rand(numel, generator=gen).pow(4) * 50
+    special = torch.tensor(
+        [1.0 + 2**-8, 1.0 + 3 * 2**-8, -(1.0 + 2**-8), 3e-41, -1e-39, float("inf"), -float("inf"), -0.0,
+         3.4e38, 70000.0, 2**-20]
+    )  # fmt: skip
+    idx = torch.randint(max(numel, 1), (min(numel, 2 * len(special)),), generator=gen)
+    x[idx] = special.repeat(2)[: len(idx)]
+    return x.to(dtype)
+
+
+def _copy_layouts(gen: torch.Generator, count: int, max_cols: int) -> list[tuple[list[int], list[int], int]]:
+    """(sizes, valid numels, num_rows): empty segments, padded ones, odd sizes."""
+    layouts = [([0], [0], 1), ([5], [5], 1), ([6, 0, 9], [4, 0, 9], 3), ([4096, 48], [4000, 48], 2)]
+    for _ in range(count):
+        num_rows = [1, 2, 3, 4][int(torch.randint(4, (1,), generator=gen))]
+        num = int(torch.randint(1, 30, (1,), generator=gen))
+        cols = torch.randint(0, max_cols, (num,), generator=gen)
+        cols[torch.rand(num, generator=gen) < 0.15] = 0
+        sizes = [int(c) * num_rows for c in cols]
+        pad = torch.rand(num, generator=gen) < 0.4
+        valid = [max(0, s - int(torch.randint(0, num_rows * 3, (1,), generator=gen))) if p else s
+                 for s, p in zip(sizes, pad.tolist())]  # fmt: skip
+        layouts.append((sizes, valid, num_rows))
+    return layouts
+
+
+def _check_copy_matches(backend: Backend, layouts, pairs, gen: torch.Generator, device: str = "cpu") -> None:
+    from overlap.kernels import copy_in, copy_out
+
+    for sizes, valid, num_rows in layouts:
+        for flat_dtype, dtype in pairs:
+            where = f"{backend} {flat_dtype}<->{dtype} rows={num_rows} sizes={sizes} valid={valid}"
+            flat = _copy_values(sum(sizes), flat_dtype, gen).to(device)
+            ref = [torch.full((n,), 7.0, dtype=dtype, device=device) for n in valid]
+            got = [t.clone() for t in ref]
+            copy_out(flat, ref, sizes=sizes, num_rows=num_rows, backend="ref")
+            copy_out(flat, got, sizes=sizes, num_rows=num_rows, backend=backend)
+            for i, (r, g) in enumerate(zip(ref, got)):
+                assert torch.equal(_bits(r), _bits(g)), f"copy_out tensor {i}: " + where
+            # copy-in: sources of mixed dtypes, some None (zeros); the sentinel must be overwritten
+            srcs: list[torch.Tensor | None] = []
+            for i, n in enumerate(valid):
+                src_dtype = dtype if i % 3 else flat_dtype
+                srcs.append(None if i % 5 == 4 else _copy_values(n, src_dtype, gen).to(device))
+            ref_flat = torch.full((sum(sizes),), 7.0, dtype=flat_dtype, device=device)
+            got_flat = ref_flat.clone()
+            copy_in(srcs, ref_flat, sizes=sizes, num_rows=num_rows, backend="ref")
+            copy_in(srcs, got_flat, sizes=sizes, num_rows=num_rows, backend=backend)
+            assert torch.equal(_bits(ref_flat), _bits(got_flat)), "copy_in: " + where
+
+
+def test_copy_reference_definition():
+    from overlap.kernels import copy_in_ref, copy_out_ref
+
+    # two rows, segments of 2 and 1 columns: flat = [[a0 a1 b0] [a2 a3 b1]]
+    flat = torch.tensor([0.0, 1.0, 10.0, 2.0, 3.0, 11.0])
+    a, b = torch.empty(3), torch.empty(2)  # a drops its padding element a3
+    copy_out_ref(flat, [a, b], sizes=[4, 2], num_rows=2)
+    assert a.tolist() == [0.0, 1.0, 2.0] and b.tolist() == [10.0, 11.0]
+    out = torch.full((6,), -1.0)
+    copy_in_ref([a, b], out, sizes=[4, 2], num_rows=2)
+    assert out.tolist() == [0.0, 1.0, 10.0, 2.0, 0.0, 11.0]
+    copy_in_ref([None, b.bfloat16()], out, sizes=[4, 2], num_rows=2)
+    assert out.tolist() == [0.0, 0.0, 10.0, 0.0, 0.0, 11.0]
+
+
+def test_copy_cpp_matches_reference_bitwise():
+    _cpp_or_skip()
+    gen = torch.Generator().manual_seed(10)
+    _check_copy_matches("cpp", _copy_layouts(gen, 10, 3000), COPY_PAIRS, gen)
+
+
+def test_copy_cpp_large_parallel_matches_reference():
+    """Many parallel tasks whose ranges start and end inside segments and rows."""
+    _cpp_or_skip()
+    gen = torch.Generator().manual_seed(11)
+    layouts = [([2 * c for c in (1_000_003, 7, 0, 65_536, 333_333)], [2_000_000, 14, 0, 131_072, 666_666], 2)]
+    _check_copy_matches("cpp", layouts, [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32)], gen)
+
+
+def test_copy_nan_stays_nan_and_versions_bump():
+    from overlap.kernels import copy_in, copy_out
+
+    backends: list[Backend] = ["ref"] + (["cpp"] if cpu.load_extension() is not None else [])
+    for backend in backends:
+        flat = torch.tensor([1.0, float("nan"), -float("nan"), 2.0])
+        out = torch.empty(4, dtype=torch.bfloat16)
+        copy_out(flat, [out], backend=backend)
+        assert torch.isnan(out[1:3]).all() and out[0] == 1 and out[3] == 2, backend
+        assert out._version > 0, backend  # in-place writes are visible to autograd's checks
+        back = torch.empty(4)
+        copy_in([out], back, backend=backend)
+        assert torch.isnan(back[1:3]).all() and back._version > 0, backend
+
+
+def test_copy_matches_runtime_layout():
+    """The runtime's copy-out (split_with_sizes_copy) and gradient copy-in (pad + cat with the
+    used flags) of a unit ([Note: flat layout]) equal one copy_out / copy_in call."""
+    from overlap.kernels import copy_in, copy_out
+    from overlap.units import ParamInfo, make_layout
+
+    shapes = [(48, 20), (48,), (7, 3), (1,), (5, 4, 3), (3,)]
+    n = 4
+    params = [ParamInfo(f"p{i}", ((f"m{i}", "w"),), torch.Size(s), i != 3) for i, s in enumerate(shapes)]
+    layout = make_layout(0, "unit0", ("m",), params, n)
+    gen = torch.Generator().manual_seed(12)
+    backends: list[Backend] = ["ref"] + (["cpp"] if cpu.load_extension() is not None else [])
+    for backend in backends:
+        for gather_dtype, param_dtype in [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.bfloat16)]:
+            gathered = torch.randn(layout.unsharded_numel, generator=gen).to(gather_dtype)
+            expected = torch.empty(layout.unsharded_numel, dtype=gather_dtype)
+            dst = [expected[s.unsharded_offset : s.unsharded_offset + n * s.chunk_numel].view(n, -1)
+                   for s in layout.slots]  # fmt: skip
+            torch.split_with_sizes_copy(gathered.view(n, -1), layout.chunk_sizes, dim=1, out=dst)
+            unsharded = torch.empty(layout.unsharded_numel, dtype=param_dtype)
+            outs = [unsharded[s.unsharded_offset : s.unsharded_offset + n * s.chunk_numel] for s in layout.slots]
+            copy_out(gathered, outs, num_rows=n, backend=backend)
+            assert torch.equal(_bits(unsharded), _bits(expected.to(param_dtype))), backend
+        for grad_dtype, reduce_dtype in [(torch.float32, torch.float32), (torch.bfloat16, torch.float32)]:
+            grads = [torch.randn(s.shape, generator=gen).to(grad_dtype) if s.fqn != "p4" else None
+                     for s in layout.grad_slots]  # fmt: skip
+            used = [g is not None for g in grads]
+            columns = []
+            for slot, grad in zip(layout.grad_slots, grads):
+                if grad is None:
+                    columns.append(torch.zeros(n, slot.chunk_numel, dtype=reduce_dtype))
+                    continue
+                flat_grad = torch.nn.functional.pad(grad.reshape(-1), (0, n * slot.chunk_numel - grad.numel()))
+                columns.append(flat_grad.view(n, -1))
+            flags = torch.tensor(used, dtype=reduce_dtype).expand(n, -1)
+            width = sum(c.shape[1] for c in columns) + len(used)
+            expected = torch.empty(n, width, dtype=reduce_dtype)
+            torch.cat([*columns, flags], dim=1, out=expected)
+            full = torch.empty(n, width, dtype=reduce_dtype)
+            sizes = [n * s.chunk_numel for s in layout.grad_slots] + [n * len(used)]
+            copy_in([*grads, flags.reshape(-1)], full, sizes=sizes, num_rows=n, backend=backend)
+            assert torch.equal(_bits(full), _bits(expected)), backend
+
+
+def test_copy_argument_errors_and_dispatch():
+    from overlap.kernels import copy_in, copy_out, select_copy_backend
+
+    flat = torch.randn(10)
+    with pytest.raises(ValueError, match="flat has 10 elements"):
+        copy_out(flat, [torch.empty(4), torch.empty(4)])
+    with pytest.raises(ValueError, match="multiple of num_rows"):
+        copy_out(flat, [torch.empty(5), torch.empty(5)], num_rows=2, sizes=[5, 5])
+    with pytest.raises(ValueError, match="contiguous"):
+        copy_out(flat, [torch.empty(5, 2).t()])
+    with pytest.raises(ValueError, match="more than sizes"):
+        copy_in([torch.randn(6), torch.randn(4)], flat, sizes=[5, 5])
+    with pytest.raises(ValueError, match="needs explicit `sizes`"):
+        copy_in([None, torch.randn(4)], flat)
+    with pytest.raises(TypeError, match="floating"):
+        copy_in([torch.arange(10)], flat)
+    # dtypes the compiled backends do not take: auto uses the reference, forcing one is an error
+    expected = "cpp" if cpu.load_extension() is not None else "ref"
+    assert select_copy_backend(torch.device("cpu"), [torch.float32, torch.bfloat16]) == expected
+    assert select_copy_backend(torch.device("cpu"), [torch.float64, torch.float32]) == "ref"
+    outs = [torch.empty(3, dtype=torch.float64), torch.empty(7, dtype=torch.float64)]
+    copy_out(flat, outs)
+    assert torch.equal(torch.cat(outs), flat.double())
+    with pytest.raises(ValueError, match="fp32/bf16/fp16"):
+        copy_out(flat, outs, backend="cpp")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_copy_triton_gpu_matches_reference():
+    pytest.importorskip("triton")
+    gen = torch.Generator().manual_seed(13)
+    layouts = _copy_layouts(gen, 6, 5000) + [([2 * c for c in (1_000_000, 17, 4096)], [2_000_000, 30, 8192], 2)]
+    _check_copy_matches("triton", layouts, COPY_PAIRS, gen, device="cuda")
+
+
+def test_copy_triton_compiles_for_sm90():
+    """The copy kernels lower through Triton's real CUDA backend (no GPU needed up to the
+    cubin), and the aligned variant gets 16-byte vector loads and stores: the interpreter
+    checks results, this checks what it cannot (types, hints, lowering)."""
+    triton = pytest.importorskip("triton")
+    if os.environ.get("TRITON_INTERPRET", "") not in ("", "0"):
+        pytest.skip("TRITON_INTERPRET is set: the kernels are interpreted in this process")
+    import triton.language as tl
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from overlap.kernels import triton_copy
+
+    cases = [  # (kernel, flat type, dtype parameter, its value, aligned)
+        (triton_copy._copy_out_kernel, "fp32", "OUT_DTYPE", tl.bfloat16, True),
+        (triton_copy._copy_in_kernel, "fp32", "SRC_DTYPE", tl.bfloat16, False),
+    ]
+    for kernel, flat_type, name, dtype, aligned in cases:
+        signature = {"flat_ptr": f"*{flat_type}", "table_ptr": "*i64", "row_stride": "i64"}
+        constexprs = {name: dtype, "LOG_SEGS": 3, "NUM_STARTS": 8, "BLOCK": triton_copy.BLOCK, "ALIGNED": aligned}
+        signature |= dict.fromkeys(constexprs, "constexpr")
+        attrs = {(0,): [["tt.divisibility", 16]], (1,): [["tt.divisibility", 16]]}
+        source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
+        with warnings.catch_warnings():  # triton 3.9 warns that its FP-fusion default will change
+            warnings.simplefilter("ignore", UserWarning)
+            ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
+        vectorized = "ld.global.v4.b32" in ptx and "st.global.v4.b32" in ptx
+        assert vectorized == aligned, f"{kernel.__name__} aligned={aligned}: vector access {vectorized}"
+
+
+@pytest.mark.parametrize("bits,fmt", [(8, "int"), (4, "int"), (8, "fp8")])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("stochastic", [False, True])
+def test_fused_error_feedback_matches_the_composition(bits, fmt, dtype, stochastic):
+    """C++ quantize_feedback == add, quantize, dequantize, subtract (the reference kernels),
+    bitwise: codes, scales and the updated residual; and decode + residual == x + old residual."""
+    from overlap.kernels import cpu, dequantize_blockwise, quantize_feedback_blockwise
+
+    if cpu.load_extension() is None:
+        pytest.skip("C++ extension not built")
+    if stochastic and fmt == "fp8":
+        pytest.skip("no stochastic rounding for fp8")
+    block = 64
+    for numel in (1, 63, 64, 1000, 4099):
+        x = (torch.randn(numel) * 3).to(dtype)
+        x[: numel // 7] *= 1e-3  # blocks of very different scales
+        r0 = torch.randn(numel) * 0.01
+        outs = {}
+        for backend in ("ref", "cpp"):
+            r = r0.clone()
+            g = torch.Generator().manual_seed(7)
+            codes, scales = quantize_feedback_blockwise(
+                x, r, bits, block, stochastic, g, fmt=fmt, backend=backend
+            )
+            outs[backend] = (codes, scales, r)
+        for a, b in zip(outs["ref"], outs["cpp"]):
+            assert torch.equal(a, b), (numel, backend)
+        if not stochastic:
+            codes, scales, r = outs["cpp"]
+            decoded = dequantize_blockwise(codes, scales, bits, block, numel, fmt=fmt)
+            assert torch.equal(decoded + r, x.float() + r0), numel

@@ -40,6 +40,7 @@ from overlap.kernels import (
     dequantize_blockwise,
     num_blocks_for,
     quantize_blockwise,
+    quantize_feedback_blockwise,
 )
 from overlap.kernels.reference import CodeFormat
 
@@ -74,6 +75,17 @@ class Codec(ABC):
     @abstractmethod
     def wire_bytes(self, numel: int, dtype: torch.dtype = torch.float32) -> int:
         """Bytes that `numel` elements of `dtype` occupy on the wire (codes + scales)."""
+
+    def encode_feedback(self, x: torch.Tensor, residual: torch.Tensor) -> Encoded:
+        """Encode `x + residual` and set `residual` (contiguous fp32, x's numel) to what the
+        encoding dropped, in place (see [Note: error feedback residual] in feedback.py)."""
+        target = residual.view(-1)
+        target.add_(x.reshape(-1))  # x + r == r + x in IEEE arithmetic
+        enc = self.encode(target)
+        if enc.codes.data_ptr() == target.data_ptr():  # an encoding that aliases its input
+            enc = enc._replace(codes=enc.codes.clone())
+        torch.sub(target, self.decode(enc, torch.float32), out=target)
+        return enc
 
     def decode(self, enc: Encoded, dtype: torch.dtype | None = None) -> torch.Tensor:
         """A new flat tensor of `dtype` (default: the encoded tensor's dtype)."""
@@ -220,6 +232,17 @@ class _BlockwiseCodec(Codec):
         codes, scales = quantize_blockwise(
             x, self.bits, self.block_size, self.stochastic, self.generator, fmt=self.fmt
         )
+        return self._checked(Encoded(codes, scales, x.numel(), x.dtype))
+
+    def encode_feedback(self, x: torch.Tensor, residual: torch.Tensor) -> Encoded:
+        codes, scales = quantize_feedback_blockwise(
+            x, residual, self.bits, self.block_size, self.stochastic, self.generator, fmt=self.fmt
+        )
+        return self._checked(Encoded(codes, scales, x.numel(), torch.float32))  # x + r, in fp32
+
+    def _checked(self, enc: Encoded) -> Encoded:
+        scales = enc.scales
+        assert scales is not None
         if self.check_finite:
             bad = torch.isnan(scales)
             if bool(bad.any()):
@@ -230,7 +253,7 @@ class _BlockwiseCodec(Codec):
                     "loss scaler) or build the codec with check_finite=False to pass such blocks "
                     "through as NaN."
                 )
-        return Encoded(codes, scales, x.numel(), x.dtype)
+        return enc
 
     def _decode_into(self, enc: Encoded, out: torch.Tensor, accumulate: bool) -> None:
         assert enc.scales is not None, "blockwise codes travel with their scales"

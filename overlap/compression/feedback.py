@@ -31,13 +31,17 @@ def encode_with_feedback(
     `residual` is a flat fp32 or bf16 buffer with x's numel (None: start from zero; a new fp32
     buffer is returned). Returns (the encoding, the residual buffer).
     """
+    if residual is not None and (residual.numel() != x.numel() or not residual.is_contiguous()):
+        raise ValueError(
+            f"encode_with_feedback: residual must be contiguous with {x.numel()} elements, "
+            f"got shape {tuple(residual.shape)}"
+        )
+    if residual is not None and residual.dtype == torch.float32:
+        # In place, fused where a kernel exists (Codec.encode_feedback): the same fp32
+        # operations as below, so decode(enc) + residual == x + old residual, exactly.
+        return codec.encode_feedback(x, residual), residual
     target = x.reshape(-1).float()
     if residual is not None:
-        if residual.numel() != x.numel() or not residual.is_contiguous():
-            raise ValueError(
-                f"encode_with_feedback: residual must be contiguous with {x.numel()} elements, "
-                f"got shape {tuple(residual.shape)}"
-            )
         target = target + residual.view(-1)
     # Never in place on `target`: it may be the caller's gradient (fp32 x, no residual), and the
     # identity codec's encoding is a view of it.
@@ -47,3 +51,4 @@ def encode_with_feedback(
         return enc, dropped
     residual.view(-1).copy_(dropped)
     return enc, residual
+

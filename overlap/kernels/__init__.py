@@ -1,12 +1,21 @@
-"""Kernels for compressed communication: blockwise quantize / dequantize(-accumulate).
+"""Kernels: blockwise quantize / dequantize(-accumulate) for compressed communication, and the
+fused copy-out / copy-in with cast between a unit's flat buffer and its many tensors.
 
 Each op has a torch reference (`*_ref`) that defines it and a dispatch that picks the fastest
 built backend (Triton on CUDA, the just-in-time C++ extension on CPU, else the reference).
 """
 
+from overlap.kernels.copy import (
+    copy_in,
+    copy_in_ref,
+    copy_out,
+    copy_out_ref,
+    select_copy_backend,
+)
 from overlap.kernels.quantize import (
     dequantize_blockwise,
     quantize_blockwise,
+    quantize_feedback_blockwise,
     select_backend,
 )
 from overlap.kernels.reference import (
@@ -18,10 +27,16 @@ from overlap.kernels.reference import (
 
 __all__ = [
     "code_numel",
+    "copy_in",
+    "copy_in_ref",
+    "copy_out",
+    "copy_out_ref",
     "dequantize_blockwise",
     "dequantize_blockwise_ref",
     "num_blocks_for",
     "quantize_blockwise",
     "quantize_blockwise_ref",
+    "quantize_feedback_blockwise",
     "select_backend",
+    "select_copy_backend",
 ]

@@ -1,4 +1,4 @@
-"""The C++ CPU extension (`csrc/quantize.cpp`), built just in time at first use and cached.
+"""The C++ CPU extension (`csrc/quantize.cpp`, `csrc/copy.cpp`), built just in time at first use and cached.
 
 [Note: just-in-time C++ build]
 `setup.py` never imports torch (pip's build isolation would need a second torch), so the
@@ -34,8 +34,9 @@ build_seconds: float | None = None
 """Wall time of the load (compile or cache hit) in this process; None until attempted."""
 
 
-def source_path() -> Path:
-    return _CSRC / "quantize.cpp"
+def source_paths() -> list[Path]:
+    """The extension's sources: one module, ops registered under torch.ops.overlap_cpu."""
+    return [_CSRC / "quantize.cpp", _CSRC / "copy.cpp"]
 
 
 def load_extension() -> Any | None:
@@ -55,10 +56,11 @@ def _build() -> Any | None:
     global build_seconds
     if os.environ.get("OVERLAP_NO_EXT", "") not in ("", "0"):
         return None
-    src = source_path()
-    if not src.is_file():
+    sources = source_paths()
+    missing = [src for src in sources if not src.is_file()]
+    if missing:
         warnings.warn(
-            f"overlap: C++ kernel source {src} not found (installed without csrc/?); "
+            f"overlap: C++ kernel source {missing[0]} not found (installed without csrc/?); "
             "using the torch reference kernels",
             stacklevel=3,
         )
@@ -74,7 +76,7 @@ def _build() -> Any | None:
             print("overlap: compiling CPU kernels (once)…", file=sys.stderr, flush=True)
         cpp_extension.load(
             name="overlap_cpu_kernels",
-            sources=[str(src)],
+            sources=[str(src) for src in sources],
             extra_cflags=_CFLAGS,
             build_directory=None if build_dir is None else str(build_dir),
             is_python_module=False,  # registers torch.ops.overlap_cpu.* (TORCH_LIBRARY)
@@ -105,4 +107,5 @@ def _build_dir(cpp_extension: ModuleType) -> Path | None:
 def _is_built(build_dir: Path) -> bool:
     # A cheap guess for the message only: cpp_extension itself decides whether to rebuild.
     sos = list(build_dir.glob("overlap_cpu_kernels*.so"))
-    return bool(sos) and all(so.stat().st_mtime >= source_path().stat().st_mtime for so in sos)
+    newest = max(src.stat().st_mtime for src in source_paths())
+    return bool(sos) and all(so.stat().st_mtime >= newest for so in sos)

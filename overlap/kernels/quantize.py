@@ -133,3 +133,47 @@ def dequantize_blockwise(
 
         return triton_kernels.dequantize_blockwise(codes, scales, bits, block, numel, out, accumulate, fmt=fmt)
     return dequantize_blockwise_ref(codes, scales, bits, block, numel, out, accumulate, fmt)
+
+
+def quantize_feedback_blockwise(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    bits: int,
+    block: int,
+    stochastic: bool = False,
+    generator: torch.Generator | None = None,
+    *,
+    fmt: CodeFormat = "int",
+    backend: Backend = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Error feedback in one call: quantize `x + residual` blockwise -> (codes, fp32 scales) and
+    set `residual` (contiguous fp32, x's numel) to what the codes dropped, in place:
+    `decode(codes) + residual == x + old residual` in fp32, exactly for round-to-nearest.
+
+    The C++ backend fuses the four passes (add, quantize, decode, subtract) into one pass over
+    memory, block by block; elsewhere it is the composition of the dispatched kernels, which
+    computes the same fp32 values.
+    """
+    _check_format(bits, block, fmt, stochastic)
+    if residual.dtype != torch.float32 or residual.numel() != x.numel() or not residual.is_contiguous():
+        raise ValueError(
+            "overlap.kernels.quantize_feedback_blockwise: residual must be contiguous fp32 with "
+            f"x's {x.numel()} elements, got {residual.dtype} shape {tuple(residual.shape)}"
+        )
+    x = x.contiguous().view(-1)
+    target = residual.view(-1)
+    chosen = select_backend(x.device, block, backend)
+    if chosen == "cpp":
+        ext = cpu.load_extension()
+        if ext is None:
+            raise RuntimeError("overlap.kernels: backend='cpp' requested but the extension is not built")
+        noise = None
+        if stochastic:
+            nb = num_blocks_for(x.numel(), block)
+            noise = torch.rand(nb * block, generator=generator, device=x.device, dtype=torch.float32)
+        return ext.quantize_feedback_blockwise(x, target, bits, block, _FMT_ID[fmt], noise)
+    target.add_(x)  # x + r == r + x in IEEE arithmetic
+    codes, scales = quantize_blockwise(target, bits, block, stochastic, generator, fmt=fmt, backend=chosen)  # type: ignore[arg-type]
+    decoded = dequantize_blockwise(codes, scales, bits, block, x.numel(), fmt=fmt, backend=chosen)  # type: ignore[arg-type]
+    torch.sub(target, decoded, out=target)
+    return codes, scales

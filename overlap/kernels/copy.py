@@ -1,0 +1,214 @@
+"""Fused copy-out / copy-in with cast: many tensors to or from one flat buffer in one pass.
+
+[Note: fused copy layout]
+A flat buffer of `num_rows * W` elements, viewed as (num_rows, W), is cut along dim 1 into
+column blocks, one per tensor: segment i holds `sizes[i]` elements, `cols_i = sizes[i] / num_rows`
+columns starting at column `off_i = cols_0 + ... + cols_{i-1}`, and `W = sum(cols_i)`. Segment i
+read row-major, i.e. `flat.view(num_rows, W)[:, off_i : off_i + cols_i].reshape(-1)`, is the
+tensor's flat contents followed by zero padding up to `sizes[i]`:
+
+    copy_out(flat, outs)   outs[i].view(-1) = segment_i[: outs[i].numel()]   (cast to outs[i].dtype)
+    copy_in(srcs, flat)    segment_i = [srcs[i].view(-1), 0, ..., 0]         (cast to flat.dtype)
+
+`num_rows = 1` is a plain split / concatenation (`sizes` default to the tensors' numels). With
+`num_rows = world_size` and `sizes[i] = world_size * chunk_numel_i` this is exactly the runtime's
+rank-major all-gather output -> parameter-major unsharded buffer (copy-out) and padded gradients
+-> rank-major reduce-scatter input (copy-in), see [Note: flat layout] in overlap/units.py.
+A `None` source is all zeros (an unused parameter's gradient); so is a trailing padding region.
+
+Casts are torch's (`Tensor.to`): fp32 -> bf16/fp16 round to nearest even, widening is exact;
+every backend equals `copy_out_ref` / `copy_in_ref` bitwise for finite and infinite values. NaN
+stays NaN, but its sign and payload bits are not specified (torch's own vectorised and scalar
+paths differ there).
+
+Backends: Triton on CUDA (triton_copy.py: one launch per distinct dtype of the many-tensor side
+and alignment class, usually one in all), the C++ extension on CPU (csrc/copy.cpp, one parallel
+pass over the whole job), else the references below. The compiled backends take fp32, bf16 and fp16; other dtypes use the reference.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+
+from overlap.kernels import cpu
+from overlap.kernels.quantize import Backend
+
+COMPILED_DTYPES = frozenset({torch.float32, torch.bfloat16, torch.float16})
+
+
+# ---------------------------------------------------------------------------------- references
+def copy_out_ref(
+    flat: torch.Tensor, outs: Sequence[torch.Tensor], sizes: Sequence[int] | None = None, num_rows: int = 1
+) -> None:
+    """Definition of `copy_out` ([Note: fused copy layout]) in plain torch ops."""
+    sizes = _sizes_or_numels(sizes, outs)
+    cols = [s // num_rows for s in sizes]
+    blocks = flat.reshape(num_rows, -1).split(cols, dim=1)
+    with torch.no_grad():
+        for out, block in zip(outs, blocks):
+            out.view(-1).copy_(block.reshape(-1)[: out.numel()])
+
+
+def copy_in_ref(
+    srcs: Sequence[torch.Tensor | None],
+    flat: torch.Tensor,
+    sizes: Sequence[int] | None = None,
+    num_rows: int = 1,
+) -> torch.Tensor:
+    """Definition of `copy_in` ([Note: fused copy layout]) in plain torch ops; returns `flat`."""
+    sizes = _sizes_or_numels(sizes, srcs)
+    with torch.no_grad():
+        columns = []
+        for src, size in zip(srcs, sizes):
+            column = torch.zeros(size, dtype=flat.dtype, device=flat.device)
+            if src is not None:
+                column[: src.numel()] = src.reshape(-1)
+            columns.append(column.view(num_rows, -1))
+        if columns:
+            torch.cat(columns, dim=1, out=flat.view(num_rows, -1))
+    return flat
+
+
+# ---------------------------------------------------------------------------------- dispatch
+def copy_out(
+    flat: torch.Tensor,
+    outs: Sequence[torch.Tensor],
+    *,
+    sizes: Sequence[int] | None = None,
+    num_rows: int = 1,
+    backend: Backend = "auto",
+) -> None:
+    """Split `flat` into the contiguous `outs` in one pass, casting to each out's dtype.
+
+    See [Note: fused copy layout]; `sizes[i]` (default `outs[i].numel()`) is segment i's length
+    in `flat`, of which out i receives the first `outs[i].numel()` elements.
+    """
+    sizes = [t.numel() for t in outs] if sizes is None else list(sizes)
+    flat = flat.contiguous()
+    dtypes = _validate("copy_out", flat, outs, sizes, num_rows)
+    chosen = select_copy_backend(flat.device, dtypes, backend)
+    if chosen == "cpp":
+        _extension().copy_out(flat, outs, sizes, num_rows)
+    elif chosen == "triton":
+        from overlap.kernels import triton_copy
+
+        triton_copy.copy_out(flat, outs, sizes, num_rows)
+    else:
+        copy_out_ref(flat, outs, sizes, num_rows)
+        return
+    torch.autograd.graph.increment_version(outs)  # raw writes: count them as `copy_` would
+
+
+def copy_in(
+    srcs: Sequence[torch.Tensor | None],
+    flat: torch.Tensor,
+    *,
+    sizes: Sequence[int] | None = None,
+    num_rows: int = 1,
+    backend: Backend = "auto",
+) -> torch.Tensor:
+    """Pack `srcs` into the contiguous `flat` in one pass, cast to `flat.dtype`, zero-padded.
+
+    See [Note: fused copy layout]; `sizes[i]` (default `srcs[i].numel()`, required for a None
+    source) is segment i's length, of which the first `srcs[i].numel()` elements are the source.
+    Returns `flat`.
+    """
+    if sizes is None:
+        if any(s is None for s in srcs):
+            raise ValueError("overlap.kernels.copy_in: a None source (zeros) needs explicit `sizes`")
+        sizes = [s.numel() for s in srcs if s is not None]
+    else:
+        sizes = list(sizes)
+    if not flat.is_contiguous():
+        raise ValueError("overlap.kernels.copy_in: flat must be contiguous")
+    present = [s if s is None or s.is_contiguous() else s.contiguous() for s in srcs]
+    dtypes = _validate("copy_in", flat, present, sizes, num_rows)
+    chosen = select_copy_backend(flat.device, dtypes, backend)
+    if chosen == "cpp":
+        empty = flat.new_empty(0)
+        _extension().copy_in([s if s is not None else empty for s in present], sizes, flat, num_rows)
+    elif chosen == "triton":
+        from overlap.kernels import triton_copy
+
+        triton_copy.copy_in(present, flat, sizes, num_rows)
+    else:
+        return copy_in_ref(present, flat, sizes, num_rows)
+    torch.autograd.graph.increment_version(flat)  # raw writes: count them as `copy_` would
+    return flat
+
+
+def select_copy_backend(device: torch.device, dtypes: Iterable[torch.dtype], backend: Backend = "auto") -> str:
+    """The backend `copy_out` / `copy_in` use for tensors of `dtypes` on `device`."""
+    dtypes = set(dtypes)
+    compilable = dtypes <= COMPILED_DTYPES
+    if backend != "auto":
+        if backend in ("cpp", "triton") and not compilable:
+            raise ValueError(f"overlap.kernels: backend={backend!r} copies fp32/bf16/fp16 only, got {dtypes}")
+        return backend
+    if not compilable:
+        return "ref"
+    if device.type == "cuda":
+        from overlap.kernels import triton_copy
+
+        return "triton" if triton_copy.available() else "ref"
+    if device.type == "cpu" and cpu.load_extension() is not None:
+        return "cpp"
+    return "ref"
+
+
+# ---------------------------------------------------------------------------------- checks
+def _sizes_or_numels(sizes: Sequence[int] | None, tensors: Sequence[torch.Tensor | None]) -> list[int]:
+    if sizes is None:
+        return [t.numel() for t in tensors if t is not None]
+    return [int(s) for s in sizes]
+
+
+def _validate(
+    op: str,
+    flat: torch.Tensor,
+    tensors: Sequence[torch.Tensor | None],
+    sizes: list[int],
+    num_rows: int,
+) -> set[torch.dtype]:
+    """Check the layout and the tensors in one pass (this runs per unit per step); returns
+    the dtypes involved."""
+    where = f"overlap.kernels.{op}"
+    if not isinstance(num_rows, int) or num_rows < 1:
+        raise ValueError(f"{where}: num_rows must be a positive int, got {num_rows!r}")
+    if len(sizes) != len(tensors):
+        raise ValueError(f"{where}: {len(sizes)} sizes for {len(tensors)} tensors")
+    if not flat.is_floating_point():
+        raise TypeError(f"{where}: flat must be floating, got {flat.dtype}")
+    device = flat.device
+    dtypes = {flat.dtype}
+    total = 0
+    for i, (t, size) in enumerate(zip(tensors, sizes)):
+        total += size
+        if size < 0 or size % num_rows:
+            raise ValueError(f"{where}: sizes[{i}]={size} is not a non-negative multiple of num_rows={num_rows}")
+        if t is None:
+            continue
+        dtype = t.dtype
+        if dtype not in dtypes:
+            if not t.is_floating_point():
+                raise TypeError(f"{where}: tensor {i} must be floating, got {dtype}")
+            dtypes.add(dtype)
+        if t.numel() > size:
+            raise ValueError(f"{where}: tensor {i} has {t.numel()} elements, more than sizes[{i}]={size}")
+        if not t.is_contiguous():
+            raise ValueError(f"{where}: tensor {i} must be contiguous")
+        if t.device != device:
+            raise ValueError(f"{where}: tensor {i} is on {t.device}, flat on {device}")
+    if flat.numel() != total:
+        raise ValueError(f"{where}: flat has {flat.numel()} elements, the segments {total}")
+    return dtypes
+
+
+def _extension() -> Any:
+    ext = cpu.load_extension()
+    if ext is None:
+        raise RuntimeError("overlap.kernels: backend='cpp' requested but the extension is not built")
+    return ext
