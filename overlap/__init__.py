@@ -13,11 +13,13 @@ from overlap.api import (
     no_sync,
     step_stats,
 )
+from overlap.amp import ShardedGradScaler
 from overlap.stats import StepStats
 from overlap.wrap import wrap
 
 __all__ = [
     "OverlapConfig",
+    "ShardedGradScaler",
     "checkpoint",
     "StepStats",
     "clip_grad_norm_",
