@@ -77,12 +77,17 @@ def init_from_env(timeout_s: float = DEFAULT_TIMEOUT_S) -> WorldInfo:
     local_rank = int(os.environ["LOCAL_RANK"])
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     device = _device_for(backend, local_rank)
-    if not dist.is_initialized() and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        # a plain env:// world (e.g. the linked ranks of overlap.bench.link): rank 0 hosts the store
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    single_agent = os.environ.get("LOCAL_WORLD_SIZE") == os.environ["WORLD_SIZE"]
+    if not dist.is_initialized() and not (agent_store and single_agent):
+        # A plain env:// world (e.g. the linked ranks of overlap.bench.link: rank 0 hosts the
+        # store), or several agents (nodes): torch's own env:// handling of the agent's store.
+        # The per-attempt prefix below needs one restart count for every rank, and a node that
+        # replaces a dead one starts counting at 0 while the survivors are at 1.
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
     if not dist.is_initialized():
-        # torchrun's agent hosts the store, and it outlives a restart (--max-restarts): without a
-        # per-attempt prefix the new ranks can read the dead ranks' gloo addresses and fail to
+        # One torchrun agent hosts the store, and it outlives a restart (--max-restarts): without
+        # a per-attempt prefix the new ranks can read the dead ranks' gloo addresses and fail to
         # connect (seen here in 4 of 8 restarts).
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         store = dist.PrefixStore(
