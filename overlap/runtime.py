@@ -318,9 +318,11 @@ class Runtime:
                     sizes.append(n * slot.chunk_numel)
                     param.grad = None
             flags = torch.tensor(used, dtype=dtype, device=self.device).repeat(n)
-            width = sum(sizes) // n + len(used)
-            full = torch.empty(n, width, dtype=dtype, device=self.device)
-            kernels.copy_in([*srcs, flags], full, sizes=[*sizes, flags.numel()], num_rows=n)
+            width_grads = sum(sizes) // n
+            if self.grad_codec is None:  # flags ride in the same buffer
+                srcs, sizes = [*srcs, flags], [*sizes, flags.numel()]
+            full = torch.empty(n, sum(sizes) // n, dtype=dtype, device=self.device)
+            kernels.copy_in(srcs, full, sizes=sizes, num_rows=n)
             del srcs
             event = None
             if self.reduce_stream is not None:
@@ -328,11 +330,10 @@ class Runtime:
             with self._stream(self.reduce_stream):
                 if self.grad_codec is None:
                     result = comm.reduce_scatter_flat(full.view(-1), self.group, n, self.reduce_impl)
-                else:
-                    width_grads = full.shape[1] - len(used)
+                else:  # gradient rows contiguous for the encoder; flags exact, beside them
                     residual = self._residual(indices, width_grads)
                     result = comm.reduce_scatter_encoded(
-                        full[:, :width_grads], full[:, width_grads:], self.group, n, self.grad_codec, residual
+                        full, flags.view(n, -1), self.group, n, self.grad_codec, residual
                     )
                 if self.reduce_stream is not None:
                     reduced = comm.wait(result, self.timeout)
