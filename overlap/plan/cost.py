@@ -77,9 +77,19 @@ class Topology:
     ranks_per_node: int
     intra: Link
     inter: Link
+    reduce_link: Link | None = None
+    """The link as the gradient exchange sees it, when it differs from the all-gathers' (None:
+    the same). gloo reduce-scatters through all-to-all ([Note: reduce-scatter through
+    all-to-all] in overlap/comm.py), which sustains its own busbw: calibrate it separately."""
 
     def link(self) -> Link:
         return self.intra if self.num_ranks <= self.ranks_per_node else self.inter
+
+    def link_for(self, op: str) -> Link:
+        """The link that times `op`: `reduce_link` for reduce-scatter / all-to-all if set."""
+        if self.reduce_link is not None and op in ("reduce_scatter", "all_to_all"):
+            return self.reduce_link
+        return self.link()
 
 
 def ring_time_s(op: str, total_bytes: float, topo: Topology) -> float:
@@ -87,7 +97,7 @@ def ring_time_s(op: str, total_bytes: float, topo: Topology) -> float:
     n = topo.num_ranks
     if n == 1:
         return 0.0
-    link = topo.link()
+    link = topo.link_for(op)
     steps = n - 1
     frac = (n - 1) / n
     if op in ("all_gather", "reduce_scatter", "all_to_all"):
@@ -130,6 +140,21 @@ class UnitCost:
     """Encode + decode kernel time of one all-gather, charged to the collective."""
     reduce_codec_s: float = 0.0
     """Encode + decode(-accumulate) kernel time of this unit's share of a reduction."""
+    gather_issue_host_s: float = 0.0
+    """Seconds the training thread spends issuing this unit's all-gather (casting or encoding
+    the shard) before the collective can start. On GPUs this work sits on the comm stream and
+    belongs in `gather_codec_s`; on CPU there is no comm stream and it holds up compute."""
+    backward_gather_issue_host_s: float | None = None
+    """The same for a backward re-gather (None: `gather_issue_host_s`): the runtime resends the
+    bytes its forward gather encoded, so with a codec this is cheaper."""
+    gather_wait_host_s: float = 0.0
+    """Seconds the training thread spends after the all-gather completes, in its wait: decoding
+    and copying out into the unsharded buffer (CPU; see [Note: host work] in simulate.py)."""
+    reduce_issue_host_s: float = 0.0
+    """This unit's share of packing (and encoding) a reduction bucket on the training thread."""
+    reduce_wait_host_s: float = 0.0
+    """This unit's share of summing (decoding) the received chunks and scaling them, on the
+    training thread in the bucket's wait."""
 
     def gather_s(self, topo: Topology) -> float:
         """Seconds of this unit's all-gather: the ring over its wire bytes plus codec kernels."""
