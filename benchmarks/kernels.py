@@ -43,6 +43,7 @@ from overlap.kernels import (
     num_blocks_for,
     quantize_blockwise,
     quantize_blockwise_ref,
+    quantize_feedback_blockwise,
 )
 from overlap.kernels.reference import CodeFormat
 from overlap.runtime import keep_freed_cpu_memory
@@ -51,7 +52,7 @@ from overlap.units import ParamInfo, UnitLayout, make_layout
 Contender = Literal["ref", "cpp", "triton", "compiled"]
 CopyContender = Literal["eager", "cpp", "triton"]
 OPS: list[tuple[str, int, CodeFormat]] = [("quantize", 8, "int"), ("quantize", 4, "int"), ("quantize", 8, "fp8"), ("dequant_acc", 8, "int"),
-       ("dequant_acc", 4, "int")]  # fmt: skip
+       ("dequant_acc", 4, "int"), ("feedback", 8, "int")]  # fmt: skip
 BF16, FP32 = torch.bfloat16, torch.float32
 # (op, source dtype, destination dtype): gathered fp32 -> bf16 params (mixed precision), a bf16
 # gather, bf16 grads -> fp32 reduce buffer, fp32 throughout
@@ -68,6 +69,8 @@ def parse_size(text: str) -> int:
 
 def bytes_moved(op: str, bits: int, numel: int, block: int) -> int:
     code_bytes = code_numel(numel, bits, block) + 4 * num_blocks_for(numel, block)
+    if op == "feedback":  # read x and the residual, write the residual and the codes
+        return 12 * numel + code_bytes
     return 4 * numel + code_bytes if op == "quantize" else code_bytes + 8 * numel
 
 
@@ -77,6 +80,11 @@ def make_call(
     x = torch.randn(numel, device=device)
     codes, scales = quantize_blockwise_ref(x, bits, block, fmt=fmt)
     out = torch.zeros(numel, device=device)
+    if op == "feedback":  # error feedback: "ref" is the composition of four passes
+        residual = torch.zeros(numel, device=device)
+        if backend == "compiled":
+            raise ValueError("no torch.compile contender for feedback")
+        return lambda: quantize_feedback_blockwise(x, residual, bits, block, fmt=fmt, backend=backend)
     if backend == "compiled":
         if op == "quantize":
             quantize = torch.compile(quantize_blockwise_ref, dynamic=False)
@@ -180,7 +188,7 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true", help="also time torch.compile(reference)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--json", default=None, help="write the rows here")
-    parser.add_argument("--ops", default="memcpy,quantize,dequant_acc,copy_out,copy_in", help="which ops to time")
+    parser.add_argument("--ops", default="memcpy,quantize,dequant_acc,feedback,copy_out,copy_in", help="which ops to time")
     parser.add_argument("--rows", type=int, default=2, help="copy ops: ranks the unit is sharded over")
     args = parser.parse_args()
 
@@ -215,11 +223,13 @@ def main() -> None:
         first_row = len(rows)
         fn, moved = make_memcpy(numel, device)
         add_rows("memcpy f32", numel, measure({"torch": fn}, args.rounds, device), moved)
-        for op, bits, fmt in OPS if ops & {"quantize", "dequant_acc"} else []:
+        for op, bits, fmt in OPS if ops & {"quantize", "dequant_acc", "feedback"} else []:
             if op not in ops:
                 continue
             calls: dict[str, Callable[[], object]] = {
-                b: make_call(op, bits, fmt, b, numel, args.block, device) for b in backends
+                b: make_call(op, bits, fmt, b, numel, args.block, device)
+                for b in backends
+                if not (op == "feedback" and b == "compiled")
             }
             add_rows(f"{op} {fmt if fmt == 'fp8' else f'int{bits}'}", numel, measure(calls, args.rounds, device),
                      bytes_moved(op, bits, numel, args.block))  # fmt: skip
