@@ -34,35 +34,54 @@ def _rows(full: torch.Tensor, local: torch.Tensor, shard_rank: int, num_shards: 
     return full[shard_rank * rows : shard_rank * rows + local.shape[0]]
 
 
-def hsdp_vs_ddp(rank: int, world: int, config: dict, steps: int = 3) -> dict:
-    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
-    shard_rank = mesh.get_local_rank(1)
-    base = tiny_lm()
+def _steps_vs_ddp(
+    rank: int, base, ours, steps: int, shard_rank: int, num_shards: int, check_param, on_step=None
+) -> dict:
+    """Train `ours` and DDP on the same batches with SGD; the worst relative differences of
+    loss, gradient shards and parameter shards over all steps. `check_param(name, p)` asserts
+    each sharded parameter's layout; `on_step()` runs before each step."""
     ref = DDP(copy.deepcopy(base))
-    ours = overlap.wrap(base, group=mesh, **config)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
     opt = torch.optim.SGD(ours.parameters(), lr=0.05, momentum=0.9)
     worst = {"loss": 0.0, "grad": 0.0, "param": 0.0}
+    named_ref = dict(ref.module.named_parameters())
     for step in range(steps):
+        if on_step is not None:
+            on_step()
         x = batch(base, rank, step)
         ref_loss = loss_of(ref(x))
         ref_loss.backward()
         loss = loss_of(ours(x))
         loss.backward()
         worst["loss"] = max(worst["loss"], _rel(ref_loss.detach(), loss.detach()))
-        named_ref = dict(ref.module.named_parameters())
         for name, p in ours.named_parameters():
-            assert isinstance(p, DTensor) and p.placements == (Replicate(), Shard(0)), (name, p.placements)
-            assert isinstance(p.grad, DTensor) and p.grad.placements == p.placements, name
+            check_param(name, p)
             g = p.grad.to_local()
-            worst["grad"] = max(worst["grad"], _rel(_rows(named_ref[name].grad, g, shard_rank, 2), g))
+            worst["grad"] = max(worst["grad"], _rel(_rows(named_ref[name].grad, g, shard_rank, num_shards), g))
         ref_opt.step()
         opt.step()
         ref_opt.zero_grad(set_to_none=True)
         opt.zero_grad(set_to_none=True)
         for name, p in ours.named_parameters():
             local = p.detach().to_local()
-            worst["param"] = max(worst["param"], _rel(_rows(named_ref[name].detach(), local, shard_rank, 2), local))
+            worst["param"] = max(
+                worst["param"], _rel(_rows(named_ref[name].detach(), local, shard_rank, num_shards), local)
+            )
+    return {**worst, "ref": ref}
+
+
+def hsdp_vs_ddp(rank: int, world: int, config: dict, steps: int = 3) -> dict:
+    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+    shard_rank = mesh.get_local_rank(1)
+    base = tiny_lm()
+    ours = overlap.wrap(copy.deepcopy(base), group=mesh, **config)
+
+    def check_param(name: str, p: torch.Tensor) -> None:
+        assert isinstance(p, DTensor) and p.placements == (Replicate(), Shard(0)), (name, p.placements)
+        assert isinstance(p.grad, DTensor) and p.grad.placements == p.placements, name
+
+    worst = _steps_vs_ddp(rank, base, ours, steps, shard_rank, 2, check_param)
+    ref = worst.pop("ref")
     full = overlap.full_state_dict(ours, rank0_only=False)
     plain = ref.module.state_dict()
     worst["full_state"] = max(_rel(plain[k], v) for k, v in full.items())
@@ -150,10 +169,7 @@ def hpz_vs_ddp(rank: int, world: int, config: dict, steps: int = 3) -> dict:
 
     mesh = init_device_mesh("cpu", (2, world // 2))
     base = tiny_lm()
-    ref = DDP(copy.deepcopy(base))
-    ours = overlap.wrap(base, group=mesh, hybrid_mode="secondary", **config)
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
-    opt = torch.optim.SGD(ours.parameters(), lr=0.05, momentum=0.9)
+    ours = overlap.wrap(copy.deepcopy(base), group=mesh, hybrid_mode="secondary", **config)
     sizes: list[int] = []  # group size of every all-gather of the last step
     original = comm._all_gather
 
@@ -161,31 +177,15 @@ def hpz_vs_ddp(rank: int, world: int, config: dict, steps: int = 3) -> dict:
         sizes.append(dist.get_world_size(group))
         return original(out, send, group=group, async_op=async_op)
 
+    def check_param(name: str, p: torch.Tensor) -> None:
+        assert p.placements == (Shard(0),) and p.device_mesh.size() == world, name
+
     comm._all_gather = counting
-    worst = {"loss": 0.0, "grad": 0.0, "param": 0.0}
     try:
-        for step in range(steps):
-            sizes.clear()
-            x = batch(base, rank, step)
-            ref_loss = loss_of(ref(x))
-            ref_loss.backward()
-            loss = loss_of(ours(x))
-            loss.backward()
-            worst["loss"] = max(worst["loss"], _rel(ref_loss.detach(), loss.detach()))
-            named_ref = dict(ref.module.named_parameters())
-            for name, p in ours.named_parameters():
-                assert p.placements == (Shard(0),) and p.device_mesh.size() == world, name
-                g = p.grad.to_local()
-                worst["grad"] = max(worst["grad"], _rel(_rows(named_ref[name].grad, g, rank, world), g))
-            ref_opt.step()
-            opt.step()
-            ref_opt.zero_grad(set_to_none=True)
-            opt.zero_grad(set_to_none=True)
-            for name, p in ours.named_parameters():
-                local = p.detach().to_local()
-                worst["param"] = max(worst["param"], _rel(_rows(named_ref[name].detach(), local, rank, world), local))
+        worst = _steps_vs_ddp(rank, base, ours, steps, rank, world, check_param, on_step=sizes.clear)
     finally:
         comm._all_gather = original
+    del worst["ref"]
     held = [u.secondary is not None for u in ours._overlap_state.units]
     with torch.no_grad():
         ours(batch(base, rank, 0))  # a no_grad forward keeps no secondary copy

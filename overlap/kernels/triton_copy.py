@@ -90,6 +90,8 @@ if triton is not None:
         addr, col_off, cols, valid, row, col0 = _locate(table_ptr, LOG_SEGS, NUM_STARTS, BLOCK)
         src_base = row * row_stride + col_off + col0
         dst_base = row * cols + col0
+        # The hints stay inline in both kernels: returned from a helper @triton.jit function
+        # they are lost (test_copy_triton_compiles_for_sm90 then finds scalar loads).
         if ALIGNED:  # the host checked every segment of this launch (see _launches)
             addr = tl.multiple_of(addr, 16)
             src_base = tl.multiple_of(src_base, 16)

@@ -25,7 +25,7 @@ import torch
 
 from overlap.config import OverlapConfig
 from overlap.plan.cost import LINKS, Link, calibrate_from_bench
-from overlap.plan.estimate import Cluster, Estimate, estimate
+from overlap.plan.estimate import Cluster, Estimate, check_whole_nodes, estimate
 from overlap.plan.models import (
     AC_POLICIES,
     DEFAULT_MFU,
@@ -89,16 +89,7 @@ class PlanConfig:
     """GPU counts of the scaling curve (non-whole-node counts are skipped); () for none."""
 
     def __post_init__(self) -> None:
-        for name in ("num_gpus", "gpus_per_node"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
-        if self.num_gpus > self.gpus_per_node and self.num_gpus % self.gpus_per_node:
-            raise ValueError(
-                f"--gpus {self.num_gpus} is not a multiple of --gpus-per-node {self.gpus_per_node}; "
-                "plan whole nodes (e.g. --gpus "
-                f"{self.num_gpus // self.gpus_per_node * self.gpus_per_node or self.gpus_per_node})"
-            )
+        check_whole_nodes(self.num_gpus, self.gpus_per_node)
         if self.gpu not in GPUS:
             raise ValueError(f"unknown --gpu {self.gpu!r}; use one of {sorted(GPUS)}")
         if self.ac is not None and self.ac not in AC_POLICIES:

@@ -38,6 +38,19 @@ OPTIMIZER_BYTES_PER_PARAM = 28
 moments, write parameter and both moments, 4 bytes each. Priced at the datasheet bandwidth."""
 
 
+def check_whole_nodes(num_gpus: int, gpus_per_node: int) -> None:
+    """ValueError unless both counts are positive ints and the GPUs fill whole nodes (or fewer
+    GPUs than one node)."""
+    for name, value in (("num_gpus", num_gpus), ("gpus_per_node", gpus_per_node)):
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    if num_gpus > gpus_per_node and num_gpus % gpus_per_node:
+        raise ValueError(
+            f"--gpus {num_gpus} is not a multiple of --gpus-per-node {gpus_per_node}; plan whole "
+            f"nodes (e.g. --gpus {num_gpus // gpus_per_node * gpus_per_node}) or fewer GPUs than one node"
+        )
+
+
 @dataclass(frozen=True, kw_only=True)
 class Cluster:
     """Where the model trains: GPUs, how they are grouped into nodes, links, compute rate."""
@@ -53,15 +66,7 @@ class Cluster:
     """Rate of the model's compute kernels (recomputation included), TFLOPs per GPU."""
 
     def __post_init__(self) -> None:
-        for name in ("num_gpus", "gpus_per_node"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
-        if self.num_gpus > self.gpus_per_node and self.num_gpus % self.gpus_per_node:
-            raise ValueError(
-                f"--gpus {self.num_gpus} is not a multiple of --gpus-per-node {self.gpus_per_node}; "
-                "use whole nodes (or fewer GPUs than one node)"
-            )
+        check_whole_nodes(self.num_gpus, self.gpus_per_node)
         if not self.achieved_tflops > 0:
             raise ValueError(f"achieved TFLOPs must be > 0, got {self.achieved_tflops!r}")
 
