@@ -10,10 +10,12 @@ from overlap.api import (
     clip_grad_norm_,
     full_state_dict,
     load_full_state_dict,
+    memory_stats,
     no_sync,
     step_stats,
 )
 from overlap.amp import ShardedGradScaler
+from overlap.memory import MemoryStats
 from overlap.stats import StepStats
 from overlap.wrap import wrap
 
@@ -25,6 +27,8 @@ __all__ = [
     "clip_grad_norm_",
     "full_state_dict",
     "load_full_state_dict",
+    "MemoryStats",
+    "memory_stats",
     "no_sync",
     "step_stats",
     "wrap",

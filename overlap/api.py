@@ -12,6 +12,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
+from overlap.memory import MemoryStats
 from overlap.stats import StepStats
 from overlap.wrap import state_of
 
@@ -109,3 +110,15 @@ def no_sync(model: nn.Module) -> Iterator[None]:
 def step_stats(model: nn.Module) -> StepStats | None:
     """What the last completed step did (exposed communication, bytes, counts); None before one."""
     return state_of(model).stats.last
+
+
+def memory_stats(model: nn.Module, reset_peak: bool = False) -> MemoryStats:
+    """Bytes this rank's library buffers hold now, by kind, and their high-water marks since the
+    step began (or the last reset): sharded parameters, gradient shards, unsharded units, gather
+    buffers, reduce-scatter inputs and outputs, error-feedback residuals, hpZ secondary copies.
+    See [Note: memory accounting] in memory.py for what it does not include."""
+    account = state_of(model).runtime.memory
+    stats = account.snapshot()
+    if reset_peak:
+        account.reset_peak()
+    return stats

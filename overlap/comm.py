@@ -7,6 +7,8 @@ them alive until the wait; see [Note: buffer lifetime] in runtime.py).
 
 from __future__ import annotations
 
+import functools
+import os
 import time
 from datetime import timedelta
 from collections.abc import Callable
@@ -22,6 +24,19 @@ from overlap.compression import Codec, encode_with_feedback
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_to_all = dist.all_to_all_single
+
+
+@functools.cache
+def _force_collectives() -> bool:
+    """`OVERLAP_FORCE_COLLECTIVES=1`: issue real collectives at world size 1 too, instead of the
+    local copies below. For checks on one GPU (benchmarks/gpu_check.py): a single GPU cannot host
+    two NCCL ranks, so this is the only way to run the library's own NCCL path there."""
+    return os.environ.get("OVERLAP_FORCE_COLLECTIVES", "") not in ("", "0")
+
+
+def _local(world_size: int) -> bool:
+    """A collective over one rank is a local copy, unless forced (`_force_collectives`)."""
+    return world_size == 1 and not _force_collectives()
 
 
 class CommResult(NamedTuple):
@@ -40,7 +55,7 @@ def all_gather_flat(
     """
     send = shard if shard.dtype == dtype else shard.to(dtype)
     out = torch.empty(world_size * send.numel(), dtype=dtype, device=send.device)
-    if world_size == 1:
+    if _local(world_size):
         out.copy_(send)
         return CommResult(out, None, (send,))
     work = _all_gather(out, send, group=group, async_op=True)
@@ -80,7 +95,7 @@ def reduce_scatter_flat(
     a + b either way, so results stay bitwise equal to DDP.
     """
     n = full.numel() // world_size
-    if world_size == 1:
+    if _local(world_size):
         out = torch.empty(n, dtype=full.dtype, device=full.device)
         out.copy_(full)
         return CommResult(out, None, (full,))
@@ -131,7 +146,7 @@ def all_gather_encoded(
     values)."""
     received = torch.empty(world_size * send.numel(), dtype=torch.uint8, device=send.device)
     work = None
-    if world_size == 1:
+    if _local(world_size):
         received.copy_(send)
     else:
         work = _all_gather(received, send, group=group, async_op=True)
@@ -188,7 +203,7 @@ def reduce_scatter_encoded(
         send[r * step : r * step + tail_bytes].copy_(tail[r].contiguous().view(torch.uint8))
     received = torch.empty_like(send)
     work = None
-    if world_size == 1:
+    if _local(world_size):
         received.copy_(send)
     else:
         work = _all_to_all(received, send, group=group, async_op=True)
@@ -204,7 +219,7 @@ def reduce_scatter_encoded(
             out[n:] += row[:tail_bytes].view(tail.dtype).float()
         return out.to(dtype)
 
-    return CommResult(received, work, (send, own), finish)
+    return CommResult(received, work, (send, own, tail), finish)  # tail: read by the send copy
 
 
 def _round8(num_bytes: int) -> int:
@@ -255,7 +270,7 @@ def all_gather_int(
 ) -> list[int]:
     """Every rank's `value` (an int64), in rank order. Blocking; for checks, not the hot path."""
     world_size = dist.get_world_size(group)
-    if world_size == 1:
+    if _local(world_size):
         return [value]
     send = torch.tensor([value], dtype=torch.int64, device=device)
     out = torch.empty(world_size, dtype=torch.int64, device=device)

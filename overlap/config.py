@@ -65,6 +65,14 @@ class OverlapConfig:
     """Gradients of consecutive units (in backward order) are reduce-scattered together once their
     bytes reach this size. 0 reduces every unit on its own, as soon as its gradients are ready."""
 
+    max_reduce_inputs: int = 1
+    """Reduce-scatter inputs (a bucket's unsharded gradients, rank-major) alive at once. Before a
+    bucket allocates its input, the oldest live one is released: on CUDA the compute stream waits
+    for that reduce-scatter and the buffer is freed, as FSDP2 keeps one; on CPU the training thread
+    waits for it. 1 (FSDP2's default) bounds gradient memory to one bucket in flight; more lets
+    several reduce-scatters queue on a slow link at the cost of one bucket each. See
+    [Note: reduce buffers] in schedule.py."""
+
     reduce_scatter_impl: str = "auto"
     """How gradients are reduce-scattered: "native" (the backend's reduce-scatter), "all_to_all"
     (all-to-all, then a local sum in rank order), or "auto": all_to_all on gloo, whose own
@@ -164,6 +172,8 @@ class OverlapConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+        if not isinstance(self.max_reduce_inputs, int) or isinstance(self.max_reduce_inputs, bool) or self.max_reduce_inputs < 1:
+            raise ValueError(f"max_reduce_inputs must be an int >= 1, got {self.max_reduce_inputs!r}")
         if self.reduce_scatter_impl not in ("auto", "native", "all_to_all"):
             raise ValueError(
                 "reduce_scatter_impl must be 'auto', 'native' or 'all_to_all', "

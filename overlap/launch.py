@@ -53,9 +53,11 @@ def default_world() -> tuple[int, Backend]:
 
 def current_device() -> torch.device:
     """The device this rank computes on, as chosen when its group was initialized."""
-    if dist.is_initialized() and dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    if not dist.is_initialized():
+        return torch.device("cpu")
+    from overlap.backend import default_device  # [Note: NCCL is not gloo]
+
+    return default_device(None)
 
 
 def in_torchrun() -> bool:

@@ -9,13 +9,23 @@ comm stream is done with it. No `record_stream` anywhere.
 
 [Note: streams]
 CUDA: `gather_stream` runs all-gathers and their copy-out; `reduce_stream` runs reduce-scatters
-and the accumulation into sharded gradients. They are separate so that a reduce-scatter never
-queues behind a prefetched all-gather in the same stream. Both are created with high priority so
-their small copy kernels are not starved by compute. Each begins its work by waiting on the
+and the decode/sum of what they received; `all_reduce_stream` (HSDP only) runs the sums across
+replicas, so that an inter-node all-reduce never holds up the next bucket's reduce-scatter
+(FSDP2 does the same). They are separate so that a reduce-scatter never queues behind a
+prefetched all-gather in the same stream. All are created with high priority so their small copy
+kernels are not starved by compute. Each begins its work by waiting on the
 compute stream at issue time, and the unsharded storage is (re)allocated on the compute stream, so
 a block the compute stream freed is never written by a comm stream before compute is done with it.
 CPU (gloo): collectives run on gloo's worker threads (async work handles); the training thread
 does the copies when it waits.
+
+[Note: no host sync in the hot path]
+After the first step nothing here blocks the CPU on a CUDA device: no pageable host-to-device
+copies (the used flags are cached on the device per pattern), no `.item()`/`.tolist()`/
+`bool(tensor)` (the used counts are read back only for a bucket in which this rank left a
+parameter without gradient, the one documented exception, at the end of backward), no
+`Work.wait(timeout)` on NCCL work ([Note: NCCL is not gloo] in backend.py).
+tests/test_host_sync.py records every such call made from library code and expects none.
 """
 
 from __future__ import annotations
@@ -35,14 +45,16 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 from torch.profiler import record_function
 
-from overlap import comm, kernels
+from overlap import backend, comm, kernels
 from overlap.compression import Codec
+from overlap.memory import MemoryAccount, nbytes
 from overlap.schedule import (
     Action,
     CheckOrder,
     Free,
     Gather,
     Reduce,
+    ReleaseReduce,
     WaitGather,
     WaitReduce,
 )
@@ -87,8 +99,9 @@ class UnitTensors:
     unsharded_flat: torch.Tensor  # gather dtype; storage has 0 bytes while SHARDED
     unsharded_params: list[nn.Parameter]  # views of unsharded_flat, what forward uses
     owners: list[list[tuple[nn.Module, str]]]  # per parameter, every (module, attribute) holding it
-    gather: comm.CommResult | None = None
-    gather_event: torch.cuda.Event | None = None
+    gather: comm.CommResult | None = None  # CPU: the all-gather until its wait; CUDA: dropped at issue
+    gather_event: torch.cuda.Event | None = None  # CUDA: copy-out done on the gather stream
+    gather_bytes: int = 0  # accounted bytes of the gather buffers held (see _drop_gather)
     gather_issued_at: float = 0.0  # perf_counter at issue, for StepStats.collective_ms
     secondary: torch.Tensor | None = None  # hpZ: see [Note: secondary copy]
     encoded: torch.Tensor | None = None  # wire bytes of the shard this step: _encoded_shard
@@ -106,10 +119,18 @@ class UnitTensors:
 
 @dataclass
 class PendingReduce:
-    result: comm.CommResult  # the reduce-scatter, then (HSDP) the all-reduce across replicas
-    event: torch.cuda.Event | None
+    """A bucket from its reduce-scatter to the end of backward ([Note: reduce buffers] in
+    schedule.py): first with its input alive (`result`), then released, with only the reduced
+    shard (`reduced`, 1/N of the input) and, under HSDP, its all-reduce across replicas."""
+
+    result: comm.CommResult | None  # the reduce-scatter while its input is alive
+    event: torch.cuda.Event | None  # CUDA: the reduce stream after the reduce-scatter and its sum
     issued_at: float
-    replicated: bool = True  # False: the all-reduce across replicas is still to be issued
+    all_used: bool  # this rank produced a gradient for every trainable parameter of the bucket
+    input_bytes: int  # accounted bytes of the input buffers (released with `result`)
+    reduced: torch.Tensor | None = None  # [summed gradients | used counts]
+    all_reduce: comm.CommResult | None = None  # HSDP: the sum of `reduced` across replicas
+    all_reduce_event: torch.cuda.Event | None = None  # CUDA: the all-reduce stream after it
 
 
 @dataclass
@@ -134,16 +155,26 @@ class Runtime:
     """HSDP: reduced shards are summed across replicas here. See [Note: hybrid sharding] in wrap.py."""
     secondary_group: dist.ProcessGroup | None = None
     """hpZ: backward all-gathers run here, from the secondary copies ([Note: secondary copy])."""
+    memory: MemoryAccount = field(default_factory=MemoryAccount)
     gather_stream: torch.cuda.Stream | None = field(init=False, default=None)
     reduce_stream: torch.cuda.Stream | None = field(init=False, default=None)
+    all_reduce_stream: torch.cuda.Stream | None = field(init=False, default=None)
     _pending: dict[int, PendingReduce] = field(init=False, default_factory=dict)
-    _bucket_units: dict[int, tuple[int, ...]] = field(init=False, default_factory=dict)
+    _pending_units: dict[int, tuple[int, ...]] = field(init=False, default_factory=dict)
+    _flags: dict[tuple[tuple[bool, ...], torch.dtype], torch.Tensor] = field(init=False, default_factory=dict)
 
     def __post_init__(self) -> None:
         self.num_replicas = 1 if self.replicate_group is None else dist.get_world_size(self.replicate_group)
-        if self.device.type == "cuda":
+        self.semantics = backend.semantics(self.group, self.device)
+        # [Note: NCCL is not gloo]: on NCCL a timeout would make every wait block the CPU; its
+        # hangs are bounded by the process group's timeout and its watchdog instead.
+        self.timeout = backend.wait_timeout(self.semantics, self.timeout)
+        if self.device.type == "cuda":  # [Note: streams]
             self.gather_stream = torch.cuda.Stream(self.device, priority=-1)
             self.reduce_stream = torch.cuda.Stream(self.device, priority=-1)
+            if self.replicate_group is not None:
+                self.all_reduce_stream = torch.cuda.Stream(self.device, priority=-1)
+        self.memory.add("sharded_params", sum(nbytes(u.shard) for u in self.units))
 
     # ------------------------------------------------------------------ dispatch
     def run(self, actions: list[Action]) -> None:
@@ -158,6 +189,8 @@ class Runtime:
                         self.free(unit)
                     case Reduce(bucket, units):
                         self.reduce(bucket, units)
+                    case ReleaseReduce(bucket, _):
+                        self.release_reduce(bucket)
                     case WaitReduce(bucket, units):
                         self.wait_reduce(bucket, units)
                     case CheckOrder(what, order_hash, order):
@@ -171,7 +204,7 @@ class Runtime:
         match action:
             case Gather(unit) | WaitGather(unit) | Free(unit):
                 return f"all-gather of {self.units[unit].layout.label}"
-            case Reduce(bucket, units) | WaitReduce(bucket, units):
+            case Reduce(bucket, units) | ReleaseReduce(bucket, units) | WaitReduce(bucket, units):
                 return f"gradient reduction of {self._bucket_label(bucket, units)}"
             case CheckOrder(what, _, _):
                 return f"{what} order check (an all-gather of hashes)"
@@ -201,32 +234,49 @@ class Runtime:
                         self._encoded_shard(unit, for_backward), unit.shard.numel(), self.group, self.world_size,
                         dtype, self.param_codec, unit.shard.dtype,
                     )
+                result = unit.gather
+                unit.gather_bytes = nbytes(result.output, *result.inputs)
+                self.memory.add("gather_buffers", unit.gather_bytes)
                 if self.gather_stream is not None:
                     # the gather stream waits, not the CPU
-                    gathered = comm.wait(unit.gather, self.timeout)
+                    gathered = comm.wait(result, self.timeout)
                     self._keep_secondary(unit, gathered)
                     self._copy_out(unit, gathered)
                     unit.gather_event = self.gather_stream.record_event()
-        received = unit.gather.output
+                    # Later gather-stream allocations are ordered after this copy-out, so the
+                    # buffers can go now: an in-flight prefetch holds the unsharded storage
+                    # only, not 2x ([Note: buffer lifetime]).
+                    del gathered
+                    self._drop_gather(unit)
+        received = result.output
         self.stats.record_issue("gather", received.numel() * received.element_size())
         unit.gather_issued_at = time.perf_counter()
         if self.trace is not None:
-            self.trace.comm("all-gather", unit.layout.label, unit.gather.work, unit.unsharded_nbytes)
+            self.trace.comm("all-gather", unit.layout.label, result.work, unit.unsharded_nbytes)
+
+    def _drop_gather(self, unit: UnitTensors) -> None:
+        unit.gather = None  # [Note: buffer lifetime]
+        self.memory.sub("gather_buffers", unit.gather_bytes)
+        unit.gather_bytes = 0
 
     def wait_gather(self, index: int) -> None:
         unit = self.units[index]
-        assert unit.gather is not None, f"rank {self.rank}: unit {index} waited before gather"
+        assert unit.gather is not None or unit.gather_event is not None, (
+            f"rank {self.rank}: unit {index} waited before gather"
+        )
         t0 = time.perf_counter()
         with record_function(f"overlap::wait_gather {unit.layout.label}"):
             if unit.gather_event is not None:
                 torch.cuda.current_stream(self.device).wait_event(unit.gather_event)
                 unit.gather_event = None
             else:
+                assert unit.gather is not None
                 gathered = comm.wait(unit.gather, self.timeout)
                 self._keep_secondary(unit, gathered)
                 self._alloc_unsharded(unit)
                 self._copy_out(unit, gathered)
-            unit.gather = None  # [Note: buffer lifetime]
+                del gathered
+                self._drop_gather(unit)
             unit.swap_in(unit.unsharded_params)
         self.stats.record_wait("gather", f"{unit.layout.label} gather", t0)
         self.stats.record_latency(f"{unit.layout.label} gather", unit.gather_issued_at)
@@ -242,8 +292,15 @@ class Runtime:
         share the flat shard's counter.)"""
         assert self.param_codec is not None
         if not for_backward or unit.encoded is None:
+            self._drop_encoded(unit)
             unit.encoded = comm.encode_shard(unit.shard, self.param_codec)
+            self.memory.add("gather_buffers", nbytes(unit.encoded))
         return unit.encoded
+
+    def _drop_encoded(self, unit: UnitTensors) -> None:
+        if unit.encoded is not None:
+            self.memory.sub("gather_buffers", nbytes(unit.encoded))
+            unit.encoded = None
 
     def _keep_secondary(self, unit: UnitTensors, gathered: torch.Tensor) -> None:
         """hpZ: after a forward gather, keep the parts this rank serves to its inner group.
@@ -262,12 +319,20 @@ class Runtime:
             return
         inner = dist.get_world_size(self.secondary_group)
         parts = gathered.view(self.world_size // inner, inner, -1)
+        self._drop_secondary(unit)
         unit.secondary = parts[:, dist.get_rank(self.secondary_group)].reshape(-1).clone()
+        self.memory.add("secondary", nbytes(unit.secondary))
+
+    def _drop_secondary(self, unit: UnitTensors) -> None:
+        if unit.secondary is not None:
+            self.memory.sub("secondary", nbytes(unit.secondary))
+            unit.secondary = None
 
     def _alloc_unsharded(self, unit: UnitTensors) -> None:
         storage = unit.unsharded_flat.untyped_storage()
         if storage.nbytes() == 0:
             storage.resize_(unit.unsharded_nbytes)
+            self.memory.add("unsharded", unit.unsharded_nbytes)
 
     def _copy_out(self, unit: UnitTensors, gathered: torch.Tensor) -> None:
         """Rank-major gather output -> parameter-major unsharded buffer, one fused pass
@@ -286,7 +351,10 @@ class Runtime:
         unit = self.units[index]
         with record_function(f"overlap::free {unit.layout.label}"):
             unit.swap_in(unit.sharded_params)
-            unit.unsharded_flat.untyped_storage().resize_(0)
+            storage = unit.unsharded_flat.untyped_storage()
+            if storage.nbytes() > 0:
+                storage.resize_(0)
+                self.memory.sub("unsharded", unit.unsharded_nbytes)
 
     def reduce(self, bucket: int, indices: tuple[int, ...]) -> None:
         """Copy the bucket's unsharded gradients into one rank-major buffer; reduce-scatter it.
@@ -296,12 +364,13 @@ class Runtime:
         has the same value, so after the reduce-scatter each rank holds the number of ranks
         that used the parameter. A parameter no rank used keeps `.grad` None, as DDP
         (find_unused_parameters=True) leaves it, instead of getting zeros that an optimizer
-        with weight decay or momentum would act on.
+        with weight decay or momentum would act on. The flags tensor for a pattern is built
+        once and cached on the device; the counts are read back only when this rank left some
+        parameter of the bucket without gradient (otherwise every count is >= 1).
         """
         n = self.world_size
         first = self.units[indices[0]]
         dtype = self.reduce_dtype or first.unsharded_flat.dtype
-        self._bucket_units[bucket] = indices
         with record_function(f"overlap::reduce bucket{bucket}"):
             # One fused pass (kernels.copy_in): gradients cast to the reduce dtype, padded, a
             # missing gradient as zeros, into the rank-major buffer ([Note: flat layout]).
@@ -317,14 +386,14 @@ class Runtime:
                     srcs.append(param.grad)
                     sizes.append(n * slot.chunk_numel)
                     param.grad = None
-            flags = torch.tensor(used, dtype=dtype, device=self.device).repeat(n)
+            flags = self._flags_for(tuple(used), dtype)
             width_grads = sum(sizes) // n
             if self.grad_codec is None:  # flags ride in the same buffer
                 srcs, sizes = [*srcs, flags], [*sizes, flags.numel()]
             full = torch.empty(n, sum(sizes) // n, dtype=dtype, device=self.device)
             kernels.copy_in(srcs, full, sizes=sizes, num_rows=n)
             del srcs
-            event = None
+            event, reduced = None, None
             if self.reduce_stream is not None:
                 self.reduce_stream.wait_stream(torch.cuda.current_stream(self.device))
             with self._stream(self.reduce_stream):
@@ -335,22 +404,66 @@ class Runtime:
                     result = comm.reduce_scatter_encoded(
                         full, flags.view(n, -1), self.group, n, self.grad_codec, residual
                     )
+                del full
                 if self.reduce_stream is not None:
+                    # The reduce stream waits and sums (once: the tensor is kept, [Note: streams]).
                     reduced = comm.wait(result, self.timeout)
-                    if self.replicate_group is not None:  # in stream order behind the reduce-scatter
-                        result = self._all_reduce(bucket, indices, reduced)
-                        comm.wait(result, self.timeout)
                     event = self.reduce_stream.record_event()
-        pending = PendingReduce(result, event, time.perf_counter())
+        input_bytes = nbytes(*result.inputs) + (nbytes(result.output) if result.finish is not None else 0)
+        self.memory.add("reduce_inputs", input_bytes)
+        pending = PendingReduce(result, event, time.perf_counter(), all(used), input_bytes)
+        self._pending[bucket] = pending
+        self._pending_units[bucket] = indices
         sent = result.inputs[0]
         num_bytes = sent.numel() * sent.element_size()
         self.stats.record_issue("reduce", num_bytes)
         if self.trace is not None:
             self.trace.comm("reduce-scatter", self._bucket_label(bucket, indices), result.work, num_bytes)
-        if self.reduce_stream is None and self.replicate_group is not None:
-            self._replicate_pending()
-            pending.replicated = False
-        self._pending[bucket] = pending
+        if reduced is not None:
+            self._reduced(bucket, indices, pending, reduced)
+
+    def _flags_for(self, used: tuple[bool, ...], dtype: torch.dtype) -> torch.Tensor:
+        """The used-flag columns for every row ([Note: used flags]), cached on the device per
+        pattern: built from host data once, never again in steady state."""
+        key = (used, dtype)
+        flags = self._flags.get(key)
+        if flags is None:
+            flags = torch.tensor(used, dtype=dtype).repeat(self.world_size).to(self.device)
+            self._flags[key] = flags
+        return flags
+
+    def release_reduce(self, bucket: int) -> None:
+        """Done with the bucket's reduce-scatter input ([Note: reduce buffers] in schedule.py)."""
+        pending = self._pending[bucket]
+        if pending.result is None:
+            return
+        with record_function(f"overlap::release_reduce bucket{bucket}"):
+            if pending.event is not None:  # CUDA: compute may reuse the input once the RS is done
+                torch.cuda.current_stream(self.device).wait_event(pending.event)
+                reduced = None
+            else:  # CPU: wait for the work; sum (or decode) what all-to-all received
+                reduced = comm.wait(pending.result, self.timeout)
+            pending.result = None
+            self.memory.sub("reduce_inputs", pending.input_bytes)
+        if reduced is not None:
+            self._reduced(bucket, self._pending_units[bucket], pending, reduced)
+
+    def _reduced(self, bucket: int, indices: tuple[int, ...], pending: PendingReduce, reduced: torch.Tensor) -> None:
+        """The bucket's reduced shard exists (or is enqueued): keep it; HSDP: sum it across
+        replicas ([Note: hybrid sharding] in wrap.py), on CUDA on its own stream behind the
+        reduce-scatter's event, on CPU right away (in bucket order on every rank)."""
+        pending.reduced = reduced
+        self.memory.add("reduce_outputs", nbytes(reduced))
+        if self.replicate_group is None:
+            return
+        if self.all_reduce_stream is not None:
+            assert pending.event is not None
+            self.all_reduce_stream.wait_event(pending.event)
+        with self._stream(self.all_reduce_stream):
+            pending.all_reduce = self._all_reduce(bucket, indices, reduced)
+            if self.all_reduce_stream is not None:
+                comm.wait(pending.all_reduce, self.timeout)
+                pending.all_reduce_event = self.all_reduce_stream.record_event()
 
     def _all_reduce(self, bucket: int, indices: tuple[int, ...], reduced: torch.Tensor) -> comm.CommResult:
         """HSDP: issue the sum of a reduced shard across replicas ([Note: hybrid sharding])."""
@@ -363,23 +476,6 @@ class Runtime:
             self.trace.comm("all-reduce", self._bucket_label(bucket, indices), result.work, num_bytes)
         return result
 
-    def _replicate_pending(self) -> None:
-        """CPU HSDP: wait for each earlier bucket's reduce-scatter and issue its all-reduce.
-
-        [Note: HSDP on CPU] gloo work has no stream to chain the all-reduce behind the
-        reduce-scatter, and issuing it from a completion callback would order the replicate
-        group's collectives by timing, differently on each rank. So the chain advances at fixed
-        points of the schedule: when the next bucket's reduce-scatter has been issued, the
-        earlier ones are waited for and their all-reduces issued, in bucket order on every rank.
-        Each reduce-scatter has had the backward compute of the following bucket to finish in,
-        and each all-reduce runs behind the compute after it.
-        """
-        for bucket, pending in self._pending.items():
-            if not pending.replicated:
-                reduced = comm.wait(pending.result, self.timeout)
-                pending.result = self._all_reduce(bucket, self._bucket_units[bucket], reduced)
-                pending.replicated = True
-
     def _residual(self, indices: tuple[int, ...], width: int) -> torch.Tensor | None:
         """This bucket's error-feedback residual (zeros the first time), or None when off.
 
@@ -390,18 +486,25 @@ class Runtime:
         if residual is None:
             residual = torch.zeros(self.world_size, width, dtype=self.residual_dtype, device=self.device)
             self.residuals[indices] = residual
+            self.memory.add("residuals", nbytes(residual))
         return residual
 
     def wait_reduce(self, bucket: int, indices: tuple[int, ...]) -> None:
         pending = self._pending[bucket]
         t0 = time.perf_counter()
         with record_function(f"overlap::wait_reduce bucket{bucket}"):
-            if not pending.replicated:
-                self._replicate_pending()  # this bucket's all-reduce and any before it
+            self.release_reduce(bucket)
             del self._pending[bucket]
-            if pending.event is not None:
+            del self._pending_units[bucket]
+            if pending.all_reduce is not None:
+                if pending.all_reduce_event is not None:
+                    torch.cuda.current_stream(self.device).wait_event(pending.all_reduce_event)
+                else:
+                    comm.wait(pending.all_reduce, self.timeout)
+            elif pending.event is not None:
                 torch.cuda.current_stream(self.device).wait_event(pending.event)
-            reduced = comm.wait(pending.result, self.timeout)
+        reduced = pending.reduced
+        assert reduced is not None, f"rank {self.rank}: bucket {bucket} has no reduced shard"
         self.stats.record_wait("reduce", f"bucket{bucket} reduce", t0)
         names = ",".join(self.units[i].layout.label.split(" ")[0] for i in indices)
         self.stats.record_latency(f"reduce [{names}]", pending.issued_at)
@@ -410,14 +513,16 @@ class Runtime:
             self.trace.span("wait", f"wait reduce {label}", int(t0 * 1e9), self.trace.now())
         units = [self.units[i] for i in indices]
         for unit in units:
-            unit.secondary = None  # [Note: secondary copy]
-            unit.encoded = None  # see _encoded_shard
+            self._drop_secondary(unit)  # [Note: secondary copy]
+            self._drop_encoded(unit)  # see _encoded_shard
         grad_numel = sum(u.layout.grad_shard_numel for u in units)
+        self.memory.sub("reduce_outputs", nbytes(reduced))
         with torch.no_grad():
-            # .tolist() reads the used counts on the host ([Note: used flags]): on CUDA this is
-            # one device sync per bucket at the end of backward, the price of DDP's None-grad
-            # semantics for unused parameters (a candidate for a device-side path later).
-            grads, used = reduced[:grad_numel], reduced[grad_numel:].tolist()
+            grads = reduced[:grad_numel]
+            # [Note: used flags]: every count is >= 1 when this rank used every parameter; the
+            # host reads them (a device sync on CUDA) only when it did not.
+            num_flags = reduced.numel() - grad_numel
+            used = [1.0] * num_flags if pending.all_used else reduced[grad_numel:].tolist()
             # Sum, then divide: at world size 2 this equals DDP's (g/2 + g/2) bitwise.
             grads.div_(self.world_size * self.num_replicas)
             offset = 0
@@ -426,6 +531,17 @@ class Runtime:
                 self._accumulate(unit, grads[offset : offset + unit.layout.grad_shard_numel], used[:num_trainable])
                 used = used[num_trainable:]
                 offset += unit.layout.grad_shard_numel
+
+    def begin_step(self) -> None:
+        """A step starts: recount the gradient shards the optimizer holds (it may have freed
+        them) and start new high-water marks ([Note: memory accounting] in memory.py)."""
+        grad_bytes = 0
+        for unit in self.units:
+            for slot, param in zip(unit.layout.slots, unit.sharded_params):
+                if param.grad is not None:
+                    grad_bytes += slot.chunk_numel * param.element_size()
+        self.memory.set("grad_shards", grad_bytes)
+        self.memory.reset_peak()
 
     def _accumulate(self, unit: UnitTensors, reduced: torch.Tensor, used: list[float]) -> None:
         """Add a unit's reduced gradient shard into its sharded parameters' `.grad`."""

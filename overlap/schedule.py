@@ -89,6 +89,15 @@ class Reduce:
 
 
 @dataclass(frozen=True)
+class ReleaseReduce:
+    """Finish with a bucket's reduce-scatter input before another bucket allocates one
+    ([Note: reduce buffers]); its reduced shard stays pending until `WaitReduce`."""
+
+    bucket: int
+    units: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class WaitReduce:
     bucket: int
     units: tuple[int, ...]
@@ -101,7 +110,7 @@ class CheckOrder:
     order: tuple[int, ...]
 
 
-Action = Gather | WaitGather | Free | Reduce | WaitReduce | CheckOrder
+Action = Gather | WaitGather | Free | Reduce | ReleaseReduce | WaitReduce | CheckOrder
 
 
 @dataclass(frozen=True)
@@ -112,6 +121,7 @@ class ScheduleConfig:
     max_inflight_bytes: int | None
     reshard_after_forward: bool
     bucket_bytes: int
+    max_reduce_inputs: int = 1
 
 
 def order_hash(order: tuple[int, ...]) -> int:
@@ -148,6 +158,7 @@ class Schedule:
     _bucket_bytes: int = field(init=False, default=0)
     _num_buckets: int = field(init=False, default=0)
     _in_flight: list[Reduce] = field(init=False, default_factory=list)
+    _inputs_alive: list[Reduce] = field(init=False, default_factory=list)  # [Note: reduce buffers]
     _max_unsharded: int = field(init=False, default=0)
     _max_unsharded_bytes: int = field(init=False, default=0)
 
@@ -359,16 +370,34 @@ class Schedule:
                 out += self._issue_bucket()
 
     def _issue_bucket(self) -> list[Action]:
+        """Reduce the open bucket.
+
+        [Note: reduce buffers]
+        A bucket's reduce-scatter input (its unsharded gradients, rank-major) is as large as the
+        bucket's unsharded parameters. Holding every bucket's until the end of backward would
+        hold one full unsharded gradient of the model. So at most `max_reduce_inputs` (K) are
+        alive: before a new bucket allocates its input, the oldest one still alive is released
+        (`ReleaseReduce`: on CUDA the compute stream waits for that reduce-scatter's event and
+        drops the buffer, as FSDP2 recycles its inputs; on CPU the training thread waits for the
+        work, sums what all-to-all received and drops both buffers). The reduced shards, 1/N of
+        the size, stay pending until `WaitReduce` at the end of backward.
+        """
         if not self._bucket:
             return []
+        out: list[Action] = []
+        while len(self._inputs_alive) >= self.config.max_reduce_inputs:
+            oldest = self._inputs_alive.pop(0)
+            out.append(ReleaseReduce(oldest.bucket, oldest.units))
         action = Reduce(self._num_buckets, tuple(self._bucket))
         self._num_buckets += 1
         self._bucket, self._bucket_bytes = [], 0
         self._in_flight.append(action)
+        self._inputs_alive.append(action)
         if not self._backward_checked:
             key = ("reduce", action.units)
-            return [CheckOrder("reduce", order_hash(key), action.units), action]
-        return [action]
+            out.append(CheckOrder("reduce", order_hash(key), action.units))
+        out.append(action)
+        return out
 
     def end_backward(self) -> list[Action]:
         """Autograd finished: flush what is left, wait for every reduction, end the step."""
@@ -390,6 +419,7 @@ class Schedule:
             for unit in reduce.units:
                 self._move(unit, UnitState.SHARDED)
         self._in_flight = []
+        self._inputs_alive = []
         assert not self.held_units(), f"units still unsharded after backward: {self.held_units()}"
         if not self._backward_checked and self.sync_grads:
             self._backward_checked = True

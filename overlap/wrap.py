@@ -30,7 +30,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from overlap import comm
+from overlap import backend, comm
 from overlap.compression import make_grad_codec, make_param_codec
 from overlap.config import OverlapConfig
 from overlap.init import ParamInitFn, materialize_and_shard
@@ -76,6 +76,7 @@ class OverlapState:
                 max_inflight_bytes=config.max_inflight_allgather_bytes,
                 reshard_after_forward=config.reshard_after_forward,
                 bucket_bytes=config.reduce_scatter_bucket_bytes,
+                max_reduce_inputs=config.max_reduce_inputs,
             ),
             root=root_unit,
         )
@@ -103,7 +104,7 @@ class OverlapState:
             if config.collective_timeout_s is None
             else timedelta(seconds=config.collective_timeout_s),
             trace=self.trace,
-            reduce_impl=_reduce_impl(config.reduce_scatter_impl, group),
+            reduce_impl=_reduce_impl(config.reduce_scatter_impl, group, device),
             param_codec=None
             if config.param_compression is None
             else make_param_codec(config.param_compression, block_size=config.compression_block_size),
@@ -182,6 +183,7 @@ class OverlapState:
             return None  # [Note: forward during backward]
         if self.schedule.phase is Phase.IDLE:
             self.stats.begin_step()
+            self.runtime.begin_step()
         self._run(self.schedule.begin_forward())
         dtype = self.config.param_dtype
         if dtype is None:
@@ -323,11 +325,12 @@ def _rounding_generator(device: torch.device, rank: int) -> torch.Generator:
     return torch.Generator(device).manual_seed(0x5EED + rank)
 
 
-def _reduce_impl(choice: str, group: dist.ProcessGroup) -> comm.ReduceImpl:
-    """See [Note: reduce-scatter through all-to-all] in comm.py."""
+def _reduce_impl(choice: str, group: dist.ProcessGroup, device: torch.device) -> comm.ReduceImpl:
+    """See [Note: reduce-scatter through all-to-all] in comm.py; decided per device type
+    ([Note: NCCL is not gloo] in backend.py)."""
     if choice != "auto":
         return choice  # type: ignore[return-value]
-    return "all_to_all" if "gloo" in str(dist.get_backend(group)) else "native"
+    return backend.semantics(group, device).auto_reduce_impl()  # type: ignore[return-value]
 
 
 class _BackwardDone(torch.autograd.Function):
@@ -470,10 +473,7 @@ def _model_device(model: nn.Module) -> torch.device:
 def _default_device(group: dist.ProcessGroup | DeviceMesh | None) -> torch.device:
     if isinstance(group, DeviceMesh):
         return torch.device(group.device_type)
-    backend = dist.get_backend(group)
-    if "nccl" in str(backend) and torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    return backend.default_device(group)
 
 
 class Groups(NamedTuple):

@@ -16,6 +16,7 @@ from overlap.schedule import (
     ScheduleConfig,
     UnitState,
     WaitGather,
+    ReleaseReduce,
     WaitReduce,
     order_hash,
 )
@@ -71,9 +72,11 @@ def test_steady_state_actions_default():
         Free(2), WaitGather(3),
         Gather(2, True),  # end of forward: unit 3 is kept for backward, unit 2 prefetched
         Free(3), Reduce(4, (3,)), Gather(1, True), WaitGather(2),
-        Free(2), Reduce(5, (2,)), Gather(0, True), WaitGather(1),
-        Free(1), Reduce(6, (1,)), WaitGather(0),
-        Free(0), Reduce(7, (0,)),
+        # at most one reduce-scatter input alive ([Note: reduce buffers]): the previous
+        # bucket's is released before the next bucket allocates its own
+        Free(2), ReleaseReduce(4, (3,)), Reduce(5, (2,)), Gather(0, True), WaitGather(1),
+        Free(1), ReleaseReduce(5, (2,)), Reduce(6, (1,)), WaitGather(0),
+        Free(0), ReleaseReduce(6, (1,)), Reduce(7, (0,)),
         WaitReduce(4, (3,)), WaitReduce(5, (2,)), WaitReduce(6, (1,)), WaitReduce(7, (0,)),
     ]
     assert sum(isinstance(a, Gather) for a in second) == 4 + 3  # ZeRO-3: last unit kept
@@ -168,3 +171,26 @@ def test_eval_forward_frees_everything():
         s.post_forward(u, False)
     s.end_forward(False)
     assert all(st is UnitState.SHARDED for st in s.states)
+
+
+@pytest.mark.parametrize("max_inputs", [1, 2, 3])
+def test_reduce_inputs_bounded(max_inputs):
+    """At most K reduce-scatter inputs are alive; every bucket is released once, oldest first,
+    before the next allocation; each is still waited at the end of backward."""
+    n = 6
+    s = Schedule([100] * n, [200] * n, ScheduleConfig(1, None, True, 0, max_inputs))
+    for _ in range(2):
+        actions = sequential_step(s, n)
+        alive: list[int] = []
+        released: list[int] = []
+        for a in actions:
+            if isinstance(a, Reduce):
+                alive.append(a.bucket)
+                assert len(alive) <= max_inputs, (alive, actions)
+            elif isinstance(a, ReleaseReduce):
+                assert alive and alive[0] == a.bucket  # oldest first
+                alive.pop(0)
+                released.append(a.bucket)
+        buckets = [a.bucket for a in actions if isinstance(a, Reduce)]
+        assert released == buckets[: len(buckets) - max_inputs]
+        assert [a.bucket for a in actions if isinstance(a, WaitReduce)] == buckets

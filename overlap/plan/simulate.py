@@ -65,6 +65,7 @@ from overlap.schedule import (
     Schedule,
     ScheduleConfig,
     WaitGather,
+    ReleaseReduce,
     WaitReduce,
 )
 
@@ -164,6 +165,7 @@ class _Clock:
         self.events: list[tuple[str, str, float, float]] = []
         self.gathered: set[int] = set()  # units whose gather finished and was waited on
         self.reduce_spans: list[tuple[float, float, int]] = []  # (issued, done, bytes)
+        self.released: set[int] = set()  # buckets whose ReleaseReduce has run
 
     # ------------------------------------------------------------- the fluid core
     def _running(self) -> list[_Collective]:
@@ -299,7 +301,11 @@ class _Clock:
                 self._host(sum(u.reduce_issue_host_s for u in bucket), f"pack [{names}]")
                 num_bytes = sum(u.grad_bytes for u in bucket)
                 self._issue("reduce", a.bucket, seconds, f"reduce [{names}]", num_bytes)
-            elif isinstance(a, WaitReduce):
+            elif isinstance(a, (ReleaseReduce, WaitReduce)):
+                if a.bucket in self.released:
+                    continue  # its input was released earlier: the wait and the sum are done
+                if isinstance(a, ReleaseReduce):
+                    self.released.add(a.bucket)
                 names = ",".join(self.units[i].name for i in a.units)
                 self._wait("reduce", a.bucket, f"reduce [{names}]")
                 self._host(sum(self.units[i].reduce_wait_host_s for i in a.units), f"sum [{names}]")
@@ -348,6 +354,7 @@ def simulate(
             config.max_inflight_allgather_bytes,
             config.reshard_after_forward,
             config.reduce_scatter_bucket_bytes,
+            config.max_reduce_inputs,
         ),
         root=root,
     )

@@ -23,6 +23,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from overlap.backend import default_device
 from overlap.config import OverlapConfig
 from overlap.tune.predict import OptimizerFn, StepFn
 
@@ -49,9 +50,8 @@ def process_group(group: dist.ProcessGroup | DeviceMesh | None) -> dist.ProcessG
 
 def _object_device(pg: dist.ProcessGroup) -> torch.device | None:
     """The device object collectives stage through: the current GPU on NCCL, else the CPU."""
-    if "nccl" in str(dist.get_backend(pg)):
-        return torch.device("cuda", torch.cuda.current_device())
-    return None
+    device = default_device(pg)  # [Note: NCCL is not gloo] in backend.py
+    return device if device.type == "cuda" else None
 
 
 def gather_to_rank0(value: T, pg: dist.ProcessGroup) -> list[T] | None:

@@ -31,6 +31,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from overlap.backend import semantics
 from overlap.config import OverlapConfig
 from overlap.plan.cost import Topology
 from overlap.tune.cache import (
@@ -319,9 +320,9 @@ def _make_key(
     from overlap.bench.link import active_link
 
     device = next(model.parameters()).device
-    backend = str(dist.get_backend(pg))
+    backend = semantics(pg, device).backend  # [Note: NCCL is not gloo] in backend.py
     device_kind = "cpu"
-    if "nccl" in backend and torch.cuda.is_available():
+    if device.type == "cuda":
         device_kind = torch.cuda.get_device_name(torch.cuda.current_device())
     elif device.type != "cpu":
         device_kind = device.type
@@ -345,7 +346,7 @@ def _plan(
     indices worth measuring (see [Note: pruning])."""
     from overlap.bench.link import active_link
 
-    backend = str(dist.get_backend(pg))
+    backend = semantics(pg, torch.device(profile.device_type)).backend
     topo = cfg.topology or topology_for(pg.size(), backend, active_link())
     contention = cfg.cpu_contention
     if contention is None:
