@@ -37,6 +37,7 @@ import functools
 import time
 import warnings
 from dataclasses import dataclass, field
+from typing import Any
 from datetime import timedelta
 
 import torch
@@ -44,6 +45,8 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 from torch.profiler import record_function
+
+_NO_LABEL = contextlib.nullcontext()
 
 from overlap import backend, comm, kernels
 from overlap.compression import Codec
@@ -89,6 +92,15 @@ def keep_freed_cpu_memory() -> bool:
     return ok
 
 
+def _phase(verb: str, what: str) -> contextlib.AbstractContextManager:
+    """`record_function("overlap::<verb> <what>")` while a profiler records (tests, benchmarks and
+    `overlap report` find phases by these labels); nothing otherwise, since entering a
+    record_function costs microseconds per call and the hooks run several per unit and step."""
+    if torch._C._autograd._profiler_enabled():
+        return record_function(f"overlap::{verb} {what}")
+    return _NO_LABEL
+
+
 @dataclass
 class UnitTensors:
     """The tensors of one unit on this rank. See [Note: flat layout] in units.py."""
@@ -106,6 +118,11 @@ class UnitTensors:
     secondary: torch.Tensor | None = None  # hpZ: see [Note: secondary copy]
     encoded: torch.Tensor | None = None  # wire bytes of the shard this step: _encoded_shard
     gather_from_secondary: bool = False  # the gather in flight reads the secondary copies
+    trainable: list[tuple[Any, nn.Parameter]] = field(init=False)  # (slot, sharded param) with grads
+    copy_out_views: list[torch.Tensor] | None = None  # per slot, its span of unsharded_flat
+
+    def __post_init__(self) -> None:
+        self.trainable = [(s, p) for s, p in zip(self.layout.slots, self.sharded_params) if s.requires_grad]
 
     @property
     def unsharded_nbytes(self) -> int:
@@ -218,7 +235,7 @@ class Runtime:
         unit = self.units[index]
         dtype = self.gather_dtype or unit.shard.dtype
         unit.gather_from_secondary = for_backward and unit.secondary is not None
-        with record_function(f"overlap::gather {unit.layout.label}"):
+        with _phase("gather", unit.layout.label):
             if self.gather_stream is not None:
                 self.gather_stream.wait_stream(torch.cuda.current_stream(self.device))
                 self._alloc_unsharded(unit)  # on the compute stream, see [Note: streams]
@@ -265,7 +282,7 @@ class Runtime:
             f"rank {self.rank}: unit {index} waited before gather"
         )
         t0 = time.perf_counter()
-        with record_function(f"overlap::wait_gather {unit.layout.label}"):
+        with _phase("wait_gather", unit.layout.label):
             if unit.gather_event is not None:
                 torch.cuda.current_stream(self.device).wait_event(unit.gather_event)
                 unit.gather_event = None
@@ -337,19 +354,21 @@ class Runtime:
     def _copy_out(self, unit: UnitTensors, gathered: torch.Tensor) -> None:
         """Rank-major gather output -> parameter-major unsharded buffer, one fused pass
         (kernels.copy_out, [Note: fused copy layout] in overlap/kernels/copy.py)."""
-        n = self.world_size
-        outs = [
-            unit.unsharded_flat[s.unsharded_offset : s.unsharded_offset + n * s.chunk_numel]
-            for s in unit.layout.slots
-        ]
+        outs = unit.copy_out_views
+        if outs is None:  # views stay valid across storage resizes: built once
+            n = self.world_size
+            outs = unit.copy_out_views = [
+                unit.unsharded_flat[s.unsharded_offset : s.unsharded_offset + n * s.chunk_numel]
+                for s in unit.layout.slots
+            ]
         # The unsharded params alias this storage and autograd may hold them from forward: a
         # refill must not bump their version counter (the data is the same as before the free).
         with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(unit.unsharded_flat):
-            kernels.copy_out(gathered, outs, num_rows=n)
+            kernels.copy_out(gathered, outs, num_rows=self.world_size)
 
     def free(self, index: int) -> None:
         unit = self.units[index]
-        with record_function(f"overlap::free {unit.layout.label}"):
+        with _phase("free", unit.layout.label):
             unit.swap_in(unit.sharded_params)
             storage = unit.unsharded_flat.untyped_storage()
             if storage.nbytes() > 0:
@@ -371,7 +390,7 @@ class Runtime:
         n = self.world_size
         first = self.units[indices[0]]
         dtype = self.reduce_dtype or first.unsharded_flat.dtype
-        with record_function(f"overlap::reduce bucket{bucket}"):
+        with _phase("reduce", f"bucket{bucket}"):
             # One fused pass (kernels.copy_in): gradients cast to the reduce dtype, padded, a
             # missing gradient as zeros, into the rank-major buffer ([Note: flat layout]).
             srcs: list[torch.Tensor | None] = []
@@ -437,7 +456,7 @@ class Runtime:
         pending = self._pending[bucket]
         if pending.result is None:
             return
-        with record_function(f"overlap::release_reduce bucket{bucket}"):
+        with _phase("release_reduce", f"bucket{bucket}"):
             if pending.event is not None:  # CUDA: compute may reuse the input once the RS is done
                 torch.cuda.current_stream(self.device).wait_event(pending.event)
                 reduced = None
@@ -468,7 +487,7 @@ class Runtime:
     def _all_reduce(self, bucket: int, indices: tuple[int, ...], reduced: torch.Tensor) -> comm.CommResult:
         """HSDP: issue the sum of a reduced shard across replicas ([Note: hybrid sharding])."""
         assert self.replicate_group is not None
-        with record_function(f"overlap::all_reduce bucket{bucket}"):
+        with _phase("all_reduce", f"bucket{bucket}"):
             result = comm.all_reduce_flat(reduced, self.replicate_group)
         num_bytes = reduced.numel() * reduced.element_size()
         self.stats.record_issue("all_reduce", num_bytes)
@@ -492,7 +511,7 @@ class Runtime:
     def wait_reduce(self, bucket: int, indices: tuple[int, ...]) -> None:
         pending = self._pending[bucket]
         t0 = time.perf_counter()
-        with record_function(f"overlap::wait_reduce bucket{bucket}"):
+        with _phase("wait_reduce", f"bucket{bucket}"):
             self.release_reduce(bucket)
             del self._pending[bucket]
             del self._pending_units[bucket]
@@ -545,8 +564,7 @@ class Runtime:
 
     def _accumulate(self, unit: UnitTensors, reduced: torch.Tensor, used: list[float]) -> None:
         """Add a unit's reduced gradient shard into its sharded parameters' `.grad`."""
-        trainable = [(s, p) for s, p in zip(unit.layout.slots, unit.sharded_params) if s.requires_grad]
-        for (slot, param), num_users in zip(trainable, used):
+        for (slot, param), num_users in zip(unit.trainable, used):
             if num_users == 0:
                 continue  # [Note: used flags]
             local = reduced[slot.grad_offset : slot.grad_offset + slot.chunk_numel]
@@ -554,14 +572,10 @@ class Runtime:
             if local.dtype != param.dtype:
                 local = local.to(param.dtype)
             if param.grad is None:
-                param.grad = DTensor.from_local(
-                    local,
-                    param.device_mesh,
-                    param.placements,
-                    run_check=False,
-                    shape=param.shape,
-                    stride=param.stride(),
-                )
+                # The parameter's own spec (mesh, placements, global shape and stride, dtype):
+                # the DTensor is built directly, without from_local's autograd function and
+                # argument checks (microseconds per parameter and step).
+                param.grad = DTensor(local, param._spec, requires_grad=False)  # type: ignore[call-arg]
             else:
                 param.grad.to_local().add_(local)
 

@@ -58,6 +58,9 @@ LEGAL_TRANSITIONS: dict[UnitState, frozenset[UnitState]] = {
 }
 
 
+_HELD = frozenset({UnitState.GATHERING, UnitState.UNSHARDED})
+
+
 class Phase(enum.Enum):
     IDLE = "idle"  # between steps: every unit SHARDED, no collective in flight
     FORWARD = "forward"
@@ -161,6 +164,9 @@ class Schedule:
     _inputs_alive: list[Reduce] = field(init=False, default_factory=list)  # [Note: reduce buffers]
     _max_unsharded: int = field(init=False, default=0)
     _max_unsharded_bytes: int = field(init=False, default=0)
+    _held: set[int] = field(init=False, default_factory=set)  # GATHERING or UNSHARDED, root excluded
+    _held_bytes: int = field(init=False, default=0)
+    _backward_cache: tuple[int, ...] | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         self.states = [UnitState.SHARDED] * len(self.unit_bytes)
@@ -172,17 +178,15 @@ class Schedule:
 
     def held_units(self) -> list[int]:
         """Units (root excluded) whose unsharded parameters exist or are being gathered."""
-        held = (UnitState.GATHERING, UnitState.UNSHARDED)
-        return [u for u, s in enumerate(self.states) if s in held and u != self.root]
+        return sorted(self._held)
 
     def max_unsharded(self) -> tuple[int, int]:
         """Most non-root units (and their bytes) held at once since the last `reset_peak()`."""
         return self._max_unsharded, self._max_unsharded_bytes
 
     def reset_peak(self) -> None:
-        held = self.held_units()
-        self._max_unsharded = len(held)
-        self._max_unsharded_bytes = sum(self.unit_bytes[u] for u in held)
+        self._max_unsharded = len(self._held)
+        self._max_unsharded_bytes = self._held_bytes
 
     def _predicted_forward(self) -> tuple[int, ...]:
         if self.forward_order is not None:
@@ -190,19 +194,31 @@ class Schedule:
         return tuple(range(self.num_units))  # first step: registration order (root first)
 
     def _predicted_backward(self) -> tuple[int, ...]:
+        if self.forward_order is not None and self._backward_cache is not None:
+            return self._backward_cache
         forward = self.forward_order or tuple(self._seen_forward)
         rest = tuple(u for u in reversed(forward) if u != self.root)
-        return ((self.root,) if self.root is not None else ()) + rest
+        order = ((self.root,) if self.root is not None else ()) + rest
+        if self.forward_order is not None:  # fixed from now on: computed once
+            self._backward_cache = order
+        return order
 
     # ---------------------------------------------------------------- moves
     def _move(self, unit: int, new: UnitState) -> None:
         old = self.states[unit]
         assert new in LEGAL_TRANSITIONS[old], f"unit {unit}: illegal transition {old} -> {new}"
         self.states[unit] = new
-        held = self.held_units()
-        self._max_unsharded = max(self._max_unsharded, len(held))
-        held_bytes = sum(self.unit_bytes[u] for u in held)
-        self._max_unsharded_bytes = max(self._max_unsharded_bytes, held_bytes)
+        if unit == self.root:
+            return
+        was, now = old in _HELD, new in _HELD
+        if now and not was:
+            self._held.add(unit)
+            self._held_bytes += self.unit_bytes[unit]
+            self._max_unsharded = max(self._max_unsharded, len(self._held))
+            self._max_unsharded_bytes = max(self._max_unsharded_bytes, self._held_bytes)
+        elif was and not now:
+            self._held.discard(unit)
+            self._held_bytes -= self.unit_bytes[unit]
 
     def _gather(self, unit: int, out: list[Action]) -> None:
         self._move(unit, UnitState.GATHERING)
@@ -228,10 +244,9 @@ class Schedule:
     def _prefetch(self, order: tuple[int, ...], out: list[Action]) -> None:
         """Top up prefetch along `order` after the cursor, within the budget."""
         cfg = self.config
-        held = self.held_units()
-        held_bytes = sum(self.unit_bytes[u] for u in held)
+        num_held, held_bytes = len(self._held), self._held_bytes
         for unit in order[self._cursor + 1 :]:
-            if len(held) >= cfg.prefetch_depth + 1:
+            if num_held >= cfg.prefetch_depth + 1:
                 return
             state = self.states[unit]
             if state in (UnitState.GATHERING, UnitState.UNSHARDED) or unit == self.root:
@@ -242,7 +257,7 @@ class Schedule:
             if cfg.max_inflight_bytes is not None and held_bytes + size > cfg.max_inflight_bytes:
                 return
             self._gather(unit, out)
-            held.append(unit)
+            num_held += 1
             held_bytes += size
 
     # ---------------------------------------------------------------- forward events

@@ -238,10 +238,15 @@ class OverlapState:
         tensors = [
             t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad
         ]
-        if tensors:
+        if len(tensors) == 1:  # the common case: a plain tensor hook is several times cheaper
+            tensors[0].register_hook(functools.partial(self._pre_backward_hook, index))
+        elif tensors:
             register_multi_grad_hook(
                 tensors, functools.partial(self._pre_backward, index), mode="any"
             )
+
+    def _pre_backward_hook(self, index: int | None, grad: torch.Tensor) -> None:
+        self._pre_backward(index, grad)  # returns None: the gradient is left as it is
 
     # [Note: end of a unit's backward]
     # A unit's backward is over when (a) every trainable parameter's gradient has been
