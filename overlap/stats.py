@@ -1,18 +1,28 @@
-"""Per-step accounting: how long the compute thread waited on communication, and what moved."""
+"""Per-step accounting: how long compute waited on communication, and what moved.
+
+Times come from the spans of overlap/timing.py (`StatsRecorder.record_spans`): on CPU the host
+clock, on CUDA device events ([Note: device timing] in timing.py). CUDA figures arrive a step
+late: the StepStats of step s is published when step s+1 ends (sometimes later), and
+`overlap.step_stats(model)` returns the newest *complete* step; its `step` field says which.
+"""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+
+from overlap.timing import Span
 
 
 @dataclass
 class StepStats:
-    """What the last completed step did. Times are wall-clock on the calling thread.
+    """What one completed step did.
 
-    `allgather_wait_ms` / `reduce_wait_ms` are the *exposed* communication: the time the
+    `allgather_wait_ms` / `reduce_wait_ms` are the *exposed* communication: on CPU the time the
     training thread spent blocked on an all-gather or reduce-scatter (plus the copy-out that
-    follows a gather). Communication that finished while compute ran costs nothing here.
+    follows a gather); on CUDA the time the compute stream sat waiting on the comm streams'
+    events. Communication that finished while compute ran costs nothing here.
     """
 
     step: int = 0
@@ -33,12 +43,17 @@ class StepStats:
     unit_waits_ms: dict[str, float] = field(default_factory=dict)
     """Exposed wait per unit label ("unit3 gather", "bucket0 reduce"), for the biggest offenders."""
     collective_ms: dict[str, float] = field(default_factory=dict)
-    """Issue-to-ready time per collective (an upper bound: "ready" is when it was waited on)."""
+    """Issue-to-completion time per collective ("unit3 (layers.2) gather", "bucket0 [unit3]
+    reduce"). CPU: until the work completed (or was waited on, for work that cannot say when);
+    CUDA: on the comm stream, queueing behind earlier collectives included."""
     step_ms: float = 0.0
-    """From the step's first forward to the end of its backward (or of an eval forward)."""
+    """From the step's first forward to the end of its backward (or of an eval forward); on
+    CUDA as the compute stream ran it."""
     gap_ms: float = 0.0
     """From the end of the previous step to this step's first forward: the optimizer step, data
-    loading and whatever else the training loop does between steps."""
+    loading and whatever else the training loop does between steps (host clock)."""
+    device_timed: bool = False
+    """True when the times above come from device events (CUDA), False: the host clock."""
 
     @property
     def exposed_comm_ms(self) -> float:
@@ -46,11 +61,18 @@ class StepStats:
 
 
 class StatsRecorder:
-    """Collects one step's numbers; `finish()` publishes them as the last `StepStats`."""
+    """Collects each step's numbers; `finish()` publishes complete steps as `last`.
 
-    def __init__(self) -> None:
+    A step is closed on the host by `finish()` and published once its spans are final (the
+    timer's `oldest_open_step`), or `max_lag_steps` after it closed, whatever is missing; spans
+    arriving after their step was published are dropped (the trace still shows them).
+    """
+
+    def __init__(self, max_lag_steps: int = 4) -> None:
         self.current = StepStats()
         self.last: StepStats | None = None
+        self.max_lag_steps = max_lag_steps
+        self._closed: dict[int, StepStats] = {}  # finished on the host, waiting for device spans
         self._step_start: float | None = None
         self._last_end: float | None = None
 
@@ -61,16 +83,36 @@ class StatsRecorder:
         if self._last_end is not None:
             self.current.gap_ms = (now - self._last_end) * 1e3
 
+    def record_spans(self, spans: Iterable[Span]) -> None:
+        """Spans from `SpanTimer.harvest()`, each added to the step it was recorded in."""
+        for span in spans:
+            assert span.step <= self.current.step, f"span of step {span.step} from the future"
+            stats = self.current if span.step == self.current.step else self._closed.get(span.step)
+            if stats is None:
+                continue  # its step was published already
+            stats.device_timed |= span.device_timed
+            if span.kind == "stall":
+                self._add_wait(stats, span.op, span.name, span.duration_ms)
+            elif span.kind == "collective":
+                stats.collective_ms[span.name] = span.duration_ms
+            else:
+                stats.step_ms = span.duration_ms
+
     def record_latency(self, label: str, t_issue: float) -> None:
+        """Host timing (perf_counter at issue to now): the path before SpanTimer."""
         self.current.collective_ms[label] = (time.perf_counter() - t_issue) * 1e3
 
     def record_wait(self, kind: str, label: str, t0: float) -> None:
-        ms = (time.perf_counter() - t0) * 1e3
+        """Host timing (perf_counter before the wait to now): the path before SpanTimer."""
+        self._add_wait(self.current, kind, label, (time.perf_counter() - t0) * 1e3)
+
+    @staticmethod
+    def _add_wait(stats: StepStats, kind: str, label: str, ms: float) -> None:
         if kind == "gather":
-            self.current.allgather_wait_ms += ms
+            stats.allgather_wait_ms += ms
         else:
-            self.current.reduce_wait_ms += ms
-        self.current.unit_waits_ms[label] = self.current.unit_waits_ms.get(label, 0.0) + ms
+            stats.reduce_wait_ms += ms
+        stats.unit_waits_ms[label] = stats.unit_waits_ms.get(label, 0.0) + ms
 
     def record_issue(self, kind: str, num_bytes: int) -> None:
         if kind == "gather":
@@ -88,10 +130,23 @@ class StatsRecorder:
         cur.max_unsharded_units = max(cur.max_unsharded_units, num_units)
         cur.max_unsharded_bytes = max(cur.max_unsharded_bytes, num_bytes)
 
-    def finish(self) -> None:
+    def finish(self, oldest_open_step: int | None = None) -> list[StepStats]:
+        """Close the current step; publish, oldest first, every closed step older than
+        `oldest_open_step` (None: all) or closed `max_lag_steps` ago. Returns those published;
+        `last` is the newest of them (unchanged when none)."""
         now = time.perf_counter()
-        if self._step_start is not None:
-            self.current.step_ms = (now - self._step_start) * 1e3
+        closed = self.current
+        if self._step_start is not None and not closed.step_ms:  # a step span (timer) wins
+            closed.step_ms = (now - self._step_start) * 1e3
         self._step_start, self._last_end = None, now
-        self.last = self.current
-        self.current = StepStats(step=self.last.step + 1)
+        self._closed[closed.step] = closed
+        self.current = StepStats(step=closed.step + 1)
+        published: list[StepStats] = []
+        for step in sorted(self._closed):
+            final = oldest_open_step is None or step < oldest_open_step
+            if not final and step > closed.step - self.max_lag_steps:
+                break  # in order: a later step waits for this one
+            published.append(self._closed.pop(step))
+        if published:
+            self.last = published[-1]
+        return published

@@ -10,7 +10,8 @@ import torch
 import overlap
 from models import batch, loss_of, tiny_lm
 from overlap.report import format_summary, load_events, plot_timeline, summarize, union_ms
-from overlap.trace import LANES
+from overlap.timing import Span
+from overlap.trace import LANES, TraceRecorder
 
 
 def test_union_counts_overlaps_once():
@@ -74,3 +75,38 @@ def test_real_trace_has_every_lane_and_draws(world2, tmp_path):
     pytest.importorskip("matplotlib", reason="optional extra `plot`; CI installs it")
     png = plot_timeline(events, summaries[0].step, tmp_path / "t.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_device_spans_land_in_the_step_they_were_recorded_in(tmp_path):
+    """CUDA: step 0's communication is harvested at the end of step 1; the file keeps it in
+    step 0, where the report finds it (collectives by issue step, waits by step)."""
+    ms = 1_000_000
+    rec = TraceRecorder(tmp_path, rank=0, max_steps=2)
+    rec.span("compute", "backward unit1", 0, 30 * ms)
+    rec.finish_step()  # step 0 ends: nothing from the device yet
+    rec.span("compute", "backward unit1", 40 * ms, 70 * ms)
+    rec.record_spans([
+        Span("collective", "gather", "unit1", 0, 2 * ms, 10.0, 100, True),
+        Span("collective", "reduce", "bucket0 [unit1]", 0, 20 * ms, 6.0, 50, True),
+        Span("collective", "all_reduce", "bucket0 [unit1]", 0, 26 * ms, 2.0, 50, True),
+        Span("stall", "gather", "unit1", 0, 10 * ms, 2.0, 0, True),
+        Span("step", "step", "step", 0, 0, 30.0, 0, True),  # not drawn
+    ])
+    rec.finish_step()
+    events = load_events([tmp_path])
+    names = {(e["args"]["step"], LANES[e["tid"]], e["name"]) for e in events}
+    assert names == {
+        (0, "compute", "backward unit1"),
+        (1, "compute", "backward unit1"),
+        (0, "all-gather", "unit1"),
+        (0, "reduce-scatter", "bucket0 [unit1]"),
+        (0, "reduce-scatter", "all-reduce bucket0 [unit1]"),
+        (0, "wait", "wait gather unit1"),
+    }
+    (s,) = summarize(events, step=0)
+    assert s.comm_busy_ms == pytest.approx(18.0)  # 2..12 gather, 20..28 reduce + all-reduce
+    assert s.exposed_ms == pytest.approx(2.0) and s.waits_ms == {"wait gather unit1": pytest.approx(2.0)}
+    # a span later than the file keeps (max_steps) is dropped, not misfiled
+    rec.record_spans([Span("stall", "gather", "unit1", 0, 0, 1.0)])
+    rec.finish_step()
+    assert all(e["args"]["step"] >= 1 for e in load_events([tmp_path]))
