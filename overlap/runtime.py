@@ -62,6 +62,7 @@ from overlap.schedule import (
     WaitReduce,
 )
 from overlap.stats import StatsRecorder
+from overlap.timing import HostTimer, SpanTimer
 from overlap.trace import TraceRecorder
 from overlap.units import UnitLayout
 
@@ -114,7 +115,6 @@ class UnitTensors:
     gather: comm.CommResult | None = None  # CPU: the all-gather until its wait; CUDA: dropped at issue
     gather_event: torch.cuda.Event | None = None  # CUDA: copy-out done on the gather stream
     gather_bytes: int = 0  # accounted bytes of the gather buffers held (see _drop_gather)
-    gather_issued_at: float = 0.0  # perf_counter at issue, for StepStats.collective_ms
     secondary: torch.Tensor | None = None  # hpZ: see [Note: secondary copy]
     encoded: torch.Tensor | None = None  # wire bytes of the shard this step: _encoded_shard
     gather_from_secondary: bool = False  # the gather in flight reads the secondary copies
@@ -142,7 +142,6 @@ class PendingReduce:
 
     result: comm.CommResult | None  # the reduce-scatter while its input is alive
     event: torch.cuda.Event | None  # CUDA: the reduce stream after the reduce-scatter and its sum
-    issued_at: float
     all_used: bool  # this rank produced a gradient for every trainable parameter of the bucket
     input_bytes: int  # accounted bytes of the input buffers (released with `result`)
     reduced: torch.Tensor | None = None  # [summed gradients | used counts]
@@ -162,6 +161,7 @@ class Runtime:
     stats: StatsRecorder
     timeout: timedelta | None = None
     trace: TraceRecorder | None = None
+    timer: SpanTimer = field(default_factory=HostTimer)  # wrap passes make_timer(device)
     reduce_impl: comm.ReduceImpl = "native"
     param_codec: Codec | None = None  # None: uncompressed all-gather
     grad_codec: Codec | None = None  # None: uncompressed reduce-scatter (reduce_impl)
@@ -239,6 +239,7 @@ class Runtime:
             if self.gather_stream is not None:
                 self.gather_stream.wait_stream(torch.cuda.current_stream(self.device))
                 self._alloc_unsharded(unit)  # on the compute stream, see [Note: streams]
+            span = self.timer.start("collective", "gather", unit.layout.label, self.gather_stream, unit.unsharded_nbytes)
             with self._stream(self.gather_stream):
                 if unit.gather_from_secondary:
                     assert self.secondary_group is not None and unit.secondary is not None
@@ -257,6 +258,7 @@ class Runtime:
                 if self.gather_stream is not None:
                     # the gather stream waits, not the CPU
                     gathered = comm.wait(result, self.timeout)
+                    self.timer.stop(span, self.gather_stream)
                     self._keep_secondary(unit, gathered)
                     self._copy_out(unit, gathered)
                     unit.gather_event = self.gather_stream.record_event()
@@ -265,11 +267,10 @@ class Runtime:
                     # only, not 2x ([Note: buffer lifetime]).
                     del gathered
                     self._drop_gather(unit)
+                else:
+                    self.timer.stop(span, work=result.work)
         received = result.output
         self.stats.record_issue("gather", received.numel() * received.element_size())
-        unit.gather_issued_at = time.perf_counter()
-        if self.trace is not None:
-            self.trace.comm("all-gather", unit.layout.label, result.work, unit.unsharded_nbytes)
 
     def _drop_gather(self, unit: UnitTensors) -> None:
         unit.gather = None  # [Note: buffer lifetime]
@@ -281,7 +282,7 @@ class Runtime:
         assert unit.gather is not None or unit.gather_event is not None, (
             f"rank {self.rank}: unit {index} waited before gather"
         )
-        t0 = time.perf_counter()
+        stall = self.timer.start("stall", "gather", unit.layout.label)
         with _phase("wait_gather", unit.layout.label):
             if unit.gather_event is not None:
                 torch.cuda.current_stream(self.device).wait_event(unit.gather_event)
@@ -295,10 +296,7 @@ class Runtime:
                 del gathered
                 self._drop_gather(unit)
             unit.swap_in(unit.unsharded_params)
-        self.stats.record_wait("gather", f"{unit.layout.label} gather", t0)
-        self.stats.record_latency(f"{unit.layout.label} gather", unit.gather_issued_at)
-        if self.trace is not None:
-            self.trace.span("wait", f"wait gather {unit.layout.label}", int(t0 * 1e9), self.trace.now())
+        self.timer.stop(stall)
 
     def _encoded_shard(self, unit: UnitTensors, for_backward: bool) -> torch.Tensor:
         """The unit's shard encoded for a compressed all-gather. A forward gather encodes it
@@ -415,6 +413,7 @@ class Runtime:
             event, reduced = None, None
             if self.reduce_stream is not None:
                 self.reduce_stream.wait_stream(torch.cuda.current_stream(self.device))
+            span = self.timer.start("collective", "reduce", self._span_label(indices), self.reduce_stream, nbytes(full))
             with self._stream(self.reduce_stream):
                 if self.grad_codec is None:
                     result = comm.reduce_scatter_flat(full.view(-1), self.group, n, self.reduce_impl)
@@ -427,17 +426,18 @@ class Runtime:
                 if self.reduce_stream is not None:
                     # The reduce stream waits and sums (once: the tensor is kept, [Note: streams]).
                     reduced = comm.wait(result, self.timeout)
+                    self.timer.stop(span, self.reduce_stream)
                     event = self.reduce_stream.record_event()
+                else:
+                    self.timer.stop(span, work=result.work)
         input_bytes = nbytes(*result.inputs) + (nbytes(result.output) if result.finish is not None else 0)
         self.memory.add("reduce_inputs", input_bytes)
-        pending = PendingReduce(result, event, time.perf_counter(), all(used), input_bytes)
+        pending = PendingReduce(result, event, all(used), input_bytes)
         self._pending[bucket] = pending
         self._pending_units[bucket] = indices
         sent = result.inputs[0]
         num_bytes = sent.numel() * sent.element_size()
         self.stats.record_issue("reduce", num_bytes)
-        if self.trace is not None:
-            self.trace.comm("reduce-scatter", self._bucket_label(bucket, indices), result.work, num_bytes)
         if reduced is not None:
             self._reduced(bucket, indices, pending, reduced)
 
@@ -462,6 +462,7 @@ class Runtime:
                 reduced = None
             else:  # CPU: wait for the work; sum (or decode) what all-to-all received
                 reduced = comm.wait(pending.result, self.timeout)
+                self.timer.waited(pending.result.work)
             pending.result = None
             self.memory.sub("reduce_inputs", pending.input_bytes)
         if reduced is not None:
@@ -481,18 +482,22 @@ class Runtime:
         with self._stream(self.all_reduce_stream):
             pending.all_reduce = self._all_reduce(bucket, indices, reduced)
             if self.all_reduce_stream is not None:
-                comm.wait(pending.all_reduce, self.timeout)
                 pending.all_reduce_event = self.all_reduce_stream.record_event()
 
     def _all_reduce(self, bucket: int, indices: tuple[int, ...], reduced: torch.Tensor) -> comm.CommResult:
         """HSDP: issue the sum of a reduced shard across replicas ([Note: hybrid sharding])."""
         assert self.replicate_group is not None
+        num_bytes = nbytes(reduced)
+        stream = self.all_reduce_stream
+        span = self.timer.start("collective", "all_reduce", self._span_label(indices), stream, num_bytes)
         with _phase("all_reduce", f"bucket{bucket}"):
             result = comm.all_reduce_flat(reduced, self.replicate_group)
-        num_bytes = reduced.numel() * reduced.element_size()
+            if stream is not None:  # the all-reduce stream waits, in order ([Note: streams])
+                comm.wait(result, self.timeout)
+                self.timer.stop(span, stream)
+            else:
+                self.timer.stop(span, work=result.work)
         self.stats.record_issue("all_reduce", num_bytes)
-        if self.trace is not None:
-            self.trace.comm("all-reduce", self._bucket_label(bucket, indices), result.work, num_bytes)
         return result
 
     def _residual(self, indices: tuple[int, ...], width: int) -> torch.Tensor | None:
@@ -510,7 +515,7 @@ class Runtime:
 
     def wait_reduce(self, bucket: int, indices: tuple[int, ...]) -> None:
         pending = self._pending[bucket]
-        t0 = time.perf_counter()
+        stall = self.timer.start("stall", "reduce", self._span_label(indices))
         with _phase("wait_reduce", f"bucket{bucket}"):
             self.release_reduce(bucket)
             del self._pending[bucket]
@@ -524,12 +529,7 @@ class Runtime:
                 torch.cuda.current_stream(self.device).wait_event(pending.event)
         reduced = pending.reduced
         assert reduced is not None, f"rank {self.rank}: bucket {bucket} has no reduced shard"
-        self.stats.record_wait("reduce", f"bucket{bucket} reduce", t0)
-        names = ",".join(self.units[i].layout.label.split(" ")[0] for i in indices)
-        self.stats.record_latency(f"reduce [{names}]", pending.issued_at)
-        if self.trace is not None:
-            label = self._bucket_label(bucket, indices)
-            self.trace.span("wait", f"wait reduce {label}", int(t0 * 1e9), self.trace.now())
+        self.timer.stop(stall)
         units = [self.units[i] for i in indices]
         for unit in units:
             self._drop_secondary(unit)  # [Note: secondary copy]
@@ -578,6 +578,12 @@ class Runtime:
                 param.grad = DTensor(local, param._spec, requires_grad=False)  # type: ignore[call-arg]
             else:
                 param.grad.to_local().add_(local)
+
+    def _span_label(self, indices: tuple[int, ...]) -> str:
+        """A bucket by its units: the same every step (bucket numbers are not), so a
+        collective's time is compared with its own history (Monitor)."""
+        names = ",".join(self.units[i].layout.label.split(" ")[0] for i in indices)
+        return f"bucket [{names}]"
 
     def _bucket_label(self, bucket: int, indices: tuple[int, ...]) -> str:
         names = ",".join(self.units[i].layout.label.split(" ")[0] for i in indices)

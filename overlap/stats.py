@@ -54,6 +54,9 @@ class StepStats:
     loading and whatever else the training loop does between steps (host clock)."""
     device_timed: bool = False
     """True when the times above come from device events (CUDA), False: the host clock."""
+    memory_peak_bytes: int = 0
+    """High-water mark of the library's own buffers during the step, state included
+    (`overlap.memory_stats` has it by kind; [Note: memory accounting] in memory.py)."""
 
     @property
     def exposed_comm_ms(self) -> float:
@@ -124,6 +127,9 @@ class StatsRecorder:
         else:
             self.current.num_reduce_scatters += 1
             self.current.reduce_scatter_bytes += num_bytes
+
+    def record_memory(self, peak_bytes: int) -> None:
+        self.current.memory_peak_bytes = max(self.current.memory_peak_bytes, peak_bytes)
 
     def record_unsharded(self, num_units: int, num_bytes: int) -> None:
         cur = self.current

@@ -47,7 +47,6 @@ returned by a later harvest, with the step it was issued in.
 
 from __future__ import annotations
 
-import queue
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -131,6 +130,10 @@ class SpanTimer(ABC):
         `step` is final). StatsRecorder publishes a step's StepStats once it is final."""
         return None
 
+    def waited(self, work: Any) -> None:
+        """The training thread's wait on `work` returned (host timers stamp work that cannot
+        report its own completion; device timers ignore it)."""
+
 
 # ---------------------------------------------------------------------------------- host (CPU)
 
@@ -140,12 +143,14 @@ class CompletionWaiter:
 
     Work with a future (gloo's all-gather, all-to-all, all-reduce) is stamped by a callback on
     it, which gloo runs on its worker thread before `wait()` returns. Work without one (gloo's
-    native reduce-scatter: `get_future` raises, `is_completed()` stays False) is waited on by one
-    daemon thread in issue order, an upper bound when an earlier collective finishes later."""
+    native reduce-scatter: `get_future` raises, `is_completed()` stays False) is stamped when
+    the training thread's own wait on it returns (`waited`), an upper bound. It must not be
+    waited on from a second thread: two concurrent `wait()`s on gloo's reduce-scatter work
+    corrupted its output (caught by the bitwise DDP parity test)."""
 
     def __init__(self, clock: Callable[[], int] = time.perf_counter_ns) -> None:
         self._clock = clock
-        self._queue: queue.SimpleQueue[tuple[Any, Callable[[int], None]]] | None = None
+        self._unstamped: dict[int, tuple[Any, Callable[[int], None]]] = {}  # id(work) -> (work, callback)
 
     def on_complete(self, work: Any, callback: Callable[[int], None]) -> None:
         if work is None:  # ran synchronously (world size 1)
@@ -154,22 +159,15 @@ class CompletionWaiter:
         try:
             future = work.get_future()
         except RuntimeError:  # "getFuture not implemented" for this work type
-            if self._queue is None:
-                self._queue = queue.SimpleQueue()
-                threading.Thread(target=self._wait_all, name="overlap-completion", daemon=True).start()
-            self._queue.put((work, callback))
+            self._unstamped[id(work)] = (work, callback)  # the work object is kept alive here
             return
         future.then(lambda _: callback(self._clock()))
 
-    def _wait_all(self) -> None:
-        assert self._queue is not None
-        while True:
-            work, callback = self._queue.get()
-            try:
-                work.wait()
-            except Exception:  # the training thread reports collective errors
-                continue
-            callback(self._clock())
+    def waited(self, work: Any) -> None:
+        """The training thread's wait on `work` returned: stamp it if nothing else could."""
+        entry = self._unstamped.pop(id(work), None)
+        if entry is not None:
+            entry[1](self._clock())
 
 
 class HostTimer(SpanTimer):
@@ -195,6 +193,9 @@ class HostTimer(SpanTimer):
             self._finish(token, self._clock())
         else:
             self._waiter.on_complete(work, lambda t1_ns: self._finish(token, t1_ns))
+
+    def waited(self, work: Any) -> None:
+        self._waiter.waited(work)
 
     def _finish(self, token: SpanToken, t1_ns: int) -> None:
         span = Span(

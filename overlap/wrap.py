@@ -38,6 +38,7 @@ from overlap.monitor import Monitor
 from overlap.runtime import Runtime, UnitTensors, keep_freed_cpu_memory
 from overlap.schedule import Action, Phase, Schedule, ScheduleConfig, UnitState, order_hash
 from overlap.stats import StatsRecorder
+from overlap.timing import make_timer
 from overlap.trace import TraceRecorder, trace_dir_from
 from overlap.units import ParamInfo, UnitLayout, find_unit_modules, group_units, make_layout
 
@@ -91,6 +92,7 @@ class OverlapState:
         )
         trace_dir = trace_dir_from(config.trace_dir)
         self.trace = TraceRecorder(trace_dir, self.rank) if trace_dir is not None else None
+        self.timer = make_timer(device)
         self.runtime = Runtime(
             units,
             group,
@@ -104,6 +106,7 @@ class OverlapState:
             if config.collective_timeout_s is None
             else timedelta(seconds=config.collective_timeout_s),
             trace=self.trace,
+            timer=self.timer,
             reduce_impl=_reduce_impl(config.reduce_scatter_impl, group, device),
             param_codec=None
             if config.param_compression is None
@@ -183,6 +186,7 @@ class OverlapState:
             return None  # [Note: forward during backward]
         if self.schedule.phase is Phase.IDLE:
             self.stats.begin_step()
+            self.timer.begin_step()
             self.runtime.begin_step()
         self._run(self.schedule.begin_forward())
         dtype = self.config.param_dtype
@@ -318,11 +322,14 @@ class OverlapState:
     def _finish_step(self) -> None:
         peak_units, peak_bytes = self.schedule.max_unsharded()
         self.stats.record_unsharded(peak_units, peak_bytes)
-        self.stats.finish()
-        assert self.stats.last is not None
-        self.monitor.on_step(self.stats.last)
+        self.stats.record_memory(self.runtime.memory.peak_total)
+        spans = self.timer.harvest()
+        self.stats.record_spans(spans)
         if self.trace is not None:
+            self.trace.record_spans(spans)
             self.trace.finish_step()
+        for stats in self.stats.finish(self.timer.oldest_open_step):
+            self.monitor.on_step(stats)
 
 
 def _rounding_generator(device: torch.device, rank: int) -> torch.Generator:

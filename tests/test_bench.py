@@ -11,6 +11,7 @@ import os
 import shutil
 import signal
 import subprocess
+import threading
 import sys
 from pathlib import Path
 
@@ -192,12 +193,17 @@ def test_link_cleaned_up_on_signal(sig: signal.Signals) -> None:
         "    print('up', flush=True)\n    time.sleep(60)\n"
     )
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    # Deadlines for a loaded machine (a busy CI host can take tens of seconds to start Python and
+    # build the namespaces): the watchdog bounds the readline, which has no timeout of its own.
+    watchdog = threading.Timer(300, proc.kill)
+    watchdog.start()
     try:
         assert proc.stdout is not None and proc.stdout.readline().strip() == "up"
         assert _ours(f"ovl{proc.pid}")
         proc.send_signal(sig)
-        proc.wait(timeout=30)
+        proc.wait(timeout=240)
     finally:
+        watchdog.cancel()
         if proc.poll() is None:
             proc.kill()
     assert _ours(f"ovl{proc.pid}") == []

@@ -99,10 +99,10 @@ def _fail_on_rank_one(rank: int, world_size: int) -> None:
 def test_local_world_returns_results_and_names_the_failing_rank() -> None:
     assert run_local_world(_sum_of_ranks, 2, 10, threads_per_rank=1) == [(21, 1), (21, 1)]
     with pytest.raises(RuntimeError, match=r"rank 1 of 2 failed[\s\S]*injected failure"):
-        run_local_world(_fail_on_rank_one, 2, timeout_s=20, deadline_s=50)
+        run_local_world(_fail_on_rank_one, 2, timeout_s=60, deadline_s=240)
 
 
-@pytest.mark.timeout(90)
+@pytest.mark.timeout(400)
 def test_demo_cli_runs_and_loss_is_finite() -> None:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
@@ -130,7 +130,7 @@ def test_demo_cli_runs_and_loss_is_finite() -> None:
         "--nproc",
         "2",
     ]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     match = re.search(r"train loss (\S+) -> (\S+) \| val loss (\S+)", proc.stdout)
     assert match, proc.stdout
