@@ -152,6 +152,11 @@ class DemoResult:
     wall_s: float
     losses: list[float] | None = None
     """Training loss of every step, averaged over ranks (from step 0, also after a resume)."""
+    peak_rss_mb_per_rank: list[float] | None = None
+    """High-water resident memory of each rank's process (the OS's figure, ru_maxrss)."""
+    library_peak_mb_per_rank: list[float] | None = None
+    """High-water mark of overlap's own buffers in the last step, state included
+    (`overlap.memory_stats`; [Note: memory accounting] in memory.py)."""
     start_step: int = 0
     """Steps already done when this run began: the checkpoint it resumed from, or 0. Step
     times, exposed comm and memory cover only the steps this run trained."""
@@ -192,6 +197,22 @@ def rss_bytes() -> int:
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def peak_rss_bytes() -> int:
+    """High-water resident memory of this process (the OS's figure)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def library_peak_bytes(model: nn.Module) -> int:
+    """The accounted high-water mark of overlap's buffers this step (0 for other wrappers)."""
+    if getattr(model, "_overlap_state", None) is None:
+        return 0
+    from overlap.api import memory_stats
+
+    return memory_stats(model).peak_total_bytes
 
 
 def gather_floats(value: float) -> list[float]:
@@ -488,6 +509,7 @@ def _finish(
 ) -> DemoResult | None:
     """Validation loss, cross-rank numbers and the summary line (rank 0). `history`: the
     rank-averaged losses of the `first` steps done before this run resumed."""
+    lib_peak = library_peak_bytes(model)  # the last training step's, before eval resets it
     val = evaluate(model, data.val, cfg, current_device())
     losses = history + (mean_across_ranks(log.losses) if log.losses else [])
     ms, share = log.window(0)
@@ -500,6 +522,8 @@ def _finish(
         exposed_comm_share=share,
         rss_mb_per_rank=[v / 2**20 for v in gather_floats(float(rss_bytes()))],
         sharded_state_mb_per_rank=[v / 2**20 for v in gather_floats(float(state_bytes))],
+        peak_rss_mb_per_rank=[v / 2**20 for v in gather_floats(float(peak_rss_bytes()))],
+        library_peak_mb_per_rank=[v / 2**20 for v in gather_floats(float(lib_peak))],
         wall_s=wall_s,
         start_step=first,
     )
@@ -511,6 +535,8 @@ def _finish(
         f"exposed comm {_fmt_share(share)} | "
         f"rss {'/'.join(f'{v:.0f}' for v in result.rss_mb_per_rank)} MB | "
         f"param+grad+optim {'/'.join(f'{v:.1f}' for v in result.sharded_state_mb_per_rank)} MB | "
+        f"peak rss (OS) {'/'.join(f'{v:.0f}' for v in result.peak_rss_mb_per_rank or [])} MB, "
+        f"overlap buffers peak {'/'.join(f'{v:.1f}' for v in result.library_peak_mb_per_rank or [])} MB | "
         f"{wall_s:.1f} s",
         flush=True,
     )
