@@ -16,7 +16,8 @@ contender's high-water mark includes another's
 
 Measured in each rank at the end, then the largest rank (all ranks in the JSON)
   peak RSS      resource.getrusage(RUSAGE_SELF).ru_maxrss: the OS's high-water mark of the whole
-                rank process (torch import, model build before sharding, every step)
+                rank process (torch import, model build before sharding, every step); read
+                before the train-RSS reset and at the end, the larger of the two
   base RSS      RSS after the process group is up, before the model is built (the same for all)
   train RSS     the high-water mark from the first step on: VmHWM reset after setup
                 (/proc/self/clear_refs), None where the kernel does not allow it
@@ -199,6 +200,9 @@ def memory_rank(rank: int, world_size: int, cfg: MemoryBenchConfig, name: str) -
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
     gen = torch.Generator().manual_seed(1000 + rank)
     x = torch.randn(cfg.batch, cfg.seq, cfg.d_model, generator=gen).to(device)
+    # Resetting VmHWM resets ru_maxrss too (both read the mm's high-water mark): keep the setup
+    # peak, and take the process's peak as the larger of it and ru_maxrss at the end.
+    setup_peak_rss = process_peak_rss_bytes()
     was_reset = reset_peak_rss()
     if cuda:
         torch.cuda.synchronize(device)
@@ -213,7 +217,8 @@ def memory_rank(rank: int, world_size: int, cfg: MemoryBenchConfig, name: str) -
         opt.zero_grad(set_to_none=True)
     out: dict[str, Any] = {
         "rank": rank,
-        "peak_rss_bytes": process_peak_rss_bytes(),
+        "pid": os.getpid(),
+        "peak_rss_bytes": max(setup_peak_rss, process_peak_rss_bytes()),
         "base_rss_bytes": base_rss,
         "train_peak_rss_bytes": peak_rss_since_reset() if was_reset else None,
         "state_bytes": accounted,
