@@ -10,7 +10,14 @@ from pathlib import Path
 
 import pytest
 
-from overlap.bench.memory import BYTES_PER_PARAM_ZERO3, MemoryBenchConfig, num_params
+from overlap.bench.memory import (
+    BYTES_PER_PARAM_ZERO3,
+    MemoryBenchConfig,
+    current_rss_bytes,
+    num_params,
+)
+from overlap.bench.step import process_peak_rss_bytes
+from overlap.launch import run_local_world
 
 RUN_TIMEOUT_S = 240  # three spawned worlds of 2 ranks on a loaded 2-core machine
 REPO = Path(__file__).resolve().parent.parent
@@ -47,6 +54,21 @@ def test_bench_memory_run(tmp_path: Path) -> None:
     # replicated: all of it (plus Adam's 4-byte step counter per parameter tensor)
     assert runs["ddp"]["state_bytes"] == pytest.approx(BYTES_PER_PARAM_ZERO3 * params, rel=0.01)
     assert "library_peak_bytes" in runs["overlap"]
+
+
+def peak_of_this_rank(rank: int, world_size: int) -> int:
+    return process_peak_rss_bytes()
+
+
+def test_spawned_rank_peak_excludes_its_launcher() -> None:
+    """[Note: ru_maxrss of a spawned rank]: a rank spawned from a process holding 1 GiB must
+    not report that GiB as its own peak (ru_maxrss would)."""
+    ballast = bytearray(2**30)
+    ballast[:: 4096] = b"\1" * len(ballast[:: 4096])  # touch every page: resident
+    launcher_rss = current_rss_bytes()
+    (child_peak,) = run_local_world(peak_of_this_rank, 1, timeout_s=120, deadline_s=180)
+    del ballast
+    assert 0 < child_peak < launcher_rss - 2**29, (child_peak, launcher_rss)
 
 
 def test_config_validation() -> None:

@@ -104,7 +104,7 @@ def test_step_w1_script(tmp_path: Path) -> None:
         "--json", str(out),
     )  # fmt: skip
     check_report(out, 2, memory=True)  # a single world size: PATH itself
-    assert "peak RSS = ru_maxrss of a fresh world running only that contender" in stdout
+    assert "peak RSS = the OS's high-water mark (VmHWM) of a fresh world running only that contender" in stdout
     assert "W1 step: 1 x TransformerEncoderLayer(d=32, ff=64)" in stdout
     assert "overlap/fsdp2 = " in stdout
     assert "scaling" not in stdout

@@ -15,9 +15,10 @@ contender's high-water mark includes another's
   ddp           DistributedDataParallel
 
 Measured in each rank at the end, then the largest rank (all ranks in the JSON)
-  peak RSS      resource.getrusage(RUSAGE_SELF).ru_maxrss: the OS's high-water mark of the whole
-                rank process (torch import, model build before sharding, every step); read
-                before the train-RSS reset and at the end, the larger of the two
+  peak RSS      the OS's high-water mark of the rank process's resident memory (VmHWM; not
+                ru_maxrss, which in a spawned rank also counts its launcher: see [Note: ru_maxrss
+                of a spawned rank] in step.py): torch import, model build before sharding, every
+                step; read before the train-RSS reset and at the end, the larger of the two
   base RSS      RSS after the process group is up, before the model is built (the same for all)
   train RSS     the high-water mark from the first step on: VmHWM reset after setup
                 (/proc/self/clear_refs), None where the kernel does not allow it
@@ -144,15 +145,6 @@ def reset_peak_rss() -> bool:
         return False
 
 
-def peak_rss_since_reset() -> int:
-    """VmHWM: the high-water mark since the last `reset_peak_rss` (or the process start)."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("/proc/self/status has no VmHWM line")
-
-
 def num_params(cfg: MemoryBenchConfig) -> int:
     with torch.device("meta"):
         return sum(p.numel() for p in build_model(cfg.workload()).parameters())
@@ -200,8 +192,8 @@ def memory_rank(rank: int, world_size: int, cfg: MemoryBenchConfig, name: str) -
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
     gen = torch.Generator().manual_seed(1000 + rank)
     x = torch.randn(cfg.batch, cfg.seq, cfg.d_model, generator=gen).to(device)
-    # Resetting VmHWM resets ru_maxrss too (both read the mm's high-water mark): keep the setup
-    # peak, and take the process's peak as the larger of it and ru_maxrss at the end.
+    # Resetting VmHWM loses the setup's high-water mark: keep it, and take the process's peak as
+    # the larger of it and the high-water mark at the end.
     setup_peak_rss = process_peak_rss_bytes()
     was_reset = reset_peak_rss()
     if cuda:
@@ -218,9 +210,9 @@ def memory_rank(rank: int, world_size: int, cfg: MemoryBenchConfig, name: str) -
     out: dict[str, Any] = {
         "rank": rank,
         "pid": os.getpid(),
-        "peak_rss_bytes": max(setup_peak_rss, process_peak_rss_bytes()),
+        "peak_rss_bytes": max(setup_peak_rss, process_peak_rss_bytes()),  # VmHWM both
         "base_rss_bytes": base_rss,
-        "train_peak_rss_bytes": peak_rss_since_reset() if was_reset else None,
+        "train_peak_rss_bytes": process_peak_rss_bytes() if was_reset else None,
         "state_bytes": accounted,
         "library_peak_bytes": None,
         "library_peak": None,
@@ -310,7 +302,7 @@ def format_table(cfg: MemoryBenchConfig, params: int, runs: list[MemoryRun]) -> 
         vals += [r.state_bytes, r.ideal_zero3_bytes, r.library_peak_bytes]
         lines.append(f"{r.name:<{w}} {r.world_size:>3} " + " ".join(f"{cell(v):>12}" for v in vals))
     lines.append(
-        "each contender ran in its own fresh processes.  peak RSS: getrusage ru_maxrss (whole "
+        "each contender ran in its own fresh processes.  peak RSS: the OS's VmHWM (whole "
         "process: import, build, steps); train RSS: from step 1 on; state: params+grads+optimizer "
         "by accounting; ideal Z3: 16 B x params / W; overlap acct: overlap.memory_stats peak"
     )

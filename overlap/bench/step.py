@@ -49,8 +49,8 @@ Memory: state = per-rank bytes of parameters + gradients + optimizer state by ac
 shards of DTensors; DDP's buckets and overlap's/FSDP2's transient unsharded buffers excluded).
 peak RSS is per contender: after the timed rounds, each contender runs again in a world of its
 own freshly spawned processes (same world size and threads, no --link), 2 warm-up steps plus 1,
-and each rank reads the OS's high-water mark (getrusage ru_maxrss) at the end; reported is the
-largest rank. It covers the whole process (torch import, model build, steps), the same baseline
+and each rank reads the OS's high-water mark of its resident memory (VmHWM; see [Note: ru_maxrss
+of a spawned rank]) at the end; reported is the largest rank. It covers the whole process (torch import, model build, steps), the same baseline
 for every contender. In the timing processes all contenders live side by side, so no honest
 per-contender peak exists there. `--no-memory` skips this pass (peak: n/a). For more (CUDA
 peaks, base and train RSS, the library's own accounting) see `overlap bench memory`.
@@ -458,7 +458,19 @@ def state_bytes(model: nn.Module, opt: torch.optim.Optimizer) -> int:
 
 
 def process_peak_rss_bytes() -> int:
-    """The OS's high-water mark of this process's resident memory, over its whole life."""
+    """The OS's high-water mark of this process's resident memory (VmHWM).
+
+    [Note: ru_maxrss of a spawned rank] getrusage(RUSAGE_SELF).ru_maxrss also counts the image
+    the process had before exec: a spawned child is forked from its launcher first, so it reports
+    at least the launcher's RSS (measured: 834 MB in a child whose own peak was 15 MB). VmHWM is
+    the high-water mark of the current image only. ru_maxrss is the fallback without /proc."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
 
 
@@ -615,7 +627,7 @@ class StepRun:
     exposed_comm_estimated: bool
     """True: step - floor-compute, not the contender's own measure."""
     peak_mem_bytes: int | None
-    """Peak RSS (ru_maxrss) of a fresh world that ran only this contender, largest rank; None
+    """Peak RSS (VmHWM) of a fresh world that ran only this contender, largest rank; None
     when not measured (--no-memory). See "Memory" in the module docstring."""
     state_bytes: int
     """Parameters + gradients + optimizer state, per rank, by accounting."""
@@ -708,8 +720,8 @@ def format_report(report: StepReport) -> str:
     lines.append(
         "~ = estimate: step - floor-compute.  overlap eff = hidden comm / total comm from "
         "overlap's trace.  state = params + grads + optimizer state, per rank.\n"
-        "peak RSS = ru_maxrss of a fresh world running only that contender (largest rank; whole "
-        "process: import, build, steps)" + ("" if cfg.memory else ": not measured (--no-memory)")
+        "peak RSS = the OS's high-water mark (VmHWM) of a fresh world running only that contender "
+        "(largest rank; whole process: import, build, steps)" + ("" if cfg.memory else ": not measured (--no-memory)")
     )
     for row in rows:
         if not row.name.startswith("overlap"):
