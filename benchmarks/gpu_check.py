@@ -524,6 +524,7 @@ def free_port() -> int:
 
 
 def main() -> int:
+    os.environ.update(ENV)  # before overlap is imported and before CUDA initializes
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "gpu_results" / "gpu_check.json")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
@@ -531,7 +532,6 @@ def main() -> int:
     args = parser.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("gpu_check: --device cuda but CUDA is not available (use --device cpu for the dry run)")
-    os.environ.update(ENV)  # before overlap is imported and before CUDA initializes
     cuda = args.device == "cuda"
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
     if cuda:
