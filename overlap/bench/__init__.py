@@ -3,6 +3,8 @@
     overlap bench comm      nccl-tests-style collective sweep (all_gather, reduce_scatter, ...)
     overlap bench overlap   compute alone vs comm alone vs both at once: how much comm hides
     overlap bench step      a training step side by side: overlap, FSDP2, DDP and two floors
+    overlap bench overhead  the CPU cost per unit of each wrapper on a model with almost no compute
+    overlap bench memory    peak memory per rank, each contender in its own fresh processes
 
 Each benchmark is a module exposing `add_arguments(parser)`, `run(args) -> int` and an importable
 function taking a frozen config; adding one is one row in `BENCHES`. All accept `--link RATE[,DELAY]`
@@ -23,6 +25,14 @@ BENCHES: dict[str, tuple[str, str]] = {
     "step": (
         "overlap.bench.step",
         "training step side by side (overlap, FSDP2, DDP, floors); --nproc 1,2,4 for scaling",
+    ),
+    "overhead": (
+        "overlap.bench.overhead",
+        "per-unit wrapper overhead over the plain model (U tiny blocks); --profile for cProfile",
+    ),
+    "memory": (
+        "overlap.bench.memory",
+        "peak memory per rank of overlap, FSDP2 and DDP, each in its own fresh process world",
     ),
 }
 """Benchmark -> (module, one-line help); a module is imported only when its benchmark is chosen."""

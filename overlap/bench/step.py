@@ -47,8 +47,13 @@ Exposed communication: overlap reports its own (StepStats.exposed_comm_ms, media
 for the others it is estimated as step - floor-compute (marked "~").
 Memory: state = per-rank bytes of parameters + gradients + optimizer state by accounting (local
 shards of DTensors; DDP's buckets and overlap's/FSDP2's transient unsharded buffers excluded).
-peak RSS is process-wide (all contenders live in the process): the kernel's high-water mark,
-reset before each contender's steps where /proc/self/clear_refs allows, else ru_maxrss.
+peak RSS is per contender: after the timed rounds, each contender runs again in a world of its
+own freshly spawned processes (same world size and threads, no --link), 2 warm-up steps plus 1,
+and each rank reads the OS's high-water mark of its resident memory (VmHWM; see [Note: ru_maxrss
+of a spawned rank]) at the end; reported is the largest rank. It covers the whole process (torch import, model build, steps), the same baseline
+for every contender. In the timing processes all contenders live side by side, so no honest
+per-contender peak exists there. `--no-memory` skips this pass (peak: n/a). For more (CUDA
+peaks, base and train RSS, the library's own accounting) see `overlap bench memory`.
 
 JSON (`--json PATH`): `{"world_size", "link", "model", "config", "runs": [{"name",
 "median_step_ms", "spread_ms", "tokens_per_s", "exposed_comm_ms", "peak_mem_bytes", ...}]}`, one
@@ -61,13 +66,12 @@ from __future__ import annotations
 import argparse
 import ast
 import json
-import os
 import resource
 import statistics
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal, get_args
 
@@ -120,6 +124,8 @@ class StepBenchConfig:
     """Torch threads per rank."""
     keep_freed_memory: bool = True
     """Apply overlap's CPU allocator setting to every contender (see [Note: one allocator ...])."""
+    memory: bool = True
+    """Measure each contender's peak RSS in a fresh world of its own (see the module docstring)."""
     timeout_s: float = 300.0
     """Process-group timeout: a hung collective fails after this long."""
     link: str | None = None
@@ -232,8 +238,6 @@ class Contender:
     exposed_ms: list[float] = field(default_factory=list)
     efficiency: list[float] = field(default_factory=list)  # one per round, mean over ranks
     state_bytes: int = 0
-    peak_rss_bytes: int = 0
-    current_rss_bytes: int = 0
     parity_rel: float | None = None
 
 
@@ -402,27 +406,34 @@ def parse_overrides(spec: str) -> dict[str, Any]:
     return overrides
 
 
+def contender_names(cfg: StepBenchConfig) -> list[str]:
+    """The contenders `cfg` asks for, in the report's order (ALL_CONTENDERS', each overlap
+    config right after the default overlap)."""
+    names = []
+    for name in ALL_CONTENDERS:
+        if name in cfg.contenders:
+            names.append(name)
+            if name == "overlap":
+                names += [f"overlap[{spec}]" for spec in cfg.overlap_configs]
+    return names
+
+
+def build_contender(cfg: StepBenchConfig, batch: Batch, name: str) -> Contender:
+    if name.startswith("overlap"):
+        spec = name[len("overlap[") : -1] if name.startswith("overlap[") else ""
+        return make_overlap(cfg, batch, name, parse_overrides(spec))
+    if name in ("fsdp2", "fsdp2-tuned"):
+        return make_fsdp2(cfg, batch, name, tuned=name == "fsdp2-tuned")
+    if name == "ddp":
+        return standard("ddp", nn.parallel.DistributedDataParallel(build_model(cfg)), batch, cfg.lr)
+    if name == "floor-compute":
+        return standard(name, build_model(cfg), batch, cfg.lr, trains_like_ddp=False)
+    assert name == "floor-compute||comm", f"rank {dist.get_rank()}: unknown contender {name!r}"
+    return make_floor_with_comm(cfg, batch)
+
+
 def build_contenders(cfg: StepBenchConfig, batch: Batch) -> list[Contender]:
-    wanted = set(cfg.contenders)
-    out = []
-    if "overlap" in wanted:
-        out.append(make_overlap(cfg, batch, "overlap", {}))
-        for spec in cfg.overlap_configs:
-            out.append(make_overlap(cfg, batch, f"overlap[{spec}]", parse_overrides(spec)))
-    if "fsdp2" in wanted:
-        out.append(make_fsdp2(cfg, batch, "fsdp2", tuned=False))
-    if "fsdp2-tuned" in wanted:
-        out.append(make_fsdp2(cfg, batch, "fsdp2-tuned", tuned=True))
-    if "ddp" in wanted:
-        ddp = nn.parallel.DistributedDataParallel(build_model(cfg))
-        out.append(standard("ddp", ddp, batch, cfg.lr))
-    if "floor-compute" in wanted:
-        out.append(
-            standard("floor-compute", build_model(cfg), batch, cfg.lr, trains_like_ddp=False)
-        )
-    if "floor-compute||comm" in wanted:
-        out.append(make_floor_with_comm(cfg, batch))
-    return out
+    return [build_contender(cfg, batch, name) for name in contender_names(cfg)]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -446,27 +457,21 @@ def state_bytes(model: nn.Module, opt: torch.optim.Optimizer) -> int:
     return total
 
 
-def current_rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+def process_peak_rss_bytes() -> int:
+    """The OS's high-water mark of this process's resident memory (VmHWM).
 
-
-def reset_peak_rss() -> bool:
+    [Note: ru_maxrss of a spawned rank] getrusage(RUSAGE_SELF).ru_maxrss also counts the image
+    the process had before exec: a spawned child is forked from its launcher first, so it reports
+    at least the launcher's RSS (measured: 834 MB in a child whose own peak was 15 MB). VmHWM is
+    the high-water mark of the current image only. ru_maxrss is the fallback without /proc."""
     try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # resets VmHWM to the current RSS
-        return True
-    except OSError:
-        return False
-
-
-def peak_rss_bytes(was_reset: bool) -> int:
-    if was_reset:
         with open("/proc/self/status") as f:
             for line in f:
                 if line.startswith("VmHWM:"):
                     return int(line.split()[1]) * 1024
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
 
 
 # ---------------------------------------------------------------------------------------------
@@ -521,7 +526,6 @@ def run_segment(c: Contender, num_steps: int) -> None:
     """One contender's turn in a round: warm-up, then timed steps."""
     for _ in range(WARMUP_STEPS):
         c.step()
-    was_reset = reset_peak_rss()
     times, exposed = [], []
     for _ in range(num_steps):
         dist.barrier()
@@ -542,16 +546,9 @@ def run_segment(c: Contender, num_steps: int) -> None:
         dist.all_reduce(eff)  # NaN on any rank stays NaN: then nothing is recorded
         if not torch.isnan(eff).item():
             c.efficiency.append(float(eff) / dist.get_world_size())
-    mem = torch.tensor([peak_rss_bytes(was_reset), current_rss_bytes()], dtype=torch.int64)
-    dist.all_reduce(mem, op=dist.ReduceOp.MAX)
-    c.peak_rss_bytes = max(c.peak_rss_bytes, int(mem[0]))
-    c.current_rss_bytes = int(mem[1])
 
 
-def step_rank(rank: int, world_size: int, cfg: StepBenchConfig) -> StepReport | None:
-    """The comparison on one rank (all ranks call it); rank 0 prints and returns the report."""
-    from tqdm import tqdm
-
+def set_up_rank(cfg: StepBenchConfig) -> None:
     torch.set_num_threads(cfg.threads)
     # [Note: one allocator setting for all] overlap.wrap on CPU raises glibc's mmap/trim
     # thresholds (OverlapConfig.cpu_keep_freed_memory), which is process-wide; every contender
@@ -561,6 +558,13 @@ def step_rank(rank: int, world_size: int, cfg: StepBenchConfig) -> StepReport | 
         from overlap.runtime import keep_freed_cpu_memory
 
         keep_freed_cpu_memory()
+
+
+def step_rank(rank: int, world_size: int, cfg: StepBenchConfig) -> StepReport | None:
+    """The comparison on one rank (all ranks call it); rank 0 returns the report."""
+    from tqdm import tqdm
+
+    set_up_rank(cfg)
     contenders = build_contenders(cfg, make_batch(cfg, rank))
     warm_up_and_account(contenders)
     bar = tqdm(
@@ -579,9 +583,30 @@ def step_rank(rank: int, world_size: int, cfg: StepBenchConfig) -> StepReport | 
     bar.close()
     if rank != 0:
         return None
-    report = summarize(cfg, world_size, contenders)
-    print(format_report(report), flush=True)
-    return report
+    return summarize(cfg, world_size, contenders)
+
+
+def peak_rank(rank: int, world_size: int, cfg: StepBenchConfig, name: str) -> int:
+    """Contender `name` alone in this fresh process: warm-up steps plus one, then the largest
+    rank's lifetime peak RSS."""
+    set_up_rank(cfg)
+    c = build_contender(cfg, make_batch(cfg, rank), name)
+    for _ in range(WARMUP_STEPS + 1):
+        c.step()
+    peak = torch.tensor([process_peak_rss_bytes()], dtype=torch.int64)
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    return int(peak)
+
+
+def measure_peaks(cfg: StepBenchConfig, world_size: int) -> dict[str, int]:
+    """Each contender's peak RSS, from a world of `world_size` fresh processes of its own."""
+    return {
+        name: run_local_world(
+            peak_rank, world_size, cfg, name, timeout_s=cfg.timeout_s,
+            threads_per_rank=cfg.threads,
+        )[0]
+        for name in contender_names(cfg)
+    }  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------
@@ -601,9 +626,9 @@ class StepRun:
     exposed_comm_ms: float | None
     exposed_comm_estimated: bool
     """True: step - floor-compute, not the contender's own measure."""
-    peak_mem_bytes: int
-    """Peak RSS of the process over the contender's timed steps."""
-    current_rss_bytes: int
+    peak_mem_bytes: int | None
+    """Peak RSS (VmHWM) of a fresh world that ran only this contender, largest rank; None
+    when not measured (--no-memory). See "Memory" in the module docstring."""
     state_bytes: int
     """Parameters + gradients + optimizer state, per rank, by accounting."""
     parity_rel: float | None
@@ -657,8 +682,7 @@ def summarize(cfg: StepBenchConfig, world_size: int, contenders: list[Contender]
                 tokens_per_s=tokens / (med / 1e3),
                 exposed_comm_ms=exposed,
                 exposed_comm_estimated=estimated,
-                peak_mem_bytes=c.peak_rss_bytes,
-                current_rss_bytes=c.current_rss_bytes,
+                peak_mem_bytes=None,  # measured in fresh processes afterwards (bench_step)
                 state_bytes=c.state_bytes,
                 parity_rel=c.parity_rel,
                 overlap_efficiency=statistics.median(c.efficiency) if c.efficiency else None,
@@ -679,7 +703,7 @@ def format_report(report: StepReport) -> str:
     w = max(len(row.name) for row in rows)
     header = (
         f"{'contender':<{w}} {'step ms':>9} {'spread ms':>15} {'tok/s':>8} {'exposed ms':>11} "
-        f"{'overlap eff':>11} {'state MiB':>10} {'peak RSS MiB':>13} {'cur RSS MiB':>12}"
+        f"{'overlap eff':>11} {'state MiB':>10} {'peak RSS MiB':>13}"
     )
     lines += [header, "-" * len(header)]
     for row in rows:
@@ -687,14 +711,17 @@ def format_report(report: StepReport) -> str:
         e = row.exposed_comm_ms
         e_str = "n/a" if e is None else ("~" if row.exposed_comm_estimated else "") + f"{e:.1f}"
         eff = "n/a" if row.overlap_efficiency is None else f"{row.overlap_efficiency:.0%}"
+        peak = "n/a" if row.peak_mem_bytes is None else f"{row.peak_mem_bytes / mib:.1f}"
         lines.append(
             f"{row.name:<{w}} {row.median_step_ms:>9.1f} {f'{lo:.1f}-{hi:.1f}':>15} "
             f"{row.tokens_per_s:>8.0f} {e_str:>11} {eff:>11} {row.state_bytes / mib:>10.1f} "
-            f"{row.peak_mem_bytes / mib:>13.1f} {row.current_rss_bytes / mib:>12.1f}"
+            f"{peak:>13}"
         )
     lines.append(
         "~ = estimate: step - floor-compute.  overlap eff = hidden comm / total comm from "
-        "overlap's trace.  state = params + grads + optimizer state, per rank."
+        "overlap's trace.  state = params + grads + optimizer state, per rank.\n"
+        "peak RSS = the OS's high-water mark (VmHWM) of a fresh world running only that contender "
+        "(largest rank; whole process: import, build, steps)" + ("" if cfg.memory else ": not measured (--no-memory)")
     )
     for row in rows:
         if not row.name.startswith("overlap"):
@@ -769,6 +796,11 @@ def bench_step(cfg: StepBenchConfig) -> list[StepReport]:
                 step_rank, n, cfg, timeout_s=cfg.timeout_s, threads_per_rank=cfg.threads
             )[0]
         assert report is not None, f"rank 0 of world size {n} returned no report"
+        if cfg.memory:
+            peaks = measure_peaks(cfg, n)
+            runs = [replace(run, peak_mem_bytes=peaks[run.name]) for run in report.runs]
+            report = replace(report, runs=runs)
+        print(format_report(report), flush=True)
         reports.append(report)
         if cfg.json_path:
             write_json(report, json_path_for(cfg.json_path, n, len(cfg.nproc)))
@@ -809,6 +841,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         dest="keep_freed_memory",
         action="store_false",
         help="leave glibc's malloc thresholds alone for every contender",
+    )
+    parser.add_argument(
+        "--no-memory",
+        dest="memory",
+        action="store_false",
+        help="skip the per-contender peak RSS pass (one fresh world per contender)",
     )
     parser.add_argument("--rounds", type=int, default=d.rounds)
     parser.add_argument(
@@ -865,6 +903,7 @@ def config_from_args(args: argparse.Namespace) -> StepBenchConfig:
         nproc=tuple(args.nproc),
         threads=args.threads,
         keep_freed_memory=args.keep_freed_memory,
+        memory=args.memory,
         timeout_s=args.timeout_s,
         link=args.link,
         json_path=args.json_path,
