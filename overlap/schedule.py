@@ -116,6 +116,17 @@ class CheckOrder:
 Action = Gather | WaitGather | Free | Reduce | ReleaseReduce | WaitReduce | CheckOrder
 
 
+class _UnitActions:
+    """Every per-unit action, made once: the hooks run several times per unit and step, and
+    the runtime only reads actions (they are frozen), so the schedule hands out these."""
+
+    def __init__(self, num_units: int) -> None:
+        units = range(num_units)
+        self.gather = ([Gather(u, False) for u in units], [Gather(u, True) for u in units])
+        self.wait = [WaitGather(u) for u in units]
+        self.free = [Free(u) for u in units]
+
+
 @dataclass(frozen=True)
 class ScheduleConfig:
     """The slice of OverlapConfig the schedule needs, in unit terms."""
@@ -170,6 +181,7 @@ class Schedule:
 
     def __post_init__(self) -> None:
         self.states = [UnitState.SHARDED] * len(self.unit_bytes)
+        self._actions = _UnitActions(len(self.unit_bytes))
 
     # ---------------------------------------------------------------- queries
     @property
@@ -225,7 +237,7 @@ class Schedule:
         if not (self._forward_checked and self._backward_checked):
             key = ("gather", unit)
             out.append(CheckOrder("gather", order_hash(key), (unit,)))
-        out.append(Gather(unit, self._gathering_for_backward))
+        out.append(self._actions.gather[self._gathering_for_backward][unit])
 
     def _ensure_unsharded(self, unit: int, out: list[Action]) -> None:
         if self.states[unit] is UnitState.REDUCING:
@@ -239,7 +251,7 @@ class Schedule:
     def _wait(self, unit: int, out: list[Action]) -> None:
         if self.states[unit] is UnitState.GATHERING:
             self._move(unit, UnitState.UNSHARDED)
-            out.append(WaitGather(unit))
+            out.append(self._actions.wait[unit])
 
     def _prefetch(self, order: tuple[int, ...], out: list[Action]) -> None:
         """Top up prefetch along `order` after the cursor, within the budget."""
@@ -275,7 +287,7 @@ class Schedule:
             for unit in self.held_units():
                 self._wait(unit, out)
                 self._move(unit, UnitState.SHARDED)
-                out.append(Free(unit))
+                out.append(self._actions.free[unit])
         self._cursor = -1
         self._gathering_for_backward = False
         self.phase = Phase.FORWARD
@@ -305,7 +317,7 @@ class Schedule:
         )
         if not keep and self.states[unit] is UnitState.UNSHARDED:
             self._move(unit, UnitState.SHARDED)
-            out.append(Free(unit))
+            out.append(self._actions.free[unit])
             self._prefetch(self._predicted_forward(), out)
         return out
 
@@ -334,7 +346,7 @@ class Schedule:
                 self._wait(unit, out)
             if self.states[unit] is UnitState.UNSHARDED:
                 self._move(unit, UnitState.SHARDED)
-                out.append(Free(unit))
+                out.append(self._actions.free[unit])
         return out
 
     # ---------------------------------------------------------------- backward events
@@ -375,7 +387,7 @@ class Schedule:
         reduce = self.sync_grads and self.grad_bytes[unit] > 0
         if self.states[unit] is UnitState.UNSHARDED:
             self._move(unit, UnitState.REDUCING if reduce else UnitState.SHARDED)
-            out.append(Free(unit))
+            out.append(self._actions.free[unit])
         elif reduce:  # no gradient reached this unit: it is reduced (as zeros) all the same
             self._move(unit, UnitState.REDUCING)
         if reduce:

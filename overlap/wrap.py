@@ -263,6 +263,16 @@ class OverlapState:
     # reduced (a parameter used outside its unit's forward) raises instead of being lost.
 
     def _on_backward_done(self, args: tuple, index: int) -> tuple | None:
+        if all(isinstance(a, torch.Tensor) for a in args):  # the common case, without pytree
+            positions = [i for i, t in enumerate(args) if t.requires_grad]
+            if not positions:
+                return None
+            self._num_forwards[index] += 1
+            outs = _BackwardDone.apply(self, index, *(args[i] for i in positions))
+            new_args = list(args)
+            for i, t in zip(positions, outs):
+                new_args[i] = t
+            return tuple(new_args)
         flat, spec = tree_flatten(args)
         positions = [
             i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad

@@ -171,13 +171,10 @@ def wrap_contender(model: nn.Module, name: str, device: torch.device) -> nn.Modu
 
 
 def library_peak(model: nn.Module) -> tuple[int | None, dict[str, int] | None]:
-    """overlap's own accounting of its buffers' high-water mark, where this version has it."""
+    """overlap's own accounting of its buffers' high-water mark (`overlap.memory_stats`)."""
     import overlap
 
-    memory_stats = getattr(overlap, "memory_stats", None)  # added after this benchmark
-    if memory_stats is None:
-        return None, None
-    stats = memory_stats(model)
+    stats = overlap.memory_stats(model)
     return int(stats.peak_total_bytes), {k: int(v) for k, v in stats.peak.items()}
 
 
