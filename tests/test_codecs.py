@@ -214,6 +214,12 @@ def test_nonfinite_raises_at_the_check_or_passes_through():
         assert out[64:128].isnan().all() and out[192:].isnan().all()  # whole blocks, loudly
         assert torch.isfinite(out[:64]).all() and torch.isfinite(out[128:192]).all()
         codec.raise_if_nonfinite()  # not counted
+    codec = Int8Codec(64)
+    with torch.inference_mode():  # e.g. an evaluation forward encodes the parameters first
+        codec.encode(x)
+    codec.encode(x)  # the count is a normal tensor: training may update it afterwards
+    with pytest.raises(ValueError, match="Inf or NaN in 4 of 8 blocks"):
+        codec.raise_if_nonfinite()
     for codec in (IdentityCodec(), BF16Codec()):  # they carry Inf/NaN: nothing to report
         codec.encode(x)
         codec.raise_if_nonfinite()
@@ -354,3 +360,26 @@ def test_chunk_bytes_for_all_to_all_and_all_gather():
         assert torch.equal(gathered, buf), str(codec)
         with pytest.raises(ValueError, match="chunks"):
             codec.to_chunk_bytes(codec.encode(x[:-2]), world)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_nonfinite_on_cuda_reported_a_step_late_without_sync():
+    x = torch.randn(256, device="cuda")
+    x[70] = float("nan")
+    codec = Int8Codec(64)
+    codec.encode(torch.randn(256, device="cuda"))  # warm up, then start from an empty count
+    codec.raise_if_nonfinite(wait=True)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        codec.encode(x)  # step 1
+        codec.raise_if_nonfinite()  # sends step 1's count, reports nothing yet
+        codec.encode(torch.randn(256, device="cuda"))  # step 2
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    with pytest.raises(ValueError, match="Inf or NaN in 1 of 4 blocks"):
+        codec.raise_if_nonfinite()
+    codec.raise_if_nonfinite()
+    codec.encode(x)
+    with pytest.raises(ValueError, match="Inf or NaN in 1 of 4 blocks"):
+        codec.raise_if_nonfinite(wait=True)

@@ -578,3 +578,47 @@ def test_fused_error_feedback_matches_the_composition(bits, fmt, dtype, stochast
             codes, scales, r = outs["cpp"]
             decoded = dequantize_blockwise(codes, scales, bits, block, numel, fmt=fmt)
             assert torch.equal(decoded + r, x.float() + r0), numel
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_triton_gpu_launches_do_not_sync():
+    """On a real GPU, the steady-state launches never synchronize the host ([Note: copy tables]):
+    torch's sync debug mode turns any synchronizing call into an error. Fresh copy-in sources
+    (a new table, sent from pinned memory) do not sync either."""
+    pytest.importorskip("triton")
+    from overlap.kernels import copy_in, copy_out
+    from overlap.units import CHUNK_ALIGN_NUMEL, ParamInfo, make_layout
+
+    n = 2
+    shapes = [(4096, 64), (4096,), (7, 3), (50257,)]
+    params = [ParamInfo(f"p{i}", ((f"m{i}", "w"),), torch.Size(s), True) for i, s in enumerate(shapes)]
+    layout = make_layout(0, "u", ("m",), params, n, align_numel=CHUNK_ALIGN_NUMEL)
+    sizes = [n * s.padded_chunk_numel for s in layout.slots]
+    data = [s.chunk_numel for s in layout.slots]
+    gathered = torch.randn(layout.unsharded_numel, device="cuda")
+    x = torch.randn(100_000, device="cuda")
+
+    def step(grads: list[torch.Tensor]) -> None:
+        for dtype in (torch.bfloat16, torch.float32):
+            unsharded = torch.empty(layout.unsharded_numel, dtype=dtype, device="cuda")
+            outs = [unsharded[s.unsharded_offset : s.unsharded_offset + n * s.chunk_numel] for s in layout.slots]
+            copy_out(gathered, outs, sizes=sizes, data_cols=data, num_rows=n)
+        full = torch.empty(sum(sizes), device="cuda")
+        copy_in(grads, full, sizes=sizes, data_cols=data, num_rows=n)
+        for bits, fmt in FORMATS:
+            codes, scales = quantize_blockwise(x, bits, 256, fmt=fmt)
+            dequantize_blockwise(codes, scales, bits, 256, x.numel(), x.clone(), True, fmt=fmt)
+
+    def new_grads() -> list[torch.Tensor]:
+        return [torch.randn(s, device="cuda", dtype=torch.bfloat16) for s in shapes]
+
+    grads = new_grads()
+    step(grads)  # compiles, fills the table cache
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step(grads)
+        step(new_grads())
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()

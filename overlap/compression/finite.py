@@ -61,7 +61,8 @@ class NonfiniteCounter:
         with self._lock:
             count = self._counts.get(key)
             if count is None:
-                count = _Count(stream, torch.zeros((), dtype=torch.int64, device=device))
+                with torch.inference_mode(False):  # a normal tensor: updated in and out of inference mode
+                    count = _Count(stream, torch.zeros((), dtype=torch.int64, device=device))
                 self._counts[key] = count
             count.num_blocks += scales.numel()
             count.num_encodes += 1
