@@ -52,7 +52,8 @@ def select_backend(device: torch.device, block: int, backend: Backend = "auto", 
     fp8 on a GPU below sm_89 (e.g. A100) cannot use Triton ([Note: Triton launches] in
     triton_launch.py): "auto" picks the torch reference there, after one warning per device."""
     if backend != "auto":
-        if backend == "triton" and fmt == "fp8" and not triton_launch.supports_fp8(device):
+        fp8_on_cuda = fmt == "fp8" and device.type == "cuda"
+        if backend == "triton" and fp8_on_cuda and not triton_launch.supports_fp8(device):
             raise ValueError(
                 f"overlap.kernels: backend='triton' has no fp8 kernel for {device} (compute capability "
                 f"{triton_launch.capability(device)} < {triton_launch.FP8_MIN_CAPABILITY}); use backend='auto'"
