@@ -1,7 +1,7 @@
 // Fused copy-out / copy-in with cast for the CPU: many tensors to or from one flat buffer in one
 // parallel pass. The layout is defined in overlap/kernels/copy.py ([Note: fused copy layout]):
-// flat viewed as (num_rows, W) is cut along dim 1 into column blocks, one per tensor; segment i
-// read row-major is tensor i's contents followed by zero padding.
+// flat viewed as (num_rows, W) is cut along dim 1 into column blocks, one per tensor; tensor i
+// fills the first data_cols_i columns of its block row by row, the rest is zero padding.
 //
 // The job is indexed by g in [0, num_rows * W) in segment-major order (segment i covers
 // [num_rows * off_i, num_rows * (off_i + cols_i)), row-major inside), which is contiguous on the
@@ -116,15 +116,16 @@ struct Segment {
   char* many;
   int64_t elem_bytes;  // of the tensor
   int64_t col_off;     // first column in flat
-  int64_t cols;        // columns (elements per row)
+  int64_t cols;        // columns (elements per row of flat)
+  int64_t data_cols;   // the first data_cols columns of each row hold tensor elements
   int64_t valid;       // tensor elements; the rest of the segment is padding
   int64_t start;       // first job index g: num_rows * col_off
   int64_t stop;        // one past the last: start + num_rows * cols
   CastFn fn;           // tensor -> flat (copy-in) or flat -> tensor (copy-out)
 };
 
-// Calls `visit(segment, row, col, k, len)`, in parallel, for runs that together cover the job:
-// elements [k, k + len) of the segment (tensor side), which lie in row `row` from column `col`.
+// Calls `visit(segment, row, col, len)`, in parallel, for runs that together cover the job:
+// columns [col, col + len) of row `row` of the segment.
 template <typename Visit>
 void for_each_run(const std::vector<Segment>& segs, int64_t total, const Visit& visit) {
   at::parallel_for(0, total, kGrainElems, [&](int64_t begin, int64_t end) {
@@ -140,7 +141,7 @@ void for_each_run(const std::vector<Segment>& segs, int64_t total, const Visit& 
       const int64_t row = k / s.cols;
       const int64_t col = k - row * s.cols;
       const int64_t len = std::min(s.cols - col, end - g);
-      visit(s, row, col, k, len);
+      visit(s, row, col, len);
       g += len;
     }
   });
@@ -152,11 +153,19 @@ struct Job {
   int64_t total = 0;       // num_rows * W
 };
 
-Job make_job(const at::Tensor& flat, at::TensorList tensors, c10::IntArrayRef sizes, int64_t num_rows,
-             bool into_flat) {
+// Tensor elements of a run: the data columns of [col, col + len) in `row`, up to the tensor's
+// end. They are tensor elements [k, k + n) with k = row * data_cols + col.
+inline int64_t data_in_run(const Segment& s, int64_t row, int64_t col, int64_t len, int64_t* k) {
+  *k = row * s.data_cols + col;
+  return std::clamp<int64_t>(std::min(s.data_cols - col, s.valid - *k), 0, len);
+}
+
+Job make_job(const at::Tensor& flat, at::TensorList tensors, c10::IntArrayRef sizes, c10::IntArrayRef data_cols,
+             int64_t num_rows, bool into_flat) {
   TORCH_CHECK(num_rows > 0, "overlap copy: num_rows must be positive");
-  TORCH_CHECK(static_cast<int64_t>(tensors.size()) == static_cast<int64_t>(sizes.size()),
-              "overlap copy: one size per tensor");
+  TORCH_CHECK(static_cast<int64_t>(tensors.size()) == static_cast<int64_t>(sizes.size()) &&
+                  sizes.size() == data_cols.size(),
+              "overlap copy: one size and one data_cols per tensor");
   TORCH_CHECK(flat.device().is_cpu() && flat.is_contiguous(), "overlap copy: flat must be a contiguous CPU tensor");
   Job job;
   int64_t col_off = 0;
@@ -164,16 +173,18 @@ Job make_job(const at::Tensor& flat, at::TensorList tensors, c10::IntArrayRef si
     const at::Tensor& t = tensors[i];
     const int64_t size = sizes[i];
     TORCH_CHECK(size >= 0 && size % num_rows == 0, "overlap copy: sizes[", i, "] not a multiple of num_rows");
-    TORCH_CHECK(t.numel() <= size, "overlap copy: tensor ", i, " is larger than its segment");
+    const int64_t cols = size / num_rows;
+    TORCH_CHECK(data_cols[i] >= 0 && data_cols[i] <= cols, "overlap copy: data_cols[", i, "] outside the segment");
+    TORCH_CHECK(t.numel() <= num_rows * data_cols[i], "overlap copy: tensor ", i, " is larger than its segment");
     TORCH_CHECK(t.numel() == 0 || (t.device().is_cpu() && t.is_contiguous()),
                 "overlap copy: tensor ", i, " must be a contiguous CPU tensor");
-    const int64_t cols = size / num_rows;
     if (cols > 0) {
       Segment s;
       s.many = t.numel() ? static_cast<char*>(t.data_ptr()) : nullptr;
       s.elem_bytes = t.element_size();
       s.col_off = col_off;
       s.cols = cols;
+      s.data_cols = data_cols[i];
       s.valid = t.numel();
       s.start = num_rows * col_off;
       s.stop = s.start + num_rows * cols;
@@ -189,25 +200,29 @@ Job make_job(const at::Tensor& flat, at::TensorList tensors, c10::IntArrayRef si
   return job;
 }
 
-void copy_out(const at::Tensor& flat, at::TensorList outs, c10::IntArrayRef sizes, int64_t num_rows) {
-  const Job job = make_job(flat, outs, sizes, num_rows, /*into_flat=*/false);
+void copy_out(const at::Tensor& flat, at::TensorList outs, c10::IntArrayRef sizes, c10::IntArrayRef data_cols,
+              int64_t num_rows) {
+  const Job job = make_job(flat, outs, sizes, data_cols, num_rows, /*into_flat=*/false);
   if (job.total == 0) return;
   const char* base = static_cast<const char*>(flat.data_ptr());
   const int64_t flat_bytes = flat.element_size();
-  for_each_run(job.segs, job.total, [&](const Segment& s, int64_t row, int64_t col, int64_t k, int64_t len) {
-    const int64_t n = std::clamp<int64_t>(s.valid - k, 0, len);  // padding is not copied out
+  for_each_run(job.segs, job.total, [&](const Segment& s, int64_t row, int64_t col, int64_t len) {
+    int64_t k;
+    const int64_t n = data_in_run(s, row, col, len, &k);  // padding is not copied out
     if (n > 0) s.fn(base + (row * job.row_stride + s.col_off + col) * flat_bytes, s.many + k * s.elem_bytes, n);
   });
 }
 
-void copy_in(at::TensorList srcs, c10::IntArrayRef sizes, const at::Tensor& flat, int64_t num_rows) {
-  const Job job = make_job(flat, srcs, sizes, num_rows, /*into_flat=*/true);
+void copy_in(at::TensorList srcs, c10::IntArrayRef sizes, c10::IntArrayRef data_cols, const at::Tensor& flat,
+             int64_t num_rows) {
+  const Job job = make_job(flat, srcs, sizes, data_cols, num_rows, /*into_flat=*/true);
   if (job.total == 0) return;
   char* base = static_cast<char*>(flat.data_ptr());
   const int64_t flat_bytes = flat.element_size();
-  for_each_run(job.segs, job.total, [&](const Segment& s, int64_t row, int64_t col, int64_t k, int64_t len) {
+  for_each_run(job.segs, job.total, [&](const Segment& s, int64_t row, int64_t col, int64_t len) {
     char* dst = base + (row * job.row_stride + s.col_off + col) * flat_bytes;
-    const int64_t n = std::clamp<int64_t>(s.valid - k, 0, len);
+    int64_t k;
+    const int64_t n = data_in_run(s, row, col, len, &k);
     if (n > 0) s.fn(s.many + k * s.elem_bytes, dst, n);
     if (n < len) std::memset(dst + n * flat_bytes, 0, (len - n) * flat_bytes);  // all-zero bits: +0.0
   });
@@ -216,6 +231,6 @@ void copy_in(at::TensorList srcs, c10::IntArrayRef sizes, const at::Tensor& flat
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(overlap_cpu, m) {
-  m.def("copy_out(Tensor flat, Tensor(a!)[] outs, int[] sizes, int num_rows) -> ()", &copy_out);
-  m.def("copy_in(Tensor[] srcs, int[] sizes, Tensor(a!) flat, int num_rows) -> ()", &copy_in);
+  m.def("copy_out(Tensor flat, Tensor(a!)[] outs, int[] sizes, int[] data_cols, int num_rows) -> ()", &copy_out);
+  m.def("copy_in(Tensor[] srcs, int[] sizes, int[] data_cols, Tensor(a!) flat, int num_rows) -> ()", &copy_in);
 }

@@ -19,13 +19,23 @@ import torch.nn as nn
 # Every parameter is padded on dim 0 to `rows_per_rank * world_size` rows and cut into
 # `world_size` equal chunks of `rows_per_rank` rows (torch.chunk semantics, as DTensor Shard(0)
 # uses: rank r owns rows [r*c, min((r+1)*c, dim0)), the last ranks may own fewer or none).
-# A unit's *shard buffer* on rank r is the concatenation of its parameters' chunks r:
-#     shard = [p0 chunk r | p1 chunk r | ...]                      (shard_numel elements)
+# A chunk holds `chunk_numel = rows_per_rank * row_numel` elements and occupies
+# `padded_chunk_numel` elements of the buffers: chunk_numel rounded up to `align_numel` (16 as
+# wrap uses it: 16 elements are 16 bytes or more in every dtype), so that every chunk starts
+# 16-byte aligned whatever the other parameters' sizes ([Note: copy alignment] in
+# kernels/triton_copy.py). A unit's *shard buffer* on rank r is the concatenation of its
+# parameters' padded chunks r:
+#     shard = [p0 chunk r, pad | p1 chunk r, pad | ...]            (shard_numel elements)
 # The all-gather output is rank-major: [shard of rank 0 | shard of rank 1 | ...], viewed as
 # (world_size, shard_numel). The *unsharded buffer* is parameter-major: each parameter's padded
-# full tensor in turn, so that parameter i's column block of the rank-major view, viewed as
-# (world_size, chunk_numel_i), maps onto its padded tensor viewed the same way. Copy-out is then
-# one `split_with_sizes_copy` along dim 1, and gradient copy-in one `torch.cat` along dim 1.
+# full tensor (world_size * chunk_numel elements, at `unsharded_offset`, followed by unused
+# space up to world_size * padded_chunk_numel), so that parameter i's column block of the
+# rank-major view, (world_size, padded_chunk_numel_i), holds in each row its chunk followed by
+# the pad: copy-out and gradient copy-in are one `kernels.copy_out` / `copy_in` pass with
+# `sizes = world_size * padded_chunk_numel` and `data_cols = chunk_numel` ([Note: fused copy
+# layout] in kernels/copy.py). Without padding (align_numel=1, chunk_numel == padded) copy-out
+# is one `split_with_sizes_copy` along dim 1 and copy-in one `torch.cat` along dim 1.
+CHUNK_ALIGN_NUMEL = 16
 
 
 @dataclass(frozen=True)
@@ -48,6 +58,7 @@ class ParamSlot:
     requires_grad: bool
     rows_per_rank: int  # dim-0 rows of every rank's chunk (the last ranks' chunks are padded)
     chunk_numel: int  # rows_per_rank * prod(shape[1:])
+    padded_chunk_numel: int  # chunk_numel rounded up to the layout's alignment: its buffer span
     shard_offset: int  # offset of this parameter's chunk in the shard buffer
     unsharded_offset: int  # offset of the padded full tensor in the unsharded buffer
     grad_offset: int  # offset of its chunk in the gradient shard; -1 when frozen
@@ -78,7 +89,7 @@ class UnitLayout:
 
     @property
     def shard_numel(self) -> int:
-        return sum(s.chunk_numel for s in self.slots)
+        return sum(s.padded_chunk_numel for s in self.slots)
 
     @property
     def unsharded_numel(self) -> int:
@@ -90,7 +101,9 @@ class UnitLayout:
 
     @property
     def chunk_sizes(self) -> list[int]:
-        return [s.chunk_numel for s in self.slots]
+        """Column widths of the parameters' blocks in the rank-major (world_size, shard_numel)
+        view: padded_chunk_numel each ([Note: flat layout])."""
+        return [s.padded_chunk_numel for s in self.slots]
 
     @property
     def grad_slots(self) -> tuple[ParamSlot, ...]:
@@ -99,7 +112,7 @@ class UnitLayout:
 
     @property
     def grad_shard_numel(self) -> int:
-        return sum(s.chunk_numel for s in self.grad_slots)
+        return sum(s.padded_chunk_numel for s in self.grad_slots)
 
 
 def make_layout(
@@ -108,8 +121,12 @@ def make_layout(
     module_fqns: tuple[str, ...],
     params: list[ParamInfo],
     world_size: int,
+    align_numel: int = 1,
 ) -> UnitLayout:
-    """Lay out `params` per [Note: flat layout]."""
+    """Lay out `params` per [Note: flat layout], each chunk padded to a multiple of
+    `align_numel` elements (wrap passes CHUNK_ALIGN_NUMEL; 1 packs the chunks back to back)."""
+    if align_numel < 1:
+        raise ValueError(f"overlap.units.make_layout: align_numel must be >= 1, got {align_numel}")
     slots = []
     shard_off = grad_off = 0
     for info in params:
@@ -118,6 +135,7 @@ def make_layout(
         rows = math.ceil(dim0 / world_size)
         row_numel = math.prod(shape[1:])
         chunk = rows * row_numel
+        padded = -(-chunk // align_numel) * align_numel
         slots.append(
             ParamSlot(
                 fqn=info.fqn,
@@ -126,13 +144,14 @@ def make_layout(
                 requires_grad=info.requires_grad,
                 rows_per_rank=rows,
                 chunk_numel=chunk,
+                padded_chunk_numel=padded,
                 shard_offset=shard_off,
                 unsharded_offset=shard_off * world_size,
                 grad_offset=grad_off if info.requires_grad else -1,
             )
         )
-        shard_off += chunk
-        grad_off += chunk if info.requires_grad else 0
+        shard_off += padded
+        grad_off += padded if info.requires_grad else 0
     return UnitLayout(index, label, module_fqns, tuple(slots), world_size)
 
 

@@ -191,18 +191,90 @@ def test_zeros_and_subnormals():
         assert (err <= error_bound(codec, tiny)).all(), str(codec)
 
 
-def test_nonfinite_raises_or_passes_through():
+def test_nonfinite_raises_at_the_check_or_passes_through():
+    """[Note: deferred finite check]: encodes count Inf/NaN blocks without a host sync; the
+    once-per-step `raise_if_nonfinite` reports them (on CPU at once) and starts a new count."""
     x = torch.randn(256)
     x[70] = float("nan")
     x[200] = float("inf")
     for codec in quantizing_codecs(64):
+        out = codec.decode(codec.encode(x))  # no error here: the blocks travel as NaN
+        assert out[64:128].isnan().all() and out[192:].isnan().all()
+        codec.encode(torch.randn(100))  # a clean encode in the same step
+        with pytest.raises(ValueError, match=r"Inf or NaN in 2 of 6 blocks of 64 \(2 encodes"):
+            codec.raise_if_nonfinite()
+        codec.raise_if_nonfinite()  # counted once: the next step starts from zero
+        residual = torch.zeros(256)
+        codec.encode_feedback(x, residual)  # the error-feedback path counts too
         with pytest.raises(ValueError, match="Inf or NaN in 2 of 4 blocks"):
-            codec.encode(x)
+            codec.raise_if_nonfinite(wait=True)
     for cls in (Int8Codec, Int4Codec, FP8Codec):
         codec = cls(64, check_finite=False)
         out = codec.decode(codec.encode(x))
         assert out[64:128].isnan().all() and out[192:].isnan().all()  # whole blocks, loudly
         assert torch.isfinite(out[:64]).all() and torch.isfinite(out[128:192]).all()
+        codec.raise_if_nonfinite()  # not counted
+    codec = Int8Codec(64)
+    with torch.inference_mode():  # e.g. an evaluation forward encodes the parameters first
+        codec.encode(x)
+    codec.encode(x)  # the count is a normal tensor: training may update it afterwards
+    with pytest.raises(ValueError, match="Inf or NaN in 4 of 8 blocks"):
+        codec.raise_if_nonfinite()
+    for codec in (IdentityCodec(), BF16Codec()):  # they carry Inf/NaN: nothing to report
+        codec.encode(x)
+        codec.raise_if_nonfinite()
+
+
+class _FakeStream:
+    def __init__(self, handle: int) -> None:
+        self.cuda_stream = handle
+
+
+class _FakeEvent:
+    """Completes when synchronized; counts the waits."""
+
+    waits = 0
+
+    def record(self, stream: _FakeStream) -> None:
+        self.stream = stream
+
+    def synchronize(self) -> None:
+        _FakeEvent.waits += 1
+
+
+def test_nonfinite_cuda_path_reports_a_step_late(monkeypatch):
+    """The CUDA branch of [Note: deferred finite check], with CPU tensors standing in for
+    device ones and fake streams / events: counts per stream, sent at one check, read and raised
+    at the next; `wait=True` reads the current step. No host read happens at encode time."""
+    from contextlib import nullcontext
+
+    from overlap.compression import finite
+
+    _FakeEvent.waits = 0
+    streams = [_FakeStream(1), _FakeStream(2)]
+    current = {"stream": streams[0]}
+    monkeypatch.setattr(finite, "_stream_of", lambda device: current["stream"])
+    monkeypatch.setattr(finite, "_pinned_int64", lambda: torch.zeros(1, dtype=torch.int64))
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: nullcontext())
+    monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
+    bad = torch.randn(128)
+    bad[5] = float("nan")
+    codec = Int8Codec(64)
+    codec.encode(bad)  # step 1: one bad block on each stream
+    current["stream"] = streams[1]
+    codec.encode(bad)
+    assert _FakeEvent.waits == 0
+    codec.raise_if_nonfinite()  # end of step 1: sends both counts, reports nothing yet
+    assert _FakeEvent.waits == 0
+    codec.encode(torch.randn(128))  # step 2: clean
+    with pytest.raises(ValueError, match=r"Inf or NaN in 2 of 4 blocks of 64 \(2 encodes"):
+        codec.raise_if_nonfinite()  # end of step 2: step 1's counts arrive
+    assert _FakeEvent.waits == 2
+    codec.raise_if_nonfinite()  # end of step 3: step 2 was clean
+    codec.encode(bad)
+    with pytest.raises(ValueError, match="Inf or NaN in 1 of 2 blocks"):
+        codec.raise_if_nonfinite(wait=True)  # read at once
+    codec.raise_if_nonfinite()
 
 
 def test_decode_accumulate_sums_in_fp32():
@@ -288,3 +360,26 @@ def test_chunk_bytes_for_all_to_all_and_all_gather():
         assert torch.equal(gathered, buf), str(codec)
         with pytest.raises(ValueError, match="chunks"):
             codec.to_chunk_bytes(codec.encode(x[:-2]), world)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_nonfinite_on_cuda_reported_a_step_late_without_sync():
+    x = torch.randn(256, device="cuda")
+    x[70] = float("nan")
+    codec = Int8Codec(64)
+    codec.encode(torch.randn(256, device="cuda"))  # warm up, then start from an empty count
+    codec.raise_if_nonfinite(wait=True)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        codec.encode(x)  # step 1
+        codec.raise_if_nonfinite()  # sends step 1's count, reports nothing yet
+        codec.encode(torch.randn(256, device="cuda"))  # step 2
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    with pytest.raises(ValueError, match="Inf or NaN in 1 of 4 blocks"):
+        codec.raise_if_nonfinite()
+    codec.raise_if_nonfinite()
+    codec.encode(x)
+    with pytest.raises(ValueError, match="Inf or NaN in 1 of 4 blocks"):
+        codec.raise_if_nonfinite(wait=True)

@@ -216,9 +216,35 @@ def test_dispatch_and_fallback_without_ninja(monkeypatch):
         assert cpu.load_extension() is None  # opted out: silent
 
 
+def test_fp8_falls_back_below_sm89(monkeypatch):
+    """[Note: Triton launches]: Triton has no fp8 below sm_89 (A100): "auto" picks the reference
+    there, with one warning per device, and int codes keep Triton; forcing Triton is an error.
+    Decided from the tensor's device (no CUDA needed: capability and triton are faked)."""
+    from overlap.kernels import quantize, triton_launch
+
+    capabilities = {0: (8, 0), 1: (9, 0)}
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: capabilities[index])
+    monkeypatch.setattr(triton_launch, "_capability", {})
+    monkeypatch.setattr(triton_launch, "triton", object())  # "installed"
+    monkeypatch.setattr(quantize, "_fp8_fallback_warned", set())
+    a100, h100 = torch.device("cuda", 0), torch.device("cuda", 1)
+    with pytest.warns(UserWarning, match=r"cuda:0 \(compute capability \(8, 0\)\) has no fp8"):
+        assert select_backend(a100, 256, fmt="fp8") == "ref"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per device
+        assert select_backend(a100, 256, fmt="fp8") == "ref"
+        assert select_backend(a100, 256, fmt="int") == "triton"
+        assert select_backend(h100, 256, fmt="fp8") == "triton"
+        assert select_backend(a100, 100, fmt="int") == "ref"  # not a power of two
+    with pytest.raises(ValueError, match="no fp8 kernel for cuda:0"):
+        select_backend(a100, 256, "triton", fmt="fp8")
+    assert select_backend(h100, 256, "triton", fmt="fp8") == "triton"
+
+
 def test_triton_interpreter_matches_reference():
     """Triton's kernels under TRITON_INTERPRET=1 equal the reference bitwise (int8/int4; fp8 is
-    checked on a GPU only: the interpreter's fp32 -> fp8 cast is wrong).
+    checked on a GPU only: the interpreter's fp32 -> fp8 cast is wrong), and repeated launches
+    build and upload no host data ([Note: copy tables] in triton_copy.py).
 
     Runs in a fresh interpreter: triton decides interpreter-or-GPU when `triton` is first
     imported, and other tests in this process may have imported it already."""
@@ -296,33 +322,43 @@ def _copy_values(numel: int, dtype: torch.dtype, gen: torch.Generator) -> torch.
     return x.to(dtype)
 
 
-def _copy_layouts(gen: torch.Generator, count: int, max_cols: int) -> list[tuple[list[int], list[int], int]]:
-    """(sizes, valid numels, num_rows): empty segments, padded ones, odd sizes."""
-    layouts = [([0], [0], 1), ([5], [5], 1), ([6, 0, 9], [4, 0, 9], 3), ([4096, 48], [4000, 48], 2)]
-    for _ in range(count):
+def _copy_layouts(
+    gen: torch.Generator, count: int, max_cols: int
+) -> list[tuple[list[int], list[int], int, list[int] | None]]:
+    """(sizes, valid numels, num_rows, data_cols): empty segments, padded ones, odd sizes, and
+    (every other layout) padding columns in every row, as the runtime's padded chunks have."""
+    layouts: list[tuple[list[int], list[int], int, list[int] | None]] = [
+        ([0], [0], 1, None), ([5], [5], 1, None), ([6, 0, 9], [4, 0, 9], 3, None),
+        ([4096, 48], [4000, 48], 2, None), ([32, 96, 0], [26, 90, 0], 2, [13, 45, 0]),
+    ]  # fmt: skip
+    for k in range(count):
         num_rows = [1, 2, 3, 4][int(torch.randint(4, (1,), generator=gen))]
         num = int(torch.randint(1, 30, (1,), generator=gen))
         cols = torch.randint(0, max_cols, (num,), generator=gen)
         cols[torch.rand(num, generator=gen) < 0.15] = 0
         sizes = [int(c) * num_rows for c in cols]
+        data = None
+        if k % 2:
+            data = [int(torch.randint(0, int(c) + 1, (1,), generator=gen)) for c in cols]
+        capacity = sizes if data is None else [num_rows * d for d in data]
         pad = torch.rand(num, generator=gen) < 0.4
         valid = [max(0, s - int(torch.randint(0, num_rows * 3, (1,), generator=gen))) if p else s
-                 for s, p in zip(sizes, pad.tolist())]  # fmt: skip
-        layouts.append((sizes, valid, num_rows))
+                 for s, p in zip(capacity, pad.tolist())]  # fmt: skip
+        layouts.append((sizes, valid, num_rows, data))
     return layouts
 
 
 def _check_copy_matches(backend: Backend, layouts, pairs, gen: torch.Generator, device: str = "cpu") -> None:
     from overlap.kernels import copy_in, copy_out
 
-    for sizes, valid, num_rows in layouts:
+    for sizes, valid, num_rows, data in layouts:
         for flat_dtype, dtype in pairs:
-            where = f"{backend} {flat_dtype}<->{dtype} rows={num_rows} sizes={sizes} valid={valid}"
+            where = f"{backend} {flat_dtype}<->{dtype} rows={num_rows} sizes={sizes} valid={valid} data={data}"
             flat = _copy_values(sum(sizes), flat_dtype, gen).to(device)
             ref = [torch.full((n,), 7.0, dtype=dtype, device=device) for n in valid]
             got = [t.clone() for t in ref]
-            copy_out(flat, ref, sizes=sizes, num_rows=num_rows, backend="ref")
-            copy_out(flat, got, sizes=sizes, num_rows=num_rows, backend=backend)
+            copy_out(flat, ref, sizes=sizes, num_rows=num_rows, data_cols=data, backend="ref")
+            copy_out(flat, got, sizes=sizes, num_rows=num_rows, data_cols=data, backend=backend)
             for i, (r, g) in enumerate(zip(ref, got)):
                 assert torch.equal(_bits(r), _bits(g)), f"copy_out tensor {i}: " + where
             # copy-in: sources of mixed dtypes, some None (zeros); the sentinel must be overwritten
@@ -332,8 +368,8 @@ def _check_copy_matches(backend: Backend, layouts, pairs, gen: torch.Generator, 
                 srcs.append(None if i % 5 == 4 else _copy_values(n, src_dtype, gen).to(device))
             ref_flat = torch.full((sum(sizes),), 7.0, dtype=flat_dtype, device=device)
             got_flat = ref_flat.clone()
-            copy_in(srcs, ref_flat, sizes=sizes, num_rows=num_rows, backend="ref")
-            copy_in(srcs, got_flat, sizes=sizes, num_rows=num_rows, backend=backend)
+            copy_in(srcs, ref_flat, sizes=sizes, num_rows=num_rows, data_cols=data, backend="ref")
+            copy_in(srcs, got_flat, sizes=sizes, num_rows=num_rows, data_cols=data, backend=backend)
             assert torch.equal(_bits(ref_flat), _bits(got_flat)), "copy_in: " + where
 
 
@@ -350,6 +386,12 @@ def test_copy_reference_definition():
     assert out.tolist() == [0.0, 1.0, 10.0, 2.0, 0.0, 11.0]
     copy_in_ref([None, b.bfloat16()], out, sizes=[4, 2], num_rows=2)
     assert out.tolist() == [0.0, 0.0, 10.0, 0.0, 0.0, 11.0]
+    # data_cols: a's rows hold 1 data column and 1 padding column: flat = [[a0 pad b0] [a1 pad b1]]
+    a2 = torch.empty(2)
+    copy_out_ref(flat, [a2, b], sizes=[4, 2], num_rows=2, data_cols=[1, 1])
+    assert a2.tolist() == [0.0, 2.0] and b.tolist() == [10.0, 11.0]
+    copy_in_ref([torch.tensor([5.0]), b], out, sizes=[4, 2], num_rows=2, data_cols=[1, 1])
+    assert out.tolist() == [5.0, 0.0, 10.0, 0.0, 0.0, 11.0]  # a's second row: past its end
 
 
 def test_copy_cpp_matches_reference_bitwise():
@@ -362,7 +404,10 @@ def test_copy_cpp_large_parallel_matches_reference():
     """Many parallel tasks whose ranges start and end inside segments and rows."""
     _cpp_or_skip()
     gen = torch.Generator().manual_seed(11)
-    layouts = [([2 * c for c in (1_000_003, 7, 0, 65_536, 333_333)], [2_000_000, 14, 0, 131_072, 666_666], 2)]
+    layouts = [
+        ([2 * c for c in (1_000_003, 7, 0, 65_536, 333_333)], [2_000_000, 14, 0, 131_072, 666_666], 2, None),
+        ([2 * c for c in (1_000_016, 16, 65_536)], [2_000_006, 14, 131_072], 2, [1_000_003, 7, 65_536]),
+    ]
     _check_copy_matches("cpp", layouts, [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32)], gen)
 
 
@@ -381,48 +426,85 @@ def test_copy_nan_stays_nan_and_versions_bump():
         assert torch.isnan(back[1:3]).all() and back._version > 0, backend
 
 
-def test_copy_matches_runtime_layout():
-    """The runtime's copy-out (split_with_sizes_copy) and gradient copy-in (pad + cat with the
-    used flags) of a unit ([Note: flat layout]) equal one copy_out / copy_in call."""
+@pytest.mark.parametrize("align", [1, 16])
+def test_copy_matches_runtime_layout(align):
+    """The runtime's copy-out (split along dim 1, each chunk without its padding into the
+    parameter's padded full tensor) and gradient copy-in (each gradient cut into world_size
+    chunks, padded, with the used flags) of a unit ([Note: flat layout]) equal one copy_out /
+    copy_in call, with padded chunks (align 16) and packed ones (align 1)."""
     from overlap.kernels import copy_in, copy_out
     from overlap.units import ParamInfo, make_layout
 
     shapes = [(48, 20), (48,), (7, 3), (1,), (5, 4, 3), (3,)]
     n = 4
     params = [ParamInfo(f"p{i}", ((f"m{i}", "w"),), torch.Size(s), i != 3) for i, s in enumerate(shapes)]
-    layout = make_layout(0, "unit0", ("m",), params, n)
+    layout = make_layout(0, "unit0", ("m",), params, n, align_numel=align)
+    sizes = [n * s.padded_chunk_numel for s in layout.slots]
+    data = [s.chunk_numel for s in layout.slots]
     gen = torch.Generator().manual_seed(12)
     backends: list[Backend] = ["ref"] + (["cpp"] if cpu.load_extension() is not None else [])
     for backend in backends:
         for gather_dtype, param_dtype in [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.bfloat16)]:
             gathered = torch.randn(layout.unsharded_numel, generator=gen).to(gather_dtype)
-            expected = torch.empty(layout.unsharded_numel, dtype=gather_dtype)
-            dst = [expected[s.unsharded_offset : s.unsharded_offset + n * s.chunk_numel].view(n, -1)
-                   for s in layout.slots]  # fmt: skip
-            torch.split_with_sizes_copy(gathered.view(n, -1), layout.chunk_sizes, dim=1, out=dst)
-            unsharded = torch.empty(layout.unsharded_numel, dtype=param_dtype)
+            expected = torch.zeros(layout.unsharded_numel, dtype=param_dtype)
+            blocks = gathered.view(n, -1).split(layout.chunk_sizes, dim=1)
+            for s, block in zip(layout.slots, blocks):
+                expected[s.unsharded_offset : s.unsharded_offset + n * s.chunk_numel] = block[:, : s.chunk_numel].reshape(-1)
+            unsharded = torch.zeros(layout.unsharded_numel, dtype=param_dtype)
             outs = [unsharded[s.unsharded_offset : s.unsharded_offset + n * s.chunk_numel] for s in layout.slots]
-            copy_out(gathered, outs, num_rows=n, backend=backend)
-            assert torch.equal(_bits(unsharded), _bits(expected.to(param_dtype))), backend
+            copy_out(gathered, outs, sizes=sizes, data_cols=data, num_rows=n, backend=backend)
+            assert torch.equal(_bits(unsharded), _bits(expected)), backend
+            for s, param, block in zip(layout.slots, outs, blocks):  # each rank's rows of every parameter
+                full = param.view(n * s.rows_per_rank, *s.shape[1:])[: s.shape[0] if s.shape else 1]
+                for r in range(n):
+                    rows = slice(r * s.rows_per_rank, (r + 1) * s.rows_per_rank)
+                    chunk = block[r, : s.chunk_numel].to(param_dtype)
+                    assert torch.equal(full[rows].reshape(-1), chunk[: full[rows].numel()]), (backend, s.fqn)
         for grad_dtype, reduce_dtype in [(torch.float32, torch.float32), (torch.bfloat16, torch.float32)]:
             grads = [torch.randn(s.shape, generator=gen).to(grad_dtype) if s.fqn != "p4" else None
                      for s in layout.grad_slots]  # fmt: skip
             used = [g is not None for g in grads]
             columns = []
             for slot, grad in zip(layout.grad_slots, grads):
-                if grad is None:
-                    columns.append(torch.zeros(n, slot.chunk_numel, dtype=reduce_dtype))
-                    continue
-                flat_grad = torch.nn.functional.pad(grad.reshape(-1), (0, n * slot.chunk_numel - grad.numel()))
-                columns.append(flat_grad.view(n, -1))
+                column = torch.zeros(n, slot.padded_chunk_numel, dtype=reduce_dtype)
+                if grad is not None:
+                    flat_grad = torch.nn.functional.pad(grad.reshape(-1), (0, n * slot.chunk_numel - grad.numel()))
+                    column[:, : slot.chunk_numel] = flat_grad.view(n, -1)
+                columns.append(column)
             flags = torch.tensor(used, dtype=reduce_dtype).expand(n, -1)
-            width = sum(c.shape[1] for c in columns) + len(used)
+            width = layout.grad_shard_numel + len(used)
             expected = torch.empty(n, width, dtype=reduce_dtype)
             torch.cat([*columns, flags], dim=1, out=expected)
-            full = torch.empty(n, width, dtype=reduce_dtype)
-            sizes = [n * s.chunk_numel for s in layout.grad_slots] + [n * len(used)]
-            copy_in([*grads, flags.reshape(-1)], full, sizes=sizes, num_rows=n, backend=backend)
+            full = torch.full((n, width), 7.0, dtype=reduce_dtype)
+            grad_sizes = [n * s.padded_chunk_numel for s in layout.grad_slots] + [n * len(used)]
+            grad_data = [s.chunk_numel for s in layout.grad_slots] + [len(used)]
+            copy_in([*grads, flags.reshape(-1)], full, sizes=grad_sizes, data_cols=grad_data, num_rows=n,
+                    backend=backend)  # fmt: skip
             assert torch.equal(_bits(full), _bits(expected)), backend
+
+
+def test_layout_pads_chunks_to_the_alignment():
+    """[Note: flat layout]: every chunk starts at a multiple of 16 elements in the shard, the
+    gradient shard and the unsharded buffer; chunk_numel stays rows_per_rank * row_numel."""
+    from overlap.units import CHUNK_ALIGN_NUMEL, ParamInfo, make_layout
+
+    shapes = [(50257, 8), (50257,), (7, 3), (64, 64), (1,)]
+    params = [ParamInfo(f"p{i}", ((f"m{i}", "w"),), torch.Size(s), i != 2) for i, s in enumerate(shapes)]
+    packed = make_layout(0, "u", ("m",), params, 8)
+    padded = make_layout(0, "u", ("m",), params, 8, align_numel=CHUNK_ALIGN_NUMEL)
+    assert [s.chunk_numel for s in packed.slots] == [s.chunk_numel for s in padded.slots]
+    assert [s.chunk_numel for s in packed.slots] == [s.padded_chunk_numel for s in packed.slots]
+    assert packed.slots[1].chunk_numel == 6283  # odd: packed, everything after it is misaligned
+    assert [s.padded_chunk_numel for s in padded.slots] == [50272, 6288, 16, 512, 16]
+    for s in padded.slots:
+        assert s.shard_offset % 16 == 0 and s.unsharded_offset % 16 == 0
+        assert s.padded_chunk_numel % 16 == 0 and s.padded_chunk_numel - s.chunk_numel < 16
+        assert s.grad_offset % 16 == 0 or not s.requires_grad
+    assert padded.shard_numel == sum(padded.chunk_sizes) and padded.shard_numel % 16 == 0
+    assert padded.grad_shard_numel == padded.shard_numel - 16  # p2 is frozen
+    assert padded.unsharded_numel == 8 * padded.shard_numel
+    with pytest.raises(ValueError, match="align_numel"):
+        make_layout(0, "u", ("m",), params, 8, align_numel=0)
 
 
 def test_copy_argument_errors_and_dispatch():
@@ -441,6 +523,12 @@ def test_copy_argument_errors_and_dispatch():
         copy_in([None, torch.randn(4)], flat)
     with pytest.raises(TypeError, match="floating"):
         copy_in([torch.arange(10)], flat)
+    with pytest.raises(ValueError, match="data_cols"):
+        copy_out(flat, [torch.empty(4), torch.empty(4)], sizes=[6, 4], num_rows=2, data_cols=[4, 2])
+    with pytest.raises(ValueError, match="data_cols"):
+        copy_in([torch.randn(4)], flat, sizes=[10], data_cols=[5, 5])
+    with pytest.raises(ValueError, match="more than sizes"):  # 2 rows of 2 data columns hold 4
+        copy_in([torch.randn(5), None], flat, sizes=[6, 4], num_rows=2, data_cols=[2, 2])
     # dtypes the compiled backends do not take: auto uses the reference, forcing one is an error
     expected = "cpp" if cpu.load_extension() is not None else "ref"
     assert select_copy_backend(torch.device("cpu"), [torch.float32, torch.bfloat16]) == expected
@@ -456,38 +544,8 @@ def test_copy_argument_errors_and_dispatch():
 def test_copy_triton_gpu_matches_reference():
     pytest.importorskip("triton")
     gen = torch.Generator().manual_seed(13)
-    layouts = _copy_layouts(gen, 6, 5000) + [([2 * c for c in (1_000_000, 17, 4096)], [2_000_000, 30, 8192], 2)]
+    layouts = _copy_layouts(gen, 6, 5000) + [([2 * c for c in (1_000_000, 17, 4096)], [2_000_000, 30, 8192], 2, None)]
     _check_copy_matches("triton", layouts, COPY_PAIRS, gen, device="cuda")
-
-
-def test_copy_triton_compiles_for_sm90():
-    """The copy kernels lower through Triton's real CUDA backend (no GPU needed up to the
-    cubin), and the aligned variant gets 16-byte vector loads and stores: the interpreter
-    checks results, this checks what it cannot (types, hints, lowering)."""
-    triton = pytest.importorskip("triton")
-    if os.environ.get("TRITON_INTERPRET", "") not in ("", "0"):
-        pytest.skip("TRITON_INTERPRET is set: the kernels are interpreted in this process")
-    import triton.language as tl
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    from overlap.kernels import triton_copy
-
-    cases = [  # (kernel, flat type, dtype parameter, its value, aligned)
-        (triton_copy._copy_out_kernel, "fp32", "OUT_DTYPE", tl.bfloat16, True),
-        (triton_copy._copy_in_kernel, "fp32", "SRC_DTYPE", tl.bfloat16, False),
-    ]
-    for kernel, flat_type, name, dtype, aligned in cases:
-        signature = {"flat_ptr": f"*{flat_type}", "table_ptr": "*i64", "row_stride": "i64"}
-        constexprs = {name: dtype, "LOG_SEGS": 3, "NUM_STARTS": 8, "BLOCK": triton_copy.BLOCK, "ALIGNED": aligned}
-        signature |= dict.fromkeys(constexprs, "constexpr")
-        attrs = {(0,): [["tt.divisibility", 16]], (1,): [["tt.divisibility", 16]]}
-        source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
-        with warnings.catch_warnings():  # triton 3.9 warns that its FP-fusion default will change
-            warnings.simplefilter("ignore", UserWarning)
-            ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
-        vectorized = "ld.global.v4.b32" in ptx and "st.global.v4.b32" in ptx
-        assert vectorized == aligned, f"{kernel.__name__} aligned={aligned}: vector access {vectorized}"
 
 
 @pytest.mark.parametrize(
@@ -520,3 +578,47 @@ def test_fused_error_feedback_matches_the_composition(bits, fmt, dtype, stochast
             codes, scales, r = outs["cpp"]
             decoded = dequantize_blockwise(codes, scales, bits, block, numel, fmt=fmt)
             assert torch.equal(decoded + r, x.float() + r0), numel
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_triton_gpu_launches_do_not_sync():
+    """On a real GPU, the steady-state launches never synchronize the host ([Note: copy tables]):
+    torch's sync debug mode turns any synchronizing call into an error. Fresh copy-in sources
+    (a new table, sent from pinned memory) do not sync either."""
+    pytest.importorskip("triton")
+    from overlap.kernels import copy_in, copy_out
+    from overlap.units import CHUNK_ALIGN_NUMEL, ParamInfo, make_layout
+
+    n = 2
+    shapes = [(4096, 64), (4096,), (7, 3), (50257,)]
+    params = [ParamInfo(f"p{i}", ((f"m{i}", "w"),), torch.Size(s), True) for i, s in enumerate(shapes)]
+    layout = make_layout(0, "u", ("m",), params, n, align_numel=CHUNK_ALIGN_NUMEL)
+    sizes = [n * s.padded_chunk_numel for s in layout.slots]
+    data = [s.chunk_numel for s in layout.slots]
+    gathered = torch.randn(layout.unsharded_numel, device="cuda")
+    x = torch.randn(100_000, device="cuda")
+
+    def step(grads: list[torch.Tensor]) -> None:
+        for dtype in (torch.bfloat16, torch.float32):
+            unsharded = torch.empty(layout.unsharded_numel, dtype=dtype, device="cuda")
+            outs = [unsharded[s.unsharded_offset : s.unsharded_offset + n * s.chunk_numel] for s in layout.slots]
+            copy_out(gathered, outs, sizes=sizes, data_cols=data, num_rows=n)
+        full = torch.empty(sum(sizes), device="cuda")
+        copy_in(grads, full, sizes=sizes, data_cols=data, num_rows=n)
+        for bits, fmt in FORMATS:
+            codes, scales = quantize_blockwise(x, bits, 256, fmt=fmt)
+            dequantize_blockwise(codes, scales, bits, 256, x.numel(), x.clone(), True, fmt=fmt)
+
+    def new_grads() -> list[torch.Tensor]:
+        return [torch.randn(s, device="cuda", dtype=torch.bfloat16) for s in shapes]
+
+    grads = new_grads()
+    step(grads)  # compiles, fills the table cache
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step(grads)
+        step(new_grads())
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()

@@ -1,24 +1,33 @@
 """Run by tests/test_kernels.py in a fresh process with TRITON_INTERPRET=1: the Triton kernels
 (interpreted on the CPU) against the torch reference, bitwise, on shapes that are not multiples
 of the block: blockwise quantize / dequantize, and the fused copy-out / copy-in with cast.
-Exits non-zero with the failing case on a mismatch."""
+Then the no-host-sync property of the wrappers ([Note: copy tables] in triton_copy.py): a
+repeated call builds and uploads nothing. Exits non-zero with the failing case."""
 
 from __future__ import annotations
 
 import os
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
 
 import torch
 
 assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
 
 from overlap.kernels import (  # noqa: E402
+    copy_in,
     copy_in_ref,
+    copy_out,
     copy_out_ref,
+    dequantize_blockwise,
     dequantize_blockwise_ref,
     num_blocks_for,
+    quantize_blockwise,
     quantize_blockwise_ref,
 )
-from overlap.kernels import triton_copy as tc  # noqa: E402
 from overlap.kernels import triton_kernels as tk  # noqa: E402
 
 OUT_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -39,13 +48,16 @@ COPY_PAIRS = [  # (flat dtype, tensors' dtype)
     (torch.float32, torch.float32),
     (torch.float16, torch.bfloat16),
 ]
-# (columns per segment, padding per segment, num_rows): odd and empty segments, a segment wider
-# than one tile, and an all-multiples-of-16 layout that takes the kernels' aligned branch
+# (columns per segment, data columns per segment (None: all), padding per segment, num_rows):
+# odd and empty segments, a segment wider than one tile, padding columns in every row (as the
+# runtime's padded chunks), and all-multiples-of-16 layouts that take the aligned branch
 COPY_LAYOUTS = [
-    ([5, 0, 1, 33, 1100, 2], [0, 0, 1, 4, 7, 0], 1),
-    ([3, 17, 0, 64], [1, 0, 0, 5], 3),
-    ([16, 1040, 32], [0, 0, 0], 2),
-    ([0], [0], 1),
+    ([5, 0, 1, 33, 1100, 2], None, [0, 0, 1, 4, 7, 0], 1),
+    ([3, 17, 0, 64], None, [1, 0, 0, 5], 3),
+    ([16, 1040, 32], None, [0, 0, 0], 2),
+    ([16, 32, 1056, 16], [13, 32, 1043, 0], [5, 0, 3, 0], 2),
+    ([32, 48, 16], [32, 48, 16], [0, 16, 0], 4),
+    ([0], None, [0], 1),
 ]
 
 
@@ -59,28 +71,154 @@ def copy_values(numel: int, dtype: torch.dtype, gen: torch.Generator) -> torch.T
 
 def check_copy(gen: torch.Generator) -> int:
     cases = 0
-    for cols, pads, rows in COPY_LAYOUTS:
+    for cols, data_cols, pads, rows in COPY_LAYOUTS:
         sizes = [c * rows for c in cols]
-        valid = [s - p for s, p in zip(sizes, pads)]
+        data = cols if data_cols is None else data_cols
+        valid = [rows * d - p for d, p in zip(data, pads)]
         for flat_dtype, dtype in COPY_PAIRS:
-            where = f"triton copy {flat_dtype}<->{dtype} rows={rows} cols={cols}"
+            where = f"triton copy {flat_dtype}<->{dtype} rows={rows} cols={cols} data_cols={data_cols}"
             flat = copy_values(sum(sizes), flat_dtype, gen)
             ref = [torch.full((n,), 7.0, dtype=dtype) for n in valid]
             got = [t.clone() for t in ref]
-            copy_out_ref(flat, ref, sizes, rows)
-            tc.copy_out(flat, got, sizes, rows)
+            copy_out_ref(flat, ref, sizes, rows, data_cols)
+            copy_out(flat, got, sizes=sizes, num_rows=rows, data_cols=data_cols, backend="triton")
             for r, g in zip(ref, got):
                 assert torch.equal(r.view(_INT_VIEW[dtype]), g.view(_INT_VIEW[dtype])), "copy_out " + where
             # mixed source dtypes (two launches) and a None source (zeros)
             srcs = [None if i == 1 else copy_values(n, dtype if i % 2 else flat_dtype, gen) for i, n in enumerate(valid)]
             ref_flat = torch.full((sum(sizes),), 7.0, dtype=flat_dtype)
             got_flat = ref_flat.clone()
-            copy_in_ref(srcs, ref_flat, sizes, rows)
-            tc.copy_in(srcs, got_flat, sizes, rows)
+            copy_in_ref(srcs, ref_flat, sizes, rows, data_cols)
+            copy_in(srcs, got_flat, sizes=sizes, num_rows=rows, data_cols=data_cols, backend="triton")
             iv = _INT_VIEW[flat_dtype]
             assert torch.equal(ref_flat.view(iv), got_flat.view(iv)), "copy_in " + where
             cases += 1
     return cases
+
+
+# ------------------------------------------------------------------------------ no host sync
+_OVERLAP = str(Path(__file__).resolve().parents[1] / "overlap")
+_WATCHED = (os.path.join(_OVERLAP, "kernels") + os.sep, os.path.join(_OVERLAP, "compression") + os.sep)
+
+
+@contextmanager
+def record_host_calls() -> Iterator[list[tuple[str, str, bool]]]:
+    """Record the calls made directly from overlap/kernels/ and overlap/compression/ that build
+    host data or could block a CUDA host: (what, where, blocks). `blocks` is what it would do on
+    CUDA: a device tensor from host data (`torch.tensor(..., device=)`), a `.to()`/`.cpu()`
+    without non_blocking=True, or reading a value (`.item()`, `.tolist()`, `bool()`, ...)."""
+    calls: list[tuple[str, str, bool]] = []
+
+    def caller() -> str | None:
+        frame = sys._getframe(2)
+        name = frame.f_code.co_filename
+        return f"{name}:{frame.f_lineno}" if name.startswith(_WATCHED) else None
+
+    def wrap(owner: Any, name: str, blocks: Callable[..., bool]) -> tuple[Any, str, Any]:
+        original = getattr(owner, name)
+
+        def patched(*args: Any, **kwargs: Any) -> Any:
+            where = caller()
+            if where is not None:
+                calls.append((name, where, blocks(*args, **kwargs)))
+            return original(*args, **kwargs)
+
+        setattr(owner, name, patched)
+        return owner, name, original
+
+    def to_blocks(*args: Any, **kwargs: Any) -> bool:
+        return not kwargs.get("non_blocking", False) and not any(a is True for a in args[1:])
+
+    patches = [
+        wrap(torch, "tensor", lambda *a, **k: k.get("device") not in (None, "cpu", torch.device("cpu"))),
+        wrap(torch.Tensor, "to", to_blocks),
+        wrap(torch.Tensor, "cpu", lambda *a, **k: True),
+    ]
+    for name in ("tolist", "item", "__bool__", "__int__", "__float__"):
+        patches.append(wrap(torch.Tensor, name, lambda *a, **k: True))
+    try:
+        yield calls
+    finally:
+        for owner, name, original in reversed(patches):
+            setattr(owner, name, original)
+
+
+def check_no_host_sync(gen: torch.Generator) -> None:
+    """The runtime's copies of a padded unit ([Note: flat layout]) and the quantize kernels, run
+    twice: the second run builds and uploads nothing. Fresh gradient tensors (copy-in sources
+    are new every step) may need a new table, but only sent without blocking."""
+    from overlap.units import CHUNK_ALIGN_NUMEL, ParamInfo, make_layout
+
+    n = 4
+    shapes = [(48, 20), (48,), (7, 3), (50, 1), (64, 16), (3,)]
+    infos = [ParamInfo(f"p{i}", ((f"m{i}", "w"),), torch.Size(s), True) for i, s in enumerate(shapes)]
+    layout = make_layout(0, "unit0", ("m",), infos, n, align_numel=CHUNK_ALIGN_NUMEL)
+    sizes = [n * s.padded_chunk_numel for s in layout.slots]
+    data = [s.chunk_numel for s in layout.slots]
+
+    def gather_and_copy_out(gathered: torch.Tensor, param_dtype: torch.dtype) -> torch.Tensor:
+        unsharded = torch.empty(layout.unsharded_numel, dtype=param_dtype)  # new storage each step
+        outs = [unsharded[s.unsharded_offset : s.unsharded_offset + n * s.chunk_numel] for s in layout.slots]
+        copy_out(gathered, outs, sizes=sizes, data_cols=data, num_rows=n, backend="triton")
+        return unsharded
+
+    def reduce_copy_in(grads: list[torch.Tensor | None]) -> torch.Tensor:
+        flags = torch.ones(n * len(grads))
+        full = torch.empty(n, sum(sizes) // n + len(grads))
+        copy_in([*grads, flags], full, sizes=[*sizes, n * len(grads)], data_cols=[*data, len(grads)], num_rows=n,
+                backend="triton")  # fmt: skip
+        return full
+
+    def new_grads() -> list[torch.Tensor | None]:
+        return [None if i == 2 else torch.randn(s, generator=gen).bfloat16() for i, s in enumerate(shapes)]
+
+    x = torch.randn(3000, generator=gen)
+    noise = torch.rand(num_blocks_for(3000, 256) * 256, generator=gen)
+    steps: list[tuple[str, Callable[[], object]]] = []
+    for param_dtype in (torch.bfloat16, torch.float32):  # a cast, and no cast
+        gathered = torch.randn(layout.unsharded_numel, generator=gen).bfloat16()
+        steps.append((f"copy_out bf16->{param_dtype}", lambda g=gathered, d=param_dtype: gather_and_copy_out(g, d)))
+    grads = new_grads()
+    steps.append(("copy_in", lambda: reduce_copy_in(grads)))
+    codes, scales = quantize_blockwise(x, 8, 256, backend="triton")
+    steps += [
+        ("quantize", lambda: quantize_blockwise(x, 8, 256, backend="triton")),
+        ("quantize stochastic", lambda: tk.quantize_blockwise(x, 4, 256, noise=noise)),
+        ("dequantize-accumulate", lambda: dequantize_blockwise(codes, scales, 8, 256, 3000, x.clone(), True,
+                                                               backend="triton")),  # fmt: skip
+    ]
+    for name, step in steps:
+        with record_host_calls() as first:
+            step()
+        with record_host_calls() as second:
+            step()
+        assert not second, f"{name}: the repeated call built or read host data: {second}"
+        if name.startswith("copy"):  # the recorder sees the wrappers' host work when there is some
+            assert any(what == "tensor" for what, _, _ in first), f"{name}: first call recorded {first}"
+    # A new step: fresh gradients. Whatever the copy-in sends is sent without blocking.
+    with record_host_calls() as fresh:
+        reduce_copy_in(new_grads())
+    assert not any(blocks for _, _, blocks in fresh), f"copy_in with new sources would block: {fresh}"
+    # Codecs count non-finite blocks on the device ([Note: deferred finite check]): an encode
+    # reads nothing back; the once-per-step check does (on the CPU, directly), and the recorder
+    # sees that read.
+    from overlap.compression import Int8Codec
+
+    codec = Int8Codec(256)
+    bad = x.clone()
+    bad[7] = float("nan")
+    with record_host_calls() as encodes:
+        codec.encode(bad)
+        codec.encode_feedback(x, torch.zeros(3000))
+    assert not encodes, f"codec encode read host data: {encodes}"
+    with record_host_calls() as check:
+        try:
+            codec.raise_if_nonfinite()
+        except ValueError:
+            pass
+        else:
+            raise AssertionError("the NaN block was not reported")
+    assert any(blocks for _, _, blocks in check), f"the recorder missed the check's read: {check}"
 
 
 def main() -> None:
@@ -107,7 +245,9 @@ def main() -> None:
                         assert torch.equal(r, o), f"dequantize acc={accumulate} out={out_dtype} " + where
                 cases += 1
     copy_cases = check_copy(gen)
-    print(f"checked {cases} quantize and {copy_cases} copy cases: interpreted Triton == reference")
+    check_no_host_sync(gen)
+    print(f"checked {cases} quantize and {copy_cases} copy cases: interpreted Triton == reference; "
+          "repeated launches build and upload nothing")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -19,10 +19,12 @@ buffer chunk-major for one uint8 all-to-all (reduce-scatter); concatenating each
   stochastic rounding (which is unbiased instead); fp8 e4m3 keeps 3 mantissa bits: relative
   error <= 2^-4 for |x| >= 2^-6 * scale, absolute <= 2^-10 * scale below. Blocks whose scale is
   subnormal add up to 128 * 2^-149 of absolute error. -0.0 decodes to +0.0.
-- Inf/NaN: quantizing codecs raise ValueError by default (`check_finite=True`; one check over
-  the num_blocks scales, which costs a host sync on CUDA). With `check_finite=False` they pass
-  through: a block holding Inf/NaN decodes to NaN across the whole block, so loss scalers and
-  NaN checks downstream still see it.
+- Inf/NaN: a block holding Inf/NaN decodes to NaN across the whole block, so loss scalers and
+  NaN checks downstream still see it. With `check_finite=True` (the default) quantizing codecs
+  also count such blocks on the device, and `raise_if_nonfinite()`, which the runtime calls once
+  per step, raises ValueError for them: at once on CPU, a step late on CUDA, where it never
+  blocks the host ([Note: deferred finite check] in finite.py). `check_finite=False` skips the
+  count.
 - Error feedback: with round-to-nearest, `decode(enc) + (x - decode(enc)) == x` exactly in fp32
   (the residual is always exactly representable: Sterbenz's lemma, since a nonzero code is within
   a factor of 2 of its input). `encode_with_feedback` below keeps that residual.
@@ -42,6 +44,7 @@ from overlap.kernels import (
     quantize_blockwise,
     quantize_feedback_blockwise,
 )
+from overlap.compression.finite import NonfiniteCounter
 from overlap.kernels.reference import CodeFormat
 
 _SCALE_BYTES = 4  # fp32 per block
@@ -86,6 +89,12 @@ class Codec(ABC):
             enc = enc._replace(codes=enc.codes.clone())
         torch.sub(target, self.decode(enc, torch.float32), out=target)
         return enc
+
+    def raise_if_nonfinite(self, *, wait: bool = False) -> None:
+        """Raise ValueError if encodes since the last check met Inf/NaN that this codec cannot
+        carry. Call once per step: on CUDA it reports the previous step's encodes without
+        blocking the host, or this step's with `wait=True` ([Note: deferred finite check] in
+        finite.py). Codecs that carry Inf/NaN (identity, bf16) have nothing to report."""
 
     def decode(self, enc: Encoded, dtype: torch.dtype | None = None) -> torch.Tensor:
         """A new flat tensor of `dtype` (default: the encoded tensor's dtype)."""
@@ -227,6 +236,7 @@ class _BlockwiseCodec(Codec):
         self.stochastic = stochastic
         self.generator = generator
         self.check_finite = check_finite
+        self._nonfinite = NonfiniteCounter()
 
     def encode(self, x: torch.Tensor) -> Encoded:
         codes, scales = quantize_blockwise(
@@ -241,19 +251,23 @@ class _BlockwiseCodec(Codec):
         return self._checked(Encoded(codes, scales, x.numel(), torch.float32))  # x + r, in fp32
 
     def _checked(self, enc: Encoded) -> Encoded:
-        scales = enc.scales
-        assert scales is not None
+        assert enc.scales is not None
         if self.check_finite:
-            bad = torch.isnan(scales)
-            if bool(bad.any()):
-                raise ValueError(
-                    f"overlap.compression.{type(self).__name__}: the input holds Inf or NaN in "
-                    f"{int(bad.sum())} of {scales.numel()} blocks of {self.block_size}; quantized "
-                    "codes cannot carry them. Fix the overflow (lower the learning rate, use a "
-                    "loss scaler) or build the codec with check_finite=False to pass such blocks "
-                    "through as NaN."
-                )
+            self._nonfinite.add(enc.scales)  # no host sync: read by raise_if_nonfinite
         return enc
+
+    def raise_if_nonfinite(self, *, wait: bool = False) -> None:
+        if not self.check_finite:
+            return
+        bad, blocks, encodes = self._nonfinite.take(wait)
+        if bad:
+            raise ValueError(
+                f"overlap.compression.{type(self).__name__}: the input holds Inf or NaN in {bad} of "
+                f"{blocks} blocks of {self.block_size} ({encodes} encodes checked); quantized codes "
+                "cannot carry them, so those blocks were sent as NaN. Fix the overflow (lower the "
+                "learning rate, use a loss scaler) or build the codec with check_finite=False to "
+                "let such blocks pass through as NaN without this error."
+            )
 
     def _decode_into(self, enc: Encoded, out: torch.Tensor, accumulate: bool) -> None:
         assert enc.scales is not None, "blockwise codes travel with their scales"

@@ -3,18 +3,25 @@
 [Note: fused copy layout]
 A flat buffer of `num_rows * W` elements, viewed as (num_rows, W), is cut along dim 1 into
 column blocks, one per tensor: segment i holds `sizes[i]` elements, `cols_i = sizes[i] / num_rows`
-columns starting at column `off_i = cols_0 + ... + cols_{i-1}`, and `W = sum(cols_i)`. Segment i
-read row-major, i.e. `flat.view(num_rows, W)[:, off_i : off_i + cols_i].reshape(-1)`, is the
-tensor's flat contents followed by zero padding up to `sizes[i]`:
+columns starting at column `off_i = cols_0 + ... + cols_{i-1}`, and `W = sum(cols_i)`. Tensor i
+fills its block row by row, `d_i = data_cols[i]` (default `cols_i`, at most `cols_i`) elements
+per row: its element k sits at row `k // d_i`, column `off_i + k % d_i`. Every other position of
+the block is padding: columns `d_i..cols_i - 1` of each row, and the rows (or the rest of a row)
+past the tensor's last element. With the default `d_i = cols_i`, segment i read row-major
+(`flat.view(num_rows, W)[:, off_i : off_i + cols_i].reshape(-1)`) is the tensor's flat contents
+followed by padding:
 
-    copy_out(flat, outs)   outs[i].view(-1) = segment_i[: outs[i].numel()]   (cast to outs[i].dtype)
-    copy_in(srcs, flat)    segment_i = [srcs[i].view(-1), 0, ..., 0]         (cast to flat.dtype)
+    copy_out(flat, outs)   outs[i].view(-1) = the data positions of segment i, in order
+                           (the first outs[i].numel() of them; cast to outs[i].dtype)
+    copy_in(srcs, flat)    segment i = srcs[i] at its data positions, 0 at the padding
+                           (cast to flat.dtype)
 
 `num_rows = 1` is a plain split / concatenation (`sizes` default to the tensors' numels). With
-`num_rows = world_size` and `sizes[i] = world_size * chunk_numel_i` this is exactly the runtime's
-rank-major all-gather output -> parameter-major unsharded buffer (copy-out) and padded gradients
--> rank-major reduce-scatter input (copy-in), see [Note: flat layout] in overlap/units.py.
-A `None` source is all zeros (an unused parameter's gradient); so is a trailing padding region.
+`num_rows = world_size`, `sizes[i] = world_size * padded_chunk_numel_i` and `data_cols[i] =
+chunk_numel_i` this is exactly the runtime's rank-major all-gather output -> parameter-major
+unsharded buffer (copy-out) and padded gradients -> rank-major reduce-scatter input (copy-in),
+see [Note: flat layout] in overlap/units.py. A `None` source is all zeros (an unused
+parameter's gradient).
 
 Casts are torch's (`Tensor.to`): fp32 -> bf16/fp16 round to nearest even, widening is exact;
 every backend equals `copy_out_ref` / `copy_in_ref` bitwise for finite and infinite values. NaN
@@ -41,15 +48,20 @@ COMPILED_DTYPES = frozenset({torch.float32, torch.bfloat16, torch.float16})
 
 # ---------------------------------------------------------------------------------- references
 def copy_out_ref(
-    flat: torch.Tensor, outs: Sequence[torch.Tensor], sizes: Sequence[int] | None = None, num_rows: int = 1
+    flat: torch.Tensor,
+    outs: Sequence[torch.Tensor],
+    sizes: Sequence[int] | None = None,
+    num_rows: int = 1,
+    data_cols: Sequence[int] | None = None,
 ) -> None:
     """Definition of `copy_out` ([Note: fused copy layout]) in plain torch ops."""
     sizes = _sizes_or_numels(sizes, outs)
     cols = [s // num_rows for s in sizes]
+    data = cols if data_cols is None else list(data_cols)
     blocks = flat.reshape(num_rows, -1).split(cols, dim=1)
     with torch.no_grad():
-        for out, block in zip(outs, blocks):
-            out.view(-1).copy_(block.reshape(-1)[: out.numel()])
+        for out, block, d in zip(outs, blocks, data):
+            out.view(-1).copy_(block[:, :d].reshape(-1)[: out.numel()])
 
 
 def copy_in_ref(
@@ -57,16 +69,20 @@ def copy_in_ref(
     flat: torch.Tensor,
     sizes: Sequence[int] | None = None,
     num_rows: int = 1,
+    data_cols: Sequence[int] | None = None,
 ) -> torch.Tensor:
     """Definition of `copy_in` ([Note: fused copy layout]) in plain torch ops; returns `flat`."""
     sizes = _sizes_or_numels(sizes, srcs)
+    data = [s // num_rows for s in sizes] if data_cols is None else list(data_cols)
     with torch.no_grad():
         columns = []
-        for src, size in zip(srcs, sizes):
-            column = torch.zeros(size, dtype=flat.dtype, device=flat.device)
+        for src, size, d in zip(srcs, sizes, data):
+            column = torch.zeros(num_rows, size // num_rows, dtype=flat.dtype, device=flat.device)
             if src is not None:
-                column[: src.numel()] = src.reshape(-1)
-            columns.append(column.view(num_rows, -1))
+                rows = torch.zeros(num_rows * d, dtype=flat.dtype, device=flat.device)
+                rows[: src.numel()] = src.reshape(-1)
+                column[:, :d] = rows.view(num_rows, d)
+            columns.append(column)
         if columns:
             torch.cat(columns, dim=1, out=flat.view(num_rows, -1))
     return flat
@@ -79,25 +95,28 @@ def copy_out(
     *,
     sizes: Sequence[int] | None = None,
     num_rows: int = 1,
+    data_cols: Sequence[int] | None = None,
     backend: Backend = "auto",
 ) -> None:
     """Split `flat` into the contiguous `outs` in one pass, casting to each out's dtype.
 
     See [Note: fused copy layout]; `sizes[i]` (default `outs[i].numel()`) is segment i's length
-    in `flat`, of which out i receives the first `outs[i].numel()` elements.
+    in `flat`, `data_cols[i]` (default: all its columns) the columns of each row that hold
+    data; out i receives the first `outs[i].numel()` data elements.
     """
     sizes = [t.numel() for t in outs] if sizes is None else list(sizes)
     flat = flat.contiguous()
-    dtypes = _validate("copy_out", flat, outs, sizes, num_rows)
+    dtypes = _validate("copy_out", flat, outs, sizes, num_rows, data_cols)
+    data = [s // num_rows for s in sizes] if data_cols is None else list(data_cols)
     chosen = select_copy_backend(flat.device, dtypes, backend)
     if chosen == "cpp":
-        _extension().copy_out(flat, outs, sizes, num_rows)
+        _extension().copy_out(flat, outs, sizes, data, num_rows)
     elif chosen == "triton":
         from overlap.kernels import triton_copy
 
-        triton_copy.copy_out(flat, outs, sizes, num_rows)
+        triton_copy.copy_out(flat, outs, sizes, data, num_rows)
     else:
-        copy_out_ref(flat, outs, sizes, num_rows)
+        copy_out_ref(flat, outs, sizes, num_rows, data)
         return
     torch.autograd.graph.increment_version(outs)  # raw writes: count them as `copy_` would
 
@@ -108,13 +127,14 @@ def copy_in(
     *,
     sizes: Sequence[int] | None = None,
     num_rows: int = 1,
+    data_cols: Sequence[int] | None = None,
     backend: Backend = "auto",
 ) -> torch.Tensor:
     """Pack `srcs` into the contiguous `flat` in one pass, cast to `flat.dtype`, zero-padded.
 
     See [Note: fused copy layout]; `sizes[i]` (default `srcs[i].numel()`, required for a None
-    source) is segment i's length, of which the first `srcs[i].numel()` elements are the source.
-    Returns `flat`.
+    source) is segment i's length, `data_cols[i]` (default: all its columns) the columns of
+    each row that take source elements. Returns `flat`.
     """
     if sizes is None:
         if any(s is None for s in srcs):
@@ -125,17 +145,18 @@ def copy_in(
     if not flat.is_contiguous():
         raise ValueError("overlap.kernels.copy_in: flat must be contiguous")
     present = [s if s is None or s.is_contiguous() else s.contiguous() for s in srcs]
-    dtypes = _validate("copy_in", flat, present, sizes, num_rows)
+    dtypes = _validate("copy_in", flat, present, sizes, num_rows, data_cols)
+    data = [s // num_rows for s in sizes] if data_cols is None else list(data_cols)
     chosen = select_copy_backend(flat.device, dtypes, backend)
     if chosen == "cpp":
         empty = flat.new_empty(0)
-        _extension().copy_in([s if s is not None else empty for s in present], sizes, flat, num_rows)
+        _extension().copy_in([s if s is not None else empty for s in present], sizes, data, flat, num_rows)
     elif chosen == "triton":
         from overlap.kernels import triton_copy
 
-        triton_copy.copy_in(present, flat, sizes, num_rows)
+        triton_copy.copy_in(present, flat, sizes, data, num_rows)
     else:
-        return copy_in_ref(present, flat, sizes, num_rows)
+        return copy_in_ref(present, flat, sizes, num_rows, data)
     torch.autograd.graph.increment_version(flat)  # raw writes: count them as `copy_` would
     return flat
 
@@ -172,6 +193,7 @@ def _validate(
     tensors: Sequence[torch.Tensor | None],
     sizes: list[int],
     num_rows: int,
+    data_cols: Sequence[int] | None,
 ) -> set[torch.dtype]:
     """Check the layout and the tensors in one pass (this runs per unit per step); returns
     the dtypes involved."""
@@ -180,6 +202,8 @@ def _validate(
         raise ValueError(f"{where}: num_rows must be a positive int, got {num_rows!r}")
     if len(sizes) != len(tensors):
         raise ValueError(f"{where}: {len(sizes)} sizes for {len(tensors)} tensors")
+    if data_cols is not None and len(data_cols) != len(tensors):
+        raise ValueError(f"{where}: {len(data_cols)} data_cols for {len(tensors)} tensors")
     if not flat.is_floating_point():
         raise TypeError(f"{where}: flat must be floating, got {flat.dtype}")
     device = flat.device
@@ -189,6 +213,12 @@ def _validate(
         total += size
         if size < 0 or size % num_rows:
             raise ValueError(f"{where}: sizes[{i}]={size} is not a non-negative multiple of num_rows={num_rows}")
+        capacity = size
+        if data_cols is not None:
+            d = data_cols[i]
+            if not 0 <= d <= size // num_rows:
+                raise ValueError(f"{where}: data_cols[{i}]={d} is not within the segment's {size // num_rows} columns")
+            capacity = num_rows * d
         if t is None:
             continue
         dtype = t.dtype
@@ -196,8 +226,11 @@ def _validate(
             if not t.is_floating_point():
                 raise TypeError(f"{where}: tensor {i} must be floating, got {dtype}")
             dtypes.add(dtype)
-        if t.numel() > size:
-            raise ValueError(f"{where}: tensor {i} has {t.numel()} elements, more than sizes[{i}]={size}")
+        if t.numel() > capacity:
+            raise ValueError(
+                f"{where}: tensor {i} has {t.numel()} elements, more than sizes[{i}]={size} "
+                f"(num_rows={num_rows} x data_cols) holds"
+            )
         if not t.is_contiguous():
             raise ValueError(f"{where}: tensor {i} must be contiguous")
         if t.device != device:

@@ -8,11 +8,12 @@ reference (`reference.py`), which defines the format ([Note: blockwise quantizat
 
 from __future__ import annotations
 
+import warnings
 from typing import Literal
 
 import torch
 
-from overlap.kernels import cpu
+from overlap.kernels import cpu, triton_launch
 from overlap.kernels.reference import (
     CodeFormat,
     code_numel,
@@ -36,21 +37,41 @@ def _check_format(bits: int, block: int, fmt: CodeFormat, stochastic: bool) -> N
         raise ValueError("overlap.kernels: stochastic rounding is available for int formats only")
 
 
-def _triton_usable(t: torch.Tensor, block: int) -> bool:
-    if t.device.type != "cuda" or block & (block - 1):  # Triton tiles are powers of two
+def _triton_usable(device: torch.device, block: int) -> bool:
+    if device.type != "cuda" or block & (block - 1):  # Triton tiles are powers of two
         return False
-    from overlap.kernels import triton_kernels
-
-    return triton_kernels.available()
+    return triton_launch.available()
 
 
-def select_backend(device: torch.device, block: int, backend: Backend = "auto") -> str:
-    """The backend `quantize_blockwise` / `dequantize_blockwise` would use for this device."""
+_fp8_fallback_warned: set[torch.device] = set()
+
+
+def select_backend(device: torch.device, block: int, backend: Backend = "auto", *, fmt: CodeFormat = "int") -> str:
+    """The backend `quantize_blockwise` / `dequantize_blockwise` use for `fmt` codes on `device`.
+
+    fp8 on a GPU below sm_89 (e.g. A100) cannot use Triton ([Note: Triton launches] in
+    triton_launch.py): "auto" picks the torch reference there, after one warning per device."""
     if backend != "auto":
+        fp8_on_cuda = fmt == "fp8" and device.type == "cuda"
+        if backend == "triton" and fp8_on_cuda and not triton_launch.supports_fp8(device):
+            raise ValueError(
+                f"overlap.kernels: backend='triton' has no fp8 kernel for {device} (compute capability "
+                f"{triton_launch.capability(device)} < {triton_launch.FP8_MIN_CAPABILITY}); use backend='auto'"
+            )
         return backend
     if device.type == "cuda":
-        probe = torch.empty(0, device=device)
-        return "triton" if _triton_usable(probe, block) else "ref"
+        if not _triton_usable(device, block):
+            return "ref"
+        if fmt == "fp8" and not triton_launch.supports_fp8(device):
+            if device not in _fp8_fallback_warned:
+                _fp8_fallback_warned.add(device)
+                warnings.warn(
+                    f"overlap: {device} (compute capability {triton_launch.capability(device)}) has no fp8 "
+                    "Triton kernels (sm_89+ only); fp8 codes use the slower torch reference there",
+                    stacklevel=3,
+                )
+            return "ref"
+        return "triton"
     if device.type == "cpu" and cpu.load_extension() is not None:
         return "cpp"
     return "ref"
@@ -79,7 +100,7 @@ def quantize_blockwise(
     if stochastic:
         nb = num_blocks_for(x.numel(), block)
         noise = torch.rand(nb * block, generator=generator, device=x.device, dtype=torch.float32)
-    chosen = select_backend(x.device, block, backend)
+    chosen = select_backend(x.device, block, backend, fmt=fmt)
     if chosen == "cpp":
         ext = cpu.load_extension()
         if ext is None:
@@ -121,7 +142,7 @@ def dequantize_blockwise(
         raise ValueError("overlap.kernels.dequantize_blockwise: out must be contiguous, floating, numel elements")
     codes = codes.contiguous()
     scales = scales.contiguous().float()
-    chosen = select_backend(codes.device, block, backend)
+    chosen = select_backend(codes.device, block, backend, fmt=fmt)
     if chosen == "cpp":
         ext = cpu.load_extension()
         if ext is None:
@@ -162,7 +183,7 @@ def quantize_feedback_blockwise(
         )
     x = x.contiguous().view(-1)
     target = residual.view(-1)
-    chosen = select_backend(x.device, block, backend)
+    chosen = select_backend(x.device, block, backend, fmt=fmt)
     if chosen == "cpp":
         ext = cpu.load_extension()
         if ext is None:

@@ -3,10 +3,13 @@
 One program per quantization block (the block size is the tile: a power of two). Same format
 and same fp32 expressions as the torch reference ([Note: blockwise quantization format] in
 reference.py): IEEE division (`div_rn`, not Triton's approximate `/`), round-half-even by the
-1.5 * 2^23 trick, no fused multiply-add in the decode, so results match the reference bitwise.
+1.5 * 2^23 trick, no fused multiply-add in the decode (launched with fp fusion off, see
+[Note: Triton launches] in triton_launch.py), so results match the reference bitwise.
 
-Tested on CPU under TRITON_INTERPRET=1 (int8/int4). The interpreter's fp32 -> fp8 cast is wrong,
-so the fp8 path is checked on a GPU only.
+Tested on CPU under TRITON_INTERPRET=1 (int8/int4; the interpreter's fp32 -> fp8 cast is wrong,
+so the fp8 path runs on a GPU only), and compiled for sm_90 and sm_80 by
+tests/test_triton_compile.py, which checks what the interpreter cannot (globals, fusion, fp8
+support per architecture).
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from overlap.kernels.reference import CodeFormat, code_numel, num_blocks_for, qmax_for
+from overlap.kernels.triton_launch import LAUNCH_OPTIONS, available, on_device
 
 try:
     import triton  # type: ignore[import-not-found, unused-ignore]
@@ -22,15 +26,14 @@ except ImportError:  # the package works without triton: dispatch falls back
     triton = None
     tl = None
 
-_ROUND_MAGIC = 12582912.0  # 1.5 * 2^23: (y + M) - M rounds |y| < 2^22 half-to-even
 _FMT_FP8 = 1
 
-
-def available() -> bool:
-    return triton is not None
-
+__all__ = ["available", "dequantize_blockwise", "quantize_blockwise"]
 
 if triton is not None:
+    # A jitted function may read a global only if it is a constexpr (the compiler rejects plain
+    # Python numbers; the interpreter does not notice).
+    _ROUND_MAGIC = tl.constexpr(12582912.0)  # 1.5 * 2^23: (y + M) - M rounds |y| < 2^22 half-to-even
 
     @triton.jit
     def _quantize_kernel(
@@ -144,11 +147,12 @@ def quantize_blockwise(
         return codes, scales
     if noise is not None:
         _check(noise, "noise", block)
-    _quantize_kernel[(nb,)](
-        x, noise if noise is not None else x, codes, scales, numel,
-        QMAX=qmax_for(bits, fmt), BLOCK=block, BITS=bits,
-        FMT=_FMT_FP8 if fmt == "fp8" else 0, STOCHASTIC=noise is not None,
-    )  # fmt: skip
+    with on_device(x):
+        _quantize_kernel[(nb,)](
+            x, noise if noise is not None else x, codes, scales, numel,
+            QMAX=qmax_for(bits, fmt), BLOCK=block, BITS=bits,
+            FMT=_FMT_FP8 if fmt == "fp8" else 0, STOCHASTIC=noise is not None, **LAUNCH_OPTIONS,
+        )  # fmt: skip
     return codes, scales
 
 
@@ -168,8 +172,10 @@ def dequantize_blockwise(
     _check(out, "out", block)
     nb = num_blocks_for(numel, block)
     if nb:
-        _dequantize_kernel[(nb,)](
-            codes, scales, out, numel,
-            BLOCK=block, BITS=bits, FMT=_FMT_FP8 if fmt == "fp8" else 0, ACCUMULATE=accumulate,
-        )  # fmt: skip
+        with on_device(out):
+            _dequantize_kernel[(nb,)](
+                codes, scales, out, numel,
+                BLOCK=block, BITS=bits, FMT=_FMT_FP8 if fmt == "fp8" else 0, ACCUMULATE=accumulate,
+                **LAUNCH_OPTIONS,
+            )  # fmt: skip
     return out

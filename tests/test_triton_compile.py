@@ -1,0 +1,223 @@
+"""Every Triton kernel variant the library can launch compiles through Triton's real CUDA
+backend, to PTX and a cubin, for sm_90 and sm_80, on a machine without a GPU.
+
+The interpreter (tests/triton_interpreter_check.py) checks results; this checks what it cannot
+see: globals a jitted function may not read, types, lowering per architecture, fp fusion, and
+alignment hints. Variants: quantize {int8, int4, fp8} x {round-to-nearest, stochastic (int
+only)} x input {fp32, bf16, fp16}; dequantize {int8, int4, fp8} x {accumulate, not} x output
+{fp32, bf16, fp16}; copy-out / copy-in x flat dtype x tensor dtype x {aligned, unaligned}. The
+error-feedback quantize has no kernel of its own on CUDA (it composes these two). Each compiles
+with the library's launch options ([Note: Triton launches] in overlap/kernels/triton_launch.py).
+fp8 needs sm_89: those variants must fail to compile for sm_80, exactly where the library's
+dispatch stops choosing Triton for fp8.
+
+Fails (never skips) when triton is installed and a compile breaks. Compiles are cached on disk
+by Triton; cold, the file takes about half a minute on two cores.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import warnings
+from typing import Any, NamedTuple
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton", reason="triton is not installed (extra `triton`; CI installs it)")
+if os.environ.get("TRITON_INTERPRET", "") not in ("", "0"):  # jit returns interpreted functions then
+    pytest.skip("TRITON_INTERPRET is set in this process: nothing to compile", allow_module_level=True)
+
+import triton.language as tl  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from overlap.kernels import quantize, triton_copy, triton_kernels, triton_launch  # noqa: E402
+from overlap.kernels.reference import qmax_for  # noqa: E402
+from overlap.kernels.triton_launch import FP8_MIN_CAPABILITY, LAUNCH_OPTIONS  # noqa: E402
+
+ARCHS = (90, 80)
+_TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+_ROUND_MAGIC_PTX = "0f4B400000"  # 1.5 * 2^23 as a PTX fp32 literal
+
+
+class Variant(NamedTuple):
+    name: str
+    kernel: Any
+    signature: dict[str, str]  # non-constexpr parameters
+    constexprs: dict[str, Any]
+    fp8: bool = False
+
+
+def _label(bits: int, fmt: str) -> str:
+    return "fp8" if fmt == "fp8" else f"int{bits}"
+
+
+def _quantize_variants() -> list[Variant]:
+    out = []
+    for bits, fmt, block in ((8, "int", 256), (4, "int", 128), (8, "fp8", 256)):
+        for stochastic in (False, True) if fmt == "int" else (False,):
+            for dtype, ty in _TYPES.items():
+                codes = "*i8" if bits == 8 and fmt == "int" else "*u8"
+                signature = {"x_ptr": f"*{ty}", "noise_ptr": "*fp32" if stochastic else f"*{ty}",
+                             "codes_ptr": codes, "scales_ptr": "*fp32", "numel": "i32"}  # fmt: skip
+                constexprs = {"QMAX": qmax_for(bits, fmt), "BLOCK": block, "BITS": bits,  # type: ignore[arg-type]
+                              "FMT": 1 if fmt == "fp8" else 0, "STOCHASTIC": stochastic}  # fmt: skip
+                name = f"quantize {_label(bits, fmt)} {'stochastic' if stochastic else 'nearest'} {ty}"
+                out.append(Variant(name, triton_kernels._quantize_kernel, signature, constexprs, fmt == "fp8"))
+    return out
+
+
+def _dequantize_variants() -> list[Variant]:
+    out = []
+    for bits, fmt, block in ((8, "int", 256), (4, "int", 128), (8, "fp8", 256)):
+        for accumulate in (False, True):
+            for ty in _TYPES.values():
+                codes = "*i8" if bits == 8 and fmt == "int" else "*u8"
+                signature = {"codes_ptr": codes, "scales_ptr": "*fp32", "out_ptr": f"*{ty}", "numel": "i32"}
+                constexprs = {"BLOCK": block, "BITS": bits, "FMT": 1 if fmt == "fp8" else 0, "ACCUMULATE": accumulate}
+                name = f"dequantize {_label(bits, fmt)} {'accumulate' if accumulate else 'store'} {ty}"
+                out.append(Variant(name, triton_kernels._dequantize_kernel, signature, constexprs, fmt == "fp8"))
+    return out
+
+
+def _copy_variants() -> list[Variant]:
+    out = []
+    for kind, kernel in (("copy_out", triton_copy._copy_out_kernel), ("copy_in", triton_copy._copy_in_kernel)):
+        for flat in _TYPES.values():
+            for tensors in _TYPES.values():
+                for aligned in (True, False):
+                    signature = {"flat_ptr": f"*{flat}", "base_ptr": f"*{tensors}", "table_ptr": "*i64",
+                                 "row_stride": "i32"}  # fmt: skip
+                    constexprs = {"LOG_SEGS": 3, "NUM_STARTS": 8, "BLOCK": triton_copy.BLOCK, "ALIGNED": aligned}
+                    name = f"{kind} flat {flat} tensors {tensors} {'aligned' if aligned else 'unaligned'}"
+                    out.append(Variant(name, kernel, signature, constexprs))
+    one_segment = {"LOG_SEGS": 0, "NUM_STARTS": 1, "BLOCK": triton_copy.BLOCK, "ALIGNED": True}
+    out.append(Variant("copy_out one segment", triton_copy._copy_out_kernel, out[0].signature, one_segment))
+    return out
+
+
+VARIANTS = _quantize_variants() + _dequantize_variants() + _copy_variants()
+
+
+def compile_ptx(variant: Variant, arch: int, options: dict[str, Any] = LAUNCH_OPTIONS) -> str:
+    """PTX of `variant` for sm_`arch`, after lowering all the way to a cubin. Pointers are
+    specialized as 16-byte aligned, as Triton's launcher does for tensors from torch."""
+    signature = variant.signature | dict.fromkeys(variant.constexprs, "constexpr")
+    attrs = {(i,): [["tt.divisibility", 16]] for i, ty in enumerate(variant.signature.values()) if ty.startswith("*")}
+    source = ASTSource(fn=variant.kernel, signature=signature, constexprs=variant.constexprs, attrs=attrs)
+    with warnings.catch_warnings():  # triton 3.9 announces its fp fusion default change
+        warnings.simplefilter("ignore", UserWarning)
+        compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32), options=dict(options))
+    assert compiled.asm.get("cubin"), f"{variant.name}: no cubin for sm_{arch}"
+    return compiled.asm["ptx"]
+
+
+def _supported(variant: Variant, arch: int) -> bool:
+    return not variant.fp8 or divmod(arch, 10) >= FP8_MIN_CAPABILITY
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=[v.name for v in VARIANTS])
+def test_kernel_compiles(variant: Variant) -> None:
+    for arch in ARCHS:
+        if not _supported(variant, arch):
+            continue  # test_fp8_rejected_exactly_where_dispatch_falls_back
+        ptx = compile_ptx(variant, arch)
+        where = f"{variant.name} sm_{arch}"
+        # fp fusion off: no multiply-add contraction anywhere (bitwise decode, exact error feedback)
+        assert "fma." not in ptx, f"{where}: fused multiply-add in the PTX"
+        if variant.kernel is triton_kernels._quantize_kernel and not variant.fp8:
+            if not variant.constexprs["STOCHASTIC"]:  # round-half-even by (y + M) - M, not folded away
+                assert ptx.count(_ROUND_MAGIC_PTX) >= 2, f"{where}: the rounding constant is gone"
+            assert "div.rn.f32" in ptx, f"{where}: IEEE division expected"
+        if variant.kernel in (triton_copy._copy_out_kernel, triton_copy._copy_in_kernel):
+            loads = re.findall(r"ld\.global\.v4\.", ptx)
+            stores = re.findall(r"st\.global\.v4\.", ptx)
+            vectorized = bool(loads) and bool(stores)
+            assert vectorized == variant.constexprs["ALIGNED"], f"{where}: 16-byte vector access {vectorized}"
+
+
+def test_fusion_check_can_fail() -> None:
+    """The "fma." check above is meaningful: with Triton's default fusion the accumulating
+    decode does contract (the bug the launch options prevent)."""
+    variant = next(v for v in VARIANTS if v.name == "dequantize int8 accumulate fp32")
+    fused = compile_ptx(variant, 90, LAUNCH_OPTIONS | {"enable_fp_fusion": True})
+    assert "fma." in fused
+
+
+@pytest.mark.parametrize("arch", [80, 86, 89, 90])
+def test_fp8_rejected_exactly_where_dispatch_falls_back(arch: int, monkeypatch) -> None:
+    """fp8 kernels compile from sm_89 on and are rejected below; the dispatch picks Triton for
+    fp8 exactly where they compile (and the reference elsewhere), int formats everywhere."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: divmod(arch, 10))
+    monkeypatch.setattr(triton_launch, "_capability", {})
+    monkeypatch.setattr(quantize, "_fp8_fallback_warned", set())
+    fp8 = [v for v in VARIANTS if v.fp8 and v.name.endswith("fp32")]
+    assert fp8
+    compiles = []
+    for variant in fp8:
+        try:
+            compile_ptx(variant, arch)
+            compiles.append(True)
+        except Exception as exc:  # noqa: BLE001  # triton's CompilationError: the type is unsupported
+            assert "fp8" in str(exc).lower(), f"{variant.name} sm_{arch}: unexpected failure {exc!r}"
+            compiles.append(False)
+    assert len(set(compiles)) == 1, f"sm_{arch}: fp8 variants disagree: {compiles}"
+    device = torch.device("cuda", 0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # the fallback's one-time warning
+        chosen = quantize.select_backend(device, 256, fmt="fp8")
+    assert (chosen == "triton") == compiles[0], f"sm_{arch}: dispatch {chosen!r}, compiles {compiles[0]}"
+    assert quantize.select_backend(device, 256, fmt="int") == "triton"
+
+
+class _LaunchRecorder:
+    """Stands in for a jitted kernel: records each launch's keyword arguments and whether it
+    ran inside the device guard of the tensors it was given."""
+
+    def __init__(self, guard: list[torch.device]) -> None:
+        self.guard = guard
+        self.launches: list[tuple[dict[str, Any], list[torch.device]]] = []
+
+    def __getitem__(self, grid: tuple[int, ...]) -> Any:
+        def launch(*args: Any, **kwargs: Any) -> None:
+            self.launches.append((kwargs, list(self.guard)))
+
+        return launch
+
+
+def test_every_launch_uses_the_launch_options_under_the_tensors_device(monkeypatch) -> None:
+    """What the compile above assumes of the launches: every wrapper passes LAUNCH_OPTIONS
+    (fp fusion off) and launches inside `on_device` of its tensors ([Note: Triton launches])."""
+    from contextlib import contextmanager
+
+    guard: list[torch.device] = []
+
+    @contextmanager
+    def on_device(t: torch.Tensor):
+        guard.append(t.device)
+        try:
+            yield
+        finally:
+            guard.pop()
+
+    kernels = {}
+    for module, name in ((triton_kernels, "_quantize_kernel"), (triton_kernels, "_dequantize_kernel"),
+                         (triton_copy, "_copy_out_kernel"), (triton_copy, "_copy_in_kernel")):  # fmt: skip
+        kernels[name] = _LaunchRecorder(guard)
+        monkeypatch.setattr(module, name, kernels[name])
+    monkeypatch.setattr(triton_kernels, "on_device", on_device)
+    monkeypatch.setattr(triton_copy, "on_device", on_device)
+    x = torch.randn(1000)
+    codes, scales = triton_kernels.quantize_blockwise(x, 8, 256)
+    triton_kernels.quantize_blockwise(x, 4, 256, noise=torch.rand(1024))
+    triton_kernels.dequantize_blockwise(codes, scales, 8, 256, 1000, x.clone(), True)
+    flat = torch.randn(64)
+    triton_copy.copy_out(flat, [torch.empty(32, dtype=torch.bfloat16), torch.empty(30)], [32, 32], [16, 16], 2)
+    triton_copy.copy_in([torch.randn(30), None], flat, [32, 32], [16, 16], 2)
+    for name, recorder in kernels.items():
+        assert recorder.launches, f"{name} was never launched"
+        for kwargs, devices in recorder.launches:
+            assert kwargs.items() >= LAUNCH_OPTIONS.items(), f"{name}: launched with {kwargs}"
+            assert devices == [torch.device("cpu")], f"{name}: launched outside the tensors' device guard"
