@@ -101,7 +101,12 @@ class OverlapConfig:
     returning them to the OS, as CUDA's caching allocator does. ZeRO-3 frees and re-allocates
     every unit's unsharded buffer twice a step; with glibc's default each re-allocation is fresh
     mmap'd memory whose first touch page-faults (~7 ms per 12 MiB here). Process-wide: it affects
-    every allocation of the process, and resident memory stays at its high-water mark."""
+    every allocation of the process, and resident memory stays at its high-water mark.
+    Why it stays on by default: with the reduce-scatter inputs bounded (`max_reduce_inputs`) the
+    memory it costs is small, and the time it saves is not. Measured on the 12-layer encoder
+    workload of `overlap bench memory` (2 ranks, AdamW): peak RSS 2,097 / 2,049 MiB with it,
+    2,027 / 2,027 MiB without (+3%), both below FSDP2's 2,397 / 2,291 MiB; the step-time side is
+    in benchmarks/RESULTS.md. Turn it off when RSS matters more than step time."""
 
     collective_timeout_s: float | None = None
     """Seconds a wait on an all-gather or reduce-scatter may take before it raises (a dead or

@@ -121,6 +121,8 @@ class UnitTensors:
     gather_from_secondary: bool = False  # the gather in flight reads the secondary copies
     trainable: list[tuple[Any, nn.Parameter]] = field(init=False)  # (slot, sharded param) with grads
     copy_out_views: list[torch.Tensor] | None = None  # per slot, its span of unsharded_flat
+    copy_out_sizes: list[int] | None = None  # per slot, its padded span of the gathered rows
+    copy_out_cols: list[int] | None = None  # per slot, the data columns of its chunk
 
     def __post_init__(self) -> None:
         self.trainable = [(s, p) for s, p in zip(self.layout.slots, self.sharded_params) if s.requires_grad]
@@ -353,17 +355,22 @@ class Runtime:
     def _copy_out(self, unit: UnitTensors, gathered: torch.Tensor) -> None:
         """Rank-major gather output -> parameter-major unsharded buffer, one fused pass
         (kernels.copy_out, [Note: fused copy layout] in overlap/kernels/copy.py)."""
-        outs = unit.copy_out_views
-        if outs is None:  # views stay valid across storage resizes: built once
+        if unit.copy_out_views is None:  # views stay valid across storage resizes: built once
             n = self.world_size
-            outs = unit.copy_out_views = [
-                unit.unsharded_flat[s.unsharded_offset : s.unsharded_offset + n * s.chunk_numel]
-                for s in unit.layout.slots
+            slots = unit.layout.slots
+            unit.copy_out_views = [
+                unit.unsharded_flat[s.unsharded_offset : s.unsharded_offset + n * s.chunk_numel] for s in slots
             ]
+            # each rank's chunk is padded to CHUNK_ALIGN_NUMEL in the gathered rows (units.py)
+            unit.copy_out_sizes = [n * s.padded_chunk_numel for s in slots]
+            unit.copy_out_cols = [s.chunk_numel for s in slots]
+        outs = unit.copy_out_views
         # The unsharded params alias this storage and autograd may hold them from forward: a
         # refill must not bump their version counter (the data is the same as before the free).
         with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(unit.unsharded_flat):
-            kernels.copy_out(gathered, outs, num_rows=self.world_size)
+            kernels.copy_out(
+                gathered, outs, sizes=unit.copy_out_sizes, data_cols=unit.copy_out_cols, num_rows=self.world_size
+            )
 
     def free(self, index: int) -> None:
         unit = self.units[index]
@@ -393,7 +400,8 @@ class Runtime:
             # One fused pass (kernels.copy_in): gradients cast to the reduce dtype, padded, a
             # missing gradient as zeros, into the rank-major buffer ([Note: flat layout]).
             srcs: list[torch.Tensor | None] = []
-            sizes: list[int] = []
+            sizes: list[int] = []  # per gradient, its padded span of the rank-major rows
+            data_cols: list[int] = []  # per gradient, the columns of each row holding data
             used: list[bool] = []
             for index in indices:
                 unit = self.units[index]
@@ -402,14 +410,15 @@ class Runtime:
                         continue
                     used.append(param.grad is not None)
                     srcs.append(param.grad)
-                    sizes.append(n * slot.chunk_numel)
+                    sizes.append(n * slot.padded_chunk_numel)
+                    data_cols.append(slot.chunk_numel)
                     param.grad = None
             flags = self._flags_for(tuple(used), dtype)
             width_grads = sum(sizes) // n
             if self.grad_codec is None:  # flags ride in the same buffer
-                srcs, sizes = [*srcs, flags], [*sizes, flags.numel()]
+                srcs, sizes, data_cols = [*srcs, flags], [*sizes, flags.numel()], [*data_cols, len(used)]
             full = torch.empty(n, sum(sizes) // n, dtype=dtype, device=self.device)
-            kernels.copy_in(srcs, full, sizes=sizes, num_rows=n)
+            kernels.copy_in(srcs, full, sizes=sizes, data_cols=data_cols, num_rows=n)
             del srcs
             event, reduced = None, None
             if self.reduce_stream is not None:

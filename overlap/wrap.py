@@ -40,7 +40,7 @@ from overlap.schedule import Action, Phase, Schedule, ScheduleConfig, UnitState,
 from overlap.stats import StatsRecorder
 from overlap.timing import make_timer
 from overlap.trace import TraceRecorder, trace_dir_from
-from overlap.units import ParamInfo, UnitLayout, find_unit_modules, group_units, make_layout
+from overlap.units import CHUNK_ALIGN_NUMEL, ParamInfo, UnitLayout, find_unit_modules, group_units, make_layout
 
 
 class OverlapState:
@@ -328,6 +328,9 @@ class OverlapState:
         self._num_done = [0] * len(self.units)
         self._run(self.schedule.end_backward())
         self._finish_step()
+        for codec in (self.runtime.param_codec, self.runtime.grad_codec):
+            if codec is not None:  # once per step; on CUDA a step late, without a sync
+                codec.raise_if_nonfinite()
 
     def _finish_step(self) -> None:
         peak_units, peak_bytes = self.schedule.max_unsharded()
@@ -444,7 +447,7 @@ def wrap(
     root_unit = None
     if params_of[""]:
         root_unit = 0
-        layouts.append(make_layout(0, "root", ("",), params_of[""], world_size))
+        layouts.append(make_layout(0, "root", ("",), params_of[""], world_size, CHUNK_ALIGN_NUMEL))
         unit_modules.append((model,))
     for members in groups:
         index = len(layouts)
@@ -452,7 +455,7 @@ def wrap(
         if not params:
             continue  # its parameters are tied to modules elsewhere and moved up to the root
         label = f"unit{index} ({members[0]}{'..' + members[-1] if len(members) > 1 else ''})"
-        layouts.append(make_layout(index, label, members, params, world_size))
+        layouts.append(make_layout(index, label, members, params, world_size, CHUNK_ALIGN_NUMEL))
         unit_modules.append(tuple(modules[fqn] for fqn in members))
 
     if device.type == "cpu" and config.cpu_keep_freed_memory:

@@ -110,7 +110,7 @@ def _steps(rank: int, world: int, config: dict, hsdp: bool) -> list[str]:
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     recorder = HostSyncRecorder()
     with recorder:
-        for step in range(4):
+        for step in range(1 + RECORDED_STEPS):
             recorder.active = step >= 1  # the first step records the order and builds caches
             loss_of(model(batch(base, rank, step))).backward()
             opt.step()
@@ -125,11 +125,30 @@ def world2():
     w.close()
 
 
+# The documented exceptions, each at most once per step: where they are and why they are fine.
+ONCE_PER_STEP = {
+    # the non-finite check of a codec's scales: its CPU branch reads the device counter directly;
+    # on CUDA it reads the previous step's count from pinned memory after an event, without a
+    # sync (overlap/compression/finite.py, tested with fake streams in test_codecs.py)
+    "overlap/compression/finite.py": "Tensor.item",
+}
+RECORDED_STEPS = 3
+
+
+def _unexpected(calls: list[str], num_codecs: int) -> list[str]:
+    allowed = [c for c in calls if any(c.startswith(f"{what} at {path}") for path, what in ONCE_PER_STEP.items())]
+    assert len(allowed) <= RECORDED_STEPS * num_codecs, allowed  # at most once per step and codec
+    return [c for c in calls if c not in allowed]
+
+
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_no_host_sync_after_first_step(world2, name):
-    calls = world2.run(_steps, config=CONFIGS[name], hsdp=False, timeout_s=240)
+    config = CONFIGS[name]
+    num_codecs = sum(config.get(k) is not None for k in ("param_compression", "grad_compression"))
+    calls = world2.run(_steps, config=config, hsdp=False, timeout_s=240)
     for rank, rank_calls in enumerate(calls):
-        assert rank_calls == [], f"rank {rank} ({name}): host-blocking calls after step 1:\n" + "\n".join(rank_calls)
+        unexpected = _unexpected(rank_calls, num_codecs)
+        assert unexpected == [], f"rank {rank} ({name}): host-blocking calls after step 1:\n" + "\n".join(unexpected)
 
 
 def test_no_host_sync_hsdp():
