@@ -2,8 +2,12 @@
 
 A model too big for one device is built under `torch.device("meta")` (shapes only) and handed to
 `overlap.wrap`. Here each unit is materialized at full size, initialized, cut into this rank's
-shard and dropped before the next unit is materialized, so no rank ever holds more than one
-unit's full parameters (plus the root unit's, kept until the end of the walk).
+shard and dropped before the next unit is materialized, so a rank that initializes holds at most
+one unit's full parameters (plus the root unit's, kept until the end of the walk) besides its
+shards. With `sync_module_states` (the default) only the source rank initializes: it scatters
+each unit as it finishes ([Note: sync from the source] in sync.py), and the other ranks
+materialize nothing but their shards and the buffers (which the source then broadcasts), and do
+not run the init functions, so their random number generators are not advanced.
 
 [Note: init order]
 Values must equal those of the eager model built with the same seed, so the random number
@@ -60,25 +64,42 @@ def _init_module(module: nn.Module, param_init_fn: ParamInitFn | None, done: set
     done.update(id(p) for p in module._parameters.values() if p is not None)
 
 
-def _materialize(modules: list[nn.Module], device: torch.device, cache: dict[int, torch.Tensor]) -> None:
-    """Give the modules' own meta parameters and buffers real (uninitialized) storage.
+def _materialize(
+    modules: list[nn.Module], device: torch.device, cache: dict[int, torch.Tensor], params: bool
+) -> list[int]:
+    """Give the modules' own meta buffers (and parameters, with `params`) real, uninitialized
+    storage. Returns the cache keys of the parameters it created.
 
-    `cache` maps a meta tensor to its replacement, so a parameter tied across modules stays one
+    `cache` maps a meta tensor to its replacement, so a tensor tied across modules stays one
     tensor (`Module.to_empty` would give each owner its own copy).
     """
+    created = []
     for module in modules:
         for name, param in module._parameters.items():
-            if param is None or not param.is_meta:
+            if not params or param is None or not param.is_meta:
                 continue
             if id(param) not in cache:
                 real = torch.empty_like(param, device=device)
                 cache[id(param)] = nn.Parameter(real, requires_grad=param.requires_grad)
+                created.append(id(param))
             module._parameters[name] = cache[id(param)]  # type: ignore[assignment]
         for name, buf in module._buffers.items():
             if buf is not None and buf.is_meta:
                 if id(buf) not in cache:
                     cache[id(buf)] = torch.empty_like(buf, device=device)
                 module._buffers[name] = cache[id(buf)]
+    return created
+
+
+def _forget_replaced(cache: dict[int, torch.Tensor], keys: list[int], modules: list[nn.Module]) -> None:
+    """Drop the cache's reference to the unit's full parameters once `shard` replaced them, so
+    they are freed now rather than at the end of the walk. A parameter tied to a module outside
+    the unit belongs to the root unit: still held by the unit's module, it stays cached so that
+    its other owners get the same tensor."""
+    held = {id(p) for module in modules for p in module._parameters.values() if p is not None}
+    for key in keys:
+        if id(cache[key]) not in held:
+            del cache[key]
 
 
 def materialize_and_shard(
@@ -88,12 +109,16 @@ def materialize_and_shard(
     device: torch.device,
     param_init_fn: ParamInitFn | None,
     shard: Callable[[int], object],
+    init_params: bool = True,
 ) -> list[object]:
     """Materialize, initialize and shard every unit, walking modules per [Note: init order].
 
     `unit_of_module(fqn)` names the unit a module's own parameters belong to (None: the root
     unit); `shard(unit)` cuts that unit's now-real parameters into this rank's shard and replaces
     them in the model (dropping the full tensors). Returns `shard`'s results by unit index.
+    `init_params=False` (a rank that receives its shards from the source): parameters stay on
+    the meta device for `shard` to replace, no init function runs, buffers get uninitialized
+    storage; `shard` is still called in the same order as on the source, so collectives pair.
     """
     cache: dict[int, torch.Tensor] = {}
     initialized: set[int] = set()
@@ -102,20 +127,22 @@ def materialize_and_shard(
     modules_of: dict[int | None, list[nn.Module]] = {}
     for fqn, module in walk:
         modules_of.setdefault(unit_of_module(fqn), []).append(module)
-    _materialize(modules_of.get(None, []), device, cache)  # the root unit lives until the end
-    started: set[int] = set()
+    # the root unit lives until the end
+    _materialize(modules_of.get(None, []), device, cache, params=init_params)
+    created: dict[int, list[int]] = {}
     remaining = {u: len(mods) for u, mods in modules_of.items() if u is not None}
     for fqn, module in walk:
         unit = unit_of_module(fqn)
-        if unit is not None and unit not in started:
-            started.add(unit)
-            _materialize(modules_of[unit], device, cache)
-        with torch.no_grad():
-            _init_module(module, param_init_fn, initialized)
+        if unit is not None and unit not in created:
+            created[unit] = _materialize(modules_of[unit], device, cache, params=init_params)
+        if init_params:
+            with torch.no_grad():
+                _init_module(module, param_init_fn, initialized)
         if unit is not None:
             remaining[unit] -= 1
             if remaining[unit] == 0:
                 done[unit] = shard(unit)
+                _forget_replaced(cache, created[unit], modules_of[unit])
     for unit, result in enumerate(done):
         if result is None:
             done[unit] = shard(unit)  # the root unit, and units with no modules of their own

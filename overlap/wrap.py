@@ -33,11 +33,13 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from overlap import comm
 from overlap.compression import make_grad_codec, make_param_codec
 from overlap.config import OverlapConfig
+from overlap.guard import remember_replaced
 from overlap.init import ParamInitFn, materialize_and_shard
 from overlap.monitor import Monitor
 from overlap.runtime import Runtime, UnitTensors, keep_freed_cpu_memory
 from overlap.schedule import Action, Phase, Schedule, ScheduleConfig, UnitState, order_hash
 from overlap.stats import StatsRecorder
+from overlap.sync import SourcePlan, broadcast_tensors, pack_rank_major, plan_source, scatter_shard
 from overlap.trace import TraceRecorder, trace_dir_from
 from overlap.units import ParamInfo, UnitLayout, find_unit_modules, group_units, make_layout
 
@@ -371,11 +373,16 @@ def wrap(
     backward goes on. `overrides` replace fields of `config` (e.g. `prefetch_depth=2`).
     Collective over `group`: every rank must call it with the same model structure.
 
+    As DDP does, every rank ends with rank 0's parameter and buffer values (its shards are
+    scattered from rank 0 unit by unit; see [Note: sync from the source] in sync.py), unless
+    `sync_module_states=False`, with which each rank keeps its own rows of its own values.
+
     A model built on the meta device is materialized one unit at a time on `device` (default:
     the current CUDA device for an NCCL group, else the CPU) and initialized by
     `param_init_fn(module)` or each module's `reset_parameters()`, in the order eager
     construction uses (see [Note: init order] in init.py): the same values as the eager model
-    built with the same seed, without ever holding the whole model unsharded.
+    built with the same seed, without ever holding the whole model unsharded. With
+    `sync_module_states` only rank 0 initializes; the other ranks build nothing but their shards.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"overlap.wrap expects an nn.Module, got {type(model).__name__}")
@@ -407,6 +414,8 @@ def wrap(
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
     _check_same_model(model, pgs.everyone, device)
     _check_same_config(config, pgs.everyone, device)
+    originals = list(model.named_parameters())  # for the stale-optimizer check (guard.py)
+    source = _source_plan(pgs, device, config) if config.sync_module_states else None
 
     unit_fqns = find_unit_modules(model, config.unit_policy)
     modules = dict(model.named_modules())
@@ -432,8 +441,9 @@ def wrap(
 
     if device.type == "cpu" and config.cpu_keep_freed_memory:
         keep_freed_cpu_memory()
+
     def shard(index: int) -> UnitTensors:
-        return _shard_unit(model, layouts[index], mesh, rank, config)
+        return _shard_unit(model, layouts[index], mesh, rank, config, device, source)
 
     if deferred:
         index_of = {fqn: i for i, layout in enumerate(layouts) if i != root_unit for fqn in layout.module_fqns}
@@ -443,9 +453,15 @@ def wrap(
             return index_of.get(_unit_of_module(fqn, unit_set))
 
         members = [layout.module_fqns for layout in layouts]
-        units = materialize_and_shard(model, unit_of_module, members, device, param_init_fn, shard)
+        init_params = source is None or source.is_source
+        units = materialize_and_shard(model, unit_of_module, members, device, param_init_fn, shard, init_params)
     else:
         units = [shard(i) for i in range(len(layouts))]
+    if source is not None:
+        buffers = list(model.buffers())
+        if buffers:
+            broadcast_tensors(source, buffers)
+    remember_replaced(originals)
     state = OverlapState(model, config, pgs, units, root_unit, unit_modules)
     model._overlap_state = state
     return model
@@ -539,17 +555,25 @@ def shard_placements(mesh: DeviceMesh) -> list[Placement]:
 
 
 def _check_same_model(model: nn.Module, group: dist.ProcessGroup, device: torch.device) -> None:
-    """Every rank must wrap the same structure; a mismatch raises on every rank."""
+    """Every rank must wrap the same structure (parameters, and buffers, which the rank-0 sync
+    broadcasts); a mismatch raises on every rank."""
     signature = tuple(
         (name, tuple(p.shape), str(p.dtype), p.requires_grad)
         for name, p in model.named_parameters()
-    )
+    ) + tuple((name, tuple(b.shape), str(b.dtype)) for name, b in model.named_buffers())
     hashes = comm.all_gather_int(order_hash(signature), group, device)  # type: ignore[arg-type]
     if len(set(hashes)) != 1:
         raise ValueError(
-            "overlap.wrap: the model differs across ranks (parameter names, shapes, dtypes or "
-            f"requires_grad); signature hashes by rank: {hashes}. Build the same model on every rank."
+            "overlap.wrap: the model differs across ranks (parameter or buffer names, shapes, "
+            f"dtypes or requires_grad); signature hashes by rank: {hashes}. Build the same model "
+            "on every rank."
         )
+
+
+def _source_plan(pgs: Groups, device: torch.device, config: OverlapConfig) -> SourcePlan:
+    """Where `sync_module_states` sends every rank's values from: see [Note: sync from the source]."""
+    timeout = None if config.collective_timeout_s is None else timedelta(seconds=config.collective_timeout_s)
+    return plan_source(pgs.shard, pgs.replicate, pgs.mesh, device, timeout)
 
 
 # Fields that only change what this rank records or how it allocates, never which collectives
@@ -654,9 +678,19 @@ def _params_by_unit_module(model: nn.Module, unit_fqns: list[str]) -> dict[str, 
 
 
 def _shard_unit(
-    model: nn.Module, layout: UnitLayout, mesh: DeviceMesh, rank: int, config: OverlapConfig
+    model: nn.Module,
+    layout: UnitLayout,
+    mesh: DeviceMesh,
+    rank: int,
+    config: OverlapConfig,
+    device: torch.device,
+    source: SourcePlan | None,
 ) -> UnitTensors:
-    """Replace the unit's parameters by DTensor shards that are views of one flat shard buffer."""
+    """Replace the unit's parameters by DTensor shards that are views of one flat shard buffer.
+
+    The shard holds this rank's rows of the source's values (`source`, [Note: sync from the
+    source]; the full parameters need to be real on the source only) or, without a source, of
+    this rank's own values."""
     modules = dict(model.named_modules(remove_duplicate=False))
     owners = [[(modules[m], name) for m, name in slot.owners] for slot in layout.slots]
     full = [holders[0][0]._parameters[holders[0][1]] for holders in owners]
@@ -669,9 +703,14 @@ def _shard_unit(
     (dtype,) = dtypes
     if not dtype.is_floating_point:
         raise ValueError(f"overlap.wrap: {layout.label} has non-floating parameters ({dtype})")
-    device = full[0].device
     world_size = layout.world_size
-    shard = torch.zeros(layout.shard_numel, dtype=dtype, device=device)
+    if source is None:
+        shard = torch.zeros(layout.shard_numel, dtype=dtype, device=device)
+    else:
+        shard = torch.empty(layout.shard_numel, dtype=dtype, device=device)
+        packed = pack_rank_major(layout, full, dtype, device) if source.is_source else None
+        scatter_shard(source, shard, packed)
+        del packed
     gather_dtype = config.param_dtype or dtype
     unsharded_flat = torch.empty(layout.unsharded_numel, dtype=gather_dtype, device=device)
     sharded_params, unsharded_params = [], []
@@ -679,8 +718,9 @@ def _shard_unit(
         rows, local_rows = slot.rows_per_rank, slot.local_rows(rank)
         chunk = shard[slot.shard_offset : slot.shard_offset + slot.chunk_numel]
         local = chunk.view(rows, *slot.shape[1:])[:local_rows]
-        with torch.no_grad():
-            local.copy_(param.detach()[rank * rows : rank * rows + local_rows])
+        if source is None:
+            with torch.no_grad():
+                local.copy_(param.detach()[rank * rows : rank * rows + local_rows])
         dtensor = DTensor.from_local(
             local, mesh, shard_placements(mesh), run_check=False, shape=param.shape, stride=param.stride()
         )
