@@ -15,6 +15,7 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
 _replaced: WeakIdKeyDictionary = WeakIdKeyDictionary()  # parameter -> the name wrap found it under
@@ -28,7 +29,7 @@ def remember_replaced(params: Iterable[tuple[str, torch.Tensor]]) -> None:
     for name, param in params:
         _replaced[param] = name
     if _handle is None:
-        _handle = torch.optim.optimizer.register_optimizer_step_pre_hook(_check_optimizer)
+        _handle = register_optimizer_step_pre_hook(_check_optimizer)
 
 
 def _check_optimizer(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:

@@ -33,6 +33,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn as nn
+from torch.utils.weak import WeakIdKeyDictionary
 
 ParamInitFn = Callable[[nn.Module], None]
 
@@ -43,11 +44,12 @@ def _post_order(module: nn.Module, prefix: str = "") -> Iterator[tuple[str, nn.M
     yield prefix.removesuffix("."), module
 
 
-def _init_module(module: nn.Module, param_init_fn: ParamInitFn | None, done: set[int]) -> None:
-    """Run the module's init; parameters already initialized (`done`, by id) get a scratch copy."""
-    shared = {
-        name: p for name, p in module._parameters.items() if p is not None and id(p) in done
-    }
+def _init_module(module: nn.Module, param_init_fn: ParamInitFn | None, done: WeakIdKeyDictionary) -> None:
+    """Run the module's init; parameters already initialized (`done`) get a scratch copy.
+
+    `done` is weak: a unit's parameters are freed once sharded, and a later tensor may reuse
+    their `id`, which must not make it look initialized."""
+    shared = {name: p for name, p in module._parameters.items() if p is not None and p in done}
     for name, p in shared.items():
         module._parameters[name] = nn.Parameter(torch.empty_like(p), p.requires_grad)
     try:
@@ -61,7 +63,7 @@ def _init_module(module: nn.Module, param_init_fn: ParamInitFn | None, done: set
                     break
     finally:
         module._parameters.update(shared)
-    done.update(id(p) for p in module._parameters.values() if p is not None)
+    done.update((p, True) for p in module._parameters.values() if p is not None)
 
 
 def _materialize(
@@ -121,7 +123,7 @@ def materialize_and_shard(
     storage; `shard` is still called in the same order as on the source, so collectives pair.
     """
     cache: dict[int, torch.Tensor] = {}
-    initialized: set[int] = set()
+    initialized = WeakIdKeyDictionary()
     done: list[object] = [None] * len(unit_members)
     walk = list(_post_order(model))
     modules_of: dict[int | None, list[nn.Module]] = {}

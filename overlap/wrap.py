@@ -414,7 +414,6 @@ def wrap(
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
     _check_same_model(model, pgs.everyone, device)
     _check_same_config(config, pgs.everyone, device)
-    originals = list(model.named_parameters())  # for the stale-optimizer check (guard.py)
     source = _source_plan(pgs, device, config) if config.sync_module_states else None
 
     unit_fqns = find_unit_modules(model, config.unit_policy)
@@ -445,6 +444,8 @@ def wrap(
     def shard(index: int) -> UnitTensors:
         return _shard_unit(model, layouts[index], mesh, rank, config, device, source)
 
+    remember_replaced(model.named_parameters())  # weakly: see guard.py
+
     if deferred:
         index_of = {fqn: i for i, layout in enumerate(layouts) if i != root_unit for fqn in layout.module_fqns}
         unit_set = set(unit_fqns)
@@ -461,7 +462,6 @@ def wrap(
         buffers = list(model.buffers())
         if buffers:
             broadcast_tensors(source, buffers)
-    remember_replaced(originals)
     state = OverlapState(model, config, pgs, units, root_unit, unit_modules)
     model._overlap_state = state
     return model
