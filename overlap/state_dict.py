@@ -18,6 +18,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from overlap import comm, kernels
+from overlap.init import ScratchBuffer
 from overlap.runtime import UnitTensors
 from overlap.sync import (
     SourcePlan,
@@ -49,8 +50,9 @@ def full_state_dict(model: nn.Module, rank0_only: bool = True) -> dict[str, torc
     if not plan.in_source_row:
         return {}
     gathered: dict[str, torch.Tensor] = {}
+    scratch = ScratchBuffer(plan.device)
     for unit in state.units:
-        full = _gather_unit(plan, unit)
+        full = _gather_unit(plan, unit, scratch)
         for slot, tensor in zip(unit.layout.slots, full or ()):
             first, *aliases = _names(slot)
             gathered[first] = tensor
@@ -94,10 +96,11 @@ def load_full_state_dict(
     if error is not None:
         raise ValueError(f"load_full_state_dict (checked on rank {plan.source}): {error}")
     keys = set(present)
+    scratch = ScratchBuffer(plan.device)  # the packed unit (source) or a partial unit's shard
     for unit in state.units:
         names = [next((n for n in _names(slot) if n in keys), None) for slot in unit.layout.slots]
         if any(names):
-            _scatter_unit(plan, unit, names, state_dict)
+            _scatter_unit(plan, unit, names, state_dict, scratch)
     buffers = [name for name in present if not isinstance(own[name], DTensor)]
     if plan.is_source:
         assert state_dict is not None
@@ -120,11 +123,13 @@ def _names(slot: ParamSlot) -> list[str]:
     return [f"{module}.{attr}" if module else attr for module, attr in slot.owners]
 
 
-def _gather_unit(plan: SourcePlan, unit: UnitTensors) -> list[torch.Tensor] | None:
+def _gather_unit(plan: SourcePlan, unit: UnitTensors, scratch: ScratchBuffer) -> list[torch.Tensor] | None:
     """The unit's full parameters on the source (CPU), gathered from row 0's shards; None elsewhere."""
     layout = unit.layout
     world = plan.shard_world_size
-    gathered = torch.empty(layout.unsharded_numel, dtype=unit.shard.dtype, device=unit.shard.device) if plan.is_source else None
+    gathered = None
+    if plan.is_source:
+        gathered = scratch.take([(torch.Size([layout.unsharded_numel]), unit.shard.dtype)])[0]
     if world == 1:
         assert gathered is not None
         gathered.copy_(unit.shard)
@@ -158,18 +163,27 @@ def _check(own: dict[str, Any], state_dict: Mapping[str, Any] | None, strict: bo
 
 
 def _scatter_unit(
-    plan: SourcePlan, unit: UnitTensors, names: list[str | None], state_dict: Mapping[str, Any] | None
+    plan: SourcePlan,
+    unit: UnitTensors,
+    names: list[str | None],
+    state_dict: Mapping[str, Any] | None,
+    scratch: ScratchBuffer,
 ) -> None:
     """Overwrite the unit's shards with the source's values for the slots named (None: keep)."""
+    dtype = unit.shard.dtype
+    partial = not all(names)
+    specs = [(torch.Size([unit.layout.unsharded_numel]), dtype)] if plan.is_source else []
+    specs += [(unit.shard.shape, dtype)] if partial else []
+    buffers = scratch.take(specs)
     packed = None
     if plan.is_source:
         assert state_dict is not None
         sources = [None if name is None else state_dict[name] for name in names]
-        packed = pack_rank_major(unit.layout, sources, unit.shard.dtype, plan.device)
-    if all(names):
+        packed = pack_rank_major(unit.layout, sources, dtype, plan.device, buffers[0])
+    if not partial:
         scatter_shard(plan, unit.shard, packed)
         return
-    received = torch.empty_like(unit.shard)
+    received = buffers[-1]
     scatter_shard(plan, received, packed)
     for slot, name in zip(unit.layout.slots, names):
         if name is not None:

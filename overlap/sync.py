@@ -76,13 +76,18 @@ def plan_source(
 
 
 def pack_rank_major(
-    layout: UnitLayout, sources: Sequence[torch.Tensor | None], dtype: torch.dtype, device: torch.device
+    layout: UnitLayout,
+    sources: Sequence[torch.Tensor | None],
+    dtype: torch.dtype,
+    device: torch.device,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The unit's rank-major buffer ([Note: flat layout]): every rank's shard in turn, each
     parameter zero-padded to its chunks; a None source gives zeros. One fused pass
-    (kernels.copy_in), cast to `dtype`."""
+    (kernels.copy_in), cast to `dtype`, into `out` (contiguous, `layout.unsharded_numel`
+    elements) when given."""
     world = layout.world_size
-    packed = torch.empty(layout.unsharded_numel, dtype=dtype, device=device)
+    packed = torch.empty(layout.unsharded_numel, dtype=dtype, device=device) if out is None else out
     srcs = [None if s is None else s.detach().to(device) for s in sources]
     sizes = [world * slot.chunk_numel for slot in layout.slots]
     kernels.copy_in(srcs, packed, sizes=sizes, num_rows=world)

@@ -34,7 +34,7 @@ from overlap import comm
 from overlap.compression import make_grad_codec, make_param_codec
 from overlap.config import OverlapConfig
 from overlap.guard import remember_replaced
-from overlap.init import ParamInitFn, materialize_and_shard
+from overlap.init import ParamInitFn, ScratchBuffer, materialize_and_shard
 from overlap.monitor import Monitor
 from overlap.runtime import Runtime, UnitTensors, keep_freed_cpu_memory
 from overlap.schedule import Action, Phase, Schedule, ScheduleConfig, UnitState, order_hash
@@ -441,8 +441,24 @@ def wrap(
     if device.type == "cpu" and config.cpu_keep_freed_memory:
         keep_freed_cpu_memory()
 
+    owner_modules = dict(model.named_modules(remove_duplicate=False))
+    dtypes = [_unit_params(owner_modules, layout)[2] for layout in layouts]
+    shards: list[torch.Tensor | None] = [None] * len(layouts)
+    if deferred:
+        # [Note: shards first]
+        # The shards outlive wrap; each unit's full parameters and packed copy do not (they live
+        # in ScratchBuffers, init.py). Allocated one by one between those temporaries, every
+        # shard would pin a hole in the heap (glibc on CPU; split segments in CUDA's caching
+        # allocator); allocated before the walk, they stay out of the temporaries' way.
+        shards = [_new_shard(layout, dtype, device, source) for layout, dtype in zip(layouts, dtypes)]
+    packing = ScratchBuffer(device)  # the source's rank-major copy of one unit at a time
+    if source is not None and source.is_source:
+        packing.reserve(max(ScratchBuffer.aligned(l.unsharded_numel * d.itemsize) for l, d in zip(layouts, dtypes)))
+
     def shard(index: int) -> UnitTensors:
-        return _shard_unit(model, layouts[index], mesh, rank, config, device, source)
+        return _shard_unit(
+            owner_modules, layouts[index], mesh, rank, config, device, source, shards[index], packing
+        )
 
     remember_replaced(model.named_parameters())  # weakly: see guard.py
 
@@ -453,9 +469,11 @@ def wrap(
         def unit_of_module(fqn: str) -> int | None:
             return index_of.get(_unit_of_module(fqn, unit_set))
 
-        members = [layout.module_fqns for layout in layouts]
+        params = [[slot.owners[0] for slot in layout.slots] for layout in layouts]
         init_params = source is None or source.is_source
-        units = materialize_and_shard(model, unit_of_module, members, device, param_init_fn, shard, init_params)
+        units = materialize_and_shard(
+            model, unit_of_module, params, root_unit, device, param_init_fn, shard, init_params
+        )
     else:
         units = [shard(i) for i in range(len(layouts))]
     if source is not None:
@@ -677,21 +695,11 @@ def _params_by_unit_module(model: nn.Module, unit_fqns: list[str]) -> dict[str, 
     return by_unit
 
 
-def _shard_unit(
-    model: nn.Module,
-    layout: UnitLayout,
-    mesh: DeviceMesh,
-    rank: int,
-    config: OverlapConfig,
-    device: torch.device,
-    source: SourcePlan | None,
-) -> UnitTensors:
-    """Replace the unit's parameters by DTensor shards that are views of one flat shard buffer.
-
-    The shard holds this rank's rows of the source's values (`source`, [Note: sync from the
-    source]; the full parameters need to be real on the source only) or, without a source, of
-    this rank's own values."""
-    modules = dict(model.named_modules(remove_duplicate=False))
+def _unit_params(
+    modules: dict[str, nn.Module], layout: UnitLayout
+) -> tuple[list[list[tuple[nn.Module, str]]], list[nn.Parameter], torch.dtype]:
+    """The unit's (module, attribute) owners per parameter, its current full parameters, and
+    their one dtype (a unit is gathered through one flat buffer)."""
     owners = [[(modules[m], name) for m, name in slot.owners] for slot in layout.slots]
     full = [holders[0][0]._parameters[holders[0][1]] for holders in owners]
     dtypes = {p.dtype for p in full}
@@ -703,12 +711,43 @@ def _shard_unit(
     (dtype,) = dtypes
     if not dtype.is_floating_point:
         raise ValueError(f"overlap.wrap: {layout.label} has non-floating parameters ({dtype})")
+    return owners, full, dtype  # type: ignore[return-value]
+
+
+def _new_shard(layout: UnitLayout, dtype: torch.dtype, device: torch.device, source: SourcePlan | None) -> torch.Tensor:
+    """The unit's flat shard buffer: zeros where this rank copies its own rows (the padding must
+    be zero), uninitialized where the scatter fills all of it."""
+    alloc = torch.zeros if source is None else torch.empty
+    return alloc(layout.shard_numel, dtype=dtype, device=device)
+
+
+def _shard_unit(
+    modules: dict[str, nn.Module],
+    layout: UnitLayout,
+    mesh: DeviceMesh,
+    rank: int,
+    config: OverlapConfig,
+    device: torch.device,
+    source: SourcePlan | None,
+    shard: torch.Tensor | None = None,
+    packing: ScratchBuffer | None = None,
+) -> UnitTensors:
+    """Replace the unit's parameters by DTensor shards that are views of one flat shard buffer
+    (`shard` if preallocated, see [Note: shards first]).
+
+    The shard holds this rank's rows of the source's values (`source`, [Note: sync from the
+    source]; the full parameters need to be real on the source only) or, without a source, of
+    this rank's own values. `modules` maps every module FQN (duplicates kept) to its module;
+    `packing` holds the source's rank-major copy (see ScratchBuffer in init.py)."""
+    owners, full, dtype = _unit_params(modules, layout)
     world_size = layout.world_size
-    if source is None:
-        shard = torch.zeros(layout.shard_numel, dtype=dtype, device=device)
-    else:
-        shard = torch.empty(layout.shard_numel, dtype=dtype, device=device)
-        packed = pack_rank_major(layout, full, dtype, device) if source.is_source else None
+    if shard is None:
+        shard = _new_shard(layout, dtype, device, source)
+    if source is not None:
+        packed = None
+        if source.is_source:
+            out = None if packing is None else packing.take([(torch.Size([layout.unsharded_numel]), dtype)])[0]
+            packed = pack_rank_major(layout, full, dtype, device, out)
         scatter_shard(source, shard, packed)
         del packed
     gather_dtype = config.param_dtype or dtype
