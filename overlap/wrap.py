@@ -442,18 +442,7 @@ def wrap(
         keep_freed_cpu_memory()
 
     owner_modules = dict(model.named_modules(remove_duplicate=False))
-    dtypes = [_unit_params(owner_modules, layout)[2] for layout in layouts]
-    shards: list[torch.Tensor | None] = [None] * len(layouts)
-    if deferred:
-        # [Note: shards first]
-        # The shards outlive wrap; each unit's full parameters and packed copy do not (they live
-        # in ScratchBuffers, init.py). Allocated one by one between those temporaries, every
-        # shard would pin a hole in the heap (glibc on CPU; split segments in CUDA's caching
-        # allocator); allocated before the walk, they stay out of the temporaries' way.
-        shards = [_new_shard(layout, dtype, device, source) for layout, dtype in zip(layouts, dtypes)]
-    packing = ScratchBuffer(device)  # the source's rank-major copy of one unit at a time
-    if source is not None and source.is_source:
-        packing.reserve(max(ScratchBuffer.aligned(l.unsharded_numel * d.itemsize) for l, d in zip(layouts, dtypes)))
+    shards, packing = _shard_buffers(owner_modules, layouts, device, source, preallocate=deferred)
 
     def shard(index: int) -> UnitTensors:
         return _shard_unit(
@@ -719,6 +708,34 @@ def _new_shard(layout: UnitLayout, dtype: torch.dtype, device: torch.device, sou
     be zero), uninitialized where the scatter fills all of it."""
     alloc = torch.zeros if source is None else torch.empty
     return alloc(layout.shard_numel, dtype=dtype, device=device)
+
+
+def _shard_buffers(
+    modules: dict[str, nn.Module],
+    layouts: list[UnitLayout],
+    device: torch.device,
+    source: SourcePlan | None,
+    preallocate: bool,
+) -> tuple[list[torch.Tensor | None], ScratchBuffer]:
+    """Every unit's shard buffer when `preallocate` (else None: `_shard_unit` allocates it), and
+    the buffer the source packs each unit into, sized for the largest unit. Checks every unit's
+    dtype before anything is sharded.
+
+    [Note: shards first]
+    The shards outlive wrap; a deferred unit's full parameters and the source's packed copy do
+    not (they live in ScratchBuffers, init.py). Allocated one by one between those temporaries,
+    every shard would pin a hole in the heap (glibc on CPU; split segments in CUDA's caching
+    allocator); allocated before the walk, they stay out of the temporaries' way.
+    """
+    dtypes = [_unit_params(modules, layout)[2] for layout in layouts]
+    shards: list[torch.Tensor | None] = [None] * len(layouts)
+    if preallocate:
+        shards = [_new_shard(layout, dtype, device, source) for layout, dtype in zip(layouts, dtypes)]
+    packing = ScratchBuffer(device)
+    if source is not None and source.is_source:
+        sizes = [ScratchBuffer.aligned(l.unsharded_numel * d.itemsize) for l, d in zip(layouts, dtypes)]
+        packing.reserve(max(sizes))
+    return shards, packing
 
 
 def _shard_unit(

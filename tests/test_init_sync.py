@@ -310,6 +310,7 @@ def test_buffer_mismatch_raises_on_every_rank(world2):
 def optimizer_built_before_wrap(rank: int, world: int) -> dict:
     model = seeded_per_rank(rank)
     early = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    early.step()  # fine before wrap (and checked: the check must run again after wrap)
     model = overlap.wrap(model)
     model(_x(rank, 0)).pow(2).mean().backward()
     out = {}
