@@ -275,8 +275,9 @@ def test_load_full_state_dict_from_rank0_only(request, world_name):
         assert "state_dict=None" in r["messages"][2], r["messages"][2]
 
 
-def full_state_dict_rank0(rank: int, world: int) -> dict:
-    ours = overlap.wrap(seeded_per_rank(rank))
+def full_state_dict_rank0(rank: int, world: int, hsdp: bool) -> dict:
+    group = init_device_mesh("cpu", (2, world // 2)) if hsdp else None
+    ours = overlap.wrap(seeded_per_rank(rank), group=group)
     everywhere = overlap.full_state_dict(ours, rank0_only=False)
     only0 = overlap.full_state_dict(ours)
     if rank != 0:
@@ -287,9 +288,11 @@ def full_state_dict_rank0(rank: int, world: int) -> dict:
     return {"same": same}
 
 
-def test_full_state_dict_gathers_to_rank0(world2):
-    r0, r1 = world2.run(full_state_dict_rank0)
-    assert r0["same"] and r1["empty"], (r0, r1)
+@pytest.mark.parametrize("world_name", ["world2", "world4"])
+def test_full_state_dict_gathers_to_rank0(request, world_name):
+    world = request.getfixturevalue(world_name)
+    first, *others = world.run(full_state_dict_rank0, hsdp=world_name == "world4")
+    assert first["same"] and all(r["empty"] for r in others), (first, others)
 
 
 def buffer_mismatch(rank: int, world: int) -> str:
