@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Iterator
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -13,6 +12,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from overlap.memory import MemoryStats
+from overlap.state_dict import full_state_dict, load_full_state_dict
 from overlap.stats import StepStats
 from overlap.wrap import state_of
 
@@ -50,48 +50,6 @@ def clip_grad_norm_(
     if grads:
         torch._foreach_mul_(grads, coef.to(grads[0].dtype))
     return total
-
-
-def full_state_dict(model: nn.Module, rank0_only: bool = True) -> dict[str, torch.Tensor]:
-    """The unsharded state dict under the original names, on CPU: what the unwrapped model's
-    `load_state_dict` accepts. Collective: every rank must call it. With `rank0_only`, ranks
-    other than 0 get an empty dict."""
-    state = state_of(model)
-    keep = not rank0_only or (state.rank == 0 and state.replica_rank == 0)
-    out: dict[str, torch.Tensor] = {}
-    for name, value in model.state_dict().items():
-        if isinstance(value, DTensor):
-            value = value.full_tensor()
-        if keep:
-            out[name] = value.detach().cpu().clone()
-    return out
-
-
-@torch.no_grad()
-def load_full_state_dict(model: nn.Module, state_dict: dict[str, Any], strict: bool = True) -> None:
-    """Load an unsharded state dict (every rank passes the same one) into the sharded model."""
-    state = state_of(model)
-    own = model.state_dict()
-    missing = sorted(set(own) - set(state_dict))
-    unexpected = sorted(set(state_dict) - set(own))
-    if strict and (missing or unexpected):
-        raise KeyError(f"load_full_state_dict: missing keys {missing}, unexpected keys {unexpected}")
-    for name, target in own.items():
-        if name not in state_dict:
-            continue
-        source = state_dict[name]
-        if tuple(source.shape) != tuple(target.shape):
-            raise ValueError(
-                f"load_full_state_dict: {name!r} has shape {tuple(source.shape)}, "
-                f"the model expects {tuple(target.shape)}"
-            )
-        if isinstance(target, DTensor):
-            local = target.to_local()
-            rows = math.ceil(target.shape[0] / state.world_size)  # the shard dim of the mesh
-            start = state.rank * rows
-            local.copy_(source[start : start + local.shape[0]])
-        else:
-            target.copy_(source)
 
 
 @contextlib.contextmanager

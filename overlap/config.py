@@ -160,6 +160,16 @@ class OverlapConfig:
     error_feedback_dtype: torch.dtype = torch.float32
     """float32 (exact: decoded + residual == gradient) or bfloat16 (half the memory)."""
 
+    sync_module_states: bool = True
+    """Every rank starts from rank 0's parameter and buffer values, as DDP promises: `wrap`
+    scatters each unit's shards from rank 0 (one collective per unit; the source sends the model
+    once, no rank receives more than its shards) and broadcasts the buffers. On a 2-D mesh the
+    source is mesh[0][0] and every replica gets its values. A meta-device model is then
+    initialized on rank 0 only. False skips this when the values are already identical on every
+    rank (meta-device init under one seed, or a checkpoint loaded afterwards): each rank shards
+    its own values, and ranks seeded differently silently train a mix of initializations. See
+    [Note: sync from the source] in sync.py."""
+
     def __post_init__(self) -> None:
         policy = self.unit_policy
         if isinstance(policy, (set, list, tuple)):
@@ -219,6 +229,8 @@ class OverlapConfig:
             raise ValueError(f"compression_block_size must be None or an even int > 0, got {block!r}")
         if self.error_feedback and self.grad_compression is None:
             raise ValueError("error_feedback=True needs a grad_compression codec")
+        if not isinstance(self.sync_module_states, bool):
+            raise ValueError(f"sync_module_states must be True or False, got {self.sync_module_states!r}")
 
     def replace(self, **overrides: Any) -> OverlapConfig:
         """A copy with `overrides` applied; unknown names raise `TypeError`."""

@@ -33,12 +33,14 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from overlap import backend, comm
 from overlap.compression import make_grad_codec, make_param_codec
 from overlap.config import OverlapConfig
-from overlap.init import ParamInitFn, materialize_and_shard
+from overlap.guard import remember_replaced
+from overlap.init import ParamInitFn, ScratchBuffer, materialize_and_shard
 from overlap.monitor import Monitor
 from overlap.runtime import Runtime, UnitTensors, keep_freed_cpu_memory
 from overlap.schedule import Action, Phase, Schedule, ScheduleConfig, UnitState, order_hash
 from overlap.stats import StatsRecorder
 from overlap.timing import make_timer
+from overlap.sync import SourcePlan, broadcast_tensors, pack_rank_major, plan_source, scatter_shard
 from overlap.trace import TraceRecorder, trace_dir_from
 from overlap.units import CHUNK_ALIGN_NUMEL, ParamInfo, UnitLayout, find_unit_modules, group_units, make_layout
 
@@ -399,11 +401,16 @@ def wrap(
     backward goes on. `overrides` replace fields of `config` (e.g. `prefetch_depth=2`).
     Collective over `group`: every rank must call it with the same model structure.
 
+    As DDP does, every rank ends with rank 0's parameter and buffer values (its shards are
+    scattered from rank 0 unit by unit; see [Note: sync from the source] in sync.py), unless
+    `sync_module_states=False`, with which each rank keeps its own rows of its own values.
+
     A model built on the meta device is materialized one unit at a time on `device` (default:
     the current CUDA device for an NCCL group, else the CPU) and initialized by
     `param_init_fn(module)` or each module's `reset_parameters()`, in the order eager
     construction uses (see [Note: init order] in init.py): the same values as the eager model
-    built with the same seed, without ever holding the whole model unsharded.
+    built with the same seed, without ever holding the whole model unsharded. With
+    `sync_module_states` only rank 0 initializes; the other ranks build nothing but their shards.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"overlap.wrap expects an nn.Module, got {type(model).__name__}")
@@ -435,6 +442,7 @@ def wrap(
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
     _check_same_model(model, pgs.everyone, device)
     _check_same_config(config, pgs.everyone, device)
+    source = _source_plan(pgs, device, config) if config.sync_module_states else None
 
     unit_fqns = find_unit_modules(model, config.unit_policy)
     modules = dict(model.named_modules())
@@ -460,8 +468,16 @@ def wrap(
 
     if device.type == "cpu" and config.cpu_keep_freed_memory:
         keep_freed_cpu_memory()
+
+    owner_modules = dict(model.named_modules(remove_duplicate=False))
+    shards, packing = _shard_buffers(owner_modules, layouts, device, source, preallocate=deferred)
+
     def shard(index: int) -> UnitTensors:
-        return _shard_unit(model, layouts[index], mesh, rank, config)
+        return _shard_unit(
+            owner_modules, layouts[index], mesh, rank, config, device, source, shards[index], packing
+        )
+
+    remember_replaced(model.named_parameters())  # weakly: see guard.py
 
     if deferred:
         index_of = {fqn: i for i, layout in enumerate(layouts) if i != root_unit for fqn in layout.module_fqns}
@@ -470,10 +486,17 @@ def wrap(
         def unit_of_module(fqn: str) -> int | None:
             return index_of.get(_unit_of_module(fqn, unit_set))
 
-        members = [layout.module_fqns for layout in layouts]
-        units = materialize_and_shard(model, unit_of_module, members, device, param_init_fn, shard)
+        params = [[slot.owners[0] for slot in layout.slots] for layout in layouts]
+        init_params = source is None or source.is_source
+        units = materialize_and_shard(
+            model, unit_of_module, params, root_unit, device, param_init_fn, shard, init_params
+        )
     else:
         units = [shard(i) for i in range(len(layouts))]
+    if source is not None:
+        buffers = list(model.buffers())
+        if buffers:
+            broadcast_tensors(source, buffers)
     state = OverlapState(model, config, pgs, units, root_unit, unit_modules)
     model._overlap_state = state
     return model
@@ -564,17 +587,25 @@ def shard_placements(mesh: DeviceMesh) -> list[Placement]:
 
 
 def _check_same_model(model: nn.Module, group: dist.ProcessGroup, device: torch.device) -> None:
-    """Every rank must wrap the same structure; a mismatch raises on every rank."""
+    """Every rank must wrap the same structure (parameters, and buffers, which the rank-0 sync
+    broadcasts); a mismatch raises on every rank."""
     signature = tuple(
         (name, tuple(p.shape), str(p.dtype), p.requires_grad)
         for name, p in model.named_parameters()
-    )
+    ) + tuple((name, tuple(b.shape), str(b.dtype)) for name, b in model.named_buffers())
     hashes = comm.all_gather_int(order_hash(signature), group, device)  # type: ignore[arg-type]
     if len(set(hashes)) != 1:
         raise ValueError(
-            "overlap.wrap: the model differs across ranks (parameter names, shapes, dtypes or "
-            f"requires_grad); signature hashes by rank: {hashes}. Build the same model on every rank."
+            "overlap.wrap: the model differs across ranks (parameter or buffer names, shapes, "
+            f"dtypes or requires_grad); signature hashes by rank: {hashes}. Build the same model "
+            "on every rank."
         )
+
+
+def _source_plan(pgs: Groups, device: torch.device, config: OverlapConfig) -> SourcePlan:
+    """Where `sync_module_states` sends every rank's values from: see [Note: sync from the source]."""
+    timeout = None if config.collective_timeout_s is None else timedelta(seconds=config.collective_timeout_s)
+    return plan_source(pgs.shard, pgs.replicate, pgs.mesh, device, timeout)
 
 
 # Fields that only change what this rank records or how it allocates, never which collectives
@@ -678,11 +709,11 @@ def _params_by_unit_module(model: nn.Module, unit_fqns: list[str]) -> dict[str, 
     return by_unit
 
 
-def _shard_unit(
-    model: nn.Module, layout: UnitLayout, mesh: DeviceMesh, rank: int, config: OverlapConfig
-) -> UnitTensors:
-    """Replace the unit's parameters by DTensor shards that are views of one flat shard buffer."""
-    modules = dict(model.named_modules(remove_duplicate=False))
+def _unit_params(
+    modules: dict[str, nn.Module], layout: UnitLayout
+) -> tuple[list[list[tuple[nn.Module, str]]], list[nn.Parameter], torch.dtype]:
+    """The unit's (module, attribute) owners per parameter, its current full parameters, and
+    their one dtype (a unit is gathered through one flat buffer)."""
     owners = [[(modules[m], name) for m, name in slot.owners] for slot in layout.slots]
     full = [holders[0][0]._parameters[holders[0][1]] for holders in owners]
     dtypes = {p.dtype for p in full}
@@ -694,9 +725,73 @@ def _shard_unit(
     (dtype,) = dtypes
     if not dtype.is_floating_point:
         raise ValueError(f"overlap.wrap: {layout.label} has non-floating parameters ({dtype})")
-    device = full[0].device
+    return owners, full, dtype  # type: ignore[return-value]
+
+
+def _new_shard(layout: UnitLayout, dtype: torch.dtype, device: torch.device, source: SourcePlan | None) -> torch.Tensor:
+    """The unit's flat shard buffer: zeros where this rank copies its own rows (the padding must
+    be zero), uninitialized where the scatter fills all of it."""
+    alloc = torch.zeros if source is None else torch.empty
+    return alloc(layout.shard_numel, dtype=dtype, device=device)
+
+
+def _shard_buffers(
+    modules: dict[str, nn.Module],
+    layouts: list[UnitLayout],
+    device: torch.device,
+    source: SourcePlan | None,
+    preallocate: bool,
+) -> tuple[list[torch.Tensor | None], ScratchBuffer]:
+    """Every unit's shard buffer when `preallocate` (else None: `_shard_unit` allocates it), and
+    the buffer the source packs each unit into, sized for the largest unit. Checks every unit's
+    dtype before anything is sharded.
+
+    [Note: shards first]
+    The shards outlive wrap; a deferred unit's full parameters and the source's packed copy do
+    not (they live in ScratchBuffers, init.py). Allocated one by one between those temporaries,
+    every shard would pin a hole in the heap (glibc on CPU; split segments in CUDA's caching
+    allocator); allocated before the walk, they stay out of the temporaries' way.
+    """
+    dtypes = [_unit_params(modules, layout)[2] for layout in layouts]
+    shards: list[torch.Tensor | None] = [None] * len(layouts)
+    if preallocate:
+        shards = [_new_shard(layout, dtype, device, source) for layout, dtype in zip(layouts, dtypes)]
+    packing = ScratchBuffer(device)
+    if source is not None and source.is_source:
+        sizes = [ScratchBuffer.aligned(l.unsharded_numel * d.itemsize) for l, d in zip(layouts, dtypes)]
+        packing.reserve(max(sizes))
+    return shards, packing
+
+
+def _shard_unit(
+    modules: dict[str, nn.Module],
+    layout: UnitLayout,
+    mesh: DeviceMesh,
+    rank: int,
+    config: OverlapConfig,
+    device: torch.device,
+    source: SourcePlan | None,
+    shard: torch.Tensor | None = None,
+    packing: ScratchBuffer | None = None,
+) -> UnitTensors:
+    """Replace the unit's parameters by DTensor shards that are views of one flat shard buffer
+    (`shard` if preallocated, see [Note: shards first]).
+
+    The shard holds this rank's rows of the source's values (`source`, [Note: sync from the
+    source]; the full parameters need to be real on the source only) or, without a source, of
+    this rank's own values. `modules` maps every module FQN (duplicates kept) to its module;
+    `packing` holds the source's rank-major copy (see ScratchBuffer in init.py)."""
+    owners, full, dtype = _unit_params(modules, layout)
     world_size = layout.world_size
-    shard = torch.zeros(layout.shard_numel, dtype=dtype, device=device)
+    if shard is None:
+        shard = _new_shard(layout, dtype, device, source)
+    if source is not None:
+        packed = None
+        if source.is_source:
+            out = None if packing is None else packing.take([(torch.Size([layout.unsharded_numel]), dtype)])[0]
+            packed = pack_rank_major(layout, full, dtype, device, out)
+        scatter_shard(source, shard, packed)
+        del packed
     gather_dtype = config.param_dtype or dtype
     unsharded_flat = torch.empty(layout.unsharded_numel, dtype=gather_dtype, device=device)
     sharded_params, unsharded_params = [], []
@@ -704,8 +799,9 @@ def _shard_unit(
         rows, local_rows = slot.rows_per_rank, slot.local_rows(rank)
         chunk = shard[slot.shard_offset : slot.shard_offset + slot.chunk_numel]
         local = chunk.view(rows, *slot.shape[1:])[:local_rows]
-        with torch.no_grad():
-            local.copy_(param.detach()[rank * rows : rank * rows + local_rows])
+        if source is None:
+            with torch.no_grad():
+                local.copy_(param.detach()[rank * rows : rank * rows + local_rows])
         dtensor = DTensor.from_local(
             local, mesh, shard_placements(mesh), run_check=False, shape=param.shape, stride=param.stride()
         )

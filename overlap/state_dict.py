@@ -1,0 +1,207 @@
+"""Full (unsharded) state dicts of a wrapped model: export to rank 0, load from rank 0.
+
+Both move one unit at a time between the source rank (global rank 0; mesh[0][0] on a 2-D mesh)
+and the shards ([Note: sync from the source] in sync.py): a rank other than the source never
+holds a full parameter, and the source holds the dict plus one unit's rank-major buffer.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+from overlap import comm, kernels
+from overlap.init import ScratchBuffer
+from overlap.runtime import UnitTensors
+from overlap.sync import (
+    SourcePlan,
+    broadcast_tensors,
+    pack_rank_major,
+    plan_source,
+    scatter_shard,
+    share_object,
+)
+from overlap.units import ParamSlot
+from overlap.wrap import OverlapState, state_of
+
+
+def full_state_dict(model: nn.Module, rank0_only: bool = True) -> dict[str, torch.Tensor]:
+    """The unsharded state dict under the original names, on CPU: what the unwrapped model's
+    `load_state_dict` accepts. Collective: every rank must call it.
+
+    With `rank0_only`, each unit's shards are gathered to rank 0 (one collective per unit; on a
+    2-D mesh only row 0 takes part, the replicas hold the same values) and ranks other than 0
+    get an empty dict. Without it, every rank all-gathers every parameter."""
+    state = state_of(model)
+    own = model.state_dict()
+    if not rank0_only:
+        return {
+            name: (value.full_tensor() if isinstance(value, DTensor) else value).detach().cpu().clone()
+            for name, value in own.items()
+        }
+    plan = _plan(state)
+    if not plan.in_source_row:
+        return {}
+    gathered: dict[str, torch.Tensor] = {}
+    scratch = ScratchBuffer(plan.device)
+    for unit in state.units:
+        full = _gather_unit(plan, unit, scratch)
+        for slot, tensor in zip(unit.layout.slots, full or ()):
+            first, *aliases = _names(slot)
+            gathered[first] = tensor
+            for name in aliases:  # a tied parameter: one tensor per key, as state_dict() gives
+                gathered[name] = tensor.clone()
+    if not plan.is_source:
+        return {}
+    return {
+        name: gathered[name] if isinstance(value, DTensor) else value.detach().cpu().clone()
+        for name, value in own.items()
+    }
+
+
+@torch.no_grad()
+def load_full_state_dict(
+    model: nn.Module, state_dict: Mapping[str, Any] | None, strict: bool = True, *, rank0_only: bool = True
+) -> None:
+    """Load an unsharded state dict (original names, as `full_state_dict` returns) into the
+    sharded model. Collective: every rank must call it.
+
+    `rank0_only=True` (default): only rank 0's dict is read (mesh[0][0] on a 2-D mesh); the other
+    ranks pass None (a dict they pass is ignored), so only rank 0 needs the checkpoint in memory.
+    Rank 0 checks the keys and shapes (an error raises on every rank), then scatters the
+    parameters unit by unit and broadcasts the buffers: no other rank holds more than its shards
+    (plus one shard's worth for a unit that `strict=False` loads only in part).
+    `rank0_only=False`: every rank passes the same full dict and copies its own rows; no
+    communication.
+    """
+    state = state_of(model)
+    own = model.state_dict()
+    if not rank0_only:
+        if state_dict is None:
+            raise ValueError("load_full_state_dict: rank0_only=False needs the full state_dict on every rank")
+        _load_own_rows(state, own, state_dict, strict)
+        return
+    plan = _plan(state)
+    verdict = None
+    if plan.is_source:
+        verdict = _check(own, state_dict, strict)
+    error, present = share_object(plan, verdict)
+    if error is not None:
+        raise ValueError(f"load_full_state_dict (checked on rank {plan.source}): {error}")
+    keys = set(present)
+    scratch = ScratchBuffer(plan.device)  # the packed unit (source) or a partial unit's shard
+    for unit in state.units:
+        names = [next((n for n in _names(slot) if n in keys), None) for slot in unit.layout.slots]
+        if any(names):
+            _scatter_unit(plan, unit, names, state_dict, scratch)
+    buffers = [name for name in present if not isinstance(own[name], DTensor)]
+    if plan.is_source:
+        assert state_dict is not None
+        for name in buffers:
+            own[name].copy_(state_dict[name])
+    if buffers:
+        broadcast_tensors(plan, [own[name] for name in buffers])
+
+
+def _plan(state: OverlapState) -> SourcePlan:
+    timeout = state.config.collective_timeout_s
+    device = state.units[0].shard.device
+    return plan_source(
+        state.group, state.replicate_group, state.mesh, device, None if timeout is None else timedelta(seconds=timeout)
+    )
+
+
+def _names(slot: ParamSlot) -> list[str]:
+    """Every state-dict key of the parameter (a tied parameter has one per owner)."""
+    return [f"{module}.{attr}" if module else attr for module, attr in slot.owners]
+
+
+def _gather_unit(plan: SourcePlan, unit: UnitTensors, scratch: ScratchBuffer) -> list[torch.Tensor] | None:
+    """The unit's full parameters on the source (CPU), gathered from row 0's shards; None elsewhere."""
+    layout = unit.layout
+    world = plan.shard_world_size
+    gathered = None
+    if plan.is_source:
+        gathered = scratch.take([(torch.Size([layout.unsharded_numel]), unit.shard.dtype)])[0]
+    if world == 1:
+        assert gathered is not None
+        gathered.copy_(unit.shard)
+    else:
+        chunks = list(gathered.view(world, -1).unbind(0)) if gathered is not None else None
+        work = dist.gather(unit.shard, chunks, dst=plan.source, group=plan.shard_group, async_op=True)
+        comm.wait(comm.CommResult(unit.shard, work, () if gathered is None else (gathered,)), plan.timeout)
+    if gathered is None:
+        return None
+    outs = [torch.empty(slot.shape, dtype=gathered.dtype, device=gathered.device) for slot in layout.slots]
+    kernels.copy_out(gathered, outs, sizes=[world * slot.chunk_numel for slot in layout.slots], num_rows=world)
+    return [t.cpu() for t in outs]
+
+
+def _check(own: dict[str, Any], state_dict: Mapping[str, Any] | None, strict: bool) -> tuple[str | None, list[str]]:
+    """On the source: (an error message or None, the keys to load in `own`'s order)."""
+    if state_dict is None:
+        return "rank 0 passed state_dict=None; pass the full state dict there (other ranks may pass None)", []
+    tensors = {name for name, value in own.items() if isinstance(value, torch.Tensor)}
+    missing = sorted(tensors - set(state_dict))
+    unexpected = sorted(set(state_dict) - set(own))
+    if strict and (missing or unexpected):
+        return f"missing keys {missing}, unexpected keys {unexpected}", []
+    present = [name for name in own if name in tensors and name in state_dict]
+    for name in present:
+        source = state_dict[name]
+        if not isinstance(source, torch.Tensor) or tuple(source.shape) != tuple(own[name].shape):
+            got = tuple(source.shape) if isinstance(source, torch.Tensor) else type(source).__name__
+            return f"{name!r} has shape {got}, the model expects {tuple(own[name].shape)}", []
+    return None, present
+
+
+def _scatter_unit(
+    plan: SourcePlan,
+    unit: UnitTensors,
+    names: list[str | None],
+    state_dict: Mapping[str, Any] | None,
+    scratch: ScratchBuffer,
+) -> None:
+    """Overwrite the unit's shards with the source's values for the slots named (None: keep)."""
+    dtype = unit.shard.dtype
+    partial = not all(names)
+    specs = [(torch.Size([unit.layout.unsharded_numel]), dtype)] if plan.is_source else []
+    specs += [(unit.shard.shape, dtype)] if partial else []
+    buffers = scratch.take(specs)
+    packed = None
+    if plan.is_source:
+        assert state_dict is not None
+        sources = [None if name is None else state_dict[name] for name in names]
+        packed = pack_rank_major(unit.layout, sources, dtype, plan.device, buffers[0])
+    if not partial:
+        scatter_shard(plan, unit.shard, packed)
+        return
+    received = buffers[-1]
+    scatter_shard(plan, received, packed)
+    for slot, name in zip(unit.layout.slots, names):
+        if name is not None:
+            span = slice(slot.shard_offset, slot.shard_offset + slot.chunk_numel)
+            unit.shard[span].copy_(received[span])
+
+
+def _load_own_rows(state: OverlapState, own: dict[str, Any], state_dict: Mapping[str, Any], strict: bool) -> None:
+    """rank0_only=False: every rank holds the full dict; copy this rank's rows, no communication."""
+    error, present = _check(own, state_dict, strict)
+    if error is not None:
+        raise ValueError(f"load_full_state_dict: {error}")
+    for name in present:
+        target, source = own[name], state_dict[name]
+        if isinstance(target, DTensor):
+            local = target.to_local()
+            rows = math.ceil(target.shape[0] / state.world_size)  # the shard dim of the mesh
+            start = state.rank * rows
+            local.copy_(source[start : start + local.shape[0]])
+        else:
+            target.copy_(source)
