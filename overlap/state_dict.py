@@ -140,7 +140,9 @@ def _gather_unit(plan: SourcePlan, unit: UnitTensors, scratch: ScratchBuffer) ->
     if gathered is None:
         return None
     outs = [torch.empty(slot.shape, dtype=gathered.dtype, device=gathered.device) for slot in layout.slots]
-    kernels.copy_out(gathered, outs, sizes=[world * slot.chunk_numel for slot in layout.slots], num_rows=world)
+    sizes = [world * slot.padded_chunk_numel for slot in layout.slots]
+    data_cols = [slot.chunk_numel for slot in layout.slots]
+    kernels.copy_out(gathered, outs, sizes=sizes, data_cols=data_cols, num_rows=world)
     return [t.cpu() for t in outs]
 
 

@@ -89,8 +89,9 @@ def pack_rank_major(
     world = layout.world_size
     packed = torch.empty(layout.unsharded_numel, dtype=dtype, device=device) if out is None else out
     srcs = [None if s is None else s.detach().to(device) for s in sources]
-    sizes = [world * slot.chunk_numel for slot in layout.slots]
-    kernels.copy_in(srcs, packed, sizes=sizes, num_rows=world)
+    sizes = [world * slot.padded_chunk_numel for slot in layout.slots]
+    data_cols = [slot.chunk_numel for slot in layout.slots]
+    kernels.copy_in(srcs, packed, sizes=sizes, data_cols=data_cols, num_rows=world)
     return packed
 
 

@@ -72,7 +72,7 @@ class OverlapState:
         gather_dtype = config.param_dtype
         reduce_dtype = config.reduce_dtype or config.param_dtype
         self.schedule = Schedule(
-            unit_bytes=[u.unsharded_nbytes for u in units],
+            unit_bytes=[_held_bytes(u, gather_dtype) for u in units],
             grad_bytes=[_grad_bytes(u, reduce_dtype) for u in units],
             config=ScheduleConfig(
                 prefetch_depth=config.prefetch_depth,
@@ -372,6 +372,16 @@ class _BackwardDone(torch.autograd.Function):
     def backward(ctx: Any, *grads: torch.Tensor) -> Any:
         ctx.state._unit_backward_done(ctx.index)
         return (None, None, *grads)
+
+
+def _held_bytes(unit: UnitTensors, gather_dtype: torch.dtype | None) -> int:
+    """Bytes a gathered unit holds, as the prefetch budget counts them: its unsharded storage
+    (the all-gather output is the same size, alive only until copy-out), plus the cast of its
+    shard into the gather dtype when there is one."""
+    cast = 0
+    if gather_dtype is not None and gather_dtype != unit.shard.dtype:
+        cast = unit.shard.numel() * torch.empty(0, dtype=gather_dtype).element_size()
+    return unit.unsharded_nbytes + cast
 
 
 def _grad_bytes(unit: UnitTensors, reduce_dtype: torch.dtype | None) -> int:
