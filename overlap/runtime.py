@@ -293,6 +293,7 @@ class Runtime:
             else:
                 assert unit.gather is not None
                 gathered = comm.wait(unit.gather, self.timeout)
+                self.timer.waited(unit.gather.work)
                 self._keep_secondary(unit, gathered)
                 self._alloc_unsharded(unit)
                 self._copy_out(unit, gathered)
@@ -535,6 +536,7 @@ class Runtime:
                     torch.cuda.current_stream(self.device).wait_event(pending.all_reduce_event)
                 else:
                     comm.wait(pending.all_reduce, self.timeout)
+                    self.timer.waited(pending.all_reduce.work)
             elif pending.event is not None:
                 torch.cuda.current_stream(self.device).wait_event(pending.event)
         reduced = pending.reduced

@@ -148,18 +148,22 @@ class CompletionWaiter:
     waited on from a second thread: two concurrent `wait()`s on gloo's reduce-scatter work
     corrupted its output (caught by the bitwise DDP parity test)."""
 
-    def __init__(self, clock: Callable[[], int] = time.perf_counter_ns) -> None:
+    def __init__(self, clock: Callable[[], int] = time.perf_counter_ns, use_futures: bool = True) -> None:
         self._clock = clock
+        self._use_futures = use_futures
         self._unstamped: dict[int, tuple[Any, Callable[[int], None]]] = {}  # id(work) -> (work, callback)
 
     def on_complete(self, work: Any, callback: Callable[[int], None]) -> None:
         if work is None:  # ran synchronously (world size 1)
             callback(self._clock())
             return
+        if not self._use_futures:
+            self._unstamped[id(work)] = (work, callback)  # the work object is kept alive here
+            return
         try:
             future = work.get_future()
         except RuntimeError:  # "getFuture not implemented" for this work type
-            self._unstamped[id(work)] = (work, callback)  # the work object is kept alive here
+            self._unstamped[id(work)] = (work, callback)
             return
         future.then(lambda _: callback(self._clock()))
 
@@ -171,14 +175,23 @@ class CompletionWaiter:
 
 
 class HostTimer(SpanTimer):
-    """Host-clock spans (CPU / gloo). Spans may complete on gloo's threads."""
+    """Host-clock spans (CPU / gloo). Spans may complete on gloo's threads.
 
-    def __init__(self, clock: Callable[[], int] = time.perf_counter_ns) -> None:
+    [Note: completion callbacks cost latency]
+    A future callback is Python: gloo's worker thread must take the GIL to run it before the
+    collective counts as done, and while the training thread holds the GIL (it usually does)
+    that delays every collective. With latency-bound units (64 tiny blocks on two ranks, `overlap
+    bench overhead`) the callbacks cost ~15% of the step. So collectives end at their exact
+    completion only when someone reads it (`precise=True`: a trace, or the collective-slowdown
+    alert); otherwise a collective's span ends when the training thread's wait on it returns,
+    an upper bound, as gloo's reduce-scatter (which has no future) always does."""
+
+    def __init__(self, clock: Callable[[], int] = time.perf_counter_ns, precise: bool = True) -> None:
         super().__init__(clock)
         self._lock = threading.Lock()
         self._done: list[Span] = []
         self._step_token: SpanToken | None = None
-        self._waiter = CompletionWaiter(clock)
+        self._waiter = CompletionWaiter(clock, use_futures=precise)
 
     def begin_step(self, stream: Any = None) -> None:
         self._step_token = self.start("step", "step", "step")
@@ -396,6 +409,7 @@ class EventTimer(SpanTimer):
         token.start_event = token.end_event = None
 
 
-def make_timer(device: torch.device) -> SpanTimer:
-    """Event timing on CUDA devices, the host clock elsewhere."""
-    return EventTimer(CudaEvents(device)) if device.type == "cuda" else HostTimer()
+def make_timer(device: torch.device, precise: bool = True) -> SpanTimer:
+    """Event timing on CUDA devices, the host clock elsewhere (`precise`: see
+    [Note: completion callbacks cost latency])."""
+    return EventTimer(CudaEvents(device)) if device.type == "cuda" else HostTimer(precise=precise)

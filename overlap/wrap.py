@@ -94,7 +94,10 @@ class OverlapState:
         )
         trace_dir = trace_dir_from(config.trace_dir)
         self.trace = TraceRecorder(trace_dir, self.rank) if trace_dir is not None else None
-        self.timer = make_timer(device)
+        # exact completion times only where they are read ([Note: completion callbacks cost latency])
+        self.timer = make_timer(
+            device, precise=trace_dir is not None or config.alert_collective_slowdown is not None
+        )
         self.runtime = Runtime(
             units,
             group,
