@@ -23,6 +23,7 @@ sharded one is what `overlap.checkpoint` and `torch.distributed.checkpoint` save
 
 from __future__ import annotations
 
+import warnings
 from contextlib import AbstractContextManager
 from typing import Any, NoReturn
 
@@ -99,6 +100,7 @@ def _check_between_steps(phase: Phase, verb: str) -> None:
 
 
 _CLASSES: dict[type, type] = {}  # original class -> its wrapped subclass, one per class
+_METHODS = frozenset({"no_sync", "set_requires_gradient_sync", "unshard", "reshard"})
 
 
 def as_overlap_module(model: nn.Module) -> None:
@@ -108,6 +110,14 @@ def as_overlap_module(model: nn.Module) -> None:
         return
     new_cls = _CLASSES.get(cls)
     if new_cls is None:
+        shadowed = sorted(_METHODS & {name for klass in cls.__mro__ for name in vars(klass)})
+        if shadowed:
+            warnings.warn(
+                f"overlap.wrap: {cls.__qualname__} defines {', '.join(shadowed)}; on the wrapped "
+                "model these names are overlap's (see overlap/module.py), call the model's own "
+                f"through {cls.__qualname__}.<name>(model, ...)",
+                stacklevel=3,
+            )
         new_cls = type(cls.__name__, (OverlapModule, cls), {"__qualname__": cls.__qualname__})
         new_cls.__module__ = cls.__module__
         _CLASSES[cls] = new_cls

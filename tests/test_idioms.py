@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import io
 import threading
+import warnings
 
 import pytest
 import torch
@@ -96,9 +97,18 @@ def _counting(name: str) -> tuple[list[int], object]:
 # ---------------------------------------------------------------- the wrapped model's class
 
 
+class OwnReshard(TinyLM):
+    def reshard(self) -> str:
+        return "own"
+
+
 def wrapped_class(rank: int, world: int) -> dict:
     model = overlap.wrap(tiny_lm())
     stack = overlap.wrap(encoder_stack())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        own = overlap.wrap(OwnReshard())
+    shadowed = [str(w.message) for w in caught if "defines reshard" in str(w.message)]
     try:
         copy.deepcopy(model)
         deepcopy_error = None
@@ -111,6 +121,7 @@ def wrapped_class(rank: int, world: int) -> dict:
         "repr": repr(model).splitlines()[0],
         "slice": (type(part) is nn.Sequential, len(part)),
         "deepcopy": deepcopy_error,
+        "shadowed": (shadowed, OwnReshard.reshard(own)),
     }
 
 
@@ -119,6 +130,7 @@ def test_wrapped_model_keeps_its_class(world2):
         assert r["isinstance"] and r["name"] == "TinyLM" and r["repr"] == "TinyLM(", r
         assert r["slice"] == (True, 2), r
         assert r["deepcopy"] and "full_state_dict" in r["deepcopy"], r
+        assert len(r["shadowed"][0]) == 1 and r["shadowed"][1] == "own", r  # warned, still callable
 
 
 # ---------------------------------------------------------------- no_sync, gradient sync switch
