@@ -29,11 +29,14 @@ def clip_grad_norm_(
     on the unsharded model. One all-reduce of a scalar; returns the total norm (a plain tensor,
     the same on every rank)."""
     state = state_of(model)
-    grads = [_local(p.grad) for p in model.parameters() if p.grad is not None]
+    params = [p for p in model.parameters() if p.grad is not None]
+    grads = [_local(p.grad) for p in params]
+    # [Note: replicated parameters]: whole on every rank of the group, so counted on one
+    counted = [g for p, g in zip(params, grads) if state.rank == 0 or not state.replicated.holds(p)]
     device = state.units[0].shard.device
     norm_type = float(norm_type)
-    if grads:
-        norms = torch._foreach_norm(grads, norm_type)
+    if counted:
+        norms = torch._foreach_norm(counted, norm_type)
         local = torch.stack([n.float() for n in norms])
     else:
         local = torch.zeros(1, device=device)

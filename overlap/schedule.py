@@ -33,6 +33,12 @@ a ValueError on all ranks at the first divergent collective, instead of exchangi
 units (or, with gloo, aborting on a size mismatch). After that the recorded orders are trusted
 and the checks cost nothing. Units whose parameters got no gradient are reduced all the same, in
 a fixed order, when backward ends.
+
+[Note: pinned units]
+`model.unshard()` (generation, evaluation loops) gathers every unit between steps and pins them:
+forwards then free nothing and gather nothing (every unit is held, so the prefetch budget does
+not apply) until `model.reshard()` frees them all. A backward unpins: it frees each unit as its
+gradients are reduced, as FSDP2's backward reshards, and the next step gathers as usual.
 """
 
 from __future__ import annotations
@@ -161,6 +167,7 @@ class Schedule:
     forward_order: tuple[int, ...] | None = field(init=False, default=None)
     backward_order: tuple[int, ...] | None = field(init=False, default=None)
     sync_grads: bool = field(init=False, default=True)  # False inside overlap.no_sync
+    pinned: bool = field(init=False, default=False)  # [Note: pinned units]
     _seen_forward: list[int] = field(init=False, default_factory=list)
     _seen_backward: list[int] = field(init=False, default_factory=list)
     _forward_checked: bool = field(init=False, default=False)
@@ -281,7 +288,7 @@ class Schedule:
         if self.phase is Phase.IDLE:
             self._seen_forward = []
             self.reset_peak()
-        else:
+        elif not self.pinned:
             # Another forward before backward: what end_forward gathered for backward is not
             # needed yet, and keeping it would break the prefetch budget. Free it.
             for unit in self.held_units():
@@ -309,8 +316,8 @@ class Schedule:
 
     def post_forward(self, unit: int, grad_enabled: bool) -> list[Action]:
         out: list[Action] = []
-        if unit == self.root:
-            return out  # the root stays unsharded until the step ends
+        if unit == self.root or self.pinned:
+            return out  # the root stays unsharded until the step ends; [Note: pinned units]
         keep = grad_enabled and (
             not self.config.reshard_after_forward
             or (self.forward_order is not None and unit == self.forward_order[-1])
@@ -330,7 +337,8 @@ class Schedule:
             self._forward_checked = True
             out.append(CheckOrder("forward", order_hash(self.forward_order), self.forward_order))
         if not grad_enabled:
-            out += self._release_all()
+            if not self.pinned:
+                out += self._release_all()
             self.phase = Phase.IDLE
             return out
         # Backward comes next: start gathering the first units it needs.
@@ -348,6 +356,26 @@ class Schedule:
                 self._move(unit, UnitState.SHARDED)
                 out.append(self._actions.free[unit])
         return out
+
+    # ---------------------------------------------------------------- pinning
+    def unshard_all(self) -> list[Action]:
+        """`model.unshard()`, between steps: gather every unit and pin it ([Note: pinned units])."""
+        assert self.phase is Phase.IDLE, f"unshard_all in phase {self.phase}"
+        out: list[Action] = []
+        self._gathering_for_backward = False  # forward gathers (hpZ: from the shards)
+        for unit in range(self.num_units):
+            if self.states[unit] is UnitState.SHARDED:
+                self._gather(unit, out)
+        for unit in range(self.num_units):
+            self._wait(unit, out)
+        self.pinned = True
+        return out
+
+    def reshard_all(self) -> list[Action]:
+        """`model.reshard()`, between steps: free every unit ([Note: pinned units])."""
+        assert self.phase is Phase.IDLE, f"reshard_all in phase {self.phase}"
+        self.pinned = False
+        return self._release_all()
 
     # ---------------------------------------------------------------- backward events
     def begin_backward(self) -> None:
@@ -452,5 +480,6 @@ class Schedule:
             self._backward_checked = True
             self.backward_order = tuple(self._seen_backward)
             out.append(CheckOrder("backward", order_hash(self.backward_order), self.backward_order))
+        self.pinned = False  # every unit was freed above: [Note: pinned units]
         self.phase = Phase.IDLE
         return out

@@ -36,6 +36,7 @@ from overlap.config import OverlapConfig
 from overlap.guard import remember_replaced
 from overlap.init import ParamInitFn, ScratchBuffer, materialize_and_shard
 from overlap.monitor import Monitor
+from overlap.replicated import ReplicatedParams, is_replicated  # ecosystem: scalar parameters
 from overlap.runtime import Runtime, UnitTensors, keep_freed_cpu_memory
 from overlap.schedule import Action, Phase, Schedule, ScheduleConfig, UnitState, order_hash
 from overlap.stats import StatsRecorder
@@ -134,6 +135,8 @@ class OverlapState:
         self._num_done = [0] * len(units)
         self._backward_queued = False
         self._handles: list[Any] = []
+        # ecosystem: 0-dim parameters, whole on every rank ([Note: replicated parameters])
+        self.replicated = ReplicatedParams(model, groups.everyone, self.runtime.timeout, self.stats)
         self._install_hooks(model, unit_modules)
 
     # ------------------------------------------------------------------ hooks
@@ -332,6 +335,7 @@ class OverlapState:
         self._num_forwards = [0] * len(self.units)
         self._num_done = [0] * len(self.units)
         self._run(self.schedule.end_backward())
+        self.replicated.reduce(self.schedule.sync_grads)  # ecosystem: [Note: replicated parameters]
         self._finish_step()
         for codec in (self.runtime.param_codec, self.runtime.grad_codec):
             if codec is not None:  # once per step; on CUDA a step late, without a sync
@@ -512,6 +516,9 @@ def wrap(
             broadcast_tensors(source, buffers)
     state = OverlapState(model, config, pgs, units, root_unit, unit_modules)
     model._overlap_state = state
+    from overlap.module import as_overlap_module  # ecosystem; here: module.py imports api.py, which imports this file
+
+    as_overlap_module(model)  # ecosystem: model.no_sync(), .unshard(), ... (overlap/module.py)
     return model
 
 
@@ -688,7 +695,8 @@ def _unit_of_module(module_fqn: str, unit_set: set[str]) -> str:
 
 
 def _params_by_unit_module(model: nn.Module, unit_fqns: list[str]) -> dict[str, list[ParamInfo]]:
-    """Assign every parameter to the unit module that contains it ("" = root unit).
+    """Assign every parameter to the unit module that contains it ("" = root unit); 0-dim ones
+    to none (see [Note: replicated parameters] in replicated.py).
 
     A parameter held by several modules (tied weights, e.g. GPT-2's embedding and LM head)
     belongs to the unit of their lowest common ancestor, as FSDP does: the one unit containing
@@ -699,11 +707,8 @@ def _params_by_unit_module(model: nn.Module, unit_fqns: list[str]) -> dict[str, 
     for module_fqn, module in model.named_modules(remove_duplicate=False):
         for name, param in module.named_parameters(recurse=False):
             fqn = f"{module_fqn}.{name}" if module_fqn else name
-            if param.dim() == 0:
-                raise ValueError(
-                    f"overlap.wrap: parameter {fqn!r} is a scalar (0-dim); sharding needs dim >= 1 "
-                    "(store it as shape [1])"
-                )
+            if is_replicated(param):
+                continue  # kept whole on every rank: [Note: replicated parameters] in replicated.py
             if param.is_sparse or param.is_complex() or not param.dtype.is_floating_point:
                 raise ValueError(
                     f"overlap.wrap: parameter {fqn!r} ({param.dtype}, layout {param.layout}) is "
@@ -712,6 +717,12 @@ def _params_by_unit_module(model: nn.Module, unit_fqns: list[str]) -> dict[str, 
             entry = found.setdefault(id(param), (fqn, [], param))
             if (module_fqn, name) not in entry[1]:
                 entry[1].append((module_fqn, name))
+    if not found:
+        scalars = [n for n, p in model.named_parameters() if is_replicated(p)]
+        raise ValueError(
+            f"overlap.wrap: every parameter of the model is a scalar (0-dim: {scalars}), so there "
+            "is nothing to shard; use torch.nn.parallel.DistributedDataParallel for this model"
+        )
     by_unit: dict[str, list[ParamInfo]] = {fqn: [] for fqn in unit_fqns}
     by_unit[""] = []
     for fqn, owners, param in found.values():
