@@ -127,6 +127,14 @@ class UnitTensors:
     def __post_init__(self) -> None:
         self.trainable = [(s, p) for s, p in zip(self.layout.slots, self.sharded_params) if s.requires_grad]
 
+    def set_layout(self, layout: UnitLayout) -> None:
+        """A new gradient layout (requires_grad changed after wrap): same buffers, other
+        trainable parameters."""
+        self.layout = layout
+        self.trainable = [(s, p) for s, p in zip(layout.slots, self.sharded_params) if s.requires_grad]
+        for slot, param in zip(layout.slots, self.unsharded_params):
+            param.requires_grad_(slot.requires_grad)
+
     @property
     def unsharded_nbytes(self) -> int:
         return self.unsharded_flat.numel() * self.unsharded_flat.element_size()
@@ -510,6 +518,12 @@ class Runtime:
                 self.timer.stop(span, work=result.work)
         self.stats.record_issue("all_reduce", num_bytes)
         return result
+
+    def forget_residuals(self, unit: int) -> None:
+        """Drop the error-feedback residuals of every bucket holding `unit` (its gradient layout
+        changed: the residual's columns no longer match). They restart from zero."""
+        for indices in [k for k in self.residuals if unit in k]:
+            self.memory.sub("residuals", nbytes(self.residuals.pop(indices)))
 
     def _residual(self, indices: tuple[int, ...], width: int) -> torch.Tensor | None:
         """This bucket's error-feedback residual (zeros the first time), or None when off.

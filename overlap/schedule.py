@@ -357,6 +357,13 @@ class Schedule:
                 out.append(self._actions.free[unit])
         return out
 
+    def set_grad_bytes(self, unit: int, num_bytes: int) -> None:
+        """The unit's trainable parameters changed between steps: new bucket sizes, and the
+        next backward checks its reductions across ranks again ([Note: collective order])."""
+        assert self.phase is Phase.IDLE, f"grad bytes changed in phase {self.phase}"
+        self.grad_bytes[unit] = num_bytes
+        self._backward_checked = False
+
     # ---------------------------------------------------------------- pinning
     def unshard_all(self) -> list[Action]:
         """`model.unshard()`, between steps: gather every unit and pin it ([Note: pinned units])."""
@@ -448,8 +455,8 @@ class Schedule:
         self._bucket, self._bucket_bytes = [], 0
         self._in_flight.append(action)
         self._inputs_alive.append(action)
-        if not self._backward_checked:
-            key = ("reduce", action.units)
+        if not self._backward_checked:  # units and sizes: a rank that froze other parameters differs
+            key = ("reduce", action.units, tuple(self.grad_bytes[u] for u in action.units))
             out.append(CheckOrder("reduce", order_hash(key), action.units))
         out.append(action)
         return out

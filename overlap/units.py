@@ -7,6 +7,8 @@ grouping and layout; it holds no tensors of its own.
 
 from __future__ import annotations
 
+import dataclasses
+
 import math
 from collections import Counter
 from collections.abc import Callable
@@ -153,6 +155,18 @@ def make_layout(
         shard_off += padded
         grad_off += padded if info.requires_grad else 0
     return UnitLayout(index, label, module_fqns, tuple(slots), world_size)
+
+
+def with_trainable(layout: UnitLayout, trainable: tuple[bool, ...]) -> UnitLayout:
+    """`layout` with the parameters' `requires_grad` set to `trainable` (one per slot): the
+    gradient offsets are recomputed, the shard and unsharded layouts do not move
+    ([Note: requires_grad after wrap] in wrap.py)."""
+    assert len(trainable) == len(layout.slots)
+    slots, grad_off = [], 0
+    for slot, flag in zip(layout.slots, trainable):
+        slots.append(dataclasses.replace(slot, requires_grad=flag, grad_offset=grad_off if flag else -1))
+        grad_off += slot.padded_chunk_numel if flag else 0
+    return dataclasses.replace(layout, slots=tuple(slots))
 
 
 def _is_repeated_block_parent(module: nn.Module) -> bool:

@@ -43,7 +43,7 @@ from overlap.stats import StatsRecorder
 from overlap.timing import make_timer
 from overlap.sync import SourcePlan, broadcast_tensors, pack_rank_major, plan_source, scatter_shard
 from overlap.trace import TraceRecorder, trace_dir_from
-from overlap.units import CHUNK_ALIGN_NUMEL, ParamInfo, UnitLayout, find_unit_modules, group_units, make_layout
+from overlap.units import CHUNK_ALIGN_NUMEL, ParamInfo, with_trainable, UnitLayout, find_unit_modules, group_units, make_layout
 
 
 class OverlapState:
@@ -130,6 +130,9 @@ class OverlapState:
             secondary_group=groups.secondary if config.reshard_after_forward else None,
         )
         self._num_trainable = [sum(p.requires_grad for p in u.unsharded_params) for u in units]
+        self._has_frozen = [not all(p.requires_grad for p in u.unsharded_params) for u in units]
+        self._reduce_dtype = reduce_dtype
+        self._hooked: set[int] = set()  # ids of unsharded parameters with a grad-ready hook
         self._num_ready = [0] * len(units)
         self._num_forwards = [0] * len(units)  # forwards this step that can report (b) below
         self._num_done = [0] * len(units)
@@ -161,12 +164,36 @@ class OverlapState:
                         functools.partial(self._unit_post_forward, index, last)
                     )
                 )
+        for index in range(len(self.units)):
+            self._hook_trainable(index)
+
+    def _hook_trainable(self, index: int) -> None:
+        for param in self.units[index].unsharded_params:
+            if param.requires_grad and id(param) not in self._hooked:
+                self._hooked.add(id(param))
+                param.register_post_accumulate_grad_hook(functools.partial(self._grad_ready, index))
+
+    # [Note: requires_grad after wrap]
+    # Fine-tuning schedules freeze and unfreeze parameters between steps (gradual unfreezing,
+    # frozen embeddings) through the parameters the user sees: the sharded ones. At the start
+    # of each step the flags are compared with each unit's layout; where they changed, the unit
+    # gets a new gradient layout: a frozen parameter gets no gradient, takes no column in the
+    # reduce-scatter and no gradient memory, exactly as one frozen at wrap (and as under DDP,
+    # whose find_unused_parameters leaves it without gradient); an unfrozen one gets them back.
+    # The next backward checks its reductions across ranks again, so ranks that changed
+    # different parameters raise instead of exchanging buffers of different sizes. Error-
+    # feedback residuals of the changed units restart from zero.
+    def _sync_requires_grad(self) -> None:
         for index, unit in enumerate(self.units):
-            for param in unit.unsharded_params:
-                if param.requires_grad:
-                    param.register_post_accumulate_grad_hook(
-                        functools.partial(self._grad_ready, index)
-                    )
+            flags = tuple(p.requires_grad for p in unit.sharded_params)
+            if flags == tuple(s.requires_grad for s in unit.layout.slots):
+                continue
+            unit.set_layout(with_trainable(unit.layout, flags))
+            self._num_trainable[index] = sum(flags)
+            self._has_frozen[index] = not all(flags)
+            self._hook_trainable(index)
+            self.runtime.forget_residuals(index)
+            self.schedule.set_grad_bytes(index, _grad_bytes(unit, self._reduce_dtype))
 
     def _run(self, actions: list[Action]) -> None:
         if actions:
@@ -193,6 +220,7 @@ class OverlapState:
         if self.schedule.phase is Phase.BACKWARD:
             return None  # [Note: forward during backward]
         if self.schedule.phase is Phase.IDLE:
+            self._sync_requires_grad()
             self.stats.begin_step()
             self.timer.begin_step()
             self.runtime.begin_step()
@@ -269,6 +297,10 @@ class OverlapState:
     # the highest sequence number), so a parameter's gradient produced by the same node as the
     # input gradient is already accumulated. A gradient that still arrives after its unit was
     # reduced (a parameter used outside its unit's forward) raises instead of being lost.
+    # (a) is not used for a unit with frozen parameters whose inputs need a gradient: its
+    # backward may still need a frozen weight after the last trainable gradient is in (to pass
+    # the gradient on to its inputs, e.g. a frozen attention before a trainable feed-forward),
+    # so only (b) ends it. With no input needing a gradient, nothing after (a) reads a weight.
 
     def _on_backward_done(self, args: tuple, index: int) -> tuple | None:
         if all(isinstance(a, torch.Tensor) for a in args):  # the common case, without pytree
@@ -326,7 +358,9 @@ class OverlapState:
                 "choose a unit_policy that puts the module using it in the same unit)"
             )
         self._num_ready[index] += 1
-        if self._num_ready[index] == self._num_trainable[index]:
+        if self._num_ready[index] == self._num_trainable[index] and not (
+            self._has_frozen[index] and self._num_forwards[index] > 0
+        ):
             self._post_backward(index)
 
     def _end_backward(self) -> None:
@@ -494,7 +528,8 @@ def wrap(
             owner_modules, layouts[index], mesh, rank, config, device, source, shards[index], packing
         )
 
-    remember_replaced(model.named_parameters())  # weakly: see guard.py
+    # weakly: see guard.py; 0-dim parameters are kept as they are (replicated.py), not replaced
+    remember_replaced((n, p) for n, p in model.named_parameters() if not is_replicated(p))
 
     if deferred:
         index_of = {fqn: i for i, layout in enumerate(layouts) if i != root_unit for fqn in layout.module_fqns}
