@@ -15,6 +15,7 @@ from overlap.api import (
     step_stats,
 )
 from overlap.amp import ShardedGradScaler
+from overlap.fingerprint import CollectiveMismatchError
 from overlap.memory import MemoryStats
 from overlap.stats import StepStats
 from overlap.wrap import wrap
@@ -23,6 +24,7 @@ __all__ = [
     "OverlapConfig",
     "ShardedGradScaler",
     "checkpoint",
+    "CollectiveMismatchError",
     "StepStats",
     "clip_grad_norm_",
     "full_state_dict",

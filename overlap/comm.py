@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from overlap.compression import Codec, encode_with_feedback
+from overlap.fingerprint import TAG_NUMEL, write_tag
 
 # torch 2.13 deprecates all_gather_into_tensor / reduce_scatter_tensor in favour of the
 # *_single names (a FutureWarning on every call); torch 2.11 has only the old names.
@@ -47,13 +48,21 @@ class CommResult(NamedTuple):
 
 
 def all_gather_flat(
-    shard: torch.Tensor, group: dist.ProcessGroup, world_size: int, dtype: torch.dtype
+    shard: torch.Tensor,
+    group: dist.ProcessGroup,
+    world_size: int,
+    dtype: torch.dtype,
+    tag: int | None = None,
 ) -> CommResult:
     """Gather every rank's flat `shard` into one rank-major (world_size * numel) tensor.
 
-    The shard is cast to `dtype` first (mixed precision: the wire and the compute use it).
+    The shard is cast to `dtype` first (mixed precision: the wire and the compute use it). With
+    `tag`, the last `fingerprint.TAG_NUMEL` elements of `shard` are not data: the tag is written
+    there (after the cast) and every rank receives every rank's ([Note: collective fingerprints]).
     """
     send = shard if shard.dtype == dtype else shard.to(dtype)
+    if tag is not None:
+        write_tag(send, send.numel() - TAG_NUMEL, tag)
     out = torch.empty(world_size * send.numel(), dtype=dtype, device=send.device)
     if _local(world_size):
         out.copy_(send)

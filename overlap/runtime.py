@@ -51,6 +51,7 @@ _NO_LABEL = contextlib.nullcontext()
 
 from overlap import backend, comm, kernels
 from overlap.compression import Codec
+from overlap.fingerprint import TAG_NUMEL, FingerprintCheck, Tag, signature
 from overlap.memory import MemoryAccount, nbytes
 from overlap.schedule import (
     Action,
@@ -121,17 +122,30 @@ class UnitTensors:
     gather_from_secondary: bool = False  # the gather in flight reads the secondary copies
     trainable: list[tuple[Any, nn.Parameter]] = field(init=False)  # (slot, sharded param) with grads
     copy_out_views: list[torch.Tensor] | None = None  # per slot, its span of unsharded_flat
+    gather_tag: int | None = None  # the tag of the all-gather in flight ([Note: collective fingerprints])
+    tag_out: torch.Tensor | None = None  # copy-out's destination for the gathered tags (unread)
+    signature: int = 0  # of the trainable pattern, in the tags
     copy_out_sizes: list[int] | None = None  # per slot, its padded span of the gathered rows
     copy_out_cols: list[int] | None = None  # per slot, the data columns of its chunk
 
     def __post_init__(self) -> None:
         self.trainable = [(s, p) for s, p in zip(self.layout.slots, self.sharded_params) if s.requires_grad]
+        self.signature = signature(tuple(s.requires_grad for s in self.layout.slots))
+
+    def tagged_shard(self) -> torch.Tensor | None:
+        """The shard with the tag's room behind it (None when its buffer has none)."""
+        shard = self.shard
+        needed = (shard.storage_offset() + shard.numel() + TAG_NUMEL) * shard.element_size()
+        if shard.untyped_storage().nbytes() < needed:
+            return None
+        return shard.as_strided((shard.numel() + TAG_NUMEL,), (1,))
 
     def set_layout(self, layout: UnitLayout) -> None:
         """A new gradient layout (requires_grad changed after wrap): same buffers, other
         trainable parameters."""
         self.layout = layout
         self.trainable = [(s, p) for s, p in zip(layout.slots, self.sharded_params) if s.requires_grad]
+        self.signature = signature(tuple(s.requires_grad for s in layout.slots))
         for slot, param in zip(layout.slots, self.unsharded_params):
             param.requires_grad_(slot.requires_grad)
 
@@ -189,6 +203,7 @@ class Runtime:
     all_reduce_stream: torch.cuda.Stream | None = field(init=False, default=None)
     _pending: dict[int, PendingReduce] = field(init=False, default_factory=dict)
     _pending_units: dict[int, tuple[int, ...]] = field(init=False, default_factory=dict)
+    step: int = field(init=False, default=0)  # steps begun on this rank, in the tags
     _flags: dict[tuple[tuple[bool, ...], torch.dtype], torch.Tensor] = field(init=False, default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -203,6 +218,8 @@ class Runtime:
             if self.replicate_group is not None:
                 self.all_reduce_stream = torch.cuda.Stream(self.device, priority=-1)
         self.memory.add("sharded_params", sum(nbytes(u.shard) for u in self.units))
+        self.fingerprints = FingerprintCheck(self.rank, self.device)
+        self._tagged = [u.tagged_shard() for u in self.units]
 
     # ------------------------------------------------------------------ dispatch
     def run(self, actions: list[Action]) -> None:
@@ -257,7 +274,10 @@ class Runtime:
                     outer = self.world_size // dist.get_world_size(self.secondary_group)
                     unit.gather = comm.all_gather_secondary(unit.secondary, self.secondary_group, outer)
                 elif self.param_codec is None:
-                    unit.gather = comm.all_gather_flat(unit.shard, self.group, self.world_size, dtype)
+                    tagged = self._tagged[index] if self.world_size > 1 else None
+                    unit.gather_tag = None if tagged is None else self._tag(index, unit, for_backward)
+                    send = unit.shard if tagged is None else tagged
+                    unit.gather = comm.all_gather_flat(send, self.group, self.world_size, dtype, unit.gather_tag)
                 else:
                     unit.gather = comm.all_gather_encoded(
                         self._encoded_shard(unit, for_backward), unit.shard.numel(), self.group, self.world_size,
@@ -270,6 +290,7 @@ class Runtime:
                     # the gather stream waits, not the CPU
                     gathered = comm.wait(result, self.timeout)
                     self.timer.stop(span, self.gather_stream)
+                    self._check_tag(unit, gathered)  # on the device, before the event below
                     self._keep_secondary(unit, gathered)
                     self._copy_out(unit, gathered)
                     unit.gather_event = self.gather_stream.record_event()
@@ -282,6 +303,19 @@ class Runtime:
                     self.timer.stop(span, work=result.work)
         received = result.output
         self.stats.record_issue("gather", received.numel() * received.element_size())
+
+    def _tag(self, index: int, unit: UnitTensors, for_backward: bool) -> int:
+        phase = 2 if for_backward else (0 if torch.is_grad_enabled() else 1)
+        return Tag(self.step, phase, index, unit.signature).pack()
+
+    def _check_tag(self, unit: UnitTensors, gathered: torch.Tensor) -> None:
+        if unit.gather_tag is not None:
+            self.fingerprints.check(gathered, self.world_size, unit.gather_tag, f"all-gather of {unit.layout.label}")
+
+    def check_fingerprints(self) -> None:
+        """Once per step: CUDA reports a step late what the device compared ([Note: collective
+        fingerprints]); on CPU every all-gather was checked at its wait."""
+        self.fingerprints.check_pending()
 
     def _drop_gather(self, unit: UnitTensors) -> None:
         unit.gather = None  # [Note: buffer lifetime]
@@ -302,6 +336,7 @@ class Runtime:
                 assert unit.gather is not None
                 gathered = comm.wait(unit.gather, self.timeout)
                 self.timer.waited(unit.gather.work)
+                self._check_tag(unit, gathered)
                 self._keep_secondary(unit, gathered)
                 self._alloc_unsharded(unit)
                 self._copy_out(unit, gathered)
@@ -373,12 +408,17 @@ class Runtime:
             # each rank's chunk is padded to CHUNK_ALIGN_NUMEL in the gathered rows (units.py)
             unit.copy_out_sizes = [n * s.padded_chunk_numel for s in slots]
             unit.copy_out_cols = [s.chunk_numel for s in slots]
-        outs = unit.copy_out_views
+        outs, sizes, cols = unit.copy_out_views, unit.copy_out_sizes, unit.copy_out_cols
+        if gathered.numel() != unit.layout.unsharded_numel:  # tagged: each row ends in its tag
+            assert gathered.numel() == unit.layout.unsharded_numel + self.world_size * TAG_NUMEL
+            if unit.tag_out is None or unit.tag_out.dtype != gathered.dtype:
+                unit.tag_out = torch.empty(self.world_size * TAG_NUMEL, dtype=gathered.dtype, device=gathered.device)
+            outs, sizes, cols = [*outs, unit.tag_out], [*sizes, self.world_size * TAG_NUMEL], [*cols, TAG_NUMEL]
         # The unsharded params alias this storage and autograd may hold them from forward: a
         # refill must not bump their version counter (the data is the same as before the free).
         with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(unit.unsharded_flat):
             kernels.copy_out(
-                gathered, outs, sizes=unit.copy_out_sizes, data_cols=unit.copy_out_cols, num_rows=self.world_size
+                gathered, outs, sizes=sizes, data_cols=cols, num_rows=self.world_size, validate=self.step <= 1
             )
 
     def free(self, index: int) -> None:
@@ -427,7 +467,7 @@ class Runtime:
             if self.grad_codec is None:  # flags ride in the same buffer
                 srcs, sizes, data_cols = [*srcs, flags], [*sizes, flags.numel()], [*data_cols, len(used)]
             full = torch.empty(n, sum(sizes) // n, dtype=dtype, device=self.device)
-            kernels.copy_in(srcs, full, sizes=sizes, data_cols=data_cols, num_rows=n)
+            kernels.copy_in(srcs, full, sizes=sizes, data_cols=data_cols, num_rows=n, validate=self.step <= 1)
             del srcs
             event, reduced = None, None
             if self.reduce_stream is not None:
@@ -587,6 +627,7 @@ class Runtime:
                     grad_bytes += slot.chunk_numel * param.element_size()
         self.memory.set("grad_shards", grad_bytes)
         self.memory.reset_peak()
+        self.step += 1
 
     def _accumulate(self, unit: UnitTensors, reduced: torch.Tensor, used: list[float]) -> None:
         """Add a unit's reduced gradient shard into its sharded parameters' `.grad`."""

@@ -358,11 +358,13 @@ class Schedule:
         return out
 
     def set_grad_bytes(self, unit: int, num_bytes: int) -> None:
-        """The unit's trainable parameters changed between steps: new bucket sizes, and the
-        next backward checks its reductions across ranks again ([Note: collective order])."""
+        """The unit's trainable parameters changed between steps: new bucket sizes. (Ranks that
+        changed different parameters are caught by the next forward all-gathers, whose tags carry
+        the trainable pattern: [Note: collective fingerprints] in fingerprint.py. A check of its
+        own here would run on the ranks that changed something only, and pair with the others'
+        all-gathers.)"""
         assert self.phase is Phase.IDLE, f"grad bytes changed in phase {self.phase}"
         self.grad_bytes[unit] = num_bytes
-        self._backward_checked = False
 
     # ---------------------------------------------------------------- pinning
     def unshard_all(self) -> list[Action]:

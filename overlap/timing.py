@@ -60,7 +60,7 @@ import torch
 SpanKind = Literal["collective", "stall", "step"]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Span:
     """One completed span. `op` is "gather", "reduce" or "all_reduce" ("step" for a step);
     `label` names the unit or bucket ("unit3 (layers.2)", "bucket0 [unit3,unit4]")."""
@@ -83,7 +83,7 @@ class Span:
         return f"{self.label} {self.op}"
 
 
-@dataclass
+@dataclass(slots=True)
 class SpanToken:
     """What `start` returns; pass it to `stop`. Opaque to callers."""
 

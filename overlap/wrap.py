@@ -33,6 +33,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from overlap import backend, comm
 from overlap.compression import make_grad_codec, make_param_codec
 from overlap.config import OverlapConfig
+from overlap.fingerprint import TAG_NUMEL
 from overlap.guard import remember_replaced
 from overlap.init import ParamInitFn, ScratchBuffer, materialize_and_shard
 from overlap.monitor import Monitor
@@ -180,9 +181,10 @@ class OverlapState:
     # gets a new gradient layout: a frozen parameter gets no gradient, takes no column in the
     # reduce-scatter and no gradient memory, exactly as one frozen at wrap (and as under DDP,
     # whose find_unused_parameters leaves it without gradient); an unfrozen one gets them back.
-    # The next backward checks its reductions across ranks again, so ranks that changed
-    # different parameters raise instead of exchanging buffers of different sizes. Error-
-    # feedback residuals of the changed units restart from zero.
+    # Ranks that changed different parameters raise at the next forward all-gather of the unit,
+    # whose tag carries its trainable pattern ([Note: collective fingerprints]), instead of
+    # exchanging gradient buffers of different sizes. Error-feedback residuals of the changed
+    # units restart from zero.
     def _sync_requires_grad(self) -> None:
         for index, unit in enumerate(self.units):
             flags = tuple(p.requires_grad for p in unit.sharded_params)
@@ -376,6 +378,7 @@ class OverlapState:
                 codec.raise_if_nonfinite()
 
     def _finish_step(self) -> None:
+        self.runtime.check_fingerprints()
         peak_units, peak_bytes = self.schedule.max_unsharded()
         self.stats.record_unsharded(peak_units, peak_bytes)
         self.stats.record_memory(self.runtime.memory.peak_total)
@@ -791,7 +794,8 @@ def _new_shard(layout: UnitLayout, dtype: torch.dtype, device: torch.device, sou
     """The unit's flat shard buffer: zeros where this rank copies its own rows (the padding must
     be zero), uninitialized where the scatter fills all of it."""
     alloc = torch.zeros if source is None else torch.empty
-    return alloc(layout.shard_numel, dtype=dtype, device=device)
+    # TAG_NUMEL more behind the shard: the all-gather's tag ([Note: collective fingerprints])
+    return alloc(layout.shard_numel + TAG_NUMEL, dtype=dtype, device=device)[: layout.shard_numel]
 
 
 def _shard_buffers(

@@ -132,13 +132,24 @@ ONCE_PER_STEP = {
     # sync (overlap/compression/finite.py, tested with fake streams in test_codecs.py)
     "overlap/compression/finite.py": "Tensor.item",
 }
+# Branches that run only for tensors in host memory (decided by the device type), so a CUDA host
+# never makes these calls: recorded here only because this test runs on the CPU.
+CPU_ONLY = {
+    # the all-gather tags compared on the host; on CUDA the comparison stays on the device and is
+    # read once per step, a step late ([Note: collective fingerprints] in fingerprint.py)
+    "overlap/fingerprint.py": "Tensor.tolist",
+}
 RECORDED_STEPS = 3
 
 
+def _matches(call: str, table: dict[str, str]) -> bool:
+    return any(call.startswith(f"{what} at {path}") for path, what in table.items())
+
+
 def _unexpected(calls: list[str], num_codecs: int) -> list[str]:
-    allowed = [c for c in calls if any(c.startswith(f"{what} at {path}") for path, what in ONCE_PER_STEP.items())]
+    allowed = [c for c in calls if _matches(c, ONCE_PER_STEP)]
     assert len(allowed) <= RECORDED_STEPS * num_codecs, allowed  # at most once per step and codec
-    return [c for c in calls if c not in allowed]
+    return [c for c in calls if c not in allowed and not _matches(c, CPU_ONLY)]
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
@@ -158,7 +169,8 @@ def test_no_host_sync_hsdp():
     finally:
         w.close()
     for rank, rank_calls in enumerate(calls):
-        assert rank_calls == [], f"rank {rank} (HSDP): host-blocking calls after step 1:\n" + "\n".join(rank_calls)
+        unexpected = _unexpected(rank_calls, 0)
+        assert unexpected == [], f"rank {rank} (HSDP): host-blocking calls after step 1:\n" + "\n".join(unexpected)
 
 
 def test_recorder_sees_a_sync_from_library_code(world2):

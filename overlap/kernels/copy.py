@@ -35,6 +35,7 @@ pass over the whole job), else the references below. The compiled backends take 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -97,16 +98,22 @@ def copy_out(
     num_rows: int = 1,
     data_cols: Sequence[int] | None = None,
     backend: Backend = "auto",
+    validate: bool = True,
 ) -> None:
     """Split `flat` into the contiguous `outs` in one pass, casting to each out's dtype.
 
     See [Note: fused copy layout]; `sizes[i]` (default `outs[i].numel()`) is segment i's length
     in `flat`, `data_cols[i]` (default: all its columns) the columns of each row that hold
-    data; out i receives the first `outs[i].numel()` data elements.
+    data; out i receives the first `outs[i].numel()` data elements. `validate=False` skips the
+    layout checks, for a caller repeating a layout it has had checked (the runtime, after the
+    first step: they cost microseconds per call, and it makes several per unit and step).
     """
     sizes = [t.numel() for t in outs] if sizes is None else list(sizes)
     flat = flat.contiguous()
-    dtypes = _validate("copy_out", flat, outs, sizes, num_rows, data_cols)
+    if validate:
+        dtypes = _validate("copy_out", flat, outs, sizes, num_rows, data_cols)
+    else:
+        dtypes = {flat.dtype, *(t.dtype for t in outs)}
     data = [s // num_rows for s in sizes] if data_cols is None else list(data_cols)
     chosen = select_copy_backend(flat.device, dtypes, backend)
     if chosen == "cpp":
@@ -129,12 +136,13 @@ def copy_in(
     num_rows: int = 1,
     data_cols: Sequence[int] | None = None,
     backend: Backend = "auto",
+    validate: bool = True,
 ) -> torch.Tensor:
     """Pack `srcs` into the contiguous `flat` in one pass, cast to `flat.dtype`, zero-padded.
 
     See [Note: fused copy layout]; `sizes[i]` (default `srcs[i].numel()`, required for a None
     source) is segment i's length, `data_cols[i]` (default: all its columns) the columns of
-    each row that take source elements. Returns `flat`.
+    each row that take source elements. Returns `flat`. `validate=False`: as in `copy_out`.
     """
     if sizes is None:
         if any(s is None for s in srcs):
@@ -145,7 +153,10 @@ def copy_in(
     if not flat.is_contiguous():
         raise ValueError("overlap.kernels.copy_in: flat must be contiguous")
     present = [s if s is None or s.is_contiguous() else s.contiguous() for s in srcs]
-    dtypes = _validate("copy_in", flat, present, sizes, num_rows, data_cols)
+    if validate:
+        dtypes = _validate("copy_in", flat, present, sizes, num_rows, data_cols)
+    else:
+        dtypes = {flat.dtype, *(t.dtype for t in present if t is not None)}
     data = [s // num_rows for s in sizes] if data_cols is None else list(data_cols)
     chosen = select_copy_backend(flat.device, dtypes, backend)
     if chosen == "cpp":
@@ -163,19 +174,26 @@ def copy_in(
 
 def select_copy_backend(device: torch.device, dtypes: Iterable[torch.dtype], backend: Backend = "auto") -> str:
     """The backend `copy_out` / `copy_in` use for tensors of `dtypes` on `device`."""
-    dtypes = set(dtypes)
+    dtypes = frozenset(dtypes)
     compilable = dtypes <= COMPILED_DTYPES
     if backend != "auto":
         if backend in ("cpp", "triton") and not compilable:
-            raise ValueError(f"overlap.kernels: backend={backend!r} copies fp32/bf16/fp16 only, got {dtypes}")
+            raise ValueError(f"overlap.kernels: backend={backend!r} copies fp32/bf16/fp16 only, got {set(dtypes)}")
         return backend
+    return _auto_backend(device.type, dtypes)
+
+
+@functools.lru_cache(maxsize=64)
+def _auto_backend(device_type: str, dtypes: frozenset[torch.dtype]) -> str:
+    """The automatic choice, fixed for a process once the extension has been tried."""
+    compilable = dtypes <= COMPILED_DTYPES
     if not compilable:
         return "ref"
-    if device.type == "cuda":
+    if device_type == "cuda":
         from overlap.kernels import triton_copy
 
         return "triton" if triton_copy.available() else "ref"
-    if device.type == "cpu" and cpu.load_extension() is not None:
+    if device_type == "cpu" and cpu.load_extension() is not None:
         return "cpp"
     return "ref"
 

@@ -1,0 +1,161 @@
+"""What every all-gather carries besides the shards: who sent it, in which step, phase and unit.
+
+[Note: collective fingerprints]
+The order of collectives is checked across ranks on the first step only (CheckOrder, a
+collective of its own). Later a rank that runs something else — the classic is evaluating on
+rank 0 only (`if rank == 0: evaluate()`) while the others train, or a data-dependent branch that
+skips a unit on one rank — would pair its all-gathers with the others' wrong ones: same sizes,
+wrong data, or a hang. So every uncompressed all-gather carries, behind each rank's shard,
+`TAG_NUMEL` elements whose first 8 bytes are this rank's tag: the step (mod 2^16), the phase
+(forward with grad, forward without grad, backward), the unit and a signature of the unit's
+trainable parameters (mod 2^24), packed into one int64. The all-gather copies bits, so every
+rank receives every rank's tag in the same collective, without a collective of its own:
+
+- CPU: the tags are compared on the host right after the wait; on a mismatch every rank raises
+  `CollectiveMismatchError` in the same collective, naming each rank's step, phase and unit.
+- CUDA: the comparison runs on the device (a mismatch count and the last mismatching tags), and
+  the count is read once per step a step late through pinned memory, without a sync; the error
+  then comes one step late. `check_pending(wait=True)` reads at once, at one sync.
+
+What it cannot catch: collectives of different sizes (gloo aborts the process on the size
+mismatch, NCCL may hang until the process group's timeout), and compressed or hpZ-secondary
+all-gathers, which carry no tag yet.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import torch
+
+TAG_NUMEL = 4
+"""Elements after each rank's shard in a tagged all-gather: 8 bytes or more in any float dtype of
+2 bytes or more (the tag is the first 8)."""
+
+PHASES = ("forward", "forward (no grad)", "backward")
+
+
+@dataclass(frozen=True)
+class Tag:
+    step: int
+    phase: int
+    unit: int
+    signature: int
+
+    def pack(self) -> int:
+        value = (self.step & 0xFFFF) | (self.phase & 0xFF) << 16 | (self.unit & 0xFFFF) << 24
+        value |= (self.signature & 0x7FFFFF) << 40
+        return value
+
+    @staticmethod
+    def unpack(value: int) -> "Tag":
+        return Tag(value & 0xFFFF, (value >> 16) & 0xFF, (value >> 24) & 0xFFFF, (value >> 40) & 0x7FFFFF)
+
+    def describe(self) -> str:
+        phase = PHASES[self.phase] if self.phase < len(PHASES) else f"phase {self.phase}"
+        return f"step {self.step} {phase} of unit {self.unit} (signature {self.signature:#x})"
+
+
+def signature(trainable: tuple[bool, ...]) -> int:
+    """A unit's trainable-parameter pattern as a small hash (ranks that froze different
+    parameters differ here; [Note: requires_grad after wrap] in wrap.py)."""
+    digest = hashlib.blake2b(repr(trainable).encode(), digest_size=4).digest()
+    return int.from_bytes(digest, "little") & 0x7FFFFF
+
+
+class CollectiveMismatchError(ValueError):
+    """Ranks paired all-gathers of different steps, phases or units ([Note: collective fingerprints])."""
+
+
+def tag_view(buffer: torch.Tensor, numel: int) -> torch.Tensor:
+    """The int64 tag slot behind the first `numel` elements of a flat `buffer`."""
+    trailer = buffer[numel : numel + TAG_NUMEL]
+    return trailer.view(torch.uint8)[:8].view(torch.int64)
+
+
+def write_tag(buffer: torch.Tensor, numel: int, value: int) -> None:
+    """Put `value` behind the shard: a fill with a scalar argument (no host-to-device copy)."""
+    tag_view(buffer, numel).fill_(value)
+
+
+def received_tags(gathered: torch.Tensor, world_size: int) -> torch.Tensor:
+    """Every rank's int64 tag from a tagged all-gather output, shape (world_size,), read from the
+    bits (no float copy in between: a tag may look like a NaN)."""
+    trailers = gathered.view(world_size, -1)[:, -TAG_NUMEL:].contiguous()
+    return trailers.view(torch.uint8)[:, :8].contiguous().view(torch.int64).view(-1)
+
+
+def mismatch_message(values: list[int], mine: int, rank: int, what: str) -> str:
+    lines = [
+        f"overlap: rank {rank}: the ranks' collectives diverged at the {what}: ranks paired "
+        "all-gathers of different steps, phases or units, so they would exchange the wrong data "
+        "or hang. Each rank sent:"
+    ]
+    for r, value in enumerate(values):
+        lines.append(f"  rank {r}: {Tag.unpack(value).describe()}")
+    lines.append(
+        f"(this rank expected {Tag.unpack(mine).describe()}). Every rank must run the same "
+        "forwards and backwards in the same order: e.g. evaluate on every rank (and reduce the "
+        "metric), not under `if rank == 0`, and keep data-dependent branches from skipping a unit "
+        "on some ranks only."
+    )
+    return "\n".join(lines)
+
+
+class FingerprintCheck:
+    """Compares the gathered tags with this rank's ([Note: collective fingerprints])."""
+
+    def __init__(self, rank: int, device: torch.device) -> None:
+        self.rank = rank
+        self.device = device
+        self._on_device = device.type == "cuda"
+        self._count: torch.Tensor | None = None  # CUDA: mismatches seen since the last poll
+        self._last: torch.Tensor | None = None  # CUDA: the last mismatching tags
+        self._expected: torch.Tensor | None = None  # CUDA: the tag this rank sent with them
+        self._in_flight: tuple[torch.Tensor, torch.cuda.Event] | None = None
+
+    def check(self, gathered: torch.Tensor, world_size: int, mine: int, what: str) -> None:
+        """Compare the tags of a tagged all-gather's output with `mine` (CPU: now; CUDA: on the
+        current stream, reported by `check_pending`)."""
+        values = received_tags(gathered, world_size)
+        if not self._on_device:
+            host = values.tolist()  # host memory: nothing to wait for (CPU tensors)
+            if any(v != mine for v in host):
+                raise CollectiveMismatchError(mismatch_message(host, mine, self.rank, what))
+            return
+        bad = (values != mine).any()
+        if self._count is None:
+            self._count = torch.zeros((), dtype=torch.int64, device=self.device)
+            self._last = torch.zeros_like(values)
+            self._expected = torch.zeros((), dtype=torch.int64, device=self.device)
+        assert self._last is not None and self._expected is not None
+        self._count.add_(bad.to(torch.int64))
+        if self._last.shape != values.shape:
+            self._last = torch.zeros_like(values)
+        self._last.copy_(torch.where(bad, values, self._last))
+        self._expected.copy_(torch.where(bad, torch.full_like(self._expected, mine), self._expected))
+
+    def check_pending(self, wait: bool = False) -> None:
+        """CUDA: raise for mismatches the previous call sent to the host (a step late, no sync);
+        send this step's. CPU: nothing to do (checked at once)."""
+        if self._count is None:
+            return
+        assert self._last is not None and self._expected is not None
+        ready = self._in_flight
+        host = torch.empty(self._last.numel() + 2, dtype=torch.int64, pin_memory=True)
+        packed = torch.cat([self._count.view(1), self._expected.view(1), self._last])
+        host.copy_(packed, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        self._count.zero_()
+        self._in_flight = (host, event)
+        if wait:
+            ready = self._in_flight
+        if ready is None:
+            return
+        values, done = ready
+        done.synchronize()  # recorded a step ago: long complete
+        if int(values[0]) > 0:
+            seen = values[2:].tolist()
+            raise CollectiveMismatchError(mismatch_message(seen, int(values[1]), self.rank, "all-gather a step ago"))

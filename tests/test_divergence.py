@@ -1,0 +1,132 @@
+"""Ranks that run different phases are caught, not hung ([Note: collective fingerprints]).
+
+Every uncompressed all-gather carries each rank's (step, phase, unit, trainable signature); a
+rank that evaluates alone, skips a unit, or froze other parameters makes every rank raise in the
+same collective, naming what each rank ran. No collective is added per step.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+from harness import World
+from models import batch, encoder_stack, loss_of
+
+
+class Skippy(nn.Module):
+    """Equal blocks; `forward(x, skip)` leaves block `skip` out (a data-dependent branch)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList(nn.Linear(16, 16) for _ in range(4))
+
+    def forward(self, x: torch.Tensor, skip: int | None = None) -> torch.Tensor:
+        for i, block in enumerate(self.blocks):
+            if i != skip:
+                x = torch.tanh(block(x))
+        return x
+
+
+def _train_step(model: nn.Module, x: torch.Tensor, **kwargs) -> None:
+    loss_of(model(x, **kwargs) if kwargs else model(x)).backward()
+
+
+def eval_on_rank0_only(rank: int, world: int) -> str:
+    import overlap
+
+    model = overlap.wrap(encoder_stack(layers=3, dim=16), collective_timeout_s=60)
+    _train_step(model, batch(model, rank, 0))
+    try:
+        if rank == 0:
+            with torch.no_grad():
+                model(batch(model, rank, 1))  # the classic: `if rank == 0: evaluate()`
+        _train_step(model, batch(model, rank, 2))
+    except overlap.CollectiveMismatchError as e:
+        return str(e)
+    return "no error"
+
+
+def skip_a_unit_on_one_rank(rank: int, world: int) -> str:
+    import overlap
+
+    model = overlap.wrap(Skippy(), collective_timeout_s=15)
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(rank))
+    _train_step(model, x)
+    try:
+        _train_step(model, x, skip=1 if rank == 1 else None)
+    except (overlap.CollectiveMismatchError, overlap.comm.CollectiveError) as e:
+        return str(e)
+    return "no error"
+
+
+def freeze_on_one_rank(rank: int, world: int) -> str:
+    import overlap
+
+    model = overlap.wrap(encoder_stack(layers=3, dim=16), collective_timeout_s=60)
+    _train_step(model, batch(model, rank, 0))
+    if rank == 1:
+        for p in model[1].self_attn.parameters():
+            p.requires_grad_(False)
+    try:
+        _train_step(model, batch(model, rank, 1))
+    except overlap.CollectiveMismatchError as e:
+        return str(e)
+    return "no error"
+
+
+def same_phases_agree(rank: int, world: int) -> int:
+    """Evaluation on every rank, gradient accumulation, several steps: no false alarm, and the
+    number of collectives per step is what it was without tags."""
+    import overlap
+
+    model = overlap.wrap(encoder_stack(layers=3, dim=16))
+    for step in range(3):
+        with torch.no_grad():
+            model(batch(model, rank, 10 + step))
+        with overlap.no_sync(model):
+            _train_step(model, batch(model, rank, step))
+        _train_step(model, batch(model, rank, 20 + step))
+    return overlap.step_stats(model).num_allgathers
+
+
+@pytest.fixture
+def world2():
+    """A fresh world per test: a divergence leaves collectives in flight on the default group."""
+    w = World(2)
+    yield w
+    w.close()
+
+
+@pytest.mark.parametrize(
+    "fn,phrases",
+    [
+        (eval_on_rank0_only, ("forward (no grad)", "rank 0:", "rank 1:")),
+        (freeze_on_one_rank, ("signature",)),
+    ],
+    ids=["eval_on_rank0", "freeze_on_one_rank"],
+)
+def test_divergence_raises_on_every_rank(world2, fn, phrases):
+    messages = world2.run(fn, timeout_s=240)
+    for rank, message in enumerate(messages):
+        assert message.startswith(f"overlap: rank {rank}: the ranks' collectives diverged"), message
+        for phrase in phrases:
+            assert phrase in message, (phrase, message)
+
+
+def test_skipped_unit_raises_on_every_rank(world2):
+    """A rank that skips a unit leaves its prefetched copy unused and issues its backward
+    collectives in another order. Where the paired collectives are both all-gathers the tags
+    name both sides; where a rank's all-gather meets the other's reduce-scatter, the collective
+    fails within `collective_timeout_s` on every rank, naming its unit. Either way: no hang."""
+    messages = world2.run(skip_a_unit_on_one_rank, timeout_s=240)
+    for rank, message in enumerate(messages):
+        assert message.startswith(f"overlap: rank {rank}: the "), message
+        assert "diverged" in message or "collective_timeout_s=15" in message, message
+
+
+def test_no_false_alarm_and_no_extra_collective(world2):
+    gathers = world2.run(same_phases_agree, timeout_s=240)
+    assert gathers[0] == gathers[1] > 0
