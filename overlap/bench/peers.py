@@ -369,9 +369,10 @@ bf16_hook.__annotations__ = typing.get_type_hints(bf16_hook)
 def ddp_hook_trainer(name: str, model: nn.Module, setup: TrainSetup) -> Trainer:
     """DDP with one of torch's communication hooks ([Note: PowerSGD settings])."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
 
     wrapped = ddp(model, setup)
-    comm_state: Callable[[], Iterator[torch.Tensor]] = lambda: iter(())  # noqa: E731
+    state: psgd.PowerSGDState | None = None
     settings: dict[str, Any]
     if name == "ddp-bf16":
         wrapped.register_comm_hook(None, bf16_hook)
@@ -380,8 +381,6 @@ def ddp_hook_trainer(name: str, model: nn.Module, setup: TrainSetup) -> Trainer:
         wrapped.register_comm_hook(None, default_hooks.fp16_compress_hook)
         settings = {"hook": "fp16_compress_hook"}
     else:
-        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
-
         state = psgd.PowerSGDState(
             process_group=None,
             matrix_approximation_rank=POWERSGD_RANKS[name],
@@ -399,19 +398,21 @@ def ddp_hook_trainer(name: str, model: nn.Module, setup: TrainSetup) -> Trainer:
             "use_error_feedback": True,
             "warm_start": True,
         }
-
-        def comm_state() -> Iterator[torch.Tensor]:  # error feedback and warm-start memories
-            for per_bucket in (state.error_dict, state.p_memory_dict, state.q_memory_dict):
-                yield from per_bucket.values()
-
     return plain_trainer(
         name,
         wrapped,
         setup,
-        extra_state_bytes=lambda: storage_bytes(comm_state()),
+        extra_state_bytes=lambda: 0 if state is None else storage_bytes(powersgd_memory(state)),
         lossy=True,
         settings=settings,
     )
+
+
+def powersgd_memory(state: Any) -> Iterator[torch.Tensor]:
+    """What a PowerSGDState keeps across steps: error feedback and the warm-start P and Q, per
+    bucket (allocated at the first compressed step)."""
+    for per_bucket in (state.error_dict, state.p_memory_dict, state.q_memory_dict):
+        yield from per_bucket.values()
 
 
 def deepspeed_config(name: str, setup: TrainSetup) -> dict[str, Any]:
