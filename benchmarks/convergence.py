@@ -1,75 +1,397 @@
-"""Convergence with compressed gradients: the package's GPT on the stdlib text, 2 ranks.
+"""Convergence side by side: overlap's codecs and the peers against fp32 DDP, the package's GPT
+on the stdlib text, 2 ranks.
 
-    python benchmarks/convergence.py --steps 300 --png docs/convergence.png --json out.json
+    python benchmarks/convergence.py --steps 300 --json out/convergence.json --png docs/convergence.png
+    python benchmarks/convergence.py --contenders ddp,overlap,ddp-bf16 --steps 20     # a quick look
+    python benchmarks/convergence.py --from-json out/convergence.json \\
+        --step-json out/step-1gbit.json --frontier-png docs/frontier-1gbit.png     # table + picture
 
-Runs `overlap demo` (same seed, data and model) uncompressed and with each codec setting, and
-reports the final training loss (mean of the last 10 steps) and validation loss of each, relative
-to the uncompressed run. This is a numerics measurement, not a speed one: runs are sequential.
+Every contender trains `overlap demo`'s run (same GPT, data stream per rank, seed, AdamW(lr 3e-3,
+betas (0.9, 0.95), weight decay 0.1), warm-up + cosine schedule, gradient clipping at 1.0,
+validation batches) in a world of its own freshly spawned processes, one after the other, each
+through its own API (overlap.bench.peers: DeepSpeed steps through its engine). Reported per
+contender: the final training loss (mean of the last 10 steps, averaged over ranks) and the
+validation loss, each relative to fp32 DDP ("ddp", the reference, always run); the state bytes
+per rank by accounting (params + grads + optimizer + communication state) and the peak RSS per
+rank (VmHWM of its own processes). This is a numerics measurement: step times here are loopback
+and sequential; take them from `overlap bench step` on the link you care about.
+
+Contenders: `ddp`, `overlap` and one overlap contender per `--overlap-config` (default: bf16,
+int8 + error feedback, int4 + error feedback, int8 weights + int8 gradients + error feedback),
+then the peers (overlap/bench/peers.py). Names are those of `overlap bench step`, so `--step-json`
+(a `bench step --json` file, one per link) joins step time and peak memory by name: the table
+then shows step time, loss gap and memory side by side, and whether each contender is on the
+frontier (no other contender is faster, at least as accurate and no bigger in peak memory);
+`--frontier-png` draws step time against loss gap, marker area = peak memory per rank.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
-from dataclasses import replace
+import time
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from overlap.demo import DemoConfig, demo  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the checkout's `overlap`
 
-SETTINGS = {
-    "fp32 (uncompressed)": {},
-    "int8 grads + error feedback": {"grad_compression": "int8", "error_feedback": True},
-    "int4 grads + error feedback": {"grad_compression": "int4", "error_feedback": True},
-    "int4 grads, no feedback": {"grad_compression": "int4"},
-}
+import torch  # noqa: E402
+
+from overlap.bench import peers  # noqa: E402
+from overlap.bench.step import process_peak_rss_bytes  # noqa: E402
+from overlap.data import ByteDataset  # noqa: E402
+from overlap.demo import DemoConfig, batches, evaluate, lr_factor, mean_across_ranks  # noqa: E402
+from overlap.launch import current_device, default_world, run_local_world  # noqa: E402
+from overlap.models import GPT, GPTConfig  # noqa: E402
+
+REFERENCE = "ddp"
+OVERLAP_CONFIGS = (
+    "grad_compression=bf16",
+    "grad_compression=int8,error_feedback=True",
+    "grad_compression=int4,error_feedback=True",
+    "param_compression=int8,grad_compression=int8,error_feedback=True",
+)
+"""Our side by default: the codecs the issue compares (pass the tuner's best with --overlap-config)."""
+FINAL_WINDOW = 10
+"""Steps averaged for the final training loss (one step is noisy), as `overlap demo` does."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ConvergenceRun:
+    """One contender's run, as rank 0 reports it (losses averaged over ranks)."""
+
+    name: str
+    losses: list[float]
+    final_loss: float
+    val_loss: float
+    median_step_ms: float
+    state_bytes: int
+    """Largest rank's, while the last step's gradients live."""
+    peak_rss_bytes: int
+    """Largest rank's VmHWM: its own processes, whole run."""
+    lossy: bool
+    settings: dict[str, Any]
+
+
+def train_setup(cfg: DemoConfig, device: torch.device, powersgd_start_iter: int) -> peers.TrainSetup:
+    return peers.TrainSetup(
+        # overlap.demo.build_optimizer's AdamW, over whatever parameters the contender exposes
+        make_optimizer=lambda params: torch.optim.AdamW(
+            params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.1
+        ),
+        units_of=lambda model: list(model.blocks),
+        micro_batch=cfg.batch_size,
+        hidden_size=cfg.dim,
+        max_grad_norm=1.0,  # overlap.demo clips at 1.0
+        powersgd_start_iter=powersgd_start_iter,
+        device=device,
+    )
+
+
+def largest(value: int) -> int:
+    t = torch.tensor([value], dtype=torch.int64, device=current_device())
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+    return int(t.item())
+
+
+def converge_rank(
+    rank: int, world_size: int, cfg: DemoConfig, name: str, powersgd_start_iter: int
+) -> ConvergenceRun | None:
+    """`overlap demo`'s training run with contender `name`, in this world."""
+    device = current_device()
+    data = ByteDataset.from_stdlib(cfg.max_bytes)
+    torch.manual_seed(cfg.seed)  # the same initial weights on every rank, for every contender
+    gpt_cfg = GPTConfig(
+        block_size=cfg.block_size, n_layer=cfg.layers, n_head=cfg.heads, n_embd=cfg.dim
+    )
+    trainer = peers.build_trainer(
+        name, GPT(gpt_cfg).to(device), train_setup(cfg, device, powersgd_start_iter)
+    )
+    sched = torch.optim.lr_scheduler.LambdaLR(trainer.optimizer, lambda s: lr_factor(s, cfg))
+    losses, step_ms, state = [], [], 0
+    stream = batches(data.train, cfg, rank, 0)
+    for step in range(cfg.steps):
+        x, y = next(stream)
+        t0 = time.perf_counter()
+        _, loss = trainer.model(x.to(device), y.to(device))
+        trainer.backward(loss)
+        trainer.step()
+        losses.append(loss.item())
+        step_ms.append((time.perf_counter() - t0) * 1e3)
+        if step == cfg.steps - 1:  # gradients still alive: the accounting point
+            state = trainer.state_bytes()
+        trainer.zero_grad()
+        sched.step()
+    val = evaluate(trainer.model, data.val, cfg, device)
+    mean_losses = mean_across_ranks(losses)
+    run = ConvergenceRun(
+        name=name,
+        losses=mean_losses,
+        final_loss=statistics.fmean(mean_losses[-FINAL_WINDOW:]),
+        val_loss=val,
+        median_step_ms=statistics.median(step_ms[1:] or step_ms),
+        state_bytes=largest(state),
+        peak_rss_bytes=largest(process_peak_rss_bytes()),
+        lossy=trainer.lossy,
+        settings=trainer.settings,
+    )
+    return run if rank == 0 else None
+
+
+def converge(
+    names: list[str], cfg: DemoConfig, nproc: int, powersgd_start_iter: int
+) -> list[ConvergenceRun]:
+    """Each contender in a fresh world of `nproc` ranks, in order."""
+    _, backend = default_world()
+    runs = []
+    for name in names:
+        print(f"--- {name}", flush=True)
+        run = run_local_world(
+            converge_rank, nproc, cfg, name, powersgd_start_iter, backend=backend
+        )[0]
+        assert run is not None, f"rank 0 of {name} returned no result"
+        print(f"    final train {run.final_loss:.4f}, val {run.val_loss:.4f}", flush=True)
+        runs.append(run)
+    return runs
+
+
+# ---------------------------------------------------------------------------------------------
+# report: the loss table, the combined table per link and the frontier
+
+
+def gap(value: float, ref: float) -> float:
+    return (value - ref) / ref
+
+
+def format_losses(runs: list[ConvergenceRun]) -> str:
+    ref = next(r for r in runs if r.name == REFERENCE)
+    mib = 2**20
+    w = max(len("contender"), *(len(r.name) for r in runs))
+    header = (
+        f"{'contender':<{w}} {'final train':>11} {'vs ddp':>8} {'val':>8} {'vs ddp':>8} "
+        f"{'state MiB':>10} {'peak RSS MiB':>13}"
+    )
+    lines = [header, "-" * len(header)]
+    for r in runs:
+        lines.append(
+            f"{r.name:<{w}} {r.final_loss:>11.4f} {gap(r.final_loss, ref.final_loss):>+8.2%} "
+            f"{r.val_loss:>8.4f} {gap(r.val_loss, ref.val_loss):>+8.2%} "
+            f"{r.state_bytes / mib:>10.2f} {r.peak_rss_bytes / mib:>13.1f}"
+        )
+    lines.append(
+        f"final train = mean of the last {FINAL_WINDOW} steps; vs ddp = relative to fp32 DDP; "
+        "state = params+grads+optimizer+communication state per rank; peak RSS = VmHWM, largest rank"
+    )
+    return "\n".join(lines)
+
+
+@dataclass(frozen=True, kw_only=True)
+class FrontierPoint:
+    name: str
+    step_ms: float
+    spread_ms: tuple[float, float]
+    loss_gap: float
+    """Relative final training loss vs fp32 DDP."""
+    val_gap: float
+    memory_bytes: int
+    """Peak RSS per rank from the step benchmark's fresh worlds (else this script's)."""
+    state_bytes: int
+
+
+def join(step_report: dict[str, Any], runs: list[ConvergenceRun]) -> list[FrontierPoint]:
+    """The contenders present in both, with step time and memory from the step benchmark."""
+    ref = next(r for r in runs if r.name == REFERENCE)
+    by_name = {r.name: r for r in runs}
+    points = []
+    for s in step_report["runs"]:
+        r = by_name.get(s["name"])
+        if r is None:
+            continue
+        points.append(
+            FrontierPoint(
+                name=r.name,
+                step_ms=s["median_step_ms"],
+                spread_ms=tuple(s["spread_ms"]),
+                loss_gap=gap(r.final_loss, ref.final_loss),
+                val_gap=gap(r.val_loss, ref.val_loss),
+                memory_bytes=s["peak_mem_bytes"] or r.peak_rss_bytes,
+                state_bytes=s["state_bytes"],
+            )
+        )
+    return points
+
+
+def dominated(p: FrontierPoint, points: list[FrontierPoint]) -> bool:
+    """Some other contender is faster, at least as accurate and no bigger in memory."""
+    return any(
+        q.step_ms < p.step_ms and q.loss_gap <= p.loss_gap and q.memory_bytes <= p.memory_bytes
+        for q in points
+        if q is not p
+    )
+
+
+def format_frontier(link: str, points: list[FrontierPoint]) -> str:
+    mib = 2**20
+    w = max(len("contender"), *(len(p.name) for p in points))
+    header = (
+        f"{'contender':<{w}} {'step ms':>9} {'spread ms':>15} {'train gap':>10} {'val gap':>8} "
+        f"{'state MiB':>10} {'peak MiB':>9} {'frontier':>9}"
+    )
+    lines = [f"\n{link}: step time (bench step) and loss gap vs fp32 DDP (this script)", header]
+    lines.append("-" * len(header))
+    for p in sorted(points, key=lambda p: p.step_ms):
+        lo, hi = p.spread_ms
+        lines.append(
+            f"{p.name:<{w}} {p.step_ms:>9.1f} {f'{lo:.1f}-{hi:.1f}':>15} {p.loss_gap:>+10.2%} "
+            f"{p.val_gap:>+8.2%} {p.state_bytes / mib:>10.2f} {p.memory_bytes / mib:>9.1f} "
+            f"{'yes' if not dominated(p, points) else '':>9}"
+        )
+    return "\n".join(lines)
+
+
+def plot_frontier(link: str, points: list[FrontierPoint], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 5.5))
+    biggest = max(p.memory_bytes for p in points)
+    for p in points:
+        on = not dominated(p, points)
+        ax.scatter(
+            p.step_ms, 100 * p.loss_gap, s=600 * p.memory_bytes / biggest,
+            alpha=0.8 if on else 0.35, edgecolors="black" if on else "none",
+            color="tab:blue" if p.name.startswith("overlap") else "tab:orange",
+        )  # fmt: skip
+        ax.annotate(p.name, (p.step_ms, 100 * p.loss_gap), fontsize=7, xytext=(4, 4),
+                    textcoords="offset points")  # fmt: skip
+    ax.axhline(0.0, color="gray", lw=0.8)
+    ax.set_xlabel("median step time, ms (overlap bench step)")
+    ax.set_ylabel("final training loss vs fp32 DDP, %")
+    ax.set_title(
+        f"{link}: blue = overlap, orange = peers; outlined = on the frontier; "
+        "area = peak memory per rank", fontsize=9,
+    )  # fmt: skip
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}")
+
+
+def plot_losses(runs: list[ConvergenceRun], steps: int, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 5))
+    for r in runs:
+        smooth = [
+            statistics.fmean(r.losses[max(0, i - FINAL_WINDOW + 1) : i + 1])
+            for i in range(len(r.losses))
+        ]
+        ax.plot(smooth, label=f"{r.name} (final {r.final_loss:.3f})", lw=1)
+    ax.set_xlabel("step")
+    ax.set_ylabel(f"training loss ({FINAL_WINDOW}-step mean)")
+    ax.set_title(f"byte-level GPT on the Python stdlib, 2 ranks, {steps} steps")
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}")
+
+
+# ---------------------------------------------------------------------------------------------
+# command line
+
+
+def contender_list(args: argparse.Namespace) -> list[str]:
+    names = [c.strip() for c in args.contenders.split(",") if c.strip()]
+    specs = args.overlap_config if args.overlap_config else list(OVERLAP_CONFIGS)
+    if "overlap" in names:
+        at = names.index("overlap") + 1
+        names[at:at] = [f"overlap[{spec}]" for spec in specs]
+    unknown = [n for n in names if not peers.is_known(n)]
+    if unknown:
+        raise SystemExit(f"convergence.py: unknown contenders {unknown}")
+    for spec in specs:
+        peers.parse_overrides(spec)
+    if REFERENCE not in names:
+        names.insert(0, REFERENCE)
+    return list(peers.available(names))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--png", type=Path, default=None)
-    parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument(
+        "--contenders",
+        default=",".join(("ddp", "overlap", *peers.PEERS)),
+        help=f"comma list from {peers.BASELINES + peers.PEERS}; ddp (the reference) always runs",
+    )
+    parser.add_argument(
+        "--overlap-config", action="append", default=[], metavar="KEY=VALUE,...",
+        help=f"overlap contenders (repeatable; default: {', '.join(OVERLAP_CONFIGS)})",
+    )  # fmt: skip
+    parser.add_argument("--nproc", type=int, default=2)
+    d = DemoConfig()
+    for flag in ("layers", "dim", "heads", "batch_size", "block_size", "eval_batches"):
+        parser.add_argument(
+            f"--{flag.replace('_', '-')}", dest=flag, type=int, default=getattr(d, flag),
+            help="as `overlap demo`'s",
+        )  # fmt: skip
+    parser.add_argument(
+        "--powersgd-start-iter", type=int, default=2, help="first step PowerSGD compresses"
+    )
+    parser.add_argument("--json", type=Path, default=None, help="write the runs here")
+    parser.add_argument("--png", type=Path, default=None, help="loss curves")
+    parser.add_argument(
+        "--from-json", type=Path, default=None, help="report on runs saved by --json; train nothing"
+    )
+    parser.add_argument(
+        "--step-json", type=Path, action="append", default=[],
+        help="an `overlap bench step --json` file (one per link): combined table and frontier",
+    )  # fmt: skip
+    parser.add_argument(
+        "--frontier-png", type=Path, action="append", default=[],
+        help="frontier picture, one per --step-json, in the same order",
+    )  # fmt: skip
     args = parser.parse_args()
-    base = DemoConfig(steps=args.steps, log_every=10**9)
-    results = {}
-    for name, knobs in SETTINGS.items():
-        r = demo(replace(base, **knobs))
-        assert r is not None
-        results[name] = r
-    ref = results["fp32 (uncompressed)"]
-    print(f"\n{'setting':<30} {'final train':>12} {'vs fp32':>9} {'val':>8} {'vs fp32':>9}")
-    rows = []
-    for name, r in results.items():
-        d_train = (r.final_loss - ref.final_loss) / ref.final_loss
-        d_val = (r.val_loss - ref.val_loss) / ref.val_loss
-        print(f"{name:<30} {r.final_loss:>12.4f} {d_train:>+9.2%} {r.val_loss:>8.4f} {d_val:>+9.2%}")
-        rows.append({"setting": name, "final_loss": r.final_loss, "val_loss": r.val_loss,
-                     "rel_final": d_train, "rel_val": d_val, "losses": r.losses})
-    if args.json:
+    if args.frontier_png and len(args.frontier_png) != len(args.step_json):
+        raise SystemExit("convergence.py: give one --frontier-png per --step-json")
+    cfg = replace(
+        DemoConfig(), steps=args.steps, log_every=10**9, layers=args.layers, dim=args.dim,
+        heads=args.heads, batch_size=args.batch_size, block_size=args.block_size,
+        eval_batches=args.eval_batches,
+    )  # fmt: skip
+    if args.from_json is not None:
+        saved = json.loads(args.from_json.read_text())
+        runs = [ConvergenceRun(**r) for r in saved["runs"]]
+        steps = saved["steps"]
+    else:
+        runs = converge(contender_list(args), cfg, args.nproc, args.powersgd_start_iter)
+        steps = args.steps
+    print(f"\nconvergence: GPT {cfg.layers}x{cfg.dim}, {steps} steps, {args.nproc} ranks")
+    print(format_losses(runs))
+    if args.json and args.from_json is None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"steps": args.steps, "runs": rows}, indent=1) + "\n")
+        payload = {"steps": steps, "demo": asdict(cfg), "runs": [asdict(r) for r in runs]}
+        args.json.write_text(json.dumps(payload, indent=1) + "\n")
+        print(f"wrote {args.json}")
     if args.png:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(8, 4.5))
-        for row in rows:
-            losses = row["losses"]
-            smooth = [sum(losses[max(0, i - 9) : i + 1]) / len(losses[max(0, i - 9) : i + 1]) for i in range(len(losses))]
-            ax.plot(smooth, label=f"{row['setting']} (final {row['final_loss']:.3f})")
-        ax.set_xlabel("step")
-        ax.set_ylabel("training loss (10-step mean)")
-        ax.set_title(f"byte-level GPT on the Python stdlib, 2 ranks, {args.steps} steps")
-        ax.legend()
-        ax.grid(alpha=0.3)
-        fig.tight_layout()
-        args.png.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(args.png, dpi=110)
-        print(f"wrote {args.png}")
+        plot_losses(runs, steps, args.png)
+    for i, step_json in enumerate(args.step_json):
+        report = json.loads(step_json.read_text())
+        points = join(report, runs)
+        print(format_frontier(report["link"], points))
+        if args.frontier_png:
+            plot_frontier(report["link"], points, args.frontier_png[i])
 
 
 if __name__ == "__main__":

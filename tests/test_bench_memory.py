@@ -1,5 +1,6 @@
-"""`overlap bench memory`: a tiny real run through the CLI (every contender in its own world of
-2 fresh processes), checked for exit code, table and JSON; and config validation."""
+"""`overlap bench memory`: tiny real runs through the CLI (every contender in its own world of
+2 fresh processes; the default contenders, then DeepSpeed ZeRO-3 and PowerSGD beside DDP),
+checked for exit code, table and JSON; and config validation."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from test_peers import DEEPSPEED_BUILD_S, deepspeed_op  # noqa: F401 (a fixture)
 
 from overlap.bench.memory import (
     BYTES_PER_PARAM_ZERO3,
@@ -24,16 +26,19 @@ REPO = Path(__file__).resolve().parent.parent
 TINY = ("--layers", "2", "--d-model", "32", "--ff", "64", "--heads", "2", "--seq", "8", "--batch", "2")
 
 
-def test_bench_memory_run(tmp_path: Path) -> None:
-    out = tmp_path / "memory.json"
+def run_memory(out: Path, *argv: str) -> dict:
     proc = subprocess.run(
-        [sys.executable, "-m", "overlap", "bench", "memory", *TINY, "--steps", "2", "--nproc", "2",
-         "--device", "cpu", "--json", str(out)],
+        [sys.executable, "-m", "overlap", "bench", "memory", *TINY, "--nproc", "2",
+         "--device", "cpu", "--json", str(out), *argv],
         cwd=REPO, check=False, capture_output=True, text=True, timeout=RUN_TIMEOUT_S,
     )  # fmt: skip
     assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr}"
     assert "each contender ran in its own fresh processes" in proc.stdout
-    data = json.loads(out.read_text())
+    return json.loads(out.read_text())
+
+
+def test_bench_memory_run(tmp_path: Path) -> None:
+    data = run_memory(tmp_path / "memory.json", "--steps", "2")
     params = data["params"]
     assert params == num_params(MemoryBenchConfig(layers=2, d_model=32, ff=64, heads=2))
     runs = {r["name"]: r for r in data["runs"]}
@@ -54,6 +59,24 @@ def test_bench_memory_run(tmp_path: Path) -> None:
     # replicated: all of it (plus Adam's 4-byte step counter per parameter tensor)
     assert runs["ddp"]["state_bytes"] == pytest.approx(BYTES_PER_PARAM_ZERO3 * params, rel=0.01)
     assert "library_peak_bytes" in runs["overlap"]
+
+
+@pytest.mark.timeout(DEEPSPEED_BUILD_S + RUN_TIMEOUT_S)
+def test_bench_memory_peers(tmp_path: Path, deepspeed_op: float) -> None:  # noqa: F811
+    """DeepSpeed ZeRO-3 partitions its state (tuned: even the small parameters) but keeps an fp32
+    copy of its partition; PowerSGD adds its error feedback (allocated at step 2) to DDP's."""
+    data = run_memory(
+        tmp_path / "memory.json", "--steps", "3", "--contenders", "deepspeed-tuned,ddp-powersgd1"
+    )
+    runs = {r["name"]: r for r in data["runs"]}
+    assert list(runs) == ["deepspeed-tuned", "ddp-powersgd1"]
+    ddp = BYTES_PER_PARAM_ZERO3 * data["params"]  # DDP's, within 1% (test_bench_memory_run)
+    # partitions, fp32 copy, gradient partitions: 4 + 4 + 4 bytes per element / 2, AdamW 8 / 2
+    assert 0.55 * ddp < runs["deepspeed-tuned"]["state_bytes"] < 0.75 * ddp
+    assert runs["ddp-powersgd1"]["state_bytes"] > ddp
+    for run in runs.values():
+        assert run["peak_rss_bytes"] >= run["base_rss_bytes"] > 0
+        assert len({r["pid"] for r in run["ranks"]}) == 2
 
 
 def peak_of_this_rank(rank: int, world_size: int) -> int:

@@ -1,6 +1,7 @@
 """`overlap bench step`: tiny real runs (gpt and W1, world sizes 1 and 2) through the CLI and
-through benchmarks/step_w1.py, checked for exit code, JSON schema and the scaling table; and the
-pure pieces (config validation, override parsing, JSON paths, the scaling table's arithmetic).
+through benchmarks/step_w1.py, checked for exit code, JSON schema and the scaling table; the peer
+contenders (DeepSpeed, DDP hooks, FSDP2 bf16 reduce) beside overlap's codecs in one tiny run; and
+the pure pieces (config validation, override parsing, JSON paths, the scaling table's arithmetic).
 """
 
 from __future__ import annotations
@@ -11,9 +12,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from test_peers import DEEPSPEED_BUILD_S, deepspeed_op  # noqa: F401 (a fixture)
 
+from overlap.bench import peers
 from overlap.bench.step import (
-    ALL_CONTENDERS,
+    DEFAULT_CONTENDERS,
     StepBenchConfig,
     StepReport,
     StepRun,
@@ -54,7 +57,7 @@ def check_report(path: Path, world_size: int, memory: bool) -> dict:
     assert {"world_size", "link", "runs"} <= data.keys()
     assert data["world_size"] == world_size
     assert data["link"] == "loopback"
-    assert [r["name"] for r in data["runs"]] == list(ALL_CONTENDERS)
+    assert [r["name"] for r in data["runs"]] == list(DEFAULT_CONTENDERS)
     for run in data["runs"]:
         assert RUN_KEYS <= run.keys(), run
         assert run["median_step_ms"] > 0 and run["tokens_per_s"] > 0
@@ -91,7 +94,7 @@ def test_bench_step_scaling_run(model: str, tmp_path: Path) -> None:
     assert "scaling: global tokens/s" in stdout
     table = stdout[stdout.index("scaling: global tokens/s") :].splitlines()
     assert "n=1" in table[1] and "n=2" in table[1]
-    for name in ALL_CONTENDERS:
+    for name in DEFAULT_CONTENDERS:
         row = next(line for line in table if line.startswith(name + " "))
         assert "(1.00x)" in row, row  # world size 1 is the reference
     assert "WARNING" not in stdout, stdout  # parity held for every data-parallel contender
@@ -108,6 +111,37 @@ def test_step_w1_script(tmp_path: Path) -> None:
     assert "W1 step: 1 x TransformerEncoderLayer(d=32, ff=64)" in stdout
     assert "overlap/fsdp2 = " in stdout
     assert "scaling" not in stdout
+
+
+@pytest.mark.timeout(DEEPSPEED_BUILD_S + RUN_TIMEOUT_S)
+def test_bench_step_peers(tmp_path: Path, deepspeed_op: float) -> None:  # noqa: F811
+    """Every peer in one run with overlap's int8 codec, named in the JSON; exact ones pass the
+    parity guard, lossy ones report their difference without a warning."""
+    out = tmp_path / "peers.json"
+    int8 = "grad_compression=int8,error_feedback=True"
+    stdout = run_python(
+        "-m", "overlap", "bench", "step", "--model", "gpt", *TINY, *TINY_RUN, "--no-memory",
+        "--contenders", ",".join(("overlap", "ddp", *peers.PEERS)), "--overlap-config", int8,
+        "--json", str(out),
+    )  # fmt: skip
+    runs = {r["name"]: r for r in json.loads(out.read_text())["runs"]}
+    assert list(runs) == ["overlap", f"overlap[{int8}]", "ddp", *peers.PEERS]
+    for name, run in runs.items():
+        assert RUN_KEYS <= run.keys() and run["median_step_ms"] > 0, run
+        assert run["state_bytes"] > 0, run
+    assert "WARNING" not in stdout, stdout
+    for name in ("overlap", *peers.DEEPSPEED_PEERS):
+        assert f"parity ok: {name} loss at step 1" in stdout, stdout
+        assert runs[name]["lossy"] is False and runs[name]["parity_rel"] <= 1e-5
+    for name in (f"overlap[{int8}]", *peers.DDP_HOOK_PEERS, "fsdp2-bf16reduce"):
+        assert f"parity (lossy): {name} loss at step 1 differs from ddp by" in stdout, stdout
+        assert runs[name]["lossy"] is True
+    assert runs["deepspeed-tuned"]["settings"]["stage3_prefetch_bucket_size"] == int(0.9 * 32 * 32)
+    assert runs["ddp-powersgd1"]["settings"]["start_powerSGD_iter"] == 2
+    # accounted after PowerSGD's first compressed step: its error feedback counts
+    assert runs["ddp-powersgd1"]["state_bytes"] > runs["ddp"]["state_bytes"]
+    assert f"overlap[{int8}]/deepspeed-tuned = " in stdout
+    assert "memory (state) overlap/deepspeed = " in stdout
 
 
 # ---------------------------------------------------------------------------------------------

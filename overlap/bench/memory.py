@@ -3,16 +3,22 @@
     overlap bench memory                          # 12 x TransformerEncoderLayer(1024): 151 M params
     overlap bench memory --layers 2 --d-model 256 --ff 1024 --heads 4 --nproc 1,2 --json out/mem.json
     overlap bench memory --overlap-config prefetch_depth=2 --contenders overlap,fsdp2
+    overlap bench memory --contenders overlap,ddp,deepspeed,deepspeed-tuned,ddp-powersgd4 \
+        --overlap-config grad_compression=int8,error_feedback=True
 
 Workload: `--layers` x nn.TransformerEncoderLayer(`--d-model`, `--heads`, `--ff`, dropout=0,
 batch_first=True) on a fixed random input (`--batch`, `--seq`, d) per rank, loss mean(out^2),
 AdamW, `--steps` steps. Built on the rank's device with the same seed everywhere, then wrapped.
 
 Contenders, each run in a world of its own freshly spawned processes (one per world size), so no
-contender's high-water mark includes another's
+contender's high-water mark includes another's (built by overlap.bench.peers, as in `overlap
+bench step`; the first three are the default)
   overlap[...]  overlap.wrap (default config, plus one per --overlap-config)
   fsdp2         fully_shard per layer, then the root; defaults
   ddp           DistributedDataParallel
+  peers         deepspeed, deepspeed-tuned, ddp-bf16, ddp-fp16, ddp-powersgd1, ddp-powersgd4,
+                fsdp2-bf16reduce (see overlap/bench/peers.py); one missing its package is skipped
+                with one line saying so
 
 Measured in each rank at the end, then the largest rank (all ranks in the JSON)
   peak RSS      the OS's high-water mark of the rank process's resident memory (VmHWM; not
@@ -25,8 +31,10 @@ Measured in each rank at the end, then the largest rank (all ranks in the JSON)
   CUDA          torch.cuda.max_memory_allocated / max_memory_reserved over the process, and the
                 allocated peak from the first step on
 Beside them, per rank:
-  state         parameters + gradients + optimizer state by accounting, while the last step's
-                gradients live (local shards of DTensors; transient buffers excluded)
+  state         parameters + gradients + optimizer state + communication state (error feedback,
+                PowerSGD memories) by accounting, while the last step's gradients live (local
+                shards of DTensors; DeepSpeed's partitions and fp32 copy; transient buffers
+                excluded); PowerSGD allocates its error feedback at step 2, so --steps >= 3
   ideal ZeRO-3  (params + grads + 2 Adam moments) x 4 bytes / world size
   overlap acct  overlap.memory_stats(model).peak_total_bytes, the library's own high-water mark of
                 its buffers (per kind in the JSON), where this version of overlap has it
@@ -49,20 +57,15 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from overlap.bench.step import (
-    StepBenchConfig,
-    build_model,
-    parse_nproc,
-    parse_overrides,
-    process_peak_rss_bytes,
-    state_bytes,
-)
+from overlap.bench import peers
+from overlap.bench.peers import parse_overrides
+from overlap.bench.step import StepBenchConfig, build_model, parse_nproc, process_peak_rss_bytes
 from overlap.launch import current_device, default_world, run_local_world
 
-CONTENDERS = ("overlap", "fsdp2", "ddp")
+DEFAULT_CONTENDERS = ("overlap", "fsdp2", "ddp")
+CONTENDERS = DEFAULT_CONTENDERS + peers.PEERS
 Device = Literal["auto", "cpu", "cuda"]
 BYTES_PER_PARAM_ZERO3 = 16
 """fp32 parameter + gradient + Adam's two moments."""
@@ -81,7 +84,7 @@ class MemoryBenchConfig:
     steps: int = 3
     lr: float = 1e-4
     seed: int = 0
-    contenders: tuple[str, ...] = CONTENDERS
+    contenders: tuple[str, ...] = DEFAULT_CONTENDERS
     overlap_configs: tuple[str, ...] = ()
     """Extra overlap contenders, one per "key=value[,key=value]" of OverlapConfig overrides."""
     nproc: tuple[int, ...] | None = None
@@ -150,24 +153,14 @@ def num_params(cfg: MemoryBenchConfig) -> int:
         return sum(p.numel() for p in build_model(cfg.workload()).parameters())
 
 
-def wrap_contender(model: nn.Module, name: str, device: torch.device) -> nn.Module:
-    """`model` (on `device`) as contender `name` shards or replicates it over the world."""
-    if name.startswith("overlap"):
-        import overlap
-
-        spec = name[len("overlap[") : -1] if name.startswith("overlap[") else ""
-        return overlap.wrap(model, **parse_overrides(spec))
-    if name == "fsdp2":
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
-
-        mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-        for layer in model.children():
-            fully_shard(layer, mesh=mesh)
-        return fully_shard(model, mesh=mesh)
-    assert name == "ddp", f"rank {dist.get_rank()}: unknown contender {name!r}"
-    ids = [device.index] if device.type == "cuda" else None
-    return nn.parallel.DistributedDataParallel(model, device_ids=ids)
+def train_setup(cfg: MemoryBenchConfig, device: torch.device) -> peers.TrainSetup:
+    return peers.TrainSetup(
+        make_optimizer=lambda params: torch.optim.AdamW(params, lr=cfg.lr),
+        units_of=lambda model: list(model.children()),  # the layers
+        micro_batch=cfg.batch,
+        hidden_size=cfg.d_model,
+        device=device,
+    )
 
 
 def library_peak(model: nn.Module) -> tuple[int | None, dict[str, int] | None]:
@@ -185,8 +178,7 @@ def memory_rank(rank: int, world_size: int, cfg: MemoryBenchConfig, name: str) -
     base_rss = current_rss_bytes()
     with device:  # built where it trains, as each contender's users would
         model = build_model(cfg.workload())
-    model = wrap_contender(model, name, device)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+    trainer = peers.build_trainer(name, model, train_setup(cfg, device))
     gen = torch.Generator().manual_seed(1000 + rank)
     x = torch.randn(cfg.batch, cfg.seq, cfg.d_model, generator=gen).to(device)
     # Resetting VmHWM loses the setup's high-water mark: keep it, and take the process's peak as
@@ -199,11 +191,11 @@ def memory_rank(rank: int, world_size: int, cfg: MemoryBenchConfig, name: str) -
         torch.cuda.reset_peak_memory_stats(device)
     accounted = 0
     for i in range(cfg.steps):
-        model(x).pow(2).mean().backward()
-        opt.step()
+        trainer.backward(trainer.model(x).pow(2).mean())
+        trainer.step()
         if i == cfg.steps - 1:  # gradients still alive: the accounting point
-            accounted = state_bytes(model, opt)
-        opt.zero_grad(set_to_none=True)
+            accounted = trainer.state_bytes()
+        trainer.zero_grad()
     out: dict[str, Any] = {
         "rank": rank,
         "pid": os.getpid(),
@@ -220,8 +212,8 @@ def memory_rank(rank: int, world_size: int, cfg: MemoryBenchConfig, name: str) -
         out["cuda_train_max_allocated_bytes"] = train_max
         out["cuda_max_allocated_bytes"] = max(setup_max_allocated, train_max)
         out["cuda_max_reserved_bytes"] = torch.cuda.max_memory_reserved(device)
-    if name.startswith("overlap"):
-        out["library_peak_bytes"], out["library_peak"] = library_peak(model)
+    if peers.overlap_spec(name) is not None:
+        out["library_peak_bytes"], out["library_peak"] = library_peak(trainer.model)
     return out
 
 
@@ -314,9 +306,10 @@ def bench_memory(cfg: MemoryBenchConfig) -> dict[str, Any]:
     backend = "nccl" if cuda else "gloo"
     nproc = cfg.nproc or ((gpus,) if cuda else (2,))
     params = num_params(cfg)
+    names = peers.available(cfg.contender_names())
     runs = []
     for n in nproc:
-        for name in cfg.contender_names():
+        for name in names:
             ranks = run_local_world(
                 memory_rank, n, cfg, name, backend=backend, timeout_s=cfg.timeout_s,
                 threads_per_rank=cfg.threads,

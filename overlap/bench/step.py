@@ -1,9 +1,12 @@
-"""`overlap bench step`: one training step side by side: overlap vs FSDP2 vs DDP vs two floors.
+"""`overlap bench step`: one training step side by side: overlap vs FSDP2 vs DDP vs two floors,
+and the peers a user would pick instead (DeepSpeed ZeRO-3, DDP compression hooks, PowerSGD).
 
-    overlap bench step                                     # W1, 2 gloo ranks, all contenders
+    overlap bench step                                     # W1, 2 gloo ranks, the base contenders
     overlap bench step --model gpt --layers 4 --dim 256 --heads 4 --nproc 1,2,4
     overlap bench step --overlap-config prefetch_depth=2 --json out/w1.json
     overlap bench step --link 1gbit                        # ranks behind an emulated 1 Gbit/s link
+    overlap bench step --contenders overlap,ddp,deepspeed,deepspeed-tuned,ddp-bf16 \
+        --overlap-config grad_compression=int8,error_feedback=True   # peers beside our codecs
 
 Models (`--model`): `w1`, the core issue's workload, a stack of `--layers`
 nn.TransformerEncoderLayer(d=`--dim`, ff=`--ff`) trained on a fixed random input with loss
@@ -20,13 +23,20 @@ those round medians. With more than one world size a scaling table follows: toke
 size (the global batch grows with the ranks: `--batch` is per rank) and the speedup over the
 smallest world size given; ideal is the ratio of the world sizes.
 
-Contenders
+Contenders (the first six are the default; overlap.bench.peers builds all but the floors)
   overlap[...]         overlap.wrap (default config, plus one per --overlap-config)
   fsdp2                fully_shard per unit, then the root; defaults
   fsdp2-tuned          + explicit next/previous-unit prefetch and _set_unshard_async_op(True)
   ddp                  DistributedDataParallel
   floor-compute        the plain local step: no communication
   floor-compute||comm  the plain local step with ZeRO-3's collectives running beside it
+  deepspeed            DeepSpeed ZeRO-3 with its defaults, fp32, our AdamW passed in
+  deepspeed-tuned      ZeRO-3 with bucket sizes for the model width (peers.py's Note on configs)
+  ddp-bf16, ddp-fp16   DDP + torch's bf16_compress_hook / fp16_compress_hook
+  ddp-powersgd1, -4    DDP + powerSGD_hook, rank 1 / 4, error feedback, warm start, from step 2
+  fsdp2-bf16reduce     fsdp2-tuned with MixedPrecisionPolicy(reduce_dtype=torch.bfloat16)
+A peer whose package (deepspeed, numpy) is missing is skipped with one line saying so. Each
+contender steps through its own API (DeepSpeed: engine.backward(loss), engine.step()).
 
 [Note: what floor-compute||comm issues, and when]
 Per unit, in the sizes ZeRO-3 would use (the unit's numel padded to a multiple of the world size,
@@ -42,11 +52,14 @@ compute, so this is "the best this machine can overlap", not compute time alone.
 
 Parity guard: after the up-front warm-up, every data-parallel contender's loss at step 1 (after
 one AdamW update) must match DDP's on each rank within 1e-5 relative, else a WARNING line (the
-floors train on local gradients and are not checked; mixed precision will trip it by design).
+floors train on local gradients and are not checked). A lossy contender (compression, a bf16 or
+fp16 reduce) gets a "parity (lossy)" line with its difference instead of a warning.
 Exposed communication: overlap reports its own (StepStats.exposed_comm_ms, median over steps);
 for the others it is estimated as step - floor-compute (marked "~").
-Memory: state = per-rank bytes of parameters + gradients + optimizer state by accounting (local
-shards of DTensors; DDP's buckets and overlap's/FSDP2's transient unsharded buffers excluded).
+Memory: state = per-rank bytes of parameters + gradients + optimizer state + communication
+state (error-feedback residuals, PowerSGD memories) by accounting (local shards of DTensors;
+DeepSpeed: its partitions, fp32 copy, gradient partitions and AdamW moments; DDP's buckets,
+DeepSpeed's reduce bucket and overlap's/FSDP2's transient unsharded buffers excluded).
 peak RSS is per contender: after the timed rounds, each contender runs again in a world of its
 own freshly spawned processes (same world size and threads, no --link), 2 warm-up steps plus 1,
 and each rank reads the OS's high-water mark of its resident memory (VmHWM; see [Note: ru_maxrss
@@ -56,7 +69,8 @@ per-contender peak exists there. `--no-memory` skips this pass (peak: n/a). For 
 peaks, base and train RSS, the library's own accounting) see `overlap bench memory`.
 
 JSON (`--json PATH`): `{"world_size", "link", "model", "config", "runs": [{"name",
-"median_step_ms", "spread_ms", "tokens_per_s", "exposed_comm_ms", "peak_mem_bytes", ...}]}`, one
+"median_step_ms", "spread_ms", "tokens_per_s", "exposed_comm_ms", "peak_mem_bytes",
+"state_bytes", "lossy", "settings", ...}]}`, one
 file per world size: PATH itself for a single world size, else PATH with `.n<world size>` before
 its suffix (out/w1.json -> out/w1.n1.json, out/w1.n2.json, ...).
 """
@@ -64,7 +78,6 @@ its suffix (out/w1.json -> out/w1.n1.json, out/w1.n2.json, ...).
 from __future__ import annotations
 
 import argparse
-import ast
 import json
 import resource
 import statistics
@@ -78,19 +91,23 @@ from typing import Any, Literal, get_args
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 
+from overlap.bench import peers
 from overlap.bench.comm import all_gather_single, reduce_scatter_single
 from overlap.bench.link import LinkSpec, active_link, run_linked_world
+from overlap.bench.peers import parse_overrides, state_bytes
 from overlap.launch import run_local_world
 from overlap.models.gpt import GPT, GPTConfig
 
 ModelName = Literal["w1", "gpt"]
 MODELS: tuple[ModelName, ...] = get_args(ModelName)
-ALL_CONTENDERS = ("overlap", "fsdp2", "fsdp2-tuned", "ddp", "floor-compute", "floor-compute||comm")
+DEFAULT_CONTENDERS = ("overlap", "fsdp2", "fsdp2-tuned", "ddp", "floor-compute", "floor-compute||comm")
+ALL_CONTENDERS = DEFAULT_CONTENDERS + peers.PEERS
 WARMUP_STEPS = 2
 """Untimed steps per contender per round (and once up front, where step 1 is the parity check)."""
 PARITY_RTOL = 1e-5
+RATIO_BASES = ("fsdp2", "fsdp2-tuned", "floor-compute||comm", "ddp", *peers.PEERS)
+"""Each overlap row's step time is printed as a ratio to these, where they ran."""
 GPT_CORPUS_BYTES = 2**20
 """The gpt batch is cut from this much stdlib text: plenty for a fixed batch, read in a blink."""
 
@@ -102,7 +119,7 @@ class StepBenchConfig:
     """One side-by-side comparison. Defaults are W1 on 2 ranks: a few minutes on 2 CPU cores."""
 
     model: ModelName = "w1"
-    contenders: tuple[str, ...] = ALL_CONTENDERS
+    contenders: tuple[str, ...] = DEFAULT_CONTENDERS
     overlap_configs: tuple[str, ...] = ()
     """Extra overlap contenders, one per "key=value[,key=value]" of OverlapConfig overrides."""
     rounds: int = 3
@@ -234,6 +251,12 @@ class Contender:
     overlap_efficiency: Callable[[], float] | None = None
     """Hidden comm / total comm of the last complete step, from the engine's own trace."""
     trains_like_ddp: bool = True
+    lossy: bool = False
+    """Its communication changes the numbers: the parity check reports, it does not warn."""
+    state_fn: Callable[[], int] | None = None
+    """Its own state accounting (peers.Trainer.state_bytes); None: `state_bytes(model, opt)`."""
+    settings: dict[str, Any] | None = None
+    """What it was configured with (peers.Trainer.settings), for the JSON."""
     step_ms: list[list[float]] = field(default_factory=list)  # per round, per timed step
     exposed_ms: list[float] = field(default_factory=list)
     efficiency: list[float] = field(default_factory=list)  # one per round, mean over ranks
@@ -266,11 +289,45 @@ def standard(name: str, model: nn.Module, batch: Batch, lr: float, **kw: Any) ->
     return Contender(name, model, opt, step, **kw)
 
 
+def train_setup(cfg: StepBenchConfig) -> peers.TrainSetup:
+    """What every contender trains with: AdamW(lr), the model's units and width, no clipping."""
+    return peers.TrainSetup(
+        make_optimizer=lambda params: torch.optim.AdamW(params, lr=cfg.lr),
+        units_of=shard_units,
+        micro_batch=cfg.batch,
+        hidden_size=cfg.dim,
+    )
+
+
+def trainer_step(
+    t: peers.Trainer, batch: Batch, on_stepped: Callable[[], None] | None = None
+) -> torch.Tensor:
+    """`train_step` through a trainer's own API (a DeepSpeed engine steps and zeroes itself)."""
+    loss = compute_loss(t.model, batch)
+    t.backward(loss)
+    t.step()
+    if on_stepped is not None:  # gradients still alive here: the accounting hook
+        on_stepped()
+    t.zero_grad()
+    return loss.detach()
+
+
+def from_trainer(t: peers.Trainer, batch: Batch, **kw: Any) -> Contender:
+    def step(on_stepped: Callable[[], None] | None = None) -> torch.Tensor:
+        return trainer_step(t, batch, on_stepped)
+
+    return Contender(
+        t.name, t.model, t.optimizer, step, lossy=t.lossy, state_fn=t.state_bytes,
+        settings=t.settings, **kw,
+    )  # fmt: skip
+
+
 def make_overlap(cfg: StepBenchConfig, batch: Batch, name: str, overrides: dict) -> Contender:
     import overlap
 
     overrides = {"cpu_keep_freed_memory": cfg.keep_freed_memory, **overrides}
-    model = overlap.wrap(build_model(cfg), **overrides)
+    trainer = peers.overlap_trainer(name, build_model(cfg), train_setup(cfg), overrides)
+    model = trainer.model
 
     def exposed_comm_ms() -> float:
         stats = overlap.step_stats(model)  # None only before the first step
@@ -298,30 +355,9 @@ def make_overlap(cfg: StepBenchConfig, batch: Batch, name: str, overrides: dict)
             return float("nan")
         return summaries[0].efficiency if summaries else float("nan")
 
-    contender = standard(name, model, batch, cfg.lr, exposed_comm_ms=exposed_comm_ms)
-    contender.overlap_efficiency = overlap_efficiency
-    return contender
-
-
-def make_fsdp2(cfg: StepBenchConfig, batch: Batch, name: str, tuned: bool) -> Contender:
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import FSDPModule, fully_shard
-
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    model = build_model(cfg)
-    units = [fully_shard(unit, mesh=mesh) for unit in shard_units(model)]
-    root = fully_shard(model, mesh=mesh)
-    assert isinstance(root, FSDPModule), f"rank {dist.get_rank()}: fully_shard returned {root!r}"
-    if tuned:
-        # FSDP2's implicit prefetch needs CUDA streams; on CPU only explicit prefetch with
-        # async unshard overlaps its all-gathers (its reduce-scatter stays synchronous).
-        for i, unit in enumerate(units):
-            if i + 1 < len(units):
-                unit.set_modules_to_forward_prefetch([units[i + 1]])
-            if i > 0:
-                unit.set_modules_to_backward_prefetch([units[i - 1]])
-        root._set_unshard_async_op(True)
-    return standard(name, model, batch, cfg.lr)
+    return from_trainer(
+        trainer, batch, exposed_comm_ms=exposed_comm_ms, overlap_efficiency=overlap_efficiency
+    )
 
 
 def attach_zero3_comm(
@@ -386,26 +422,6 @@ def make_floor_with_comm(cfg: StepBenchConfig, batch: Batch) -> Contender:
     return c
 
 
-def parse_overrides(spec: str) -> dict[str, Any]:
-    """ "key=value[,key=value]" -> overlap.wrap overrides; values as Python literals, else str."""
-    overrides: dict[str, Any] = {}
-    for item in filter(None, spec.split(",")):
-        key, sep, raw = item.partition("=")
-        if not sep:
-            raise ValueError(f"--overlap-config expects key=value[,key=value], got {item!r}")
-        lowered = raw.strip().lower()
-        value: Any
-        if lowered in ("true", "false", "none"):
-            value = {"true": True, "false": False, "none": None}[lowered]
-        else:
-            try:
-                value = ast.literal_eval(raw.strip())
-            except (ValueError, SyntaxError):
-                value = raw.strip()  # e.g. param_dtype=bfloat16
-        overrides[key.strip()] = value
-    return overrides
-
-
 def contender_names(cfg: StepBenchConfig) -> list[str]:
     """The contenders `cfg` asks for, in the report's order (ALL_CONTENDERS', each overlap
     config right after the default overlap)."""
@@ -419,17 +435,14 @@ def contender_names(cfg: StepBenchConfig) -> list[str]:
 
 
 def build_contender(cfg: StepBenchConfig, batch: Batch, name: str) -> Contender:
-    if name.startswith("overlap"):
-        spec = name[len("overlap[") : -1] if name.startswith("overlap[") else ""
+    spec = peers.overlap_spec(name)
+    if spec is not None:
         return make_overlap(cfg, batch, name, parse_overrides(spec))
-    if name in ("fsdp2", "fsdp2-tuned"):
-        return make_fsdp2(cfg, batch, name, tuned=name == "fsdp2-tuned")
-    if name == "ddp":
-        return standard("ddp", nn.parallel.DistributedDataParallel(build_model(cfg)), batch, cfg.lr)
     if name == "floor-compute":
         return standard(name, build_model(cfg), batch, cfg.lr, trains_like_ddp=False)
-    assert name == "floor-compute||comm", f"rank {dist.get_rank()}: unknown contender {name!r}"
-    return make_floor_with_comm(cfg, batch)
+    if name == "floor-compute||comm":
+        return make_floor_with_comm(cfg, batch)
+    return from_trainer(peers.build_trainer(name, build_model(cfg), train_setup(cfg)), batch)
 
 
 def build_contenders(cfg: StepBenchConfig, batch: Batch) -> list[Contender]:
@@ -438,23 +451,6 @@ def build_contenders(cfg: StepBenchConfig, batch: Batch) -> list[Contender]:
 
 # ---------------------------------------------------------------------------------------------
 # memory accounting
-
-
-def local_bytes(t: torch.Tensor | None) -> int:
-    if t is None:
-        return 0
-    if isinstance(t, DTensor):
-        t = t.to_local()
-    return t.numel() * t.element_size()
-
-
-def state_bytes(model: nn.Module, opt: torch.optim.Optimizer) -> int:
-    total = 0
-    for p in model.parameters():
-        total += local_bytes(p) + local_bytes(p.grad)
-    for per_param in opt.state.values():
-        total += sum(local_bytes(v) for v in per_param.values() if isinstance(v, torch.Tensor))
-    return total
 
 
 def process_peak_rss_bytes() -> int:
@@ -496,6 +492,8 @@ def check_parity(contenders: list[Contender], losses: dict[str, list[float]]) ->
             continue
         if ref is None:
             print(f"note: ddp not selected, no parity check for {c.name}")
+        elif c.lossy:
+            print(f"parity (lossy): {c.name} loss at step 1 differs from ddp by {rel_t.item():.1e}")
         elif not rel_t.item() <= PARITY_RTOL:
             print(
                 f"WARNING: {c.name} loss at step 1 differs from ddp by {rel_t.item():.2e} "
@@ -506,15 +504,17 @@ def check_parity(contenders: list[Contender], losses: dict[str, list[float]]) ->
 
 
 def warm_up_and_account(contenders: list[Contender]) -> None:
-    """Steps 0 and 1 of every contender; state bytes taken while step 1's gradients live."""
+    """Steps 0 to 2 of every contender: the parity check on step 1's loss, state bytes taken
+    while step 2's gradients live (PowerSGD allocates its error feedback at its first
+    compressed step, 2)."""
     losses: dict[str, list[float]] = {}
     for c in contenders:
-        losses[c.name] = [c.step().item()]
+        losses[c.name] = [c.step().item(), c.step().item()]
 
         def account(c: Contender = c) -> None:
-            c.state_bytes = state_bytes(c.model, c.opt)
+            c.state_bytes = c.state_fn() if c.state_fn else state_bytes(c.model, c.opt)
 
-        losses[c.name].append(c.step(account).item())
+        c.step(account)
     state = torch.tensor([c.state_bytes for c in contenders], dtype=torch.int64)
     dist.all_reduce(state, op=dist.ReduceOp.MAX)
     for c, b in zip(contenders, state.tolist(), strict=True):
@@ -635,6 +635,11 @@ class StepRun:
     """Relative difference of the step-1 loss from DDP's; None when not checked."""
     overlap_efficiency: float | None = None
     """Hidden comm / total comm (median over rounds, from overlap's trace); None for others."""
+    lossy: bool = False
+    """Compressed or low-precision communication: its loss is not DDP's by design."""
+    settings: dict[str, Any] | None = None
+    """The contender's configuration beyond its defaults (overlap overrides, DeepSpeed's ZeRO
+    section, the hook and its state); None for the floors."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -686,6 +691,8 @@ def summarize(cfg: StepBenchConfig, world_size: int, contenders: list[Contender]
                 state_bytes=c.state_bytes,
                 parity_rel=c.parity_rel,
                 overlap_efficiency=statistics.median(c.efficiency) if c.efficiency else None,
+                lossy=c.lossy,
+                settings=c.settings,
             )
         )
     return StepReport(
@@ -719,7 +726,8 @@ def format_report(report: StepReport) -> str:
         )
     lines.append(
         "~ = estimate: step - floor-compute.  overlap eff = hidden comm / total comm from "
-        "overlap's trace.  state = params + grads + optimizer state, per rank.\n"
+        "overlap's trace.  state = params + grads + optimizer + communication state "
+        "(error feedback, PowerSGD), per rank.\n"
         "peak RSS = the OS's high-water mark (VmHWM) of a fresh world running only that contender "
         "(largest rank; whole process: import, build, steps)" + ("" if cfg.memory else ": not measured (--no-memory)")
     )
@@ -728,14 +736,14 @@ def format_report(report: StepReport) -> str:
             continue
         ratios = [
             f"{row.name}/{other.name} = {row.median_step_ms / other.median_step_ms:.3f}"
-            for other in map(report.run, ("fsdp2", "fsdp2-tuned", "floor-compute||comm", "ddp"))
+            for other in map(report.run, RATIO_BASES)
             if other is not None
         ]
-        ddp = report.run("ddp")
-        if ddp is not None and ddp.state_bytes:
-            ratios.append(
-                f"memory (state) {row.name}/ddp = {row.state_bytes / ddp.state_bytes:.3f}"
-            )
+        ratios += [
+            f"memory (state) {row.name}/{other.name} = {row.state_bytes / other.state_bytes:.3f}"
+            for other in map(report.run, ("ddp", *peers.DEEPSPEED_PEERS))
+            if other is not None and other.state_bytes
+        ]
         lines.append("  " + "\n  ".join(ratios))
     return "\n".join(lines)
 
@@ -785,7 +793,12 @@ def write_json(report: StepReport, path: Path) -> None:
 def bench_step(cfg: StepBenchConfig) -> list[StepReport]:
     """The comparison once per world size in `cfg.nproc`, each in its own spawned gloo world
     (behind an emulated link if `cfg.link`); the reports in that order. Prints each world's
-    table, then (with several world sizes) the scaling table; writes the JSON files."""
+    table, then (with several world sizes) the scaling table; writes the JSON files. A peer
+    whose package is missing is dropped first, with one line saying so."""
+    kept = peers.available(cfg.contenders)
+    if not kept:
+        raise ValueError("overlap bench step: no contender left to run (see the line(s) above)")
+    cfg = replace(cfg, contenders=kept)
     reports = []
     for n in cfg.nproc:
         if cfg.link is not None:
@@ -915,5 +928,8 @@ def run(args: argparse.Namespace) -> int:
         cfg = config_from_args(args)
     except (ValueError, TypeError) as e:
         raise SystemExit(f"overlap bench step: {e}") from None
-    bench_step(cfg)
+    try:
+        bench_step(cfg)
+    except ValueError as e:  # every contender asked for was skipped
+        raise SystemExit(str(e)) from None
     return 0
