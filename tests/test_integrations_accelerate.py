@@ -28,6 +28,7 @@ accelerate = pytest.importorskip(
 
 import overlap  # noqa: E402
 from overlap.integrations import accelerate as overlap_accelerate  # noqa: E402
+from overlap.integrations import is_wrapped  # noqa: E402
 
 TIMEOUT_S = 300
 SAMPLES = 16  # 2 ranks x 4 batches of 2: one epoch is 2 optimizer steps of 2 micro-batches
@@ -72,7 +73,7 @@ def epoch(accelerator: Any, model: Any, optimizer: Any, data: Any, scheduler: An
         with accelerator.accumulate(model):
             loss = ((model(x) - y) ** 2).mean()
             accelerator.backward(loss)
-            if overlap_accelerate.is_wrapped(model):
+            if is_wrapped(model):
                 record["sync_flags"].append(model._overlap_state.schedule.sync_grads)
             if accelerator.sync_gradients:
                 accelerator.clip_grad_norm_(model.parameters(), 0.5)
@@ -83,7 +84,7 @@ def epoch(accelerator: Any, model: Any, optimizer: Any, data: Any, scheduler: An
 
 
 def params(model: nn.Module) -> dict[str, torch.Tensor]:
-    if overlap_accelerate.is_wrapped(model):
+    if is_wrapped(model):
         return overlap.full_state_dict(model)
     model = model.module if hasattr(model, "module") else model
     return {k: v.clone() for k, v in model.state_dict().items()}

@@ -14,12 +14,16 @@ process group already initialized, as under torchrun. `use_cpu=True`: accelerate
 - `train(resume_from_checkpoint=...)` from the step-2 checkpoint: the resumed steps 3-4 give
   bitwise the losses and final parameters of the uninterrupted run (the AdamW moments of both
   ranks' shards came back, and the scheduler, and the data position).
+- A checkpoint without the sharded state (`save_only_model=True`, or one written by a DDP
+  Trainer) resumes from its `model.safetensors`, read on rank 0 and scattered: the next step's
+  micro-batch losses (computed before its update) equal the uninterrupted run's bitwise.
 - An optimizer built before the wrap is refused at construction, on every rank.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 from typing import Any
 
 import pytest
@@ -98,10 +102,12 @@ def full_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def run(rank: int, world: int, *, mode: str, out: str, resume: str | None = None) -> dict:
+def run(
+    rank: int, world: int, *, mode: str, out: str, resume: str | None = None, max_steps: int = STEPS
+) -> dict:
     """One Trainer run: "ddp" (Trainer) or "overlap" (OverlapTrainer, save_model at the end)."""
     torchrun_env(rank, world)
-    args = training_args(out)
+    args = training_args(out, max_steps)
     cls = RecordingTrainer if mode == "ddp" else RecordingOverlapTrainer
     trainer = cls(model=tiny_llama(), args=args, train_dataset=dataset())
     trainer.losses = []
@@ -134,7 +140,7 @@ def test_trainer_matches_ddp_saves_and_resumes(world2, tmp_path):
     assert [r["wrapper"] for r in ours] == ["LlamaForCausalLM"] * 2  # not put inside DDP
     for rank in range(2):  # 4 steps x 2 micro-batches, each rank its own data
         assert len(ours[rank]["losses"]) == STEPS * 2
-        assert ours[rank]["losses"] == ddp[rank]["losses"], (rank, ours[rank]["losses"], ddp[rank]["losses"])
+        assert ours[rank]["losses"] == ddp[rank]["losses"], rank
     ref, full = ddp[0]["params"], ours[0]["params"]
     assert full.keys() == ref.keys()
     assert not [k for k in ref if not torch.equal(ref[k], full[k])]
@@ -149,11 +155,22 @@ def test_trainer_matches_ddp_saves_and_resumes(world2, tmp_path):
     assert (ckpt / "model.safetensors").is_file() and (ckpt / OVERLAP_DIR / "step_000002" / ".metadata").is_file()
     assert not (ckpt / "optimizer.pt").exists()  # the Trainer's rank-0-only pickle is not written
 
-    resumed = world2.run(run, timeout_s=TIMEOUT_S, mode="overlap", out=str(tmp_path / "ours"), resume=str(ckpt))
+    resumed = world2.run(run, timeout_s=TIMEOUT_S, mode="overlap", out=str(tmp_path / "resumed"), resume=str(ckpt))
     for rank in range(2):  # steps 3 and 4 again, from the checkpoint
         assert resumed[rank]["losses"] == ours[rank]["losses"][SAVE_EVERY * 2 :], rank
     for name, value in resumed[0]["params"].items():
         assert torch.equal(value, full[name]), name
+
+    # the same checkpoint without overlap/: the weights come from model.safetensors, the optimizer
+    # starts afresh; step 3's micro-batch losses (both before its update) are the weights' own
+    weights_only = tmp_path / "weights_only"
+    shutil.copytree(ckpt, weights_only, ignore=shutil.ignore_patterns(OVERLAP_DIR))
+    from_file = world2.run(
+        run, timeout_s=TIMEOUT_S, mode="overlap", out=str(tmp_path / "from_file"), resume=str(weights_only),
+        max_steps=SAVE_EVERY + 1,
+    )
+    for rank in range(2):
+        assert from_file[rank]["losses"] == ours[rank]["losses"][SAVE_EVERY * 2 : SAVE_EVERY * 2 + 2], rank
 
 
 def test_optimizer_built_before_wrap_is_refused(world2, tmp_path):

@@ -30,6 +30,7 @@ L = pytest.importorskip(
 )
 
 import overlap  # noqa: E402
+from overlap.integrations import is_wrapped  # noqa: E402
 from overlap.integrations import lightning as overlap_lightning  # noqa: E402
 
 TIMEOUT_S = 300  # a fit is a few seconds; generous for a loaded machine
@@ -102,7 +103,7 @@ class LitNet(L.LightningModule):
         return loss
 
     def on_after_backward(self) -> None:
-        if overlap_lightning.is_wrapped(self.net):
+        if is_wrapped(self.net):
             self.sync_flags.append(self.net._overlap_state.schedule.sync_grads)
 
     def configure_optimizers(self) -> Any:
