@@ -17,7 +17,9 @@ process group already initialized, as under torchrun. `use_cpu=True`: accelerate
 - A checkpoint without the sharded state (`save_only_model=True`, or one written by a DDP
   Trainer) resumes from its `model.safetensors`, read on rank 0 and scattered: the next step's
   micro-batch losses (computed before its update) equal the uninterrupted run's bitwise.
-- An optimizer built before the wrap is refused at construction, on every rank.
+- An optimizer built before the wrap, and a model left on the meta device (overlap's deferred
+  init would run `reset_parameters()`, which Hugging Face models do not initialize with), are
+  refused at construction, on every rank.
 """
 
 from __future__ import annotations
@@ -122,12 +124,17 @@ def run(
     return result
 
 
-def stale_optimizer(rank: int, world: int, *, out: str) -> str:
+def refused(rank: int, world: int, *, out: str, what: str) -> str:
     torchrun_env(rank, world)
-    model = tiny_llama()
-    optimizer = torch.optim.AdamW(model.parameters())  # built before OverlapTrainer wraps it
+    kwargs: dict = {}
+    if what == "meta":
+        with torch.device("meta"):
+            model = tiny_llama()
+    else:
+        model = tiny_llama()
+        kwargs["optimizers"] = (torch.optim.AdamW(model.parameters()), None)  # before the wrap
     try:
-        OverlapTrainer(model=model, args=training_args(out), train_dataset=dataset(), optimizers=(optimizer, None))
+        OverlapTrainer(model=model, args=training_args(out), train_dataset=dataset(), **kwargs)
     except ValueError as e:
         return str(e)
     return "no error"
@@ -173,7 +180,8 @@ def test_trainer_matches_ddp_saves_and_resumes(world2, tmp_path):
         assert from_file[rank]["losses"] == ours[rank]["losses"][SAVE_EVERY * 2 : SAVE_EVERY * 2 + 2], rank
 
 
-def test_optimizer_built_before_wrap_is_refused(world2, tmp_path):
-    errors = world2.run(stale_optimizer, timeout_s=TIMEOUT_S, out=str(tmp_path))
-    for error in errors:
+def test_stale_optimizer_and_meta_model_are_refused(world2, tmp_path):
+    for error in world2.run(refused, timeout_s=TIMEOUT_S, out=str(tmp_path), what="optimizer"):
         assert "built before overlap.wrap" in error, error
+    for error in world2.run(refused, timeout_s=TIMEOUT_S, out=str(tmp_path), what="meta"):
+        assert "the model is on the meta device" in error, error

@@ -26,9 +26,10 @@ What the Trainer does by default, and what changes here:
   `overlap.checkpoint.save` (model, optimizer and scheduler; every rank writes its rows) instead,
   and `_load_optimizer_and_scheduler` restores all three from it.
 - On resume and at `load_best_model_at_end` it loads `model.safetensors` with
-  `model.load_state_dict`, which cannot write full tensors into shards. `_load_from_checkpoint`
-  and `_load_best_model` read the overlap checkpoint when there is one (exact: the shards as
-  saved) and otherwise the full weights file on rank 0, scattered by `overlap.load_full_state_dict`.
+  `model.load_state_dict`, which cannot write full tensors into shards. The model comes from the
+  overlap checkpoint when there is one (exact: the shards as saved; on resume it is loaded with
+  the optimizer), else `_load_from_checkpoint` and `_load_best_model` read the full weights file
+  on rank 0 and scatter it with `overlap.load_full_state_dict`.
 - It moves the model with `model.to(args.device)`, which on the wrapped model would replace the
   shards by copies the engine never reads (`torch.device("cpu:0")` is not the shards' "cpu", so
   DTensor.to copies). The model is moved before the wrap instead; `_move_model_to_device` checks
@@ -110,12 +111,22 @@ class OverlapTrainer(transformers.Trainer):
         if args is None:
             args = transformers.TrainingArguments(output_dir="trainer_output")
         device = args.device  # initializes torch.distributed when launched distributed
+        if device.type == "cpu":
+            device = torch.device("cpu")  # accelerate says "cpu:0"; tensors say "cpu"
         if is_wrapped(model):
             if overlap_config is not None:
                 raise ValueError(
                     "OverlapTrainer: the model is already wrapped; pass overlap_config to "
                     "overlap.wrap, or pass the unwrapped model"
                 )
+        elif any(p.is_meta for p in model.parameters()):
+            # overlap's deferred init runs reset_parameters(); Hugging Face models initialize
+            # through their own _init_weights and compute buffers (rotary) in __init__
+            raise ValueError(
+                "OverlapTrainer: the model is on the meta device; pass a materialized model "
+                "(from_pretrained / from_config), or wrap the meta model yourself with its init: "
+                "overlap.wrap(model, param_init_fn=..., device=...), and pass the wrapped model"
+            )
         else:
             model = overlap.wrap(model.to(device), config=overlap_config)
         super().__init__(model=model, args=args, **kwargs)
@@ -164,6 +175,8 @@ class OverlapTrainer(transformers.Trainer):
         )
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
+        if checkpoint.latest(Path(resume_from_checkpoint) / OVERLAP_DIR) is not None:
+            return  # _load_optimizer_and_scheduler loads the model with the optimizer
         self._load_weights(resume_from_checkpoint)
 
     def _load_best_model(self) -> None:
