@@ -8,7 +8,8 @@ finds an externally launched world (LightningEnvironment) and the process group 
   with every training-step loss and every final parameter equal bitwise to Lightning's DDP
   strategy. Its ModelCheckpoint after epoch 1 (a DCP folder: every rank's shards) resumes with
   `fit(ckpt_path=...)`: epoch 2 gives bitwise the losses and final parameters of the
-  uninterrupted run (the AdamW moments of both ranks' shards and the scheduler came back).
+  uninterrupted run (the AdamW moments of both ranks' shards and the scheduler came back). The
+  same from a one-file checkpoint (`save_distributed_checkpoint=False`: gathered on rank 0).
 - Fabric: `OverlapFabricStrategy` with `fabric.no_backward_sync` accumulation, 3 steps, equal
   bitwise to Fabric's DDP; `fabric.save` / `fabric.load` into a freshly built model and
   optimizer reproduce the next step bitwise.
@@ -111,21 +112,27 @@ class LitNet(L.LightningModule):
         return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.7)}
 
 
-def fit(rank: int, world: int, *, mode: str, out: str, epochs: int, resume: str | None = None) -> dict:
+def fit(
+    rank: int, world: int, *, mode: str, out: str, epochs: int, resume: str | None = None, full: bool = False
+) -> dict:
+    """Lightning DDP ("ddp") or OverlapStrategy ("overlap": a ModelCheckpoint every epoch; with
+    `full`, one-file checkpoints: `out/full.ckpt` saved after fit instead)."""
     torchrun_env(rank, world)
     lit = LitNet(wrap=None if mode == "ddp" else "net")
     if mode == "ddp":
         lit.head.requires_grad_(False)
     callbacks = []
-    if mode == "overlap" and resume is None:
+    if mode == "overlap" and resume is None and not full:
         callbacks.append(L.pytorch.callbacks.ModelCheckpoint(dirpath=out, save_top_k=-1, every_n_epochs=1))
+    strategy = "ddp" if mode == "ddp" else overlap_lightning.OverlapStrategy(save_distributed_checkpoint=not full)
     trainer = L.Trainer(
-        accelerator="cpu", devices=world, strategy="ddp" if mode == "ddp" else overlap_lightning.OverlapStrategy(),
-        max_epochs=epochs, accumulate_grad_batches=2, logger=False, enable_progress_bar=False,
-        enable_model_summary=False, enable_checkpointing=bool(callbacks), callbacks=callbacks,
-        default_root_dir=out,
+        accelerator="cpu", devices=world, strategy=strategy, max_epochs=epochs, accumulate_grad_batches=2,
+        logger=False, enable_progress_bar=False, enable_model_summary=False,
+        enable_checkpointing=bool(callbacks), callbacks=callbacks, default_root_dir=out,
     )
     trainer.fit(lit, data(), ckpt_path=resume)
+    if full and resume is None:
+        trainer.save_checkpoint(os.path.join(out, "full.ckpt"))
     full = overlap.full_state_dict(lit.net) if mode == "overlap" else lit.net.state_dict()
     return {"losses": lit.losses, "sync_flags": lit.sync_flags, "params": {k: v.clone() for k, v in full.items()}}
 
@@ -217,6 +224,17 @@ def test_trainer_matches_ddp_and_resumes(world2, tmp_path):
     for rank in range(2):
         assert resumed[rank]["losses"] == ours[rank]["losses"][4:], rank
     assert [k for k in full if not torch.equal(full[k], resumed[0]["params"][k])] == []
+
+    # save_distributed_checkpoint=False: one file, the full model and optimizer state from rank 0
+    world2.run(fit, timeout_s=TIMEOUT_S, mode="overlap", out=str(tmp_path / "full"), epochs=1, full=True)
+    assert (tmp_path / "full" / "full.ckpt").is_file()
+    from_file = world2.run(
+        fit, timeout_s=TIMEOUT_S, mode="overlap", out=str(tmp_path / "full"), epochs=2,
+        resume=str(tmp_path / "full" / "full.ckpt"), full=True,
+    )
+    for rank in range(2):
+        assert from_file[rank]["losses"] == ours[rank]["losses"][4:], rank
+    assert [k for k in full if not torch.equal(full[k], from_file[0]["params"][k])] == []
 
 
 def test_fabric_matches_ddp_and_checkpoints(world2, tmp_path):
