@@ -1,0 +1,147 @@
+"""Hugging Face accelerate with a model sharded by `overlap.wrap` (plain multi-CPU / multi-GPU).
+
+    accelerator = Accelerator(gradient_accumulation_steps=4)
+    model = overlap.wrap(model)                          # before the optimizer
+    optimizer = torch.optim.AdamW(model.parameters())
+    model, optimizer, dataloader, scheduler = overlap.integrations.accelerate.prepare(
+        accelerator, model, optimizer, dataloader, scheduler)   # was: accelerator.prepare(...)
+    for batch in dataloader:
+        with accelerator.accumulate(model):              # unchanged: enters model.no_sync()
+            accelerator.backward(model(**batch).loss)
+            optimizer.step(); scheduler.step(); optimizer.zero_grad()
+    save_state(accelerator, "ckpt", model, optimizer, scheduler, step=n)   # was: accelerator.save_state
+    load_state(accelerator, "ckpt", model, optimizer, scheduler)           # was: accelerator.load_state
+
+[Note: accelerate seams]
+accelerate has no backend registry: `accelerator.prepare(model)` puts any trainable model in
+DDP (multi-CPU) or refuses DTensor parameters (multi-GPU). `prepare` registers the wrapped model
+with `accelerator.prepare_model(model, evaluation_mode=True)` instead, which applies autocast
+(`mixed_precision="bf16"`) and leaves the model as it is, then prepares the other objects as
+usual. Everything else is accelerate's own: `accumulate` enters the model's `no_sync()`,
+`clip_grad_norm_` takes the global norm over the DTensor gradients, the prepared optimizer skips
+its step on accumulation micro-batches.
+
+`accelerator.save_state` writes the optimizer's state dict from the main process only, which
+holds rank 0's shards alone (and every rank would load rank 0's shards back); it also cannot
+write the model's DTensor shards to safetensors. `prepare` therefore registers save/load
+pre-hooks that refuse `accelerator.save_state` / `load_state` for a wrapped model on every rank,
+naming `save_state` / `load_state` here: `overlap.checkpoint` (DCP, each rank writes its own
+rows) for the model, optimizer, scheduler and each rank's random generators, plus the
+accelerator's micro-batch counter. Other registered objects and an fp16 GradScaler are not
+saved by it (bf16 needs no scaler).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import accelerate
+import torch
+import torch.nn as nn
+from torch.utils.weak import WeakIdKeyDictionary
+
+from overlap import checkpoint
+from overlap.integrations import check_optimizer, is_wrapped
+
+_hooked: WeakIdKeyDictionary = WeakIdKeyDictionary()  # accelerators whose save/load are guarded
+
+
+def prepare(accelerator: accelerate.Accelerator, model: nn.Module, *objects: Any) -> tuple[Any, ...]:
+    """`accelerator.prepare(model, *objects)` for a model wrapped by `overlap.wrap`: the model is
+    registered but not put in DDP (see [Note: accelerate seams]); optimizers, data loaders and
+    schedulers are prepared by accelerate. Returns (model, *prepared objects) in the same order.
+    An optimizer must hold the wrapped model's parameters (build it after the wrap)."""
+    if not is_wrapped(model):
+        raise ValueError(
+            "overlap.integrations.accelerate.prepare: the model is not wrapped; call "
+            "model = overlap.wrap(model) first (then build the optimizer from it)"
+        )
+    for obj in objects:
+        if isinstance(obj, nn.Module):
+            raise ValueError(
+                "overlap.integrations.accelerate.prepare: pass one wrapped model; prepare other "
+                "models with accelerator.prepare"
+            )
+        if isinstance(obj, torch.optim.Optimizer):
+            check_optimizer(obj, model, "overlap.integrations.accelerate.prepare")
+    model = accelerator.prepare_model(model, device_placement=False, evaluation_mode=True)
+    _guard_save_load(accelerator)
+    if not objects:
+        return (model,)
+    prepared = accelerator.prepare(*objects)
+    return (model, *(prepared if len(objects) > 1 else (prepared,)))
+
+
+def save_state(
+    accelerator: accelerate.Accelerator,
+    output_dir: str | os.PathLike[str],
+    model: nn.Module,
+    optimizer: Any | None = None,
+    scheduler: Any | None = None,
+    *,
+    step: int,
+    extra: dict[str, Any] | None = None,
+) -> Path:
+    """Save a checkpoint as `output_dir/step_<step>` through `overlap.checkpoint.save` (every
+    rank calls it): the wrapped model, the optimizer and scheduler (prepared or not), every
+    rank's random generators, `accelerator.step` and `extra`. Returns the checkpoint folder."""
+    return checkpoint.save(
+        output_dir,
+        model,
+        _inner(optimizer, "optimizer"),
+        step=step,
+        scheduler=_inner(scheduler, "scheduler"),
+        extra={"accelerate_step": accelerator.step, "user": extra},
+    )
+
+
+def load_state(
+    accelerator: accelerate.Accelerator,
+    input_dir: str | os.PathLike[str],
+    model: nn.Module,
+    optimizer: Any | None = None,
+    scheduler: Any | None = None,
+) -> dict[str, Any]:
+    """Load a checkpoint written by `save_state` (`input_dir` is a checkpoint folder or the root
+    holding it: the latest is taken) into the wrapped model, optimizer and scheduler, in place,
+    at any world size. Restores `accelerator.step`. Returns `overlap.checkpoint.load`'s dict, with
+    `extra` the `extra` given to `save_state`."""
+    info = checkpoint.load(input_dir, model, _inner(optimizer, "optimizer"), scheduler=_inner(scheduler, "scheduler"))
+    saved = info["extra"]
+    accelerator.step = saved["accelerate_step"]
+    return {**info, "extra": saved["user"]}
+
+
+def _inner(obj: Any | None, attr: str) -> Any | None:
+    """The optimizer / scheduler inside accelerate's AcceleratedOptimizer / AcceleratedScheduler."""
+    return getattr(obj, attr, obj) if obj is not None else None
+
+
+def _guard_save_load(accelerator: accelerate.Accelerator) -> None:
+    if accelerator in _hooked:
+        return
+    accelerator.register_save_state_pre_hook(_refuse_save)
+    accelerator.register_load_state_pre_hook(_refuse_load)
+    _hooked[accelerator] = True
+
+
+def _refuse(models: list[nn.Module], verb: str) -> None:
+    if any(is_wrapped(m) for m in models):
+        raise ValueError(
+            f"accelerator.{verb}_state cannot {verb} a model wrapped by overlap.wrap: it keeps the "
+            "optimizer state of rank 0 only. Use overlap.integrations.accelerate."
+            f"{verb}_state(accelerator, dir, model, optimizer, scheduler{', step=...' if verb == 'save' else ''})"
+        )
+
+
+def _refuse_save(models: list[nn.Module], weights: list[Any], output_dir: str) -> None:
+    _refuse(models, "save")
+
+
+def _refuse_load(models: list[nn.Module], input_dir: str) -> None:
+    _refuse(models, "load")
+
+
+__all__ = ["load_state", "prepare", "save_state"]

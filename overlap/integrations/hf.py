@@ -1,0 +1,243 @@
+"""Hugging Face `Trainer` with a model sharded by `overlap.wrap`.
+
+    trainer = OverlapTrainer(model=model, args=args, train_dataset=ds)   # was: Trainer(...)
+    trainer.train()                                   # or train(resume_from_checkpoint=True)
+    trainer.save_model(out)                           # model.safetensors: from_pretrained loads it
+
+`OverlapTrainer` is `transformers.Trainer` with the model sharded at construction, before the
+Trainer builds anything from it. Launch as for DDP (`torchrun --nproc-per-node N train.py`);
+the model may be passed plain (it is wrapped with `overlap_config`) or already wrapped.
+
+[Note: Trainer seams]
+What the Trainer does by default, and what changes here:
+- It wraps the model in DDP through `accelerator.prepare` (a DTensor model breaks DDP's
+  broadcast of module states). The constructor registers the wrapped model with
+  `accelerator.prepare_model(model, evaluation_mode=True)`: autocast is applied as usual
+  (`bf16=True`), and accelerate returns a prepared model untouched from every later `prepare`.
+- Gradient accumulation calls `accelerator.no_sync(model)`, which enters `model.no_sync()` (the
+  wrapped model's own, overlap/module.py): nothing changes.
+- It builds the optimizer from `self.model` in `train()`: the wrapped model, so the optimizer holds
+  the shards. An optimizer passed in `optimizers=` is checked at construction.
+- `save_model` / every checkpoint writes `model.safetensors` from rank 0 via `save_pretrained`,
+  which would read `model.state_dict()` (DTensor shards). `_save` gathers the full state dict on
+  every rank first (`overlap.full_state_dict`), so the file is the whole model.
+- Checkpoints pickle `optimizer.state_dict()` on rank 0 only, which would lose every other rank's
+  optimizer shard. `_save_optimizer_and_scheduler` writes `<checkpoint>/overlap/step_N` with
+  `overlap.checkpoint.save` (model, optimizer and scheduler; every rank writes its rows) instead,
+  and `_load_optimizer_and_scheduler` restores all three from it.
+- On resume and at `load_best_model_at_end` it loads `model.safetensors` with
+  `model.load_state_dict`, which cannot write full tensors into shards. The model comes from the
+  overlap checkpoint when there is one (exact: the shards as saved; on resume it is loaded with
+  the optimizer), else `_load_from_checkpoint` and `_load_best_model` read the full weights file
+  on rank 0 and scatter it with `overlap.load_full_state_dict`.
+- It moves the model with `model.to(args.device)`, which on the wrapped model would replace the
+  shards by copies the engine never reads (`torch.device("cpu:0")` is not the shards' "cpu", so
+  DTensor.to copies). The model is moved before the wrap instead; `_move_model_to_device` checks
+  that it is there and moves nothing.
+The six methods are private to `transformers.Trainer` (the seams DeepSpeed, FSDP and SageMaker
+use inside it); `OverlapTrainer` checks at construction that each still exists with the
+parameters used here, so a release that renames one fails there, naming it, not mid-run.
+Per-rank RNG states and the gradient scaler stay with the Trainer's own files.
+"""
+
+from __future__ import annotations
+
+import inspect
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import transformers
+
+import overlap
+from overlap import checkpoint
+from overlap.config import OverlapConfig
+from overlap.integrations import check_optimizer, is_wrapped
+
+OVERLAP_DIR = "overlap"  # inside each checkpoint-N folder: the DCP checkpoint root
+_SAFE_WEIGHTS = "model.safetensors"
+_SAFE_INDEX = "model.safetensors.index.json"
+
+# the private Trainer methods overridden below, with the parameters they are called with
+_SEAMS = {
+    "_save": ("output_dir", "state_dict"),
+    "_save_optimizer_and_scheduler": ("output_dir",),
+    "_load_optimizer_and_scheduler": ("checkpoint",),
+    "_load_from_checkpoint": ("resume_from_checkpoint", "model"),
+    "_load_best_model": (),
+    "_move_model_to_device": ("model", "device"),
+}
+
+
+def _check_seams() -> None:
+    for name, params in _SEAMS.items():
+        method = getattr(transformers.Trainer, name, None)
+        found = () if method is None else tuple(inspect.signature(method).parameters)[1:]
+        if method is None or found[: len(params)] != params:
+            raise RuntimeError(
+                f"OverlapTrainer: transformers {transformers.__version__} has no Trainer.{name}"
+                f"(self, {', '.join(params)}) (found {found if method else 'nothing'}); this "
+                "integration overrides it ([Note: Trainer seams] in overlap/integrations/hf.py). "
+                "Use a transformers release it supports (tested: 5.24)"
+            )
+
+
+class OverlapTrainer(transformers.Trainer):
+    """`transformers.Trainer` training a model sharded by `overlap.wrap` (see the module note).
+
+    `model` is wrapped here (with `overlap_config`) unless it already is; it is moved to
+    `args.device` first, and `args.device` sets up torch.distributed (as the Trainer does), so
+    a script launched by torchrun needs no `init_process_group` of its own. `model_init`
+    (hyperparameter search builds a new model per trial) is not supported. The other arguments
+    are the Trainer's, by keyword."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        args: transformers.TrainingArguments | None = None,
+        *,
+        overlap_config: OverlapConfig | None = None,
+        **kwargs: Any,
+    ) -> None:
+        _check_seams()
+        if kwargs.get("model_init") is not None or model is None:
+            raise ValueError(
+                "OverlapTrainer: model_init is not supported (each trial would build an unwrapped "
+                "model); pass the model, wrapped by overlap.wrap or to be wrapped here"
+            )
+        if args is None:
+            args = transformers.TrainingArguments(output_dir="trainer_output")
+        device = args.device  # initializes torch.distributed when launched distributed
+        if device.type == "cpu":
+            device = torch.device("cpu")  # accelerate says "cpu:0"; tensors say "cpu"
+        if is_wrapped(model):
+            if overlap_config is not None:
+                raise ValueError(
+                    "OverlapTrainer: the model is already wrapped; pass overlap_config to "
+                    "overlap.wrap, or pass the unwrapped model"
+                )
+        elif any(p.is_meta for p in model.parameters()):
+            # overlap's deferred init runs reset_parameters(); Hugging Face models initialize
+            # through their own _init_weights and compute buffers (rotary) in __init__
+            raise ValueError(
+                "OverlapTrainer: the model is on the meta device; pass a materialized model "
+                "(from_pretrained / from_config), or wrap the meta model yourself with its init: "
+                "overlap.wrap(model, param_init_fn=..., device=...), and pass the wrapped model"
+            )
+        else:
+            model = overlap.wrap(model.to(device), config=overlap_config)
+        super().__init__(model=model, args=args, **kwargs)
+        if self.optimizer is not None:
+            check_optimizer(self.optimizer, self.model, "OverlapTrainer(optimizers=...)")
+        # no DDP around the sharded model: see [Note: Trainer seams]
+        self.accelerator.prepare_model(self.model, device_placement=False, evaluation_mode=True)
+
+    def _move_model_to_device(self, model: nn.Module, device: torch.device) -> None:
+        if not is_wrapped(model):  # not ours: the Trainer's behaviour
+            super()._move_model_to_device(model, device)
+            return
+        here = next(iter(model.parameters())).device
+        if not _same_device(here, torch.device(device)):
+            raise ValueError(
+                f"OverlapTrainer: the wrapped model is on {here}, the Trainer's device is {device}; "
+                "a wrapped model cannot be moved: move it to args.device before overlap.wrap"
+            )
+
+    # -- the whole model, for from_pretrained ------------------------------------------------------
+
+    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
+        if state_dict is None:  # collective; {} on the ranks that do not write
+            state_dict = overlap.full_state_dict(self.model, rank0_only=not self.args.save_on_each_node)
+        super()._save(output_dir, state_dict=state_dict)
+
+    # -- sharded state for resuming ----------------------------------------------------------------
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        checkpoint.save(
+            Path(output_dir) / OVERLAP_DIR,
+            self.model,
+            _unwrap(self.optimizer),
+            step=self.state.global_step,
+            scheduler=self.lr_scheduler,
+        )
+
+    def _load_optimizer_and_scheduler(self, checkpoint_dir: str | None) -> None:
+        if checkpoint_dir is None:
+            return
+        root = Path(checkpoint_dir) / OVERLAP_DIR
+        if checkpoint.latest(root) is None:  # saved with save_only_model: the weights were loaded
+            return
+        checkpoint.load(
+            root, self.model, _unwrap(self.optimizer), scheduler=self.lr_scheduler, restore_rng=False
+        )
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
+        if checkpoint.latest(Path(resume_from_checkpoint) / OVERLAP_DIR) is not None:
+            return  # _load_optimizer_and_scheduler loads the model with the optimizer
+        self._load_weights(resume_from_checkpoint)
+
+    def _load_best_model(self) -> None:
+        best = self.state.best_model_checkpoint
+        assert best is not None, "the Trainer calls _load_best_model with a best checkpoint"
+        self._load_weights(best)
+
+    def _load_weights(self, folder: str) -> None:
+        """The model's parameters from a checkpoint folder: its overlap checkpoint (the shards as
+        saved) or its full weights file, read on rank 0 and scattered."""
+        root = Path(folder) / OVERLAP_DIR
+        if checkpoint.latest(root) is not None:
+            checkpoint.load(root, self.model, restore_rng=False)
+            return
+        full, error = None, [None]
+        if dist.get_rank() == 0:
+            try:
+                full = _read_full_weights(Path(folder))
+            except (OSError, ValueError) as e:  # every rank must hear of it, or they would wait
+                error[0] = f"{type(e).__name__}: {e}"
+        dist.broadcast_object_list(error, src=0)
+        if error[0] is not None:
+            raise ValueError(f"OverlapTrainer: cannot load the weights of {folder} (on rank 0: {error[0]})")
+        if full is not None:
+            missing = sorted(set(self.model.state_dict()) - set(full))
+            if missing:  # tied weights are saved once: the Trainer loads with strict=False too
+                warnings.warn(f"OverlapTrainer: {folder} has no weights for {missing}", stacklevel=2)
+        overlap.load_full_state_dict(self.model, full, strict=False)
+
+
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    """"cpu" and "cpu:0" are one device; "cuda" is the current CUDA device."""
+    if a.type != b.type:
+        return False
+    if a.type != "cuda":
+        return True
+    current = torch.cuda.current_device()
+    return (a.index if a.index is not None else current) == (b.index if b.index is not None else current)
+
+
+def _unwrap(optimizer: Any) -> torch.optim.Optimizer:
+    return getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer
+
+
+def _read_full_weights(folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    if (folder / _SAFE_WEIGHTS).is_file():
+        return load_file(folder / _SAFE_WEIGHTS)
+    if (folder / _SAFE_INDEX).is_file():
+        import json
+
+        files = sorted(set(json.loads((folder / _SAFE_INDEX).read_text())["weight_map"].values()))
+        full: dict[str, torch.Tensor] = {}
+        for name in files:
+            full.update(load_file(folder / name))
+        return full
+    raise ValueError(
+        f"{folder} holds neither an overlap checkpoint ({OVERLAP_DIR}/) nor {_SAFE_WEIGHTS}: "
+        "pass a checkpoint folder written by a Trainer"
+    )
+
+
+__all__ = ["OVERLAP_DIR", "OverlapTrainer"]

@@ -1,0 +1,252 @@
+"""Lightning with overlap (overlap.integrations.lightning), 2 ranks on gloo.
+
+The ranks are the harness's spawned world with torchrun's environment variables set: Lightning
+finds an externally launched world (LightningEnvironment) and the process group initialized.
+
+- Trainer: `OverlapStrategy` with the model wrapped in `configure_model` trains 2 epochs of 2
+  optimizer steps (accumulate_grad_batches=2; the first micro-batch's backward reduces nothing)
+  with every training-step loss and every final parameter equal bitwise to Lightning's DDP
+  strategy. Its ModelCheckpoint after epoch 1 (a DCP folder: every rank's shards) resumes with
+  `fit(ckpt_path=...)`: epoch 2 gives bitwise the losses and final parameters of the
+  uninterrupted run (the AdamW moments of both ranks' shards and the scheduler came back). The
+  same from a one-file checkpoint (`save_distributed_checkpoint=False`: gathered on rank 0).
+- Fabric: `OverlapFabricStrategy` with `fabric.no_backward_sync` accumulation, 3 steps, equal
+  bitwise to Fabric's DDP; `fabric.save` / `fabric.load` into a freshly built model and
+  optimizer reproduce the next step bitwise.
+- A LightningModule whose `configure_model` leaves a trainable parameter outside every wrapped
+  module is refused at setup, on every rank (nothing would average its gradient).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+import torch
+import torch.nn as nn
+
+L = pytest.importorskip(
+    "lightning", reason="optional extra `integrations` (pip install -e '.[integrations]'); CI installs it"
+)
+
+import overlap  # noqa: E402
+from overlap.integrations import is_wrapped  # noqa: E402
+from overlap.integrations import lightning as overlap_lightning  # noqa: E402
+
+TIMEOUT_S = 300  # a fit is a few seconds; generous for a loaded machine
+BATCH = 2
+SAMPLES = 16  # 2 ranks x 4 batches of 2: one epoch is 2 optimizer steps of 2 micro-batches
+
+
+def torchrun_env(rank: int, world: int) -> None:
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+        NODE_RANK="0", OMP_NUM_THREADS="1",
+    )
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.fc(x))
+
+
+class Net(nn.Module):
+    """Blocks are the units; 17 output rows do not split evenly over 2 ranks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, 16)
+        self.blocks = nn.ModuleList(Block() for _ in range(3))
+        self.out = nn.Linear(16, 17)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.out(x)
+
+
+def data() -> torch.utils.data.DataLoader:
+    g = torch.Generator().manual_seed(3)
+    ds = torch.utils.data.TensorDataset(torch.randn(SAMPLES, 8, generator=g), torch.randn(SAMPLES, 17, generator=g))
+    return torch.utils.data.DataLoader(ds, batch_size=BATCH, shuffle=False)
+
+
+class LitNet(L.LightningModule):
+    def __init__(self, wrap: str | None) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = Net()
+        self.head = nn.Linear(17, 17)  # outside self.net: wrapped with it only when wrap == "all"
+        self.wrap = wrap
+        self.losses: list[float] = []
+        self.sync_flags: list[bool] = []
+
+    def configure_model(self) -> None:
+        if self.wrap == "net":
+            self.head.requires_grad_(False)
+            self.net = overlap_lightning.wrap(self.net, self.device_mesh)
+        elif self.wrap == "net_only":  # forgets the trainable head
+            self.net = overlap_lightning.wrap(self.net, self.device_mesh)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.net(x))
+
+    def training_step(self, batch: Any, index: int) -> torch.Tensor:
+        x, y = batch
+        loss = ((self(x) - y) ** 2).mean()
+        self.losses.append(loss.item())
+        return loss
+
+    def on_after_backward(self) -> None:
+        if is_wrapped(self.net):
+            self.sync_flags.append(self.net._overlap_state.schedule.sync_grads)
+
+    def configure_optimizers(self) -> Any:
+        opt = torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.1)
+        return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.7)}
+
+
+def fit(
+    rank: int, world: int, *, mode: str, out: str, epochs: int, resume: str | None = None, full: bool = False
+) -> dict:
+    """Lightning DDP ("ddp") or OverlapStrategy ("overlap": a ModelCheckpoint every epoch; with
+    `full`, one-file checkpoints: `out/full.ckpt` saved after fit instead)."""
+    torchrun_env(rank, world)
+    lit = LitNet(wrap=None if mode == "ddp" else "net")
+    if mode == "ddp":
+        lit.head.requires_grad_(False)
+    callbacks = []
+    if mode == "overlap" and resume is None and not full:
+        callbacks.append(L.pytorch.callbacks.ModelCheckpoint(dirpath=out, save_top_k=-1, every_n_epochs=1))
+    strategy = "ddp" if mode == "ddp" else overlap_lightning.OverlapStrategy(save_distributed_checkpoint=not full)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=world, strategy=strategy, max_epochs=epochs, accumulate_grad_batches=2,
+        logger=False, enable_progress_bar=False, enable_model_summary=False,
+        enable_checkpointing=bool(callbacks), callbacks=callbacks, default_root_dir=out,
+    )
+    trainer.fit(lit, data(), ckpt_path=resume)
+    if full and resume is None:
+        trainer.save_checkpoint(os.path.join(out, "full.ckpt"))
+    full = overlap.full_state_dict(lit.net) if mode == "overlap" else lit.net.state_dict()
+    return {"losses": lit.losses, "sync_flags": lit.sync_flags, "params": {k: v.clone() for k, v in full.items()}}
+
+
+def refused(rank: int, world: int, *, out: str) -> str:
+    torchrun_env(rank, world)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=world, strategy=overlap_lightning.OverlapStrategy(), max_steps=1,
+        logger=False, enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+        default_root_dir=out,
+    )
+    try:
+        trainer.fit(LitNet(wrap="net_only"), data())
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def fabric_run(rank: int, world: int, *, mode: str, out: str) -> dict:
+    torchrun_env(rank, world)
+    strategy = "ddp" if mode == "ddp" else overlap_lightning.OverlapFabricStrategy()
+    fabric = L.Fabric(accelerator="cpu", devices=world, strategy=strategy)
+    fabric.launch()
+
+    def build() -> tuple[Any, Any]:
+        torch.manual_seed(0)
+        net = Net()
+        if mode == "ddp":
+            return fabric.setup(net, torch.optim.AdamW(net.parameters(), lr=1e-2))
+        net = fabric.setup_module(net)
+        return net, fabric.setup_optimizers(torch.optim.AdamW(net.parameters(), lr=1e-2))
+
+    def step(model: Any, optimizer: Any, i: int, record: dict) -> None:
+        for micro in range(2):
+            g = torch.Generator().manual_seed(100 * i + 10 * micro + rank)
+            x, y = torch.randn(BATCH, 8, generator=g), torch.randn(BATCH, 17, generator=g)
+            with fabric.no_backward_sync(model, enabled=micro == 0):
+                loss = ((model(x) - y) ** 2).mean()
+                fabric.backward(loss)
+                if mode == "overlap":
+                    record["sync_flags"].append(model.module._overlap_state.schedule.sync_grads)
+            record["losses"].append(loss.item())
+        optimizer.step()
+        optimizer.zero_grad()
+
+    model, optimizer = build()
+    record: dict = {"losses": [], "sync_flags": []}
+    for i in range(3):
+        step(model, optimizer, i, record)
+    if mode == "ddp":
+        return record
+    path = os.path.join(out, "fabric_ckpt")
+    fabric.save(path, {"model": model, "optimizer": optimizer, "step": 3})
+    after: dict = {"losses": [], "sync_flags": []}
+    step(model, optimizer, 3, after)
+    expected = overlap.full_state_dict(model.module)
+
+    model, optimizer = build()  # fresh, different values until loaded: train one step first
+    step(model, optimizer, 7, {"losses": [], "sync_flags": []})
+    state = {"model": model, "optimizer": optimizer, "step": 0}
+    fabric.load(path, state)
+    again: dict = {"losses": [], "sync_flags": []}
+    step(model, optimizer, 3, again)
+    reloaded = overlap.full_state_dict(model.module)
+    record["resumed_step"] = state["step"]
+    record["next_loss_equal"] = again["losses"] == after["losses"]
+    record["params_equal"] = [k for k in expected if not torch.equal(expected[k], reloaded[k])] == []
+    return record
+
+
+def test_trainer_matches_ddp_and_resumes(world2, tmp_path):
+    ddp = world2.run(fit, timeout_s=TIMEOUT_S, mode="ddp", out=str(tmp_path / "ddp"), epochs=2)
+    ours = world2.run(fit, timeout_s=TIMEOUT_S, mode="overlap", out=str(tmp_path / "ours"), epochs=2)
+    for rank in range(2):  # 2 epochs x 2 steps x 2 micro-batches
+        assert len(ours[rank]["losses"]) == 8
+        assert ours[rank]["losses"] == ddp[rank]["losses"], rank
+        assert ours[rank]["sync_flags"] == [False, True] * 4  # accumulation reduces once per step
+    ref, full = ddp[0]["params"], ours[0]["params"]
+    assert full.keys() == ref.keys()
+    assert [k for k in ref if not torch.equal(ref[k], full[k])] == []
+
+    checkpoints = sorted(p.name for p in (tmp_path / "ours").iterdir() if p.name.endswith(".ckpt"))
+    assert checkpoints == ["epoch=0-step=2.ckpt", "epoch=1-step=4.ckpt"], checkpoints
+    first = tmp_path / "ours" / checkpoints[0]
+    assert first.is_dir() and (first / ".metadata").is_file()  # DCP: every rank's shards
+    resumed = world2.run(
+        fit, timeout_s=TIMEOUT_S, mode="overlap", out=str(tmp_path / "resumed"), epochs=2, resume=str(first)
+    )
+    for rank in range(2):
+        assert resumed[rank]["losses"] == ours[rank]["losses"][4:], rank
+    assert [k for k in full if not torch.equal(full[k], resumed[0]["params"][k])] == []
+
+    # save_distributed_checkpoint=False: one file, the full model and optimizer state from rank 0
+    world2.run(fit, timeout_s=TIMEOUT_S, mode="overlap", out=str(tmp_path / "full"), epochs=1, full=True)
+    assert (tmp_path / "full" / "full.ckpt").is_file()
+    from_file = world2.run(
+        fit, timeout_s=TIMEOUT_S, mode="overlap", out=str(tmp_path / "full"), epochs=2,
+        resume=str(tmp_path / "full" / "full.ckpt"), full=True,
+    )
+    for rank in range(2):
+        assert from_file[rank]["losses"] == ours[rank]["losses"][4:], rank
+    assert [k for k in full if not torch.equal(full[k], from_file[0]["params"][k])] == []
+
+
+def test_fabric_matches_ddp_and_checkpoints(world2, tmp_path):
+    ddp = world2.run(fabric_run, timeout_s=TIMEOUT_S, mode="ddp", out=str(tmp_path))
+    ours = world2.run(fabric_run, timeout_s=TIMEOUT_S, mode="overlap", out=str(tmp_path))
+    for rank in range(2):
+        assert ours[rank]["losses"] == ddp[rank]["losses"], rank
+        assert ours[rank]["sync_flags"] == [False, True] * 3
+        assert ours[rank]["resumed_step"] == 3
+        assert ours[rank]["next_loss_equal"] and ours[rank]["params_equal"], rank
+
+
+def test_unwrapped_trainable_parameter_is_refused(world2, tmp_path):
+    for error in world2.run(refused, timeout_s=TIMEOUT_S, out=str(tmp_path)):
+        assert "not inside a module wrapped by overlap.wrap (head.weight, head.bias)" in error, error
