@@ -29,6 +29,7 @@ from typing import Any, NoReturn
 
 import torch
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 
 from overlap import api
 from overlap.schedule import Phase
@@ -82,12 +83,47 @@ class OverlapModule:
         _check_between_steps(state.schedule.phase, "reshard")
         state.runtime.run(state.schedule.reshard_all())
 
+    def _apply(self, fn: Any, recurse: bool = True) -> Any:
+        """`model.to(...)`, `.cuda()`, `.half()`, `.double()` and the like, on the wrapped model.
+
+        [Note: no moves after wrap]
+        The engine gathers from each unit's flat shard buffer, which the sharded parameters view.
+        `nn.Module._apply` would swap in the converted copies (a DTensor's `.to("cpu:0")` copies
+        even on the same device), so the optimizer would update the copies while the engine
+        gathers the originals: training silently wrong. So a conversion that leaves every
+        parameter shard and buffer on its device and in its dtype (`.to` the device it is on,
+        `"cpu:0"` included, `.float()` of an fp32 model) is a no-op whose copies are dropped, and
+        any other raises, naming the fix."""
+        changed = []
+        tensors = [(n, p.to_local() if isinstance(p, DTensor) else p) for n, p in self.named_parameters()]  # type: ignore[attr-defined]
+        for name, tensor in tensors + list(self.named_buffers()):  # type: ignore[attr-defined]
+            if not _same_place(fn(tensor), tensor):
+                changed.append(name)
+        if changed:
+            shown = ", ".join(repr(n) for n in changed[:3]) + (f" and {len(changed) - 3} more" if len(changed) > 3 else "")
+            raise ValueError(
+                f"a model wrapped by overlap.wrap cannot be moved or cast (this would change {shown}): "
+                "move or cast the model before overlap.wrap; for mixed precision pass "
+                "param_dtype / reduce_dtype to overlap.wrap"
+            )
+        return self
+
     def __deepcopy__(self, memo: dict[int, Any]) -> NoReturn:
         raise TypeError(
             "a model wrapped by overlap.wrap cannot be deep-copied (its parameters are shards "
             "tied to process groups and hooks): copy the model before wrapping it, or load "
             "overlap.full_state_dict(model) into a fresh unwrapped model"
         )
+
+
+def _same_place(converted: torch.Tensor, tensor: torch.Tensor) -> bool:
+    """Whether a conversion left `tensor` where it was: the same tensor, or a copy of the same
+    dtype on the same device ("cpu:0" names the CPU that "cpu" does)."""
+    if converted is tensor:
+        return True
+    a, b = converted.device, tensor.device
+    same_device = a.type == b.type and (a.index == b.index or a.type == "cpu")
+    return same_device and converted.dtype == tensor.dtype
 
 
 def _check_between_steps(phase: Phase, verb: str) -> None:

@@ -432,3 +432,32 @@ def scalars_hsdp(rank: int, world: int) -> dict:
 def test_scalar_gradients_are_averaged_over_the_whole_hsdp_mesh(world4):
     for rank, r in enumerate(world4.run(scalars_hsdp)):
         assert r["worst"] <= 1e-6, (rank, r)  # 4 ranks: the sum's order may differ from DDP's
+
+
+def moves_after_wrap(rank: int, world: int) -> dict:
+    model = overlap.wrap(encoder_stack())
+    def where(m: nn.Module) -> list[tuple[int, int]]:  # each parameter's object and memory
+        return [(id(p), (p.to_local() if isinstance(p, DTensor) else p).data_ptr()) for p in m.parameters()]
+
+    before = where(model)
+    for move in (lambda m: m.to("cpu"), lambda m: m.to("cpu:0"), lambda m: m.float(), lambda m: m.cpu()):
+        assert move(model) is model
+    same = where(model) == before
+    errors = []
+    for move in (lambda m: m.double(), lambda m: m.half(), lambda m: m.to(torch.bfloat16)):
+        try:
+            move(model)
+        except ValueError as e:
+            errors.append(str(e))
+    dtypes = {p.dtype for p in model.parameters()}
+    loss_of(model(batch(model, rank, 0))).backward()  # still trains
+    return {"same": same, "errors": errors, "dtypes": dtypes}
+
+
+def test_moves_after_wrap_are_no_ops_or_raise(world2):
+    """[Note: no moves after wrap]: `.to()` of the device the model is on keeps the very same
+    shards (a DTensor's `.to("cpu:0")` would copy them and train the copies); casts raise."""
+    for r in world2.run(moves_after_wrap, timeout_s=180):
+        assert r["same"], r
+        assert len(r["errors"]) == 3 and all("cannot be moved or cast" in e for e in r["errors"]), r
+        assert r["dtypes"] == {torch.float32}, r
