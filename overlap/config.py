@@ -104,9 +104,10 @@ class OverlapConfig:
     every allocation of the process, and resident memory stays at its high-water mark.
     Why it stays on by default: with the reduce-scatter inputs bounded (`max_reduce_inputs`) the
     memory it costs is small, and the time it saves is not. Measured on the 12-layer encoder
-    workload of `overlap bench memory` (2 ranks, AdamW): peak RSS 2,097 / 2,049 MiB with it,
-    2,027 / 2,027 MiB without (+3%), both below FSDP2's 2,397 / 2,291 MiB; the step-time side is
-    in benchmarks/RESULTS.md. Turn it off when RSS matters more than step time."""
+    workload of `overlap bench memory` (2 ranks, AdamW): peak RSS 2,094 MiB per rank with it,
+    2,020 without (+3.6%), both below FSDP2's 2,310; on W1 the step is 1.317x its compute floor
+    with it and 1.359x without (benchmarks/RESULTS.md). Turn it off when RSS matters more than
+    step time."""
 
     collective_timeout_s: float | None = None
     """Seconds a wait on an all-gather or reduce-scatter may take before it raises (a dead or
