@@ -19,4 +19,6 @@ python3 -c "from overlap.kernels import cpu; assert cpu.load_extension(), 'C++ k
 if command -v nvcc >/dev/null; then
     for src in csrc/cuda/*.cu; do nvcc -c -arch=sm_90 -o "/tmp/overlap_$(basename "$src" .cu).o" "$src"; done
 fi
+# A rank that aborts (SIGABRT, SIGSEGV) prints its Python stacks: spawned ranks inherit this.
+export PYTHONFAULTHANDLER=1
 python3 -m pytest -q tests "$@"
