@@ -35,9 +35,12 @@ def _force_collectives() -> bool:
     return os.environ.get("OVERLAP_FORCE_COLLECTIVES", "") not in ("", "0")
 
 
-def _local(world_size: int) -> bool:
+def runs_locally(world_size: int) -> bool:
     """A collective over one rank is a local copy, unless forced (`_force_collectives`)."""
     return world_size == 1 and not _force_collectives()
+
+
+_local = runs_locally
 
 
 class CommResult(NamedTuple):

@@ -11,7 +11,8 @@ wrong data, or a hang. So every uncompressed all-gather carries, behind each ran
 trainable parameters (mod 2^24), packed into one int64. The all-gather copies bits, so every
 rank receives every rank's tag in the same collective, without a collective of its own:
 
-- CPU: the tags are compared on the host right after the wait; on a mismatch every rank raises
+- CPU: the tags are compared on the host right after the wait (read in place from copy-out's
+  tag destination through a ctypes view, `HostTags`: no torch op per check); on a mismatch every rank raises
   `CollectiveMismatchError` in the same collective, naming each rank's step, phase and unit.
 - CUDA: the comparison runs on the device (a mismatch count and the last mismatching tags), and
   the count is read once per step a step late through pinned memory, without a sync; the error
@@ -24,6 +25,7 @@ all-gathers, which carry no tag yet.
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 from dataclasses import dataclass
 
@@ -103,6 +105,34 @@ def mismatch_message(values: list[int], mine: int, rank: int, what: str) -> str:
     return "\n".join(lines)
 
 
+class HostTags:
+    """Every rank's tag, read in place from `trailers`: a contiguous CPU tensor of world_size x
+    TAG_NUMEL elements holding the received trailers (the runtime's copy-out destination for
+    them, allocated once per unit). A ctypes view: a check costs no torch op, where slicing the
+    gathered buffer took several per all-gather."""
+
+    def __init__(self, trailers: torch.Tensor, world_size: int) -> None:
+        assert self.fits(trailers, world_size)
+        self.trailers = trailers  # keeps the memory the pointer reads alive
+        self._ptr = ctypes.cast(trailers.data_ptr(), ctypes.POINTER(ctypes.c_int64))
+        self._stride = TAG_NUMEL * trailers.element_size() // 8
+        self._world_size = world_size
+
+    @staticmethod
+    def fits(trailers: torch.Tensor, world_size: int) -> bool:
+        row = TAG_NUMEL * trailers.element_size()
+        return (
+            trailers.device.type == "cpu"
+            and trailers.is_contiguous()
+            and trailers.numel() == world_size * TAG_NUMEL
+            and row % 8 == 0
+            and trailers.data_ptr() % 8 == 0
+        )
+
+    def values(self) -> list[int]:
+        return [self._ptr[r * self._stride] for r in range(self._world_size)]
+
+
 class FingerprintCheck:
     """Compares the gathered tags with this rank's ([Note: collective fingerprints])."""
 
@@ -114,6 +144,13 @@ class FingerprintCheck:
         self._last: torch.Tensor | None = None  # CUDA: the last mismatching tags
         self._expected: torch.Tensor | None = None  # CUDA: the tag this rank sent with them
         self._in_flight: tuple[torch.Tensor, torch.cuda.Event] | None = None
+
+    def check_host(self, tags: HostTags, mine: int, what: str) -> None:
+        """CPU: compare the tags `tags` reads with `mine`, now."""
+        values = tags.values()
+        for value in values:
+            if value != mine:
+                raise CollectiveMismatchError(mismatch_message(values, mine, self.rank, what))
 
     def check(self, gathered: torch.Tensor, world_size: int, mine: int, what: str) -> None:
         """Compare the tags of a tagged all-gather's output with `mine` (CPU: now; CUDA: on the

@@ -51,7 +51,7 @@ _NO_LABEL = contextlib.nullcontext()
 
 from overlap import backend, comm, kernels
 from overlap.compression import Codec
-from overlap.fingerprint import TAG_NUMEL, FingerprintCheck, Tag, signature
+from overlap.fingerprint import TAG_NUMEL, FingerprintCheck, HostTags, Tag, signature
 from overlap.memory import MemoryAccount, nbytes
 from overlap.schedule import (
     Action,
@@ -104,6 +104,18 @@ def _phase(verb: str, what: str) -> contextlib.AbstractContextManager:
     return _NO_LABEL
 
 
+# [Note: aliased units]
+# Over one rank (world size 1, or HSDP with a shard group of one) with no cast, no codec and no
+# forced collectives, a unit's rank-major gather output is its shard itself and the
+# parameter-major unsharded layout is the same as the shard's ([Note: flat layout]: offsets
+# times world_size). The unsharded parameters are then views of the shard: gathering, copy-out
+# and freeing do nothing but swap the module's parameters, and no unsharded memory is held
+# (DDP's cost at one rank). The optimizer's in-place updates of the shard are what the next
+# forward sees, as a re-gather would give; nothing writes the shard between a forward and its
+# backward. Gradients still go through the reduce path (copy-in, division, accumulation), so
+# everything after it is unchanged.
+
+
 @dataclass
 class UnitTensors:
     """The tensors of one unit on this rank. See [Note: flat layout] in units.py."""
@@ -123,14 +135,30 @@ class UnitTensors:
     trainable: list[tuple[Any, nn.Parameter]] = field(init=False)  # (slot, sharded param) with grads
     copy_out_views: list[torch.Tensor] | None = None  # per slot, its span of unsharded_flat
     gather_tag: int | None = None  # the tag of the all-gather in flight ([Note: collective fingerprints])
-    tag_out: torch.Tensor | None = None  # copy-out's destination for the gathered tags (unread)
+    tag_out: torch.Tensor | None = None  # copy-out's destination for the gathered tags (CPU: checked there)
     signature: int = 0  # of the trainable pattern, in the tags
     copy_out_sizes: list[int] | None = None  # per slot, its padded span of the gathered rows
     copy_out_cols: list[int] | None = None  # per slot, the data columns of its chunk
+    aliased: bool = False  # unsharded params are views of the shard ([Note: aliased units])
+    host_tags: HostTags | None = None  # CPU: reads tag_out's tags ([Note: collective fingerprints])
 
     def __post_init__(self) -> None:
-        self.trainable = [(s, p) for s, p in zip(self.layout.slots, self.sharded_params) if s.requires_grad]
-        self.signature = signature(tuple(s.requires_grad for s in self.layout.slots))
+        self._plan_grads()
+
+    def _plan_grads(self) -> None:
+        """What the reduce path reads every step, derived once per gradient layout."""
+        slots = self.layout.slots
+        self.trainable = [(s, p) for s, p in zip(slots, self.sharded_params) if s.requires_grad]
+        self.signature = signature(tuple(s.requires_grad for s in slots))
+        self.grad_params = [p for s, p in zip(slots, self.unsharded_params) if s.requires_grad]
+        self.grad_spans = [s.padded_chunk_numel for s in slots if s.requires_grad]
+        self.grad_cols = [s.chunk_numel for s in slots if s.requires_grad]
+        # per trainable parameter: (sharded param, offset in the gradient shard, local shape and
+        # contiguous stride): one as_strided per parameter and step in `Runtime._accumulate`
+        self.grad_locals = [
+            (p, s.grad_offset, tuple(p._local_tensor.shape), _contiguous_strides(p._local_tensor.shape))
+            for s, p in self.trainable
+        ]
 
     def tagged_shard(self) -> torch.Tensor | None:
         """The shard with the tag's room behind it (None when its buffer has none)."""
@@ -144,19 +172,37 @@ class UnitTensors:
         """A new gradient layout (requires_grad changed after wrap): same buffers, other
         trainable parameters."""
         self.layout = layout
-        self.trainable = [(s, p) for s, p in zip(layout.slots, self.sharded_params) if s.requires_grad]
-        self.signature = signature(tuple(s.requires_grad for s in layout.slots))
         for slot, param in zip(layout.slots, self.unsharded_params):
             param.requires_grad_(slot.requires_grad)
+        self._plan_grads()
 
     @property
     def unsharded_nbytes(self) -> int:
         return self.unsharded_flat.numel() * self.unsharded_flat.element_size()
 
+    def alias_shard(self) -> None:
+        """Make the unsharded parameters views of the shard ([Note: aliased units])."""
+        params = []
+        for slot, old in zip(self.layout.slots, self.unsharded_params):
+            assert slot.chunk_numel == slot.numel, f"{self.layout.label}: only one rank's layout aliases"
+            view = self.shard[slot.shard_offset : slot.shard_offset + slot.numel].view(slot.shape)
+            params.append(nn.Parameter(view, requires_grad=old.requires_grad))
+        self.unsharded_params = params
+        self.aliased = True
+        self._plan_grads()
+
     def swap_in(self, params: list[nn.Parameter]) -> None:
         for holders, param in zip(self.owners, params):
             for module, name in holders:
                 module._parameters[name] = param
+
+
+def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
 
 
 @dataclass
@@ -205,6 +251,7 @@ class Runtime:
     _pending_units: dict[int, tuple[int, ...]] = field(init=False, default_factory=dict)
     step: int = field(init=False, default=0)  # steps begun on this rank, in the tags
     _flags: dict[tuple[tuple[bool, ...], torch.dtype], torch.Tensor] = field(init=False, default_factory=dict)
+    _labels: dict[tuple[int, ...], str] = field(init=False, default_factory=dict)  # _span_label's
 
     def __post_init__(self) -> None:
         self.num_replicas = 1 if self.replicate_group is None else dist.get_world_size(self.replicate_group)
@@ -220,6 +267,10 @@ class Runtime:
         self.memory.add("sharded_params", sum(nbytes(u.shard) for u in self.units))
         self.fingerprints = FingerprintCheck(self.rank, self.device)
         self._tagged = [u.tagged_shard() for u in self.units]
+        if comm.runs_locally(self.world_size) and self.param_codec is None:
+            for unit in self.units:  # [Note: aliased units]
+                if (self.gather_dtype or unit.shard.dtype) == unit.shard.dtype:
+                    unit.alias_shard()
 
     # ------------------------------------------------------------------ dispatch
     def run(self, actions: list[Action]) -> None:
@@ -261,6 +312,8 @@ class Runtime:
     # ------------------------------------------------------------------ verbs
     def gather(self, index: int, for_backward: bool = False) -> None:
         unit = self.units[index]
+        if unit.aliased:
+            return  # [Note: aliased units]
         dtype = self.gather_dtype or unit.shard.dtype
         unit.gather_from_secondary = for_backward and unit.secondary is not None
         with _phase("gather", unit.layout.label):
@@ -309,8 +362,18 @@ class Runtime:
         return Tag(self.step, phase, index, unit.signature).pack()
 
     def _check_tag(self, unit: UnitTensors, gathered: torch.Tensor) -> None:
-        if unit.gather_tag is not None:
-            self.fingerprints.check(gathered, self.world_size, unit.gather_tag, f"all-gather of {unit.layout.label}")
+        """CUDA: before copy-out, on the device. CPU: after copy-out, from the tags it copied
+        (`HostTags`), or from `gathered` where they cannot be read in place."""
+        if unit.gather_tag is None:
+            return
+        what = f"all-gather of {unit.layout.label}"
+        tags = unit.tag_out
+        if self.gather_stream is None and tags is not None and HostTags.fits(tags, self.world_size):
+            if unit.host_tags is None or unit.host_tags.trailers is not tags:
+                unit.host_tags = HostTags(tags, self.world_size)
+            self.fingerprints.check_host(unit.host_tags, unit.gather_tag, what)
+        else:
+            self.fingerprints.check(gathered, self.world_size, unit.gather_tag, what)
 
     def check_fingerprints(self) -> None:
         """Once per step: CUDA reports a step late what the device compared ([Note: collective
@@ -324,6 +387,9 @@ class Runtime:
 
     def wait_gather(self, index: int) -> None:
         unit = self.units[index]
+        if unit.aliased:
+            unit.swap_in(unit.unsharded_params)  # [Note: aliased units]
+            return
         assert unit.gather is not None or unit.gather_event is not None, (
             f"rank {self.rank}: unit {index} waited before gather"
         )
@@ -336,10 +402,10 @@ class Runtime:
                 assert unit.gather is not None
                 gathered = comm.wait(unit.gather, self.timeout)
                 self.timer.waited(unit.gather.work)
+                self._alloc_unsharded(unit)
+                self._copy_out(unit, gathered)  # its tags too: checked next, before any use
                 self._check_tag(unit, gathered)
                 self._keep_secondary(unit, gathered)
-                self._alloc_unsharded(unit)
-                self._copy_out(unit, gathered)
                 del gathered
                 self._drop_gather(unit)
             unit.swap_in(unit.unsharded_params)
@@ -423,6 +489,9 @@ class Runtime:
 
     def free(self, index: int) -> None:
         unit = self.units[index]
+        if unit.aliased:
+            unit.swap_in(unit.sharded_params)  # [Note: aliased units]
+            return
         with _phase("free", unit.layout.label):
             unit.swap_in(unit.sharded_params)
             storage = unit.unsharded_flat.untyped_storage()
@@ -449,21 +518,19 @@ class Runtime:
             # One fused pass (kernels.copy_in): gradients cast to the reduce dtype, padded, a
             # missing gradient as zeros, into the rank-major buffer ([Note: flat layout]).
             srcs: list[torch.Tensor | None] = []
-            sizes: list[int] = []  # per gradient, its padded span of the rank-major rows
+            spans: list[int] = []  # per gradient, its padded span of each rank-major row
             data_cols: list[int] = []  # per gradient, the columns of each row holding data
-            used: list[bool] = []
             for index in indices:
                 unit = self.units[index]
-                for slot, param in zip(unit.layout.slots, unit.unsharded_params):
-                    if not slot.requires_grad:
-                        continue
-                    used.append(param.grad is not None)
+                for param in unit.grad_params:
                     srcs.append(param.grad)
-                    sizes.append(n * slot.padded_chunk_numel)
-                    data_cols.append(slot.chunk_numel)
                     param.grad = None
-            flags = self._flags_for(tuple(used), dtype)
-            width_grads = sum(sizes) // n
+                spans += unit.grad_spans
+                data_cols += unit.grad_cols
+            used = tuple(g is not None for g in srcs)
+            flags = self._flags_for(used, dtype)
+            width_grads = sum(spans)
+            sizes = [n * span for span in spans]
             if self.grad_codec is None:  # flags ride in the same buffer
                 srcs, sizes, data_cols = [*srcs, flags], [*sizes, flags.numel()], [*data_cols, len(used)]
             full = torch.empty(n, sum(sizes) // n, dtype=dtype, device=self.device)
@@ -609,11 +676,12 @@ class Runtime:
             num_flags = reduced.numel() - grad_numel
             used = [1.0] * num_flags if pending.all_used else reduced[grad_numel:].tolist()
             # Sum, then divide: at world size 2 this equals DDP's (g/2 + g/2) bitwise.
-            grads.div_(self.world_size * self.num_replicas)
-            offset = 0
+            if self.world_size * self.num_replicas > 1:
+                grads.div_(self.world_size * self.num_replicas)
+            offset = grads.storage_offset()
             for unit in units:
-                num_trainable = len(unit.layout.grad_slots)
-                self._accumulate(unit, grads[offset : offset + unit.layout.grad_shard_numel], used[:num_trainable])
+                num_trainable = len(unit.grad_locals)
+                self._accumulate(unit, grads, offset, used[:num_trainable])
                 used = used[num_trainable:]
                 offset += unit.layout.grad_shard_numel
 
@@ -629,13 +697,13 @@ class Runtime:
         self.memory.reset_peak()
         self.step += 1
 
-    def _accumulate(self, unit: UnitTensors, reduced: torch.Tensor, used: list[float]) -> None:
-        """Add a unit's reduced gradient shard into its sharded parameters' `.grad`."""
-        for (slot, param), num_users in zip(unit.trainable, used):
+    def _accumulate(self, unit: UnitTensors, reduced: torch.Tensor, offset: int, used: list[float]) -> None:
+        """Add a unit's reduced gradient shard (at storage `offset` of `reduced`) into its sharded
+        parameters' `.grad`."""
+        for (param, grad_offset, shape, stride), num_users in zip(unit.grad_locals, used):
             if num_users == 0:
                 continue  # [Note: used flags]
-            local = reduced[slot.grad_offset : slot.grad_offset + slot.chunk_numel]
-            local = local.view(slot.rows_per_rank, *slot.shape[1:])[: slot.local_rows(self.rank)]
+            local = reduced.as_strided(shape, stride, offset + grad_offset)
             if local.dtype != param.dtype:
                 local = local.to(param.dtype)
             if param.grad is None:
@@ -644,13 +712,16 @@ class Runtime:
                 # argument checks (microseconds per parameter and step).
                 param.grad = DTensor(local, param._spec, requires_grad=False)  # type: ignore[call-arg]
             else:
-                param.grad.to_local().add_(local)
+                param.grad._local_tensor.add_(local)
 
     def _span_label(self, indices: tuple[int, ...]) -> str:
         """A bucket by its units: the same every step (bucket numbers are not), so a
         collective's time is compared with its own history (Monitor)."""
-        names = ",".join(self.units[i].layout.label.split(" ")[0] for i in indices)
-        return f"bucket [{names}]"
+        label = self._labels.get(indices)
+        if label is None:
+            names = ",".join(self.units[i].layout.label.split(" ")[0] for i in indices)
+            label = self._labels[indices] = f"bucket [{names}]"
+        return label
 
     def _bucket_label(self, bucket: int, indices: tuple[int, ...]) -> str:
         names = ",".join(self.units[i].layout.label.split(" ")[0] for i in indices)
