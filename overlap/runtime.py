@@ -140,6 +140,7 @@ class UnitTensors:
     copy_out_sizes: list[int] | None = None  # per slot, its padded span of the gathered rows
     copy_out_cols: list[int] | None = None  # per slot, the data columns of its chunk
     aliased: bool = False  # unsharded params are views of the shard ([Note: aliased units])
+    copy_out_bound: tuple[Any, Any] | None = None  # (gather dtype, outs) -> bound copy-out
     host_tags: HostTags | None = None  # CPU: reads tag_out's tags ([Note: collective fingerprints])
 
     def __post_init__(self) -> None:
@@ -252,6 +253,7 @@ class Runtime:
     step: int = field(init=False, default=0)  # steps begun on this rank, in the tags
     _flags: dict[tuple[tuple[bool, ...], torch.dtype], torch.Tensor] = field(init=False, default_factory=dict)
     _labels: dict[tuple[int, ...], str] = field(init=False, default_factory=dict)  # _span_label's
+    _bound_copy_in: dict[tuple, Any] = field(init=False, default_factory=dict)  # by bucket layout
 
     def __post_init__(self) -> None:
         self.num_replicas = 1 if self.replicate_group is None else dist.get_world_size(self.replicate_group)
@@ -483,9 +485,13 @@ class Runtime:
         # The unsharded params alias this storage and autograd may hold them from forward: a
         # refill must not bump their version counter (the data is the same as before the free).
         with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(unit.unsharded_flat):
-            kernels.copy_out(
-                gathered, outs, sizes=sizes, data_cols=cols, num_rows=self.world_size, validate=self.step <= 1
-            )
+            key = (gathered.dtype, len(outs))
+            if unit.copy_out_bound is not None and unit.copy_out_bound[0] == key:
+                unit.copy_out_bound[1](gathered.contiguous())  # [Note: bound copies] in kernels/copy.py
+            else:  # a layout not seen yet: checked once, then bound
+                kernels.copy_out(gathered, outs, sizes=sizes, data_cols=cols, num_rows=self.world_size)
+                bound = kernels.bind_copy_out(gathered.dtype, gathered.device, outs, sizes, cols, self.world_size)
+                unit.copy_out_bound = (key, bound)
 
     def free(self, index: int) -> None:
         unit = self.units[index]
@@ -534,7 +540,7 @@ class Runtime:
             if self.grad_codec is None:  # flags ride in the same buffer
                 srcs, sizes, data_cols = [*srcs, flags], [*sizes, flags.numel()], [*data_cols, len(used)]
             full = torch.empty(n, sum(sizes) // n, dtype=dtype, device=self.device)
-            kernels.copy_in(srcs, full, sizes=sizes, data_cols=data_cols, num_rows=n, validate=self.step <= 1)
+            self._copy_in(indices, used, srcs, full, sizes, data_cols)
             del srcs
             event, reduced = None, None
             if self.reduce_stream is not None:
@@ -566,6 +572,28 @@ class Runtime:
         self.stats.record_issue("reduce", num_bytes)
         if reduced is not None:
             self._reduced(bucket, indices, pending, reduced)
+
+    def _copy_in(
+        self,
+        indices: tuple[int, ...],
+        used: tuple[bool, ...],
+        srcs: list[torch.Tensor | None],
+        full: torch.Tensor,
+        sizes: list[int],
+        data_cols: list[int],
+    ) -> None:
+        """kernels.copy_in, checked once per bucket layout and then bound ([Note: bound copies]
+        in kernels/copy.py)."""
+        if not all(s is None or s.is_contiguous() for s in srcs):
+            srcs = [s if s is None else s.contiguous() for s in srcs]
+        key = (indices, used, full.dtype, *(s.dtype for s in srcs if s is not None))
+        bound = self._bound_copy_in.get(key)
+        if bound is not None and bound[0] == sizes and bound[1] == data_cols:  # layouts may change
+            bound[2](srcs, full)
+            return
+        kernels.copy_in(srcs, full, sizes=sizes, data_cols=data_cols, num_rows=self.world_size)
+        fn = kernels.bind_copy_in(set(key[2:]), full.device, sizes, data_cols, self.world_size)
+        self._bound_copy_in[key] = (sizes, data_cols, fn)
 
     def _flags_for(self, used: tuple[bool, ...], dtype: torch.dtype) -> torch.Tensor:
         """The used-flag columns for every row ([Note: used flags]), cached on the device per

@@ -6,6 +6,8 @@ built backend (Triton on CUDA, the just-in-time C++ extension on CPU, else the r
 """
 
 from overlap.kernels.copy import (
+    bind_copy_in,
+    bind_copy_out,
     copy_in,
     copy_in_ref,
     copy_out,
@@ -26,6 +28,8 @@ from overlap.kernels.reference import (
 )
 
 __all__ = [
+    "bind_copy_in",
+    "bind_copy_out",
     "code_numel",
     "copy_in",
     "copy_in_ref",

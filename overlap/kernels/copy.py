@@ -172,6 +172,64 @@ def copy_in(
     return flat
 
 
+# ---------------------------------------------------------------------------------- bound
+# [Note: bound copies]
+# The runtime repeats the same layouts every step (a unit's copy-out, a bucket's copy-in), several
+# times per unit and step, where the dispatch above (lists, dtype sets, the backend choice, the
+# op's overload resolution) costs about as much as copying a small unit. `bind_copy_out` and
+# `bind_copy_in` take a layout that one call of `copy_out` / `copy_in` has checked and return a
+# function that only copies. They do not count versions (`copy_out` bumps the outs' version
+# counters): the runtime's destinations are its own buffers, whose versions it manages itself.
+
+
+def bind_copy_out(
+    flat_dtype: torch.dtype,
+    device: torch.device,
+    outs: Sequence[torch.Tensor],
+    sizes: Sequence[int],
+    data_cols: Sequence[int],
+    num_rows: int,
+) -> Any:
+    """`flat -> copy_out(flat, outs, ...)` for a checked layout ([Note: bound copies]): `flat`
+    must be contiguous and of `flat_dtype`."""
+    outs, sizes, data = list(outs), list(sizes), list(data_cols)
+    chosen = select_copy_backend(device, {flat_dtype, *(t.dtype for t in outs)})
+    if chosen == "cpp":
+        op = _extension().copy_out.default
+        return lambda flat: op(flat, outs, sizes, data, num_rows)
+    if chosen == "triton":
+        from overlap.kernels import triton_copy
+
+        return lambda flat: triton_copy.copy_out(flat, outs, sizes, data, num_rows)
+    return lambda flat: copy_out_ref(flat, outs, sizes, num_rows, data)
+
+
+def bind_copy_in(
+    dtypes: Iterable[torch.dtype],
+    device: torch.device,
+    sizes: Sequence[int],
+    data_cols: Sequence[int],
+    num_rows: int,
+) -> Any:
+    """`(srcs, flat) -> copy_in(srcs, flat, ...)` for a checked layout whose tensors (sources
+    present and flat) have `dtypes` ([Note: bound copies]); sources contiguous, None for zeros."""
+    sizes, data = list(sizes), list(data_cols)
+    chosen = select_copy_backend(device, dtypes)
+    if chosen == "cpp":
+        op = _extension().copy_in.default
+
+        def run_cpp(srcs: Sequence[torch.Tensor | None], flat: torch.Tensor) -> None:
+            empty = flat.new_empty(0)
+            op([s if s is not None else empty for s in srcs], sizes, data, flat, num_rows)
+
+        return run_cpp
+    if chosen == "triton":
+        from overlap.kernels import triton_copy
+
+        return lambda srcs, flat: triton_copy.copy_in(srcs, flat, sizes, data, num_rows)
+    return lambda srcs, flat: copy_in_ref(srcs, flat, sizes, num_rows, data)
+
+
 def select_copy_backend(device: torch.device, dtypes: Iterable[torch.dtype], backend: Backend = "auto") -> str:
     """The backend `copy_out` / `copy_in` use for tensors of `dtypes` on `device`."""
     dtypes = frozenset(dtypes)
