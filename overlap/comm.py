@@ -56,16 +56,21 @@ def all_gather_flat(
     world_size: int,
     dtype: torch.dtype,
     tag: int | None = None,
+    tag_slot: torch.Tensor | None = None,
 ) -> CommResult:
     """Gather every rank's flat `shard` into one rank-major (world_size * numel) tensor.
 
     The shard is cast to `dtype` first (mixed precision: the wire and the compute use it). With
     `tag`, the last `fingerprint.TAG_NUMEL` elements of `shard` are not data: the tag is written
     there (after the cast) and every rank receives every rank's ([Note: collective fingerprints]).
+    `tag_slot`: the caller's `fingerprint.tag_view` of `shard`'s tag, used when there is no cast.
     """
     send = shard if shard.dtype == dtype else shard.to(dtype)
     if tag is not None:
-        write_tag(send, send.numel() - TAG_NUMEL, tag)
+        if tag_slot is not None and send is shard:
+            tag_slot.fill_(tag)
+        else:
+            write_tag(send, send.numel() - TAG_NUMEL, tag)
     out = torch.empty(world_size * send.numel(), dtype=dtype, device=send.device)
     if _local(world_size):
         out.copy_(send)
