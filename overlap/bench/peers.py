@@ -48,6 +48,14 @@ tensor, is all-reduced uncompressed). torch requires start_powerSGD_iter >= 2 wi
 feedback or warm start (DDP rebuilds its buckets after iteration 1); its default, 1000, would
 never compress in a short run. Iterations before it are plain fp32 all-reduces. The hook imports
 numpy.
+On gloo the hook's chained collectives race: it all-reduces P, and the all-reduce of Q is issued
+from P's completion callback, which runs on a gloo worker thread while the training thread goes on
+launching the next bucket's all-reduce; the two ranks can then issue them in different orders
+(seen: gloo aborting with "Received data size doesn't match expected size" in a few percent of
+runs of `overlap bench step --contenders ddp,ddp-fp16,ddp-powersgd1`). `serialized_powersgd_hook`
+waits for each bucket's chain before DDP launches the next one, so every collective is issued in
+one order on every rank; PowerSGD then overlaps no communication with backward here. On NCCL the
+callbacks run in stream order and the race does not arise.
 """
 
 from __future__ import annotations
@@ -366,6 +374,19 @@ def bf16_hook(
 bf16_hook.__annotations__ = typing.get_type_hints(bf16_hook)
 
 
+def serialized_powersgd_hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """torch's `powerSGD_hook`, waited for before DDP launches the next bucket
+    ([Note: PowerSGD settings]: its chained collectives race across buckets on gloo)."""
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
+
+    future = psgd.powerSGD_hook(state, bucket)
+    future.wait()
+    return future
+
+
+serialized_powersgd_hook.__annotations__ = typing.get_type_hints(serialized_powersgd_hook)
+
+
 def ddp_hook_trainer(name: str, model: nn.Module, setup: TrainSetup) -> Trainer:
     """DDP with one of torch's communication hooks ([Note: PowerSGD settings])."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
@@ -389,9 +410,9 @@ def ddp_hook_trainer(name: str, model: nn.Module, setup: TrainSetup) -> Trainer:
             warm_start=True,
             random_seed=0,
         )
-        wrapped.register_comm_hook(state, psgd.powerSGD_hook)
+        wrapped.register_comm_hook(state, serialized_powersgd_hook)
         settings = {
-            "hook": "powerSGD_hook",
+            "hook": "powerSGD_hook (each bucket waited for: [Note: PowerSGD settings])",
             "matrix_approximation_rank": state.matrix_approximation_rank,
             "start_powerSGD_iter": state.start_powerSGD_iter,
             "min_compression_rate": state.min_compression_rate,
