@@ -166,7 +166,12 @@ def make_layout(
 # parameters: the parts share the modules, and wrap's hooks gather, free and reduce all of a
 # module's parts together (one collective per dtype). The schedule sees ordinary units: each part
 # counts on its own in the prefetch budget, and consecutive parts may share a reduce-scatter
-# bucket, which the runtime reduces in the widest of its dtypes (runtime.Runtime.reduce).
+# bucket, which the runtime reduces in the widest of its dtypes (runtime._widest). The root's
+# first part is the schedule's root; its other parts are gathered when the root's forward starts
+# and, like the root, kept until their backward (they count in the prefetch budget: the schedule
+# knows one root). Everything per unit (checkpoints, full state dicts, the rank-0 scatter,
+# deferred init, which materializes a module group and then shards each of its parts) is
+# unchanged.
 def split_by_dtype(params: list[ParamInfo]) -> list[list[ParamInfo]]:
     """`params` cut into one list per dtype (order kept within each; dtypes in order of first
     appearance): see [Note: one dtype per unit]. One list when they share a dtype."""

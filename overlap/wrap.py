@@ -469,8 +469,10 @@ def wrap(
 ) -> nn.Module:
     """Shard `model` in place across `group` and return it.
 
-    Parameters become DTensor shards (`Shard(0)`) under their original names and ndim, so
-    `torch.optim.AdamW(model.parameters())` builds a sharded optimizer. Forward and backward
+    Parameters become DTensor shards (`Shard(0)`) under their original names, ndim and dtype,
+    so `torch.optim.AdamW(model.parameters())` builds a sharded optimizer. A unit whose
+    parameters have several dtypes (fp32 norms beside bf16 weights) is split into one unit per
+    dtype over the same modules ([Note: one dtype per unit] in units.py). Forward and backward
     all-gather each unit's parameters just ahead of use and reduce-scatter its gradients while
     backward goes on. `overrides` replace fields of `config` (e.g. `prefetch_depth=2`).
     Collective over `group`: every rank must call it with the same model structure.
