@@ -912,7 +912,7 @@ def _shard_unit(
             with torch.no_grad():
                 local.copy_(param.detach()[rank * rows : rank * rows + local_rows])
         dtensor = DTensor.from_local(
-            local, mesh, shard_placements(mesh), run_check=False, shape=param.shape, stride=param.stride()
+            _own_storage(local), mesh, shard_placements(mesh), run_check=False, shape=param.shape, stride=param.stride()
         )
         sharded_params.append(nn.Parameter(dtensor, requires_grad=param.requires_grad))
         padded = unsharded_flat[
@@ -924,6 +924,23 @@ def _shard_unit(
     unit = UnitTensors(layout, shard, sharded_params, unsharded_flat, unsharded_params, owners)
     unit.swap_in(sharded_params)
     return unit
+
+
+def _own_storage(view: torch.Tensor) -> torch.Tensor:
+    """`view`'s memory as a tensor with a storage object of its own, covering exactly its bytes.
+
+    [Note: shards with their own storage]
+    A sharded parameter's local tensor is this rank's rows in the unit's flat shard buffer: the
+    optimizer writes there and the all-gather reads from there. As a plain view it would carry
+    the flat buffer's storage, with an offset, and `torch.save(model.state_dict())` would fail
+    (torch 2.13 gives the DTensor wrapper the local's storage offset, so pickling takes the plain
+    tensor path and reads the wrapper's null storage) or, where it succeeds, write the whole
+    flat buffer once per parameter. Through DLPack the local tensor shares the memory (in-place
+    writes land in the flat buffer; the DLPack capsule keeps that buffer alive) but owns a storage
+    of its own bytes at offset 0: saving writes each parameter's bytes and nothing else.
+    Nothing may rely on `untyped_storage()` identity between a local tensor and its flat shard;
+    `data_ptr()` is shared."""
+    return torch.from_dlpack(view)
 
 
 def state_of(model: nn.Module) -> OverlapState:
