@@ -580,7 +580,7 @@ def wrap(
         done = materialize_and_shard(
             model, unit_of_module, params, root_group, device, param_init_fn, shard_group, init_params
         )
-        units = [unit for group_units in done for unit in group_units]  # type: ignore[attr-defined]
+        units = [unit for parts in done for unit in parts]  # type: ignore[attr-defined]
     else:
         units = [shard(i) for i in range(len(layouts))]
     if source is not None:
