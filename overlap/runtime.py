@@ -37,6 +37,7 @@ import functools
 import time
 import warnings
 from dataclasses import dataclass, field
+from collections.abc import Iterable
 from typing import Any
 from datetime import timedelta
 
@@ -204,6 +205,14 @@ def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
         strides.append(step)
         step *= max(size, 1)
     return tuple(reversed(strides))
+
+
+def _widest(dtypes: Iterable[torch.dtype]) -> torch.dtype:
+    """The dtype a bucket of units of `dtypes` is reduced in, without `reduce_dtype`: the widest
+    ([Note: one dtype per unit] in units.py). A bf16 or fp16 gradient summed in fp32 and rounded
+    once equals its sum in its own dtype at two ranks (the double rounding is innocuous: fp32 has
+    more than 2p+2 bits), so parity with DDP, which reduces each dtype's bucket on its own, holds."""
+    return functools.reduce(torch.promote_types, dtypes)
 
 
 @dataclass
@@ -521,8 +530,7 @@ class Runtime:
         parameter of the bucket without gradient (otherwise every count is >= 1).
         """
         n = self.world_size
-        first = self.units[indices[0]]
-        dtype = self.reduce_dtype or first.unsharded_flat.dtype
+        dtype = self.reduce_dtype or _widest(self.units[i].unsharded_flat.dtype for i in indices)
         with _phase("reduce", f"bucket{bucket}"):
             # One fused pass (kernels.copy_in): gradients cast to the reduce dtype, padded, a
             # missing gradient as zeros, into the rank-major buffer ([Note: flat layout]).

@@ -48,6 +48,7 @@ class ParamInfo:
     owners: tuple[tuple[str, str], ...]  # every (module FQN, attribute) holding it (ties: >1)
     shape: torch.Size
     requires_grad: bool
+    dtype: torch.dtype | None = None  # None: not known (layouts built from shapes alone)
 
 
 @dataclass(frozen=True)
@@ -155,6 +156,29 @@ def make_layout(
         shard_off += padded
         grad_off += padded if info.requires_grad else 0
     return UnitLayout(index, label, module_fqns, tuple(slots), world_size)
+
+
+# [Note: one dtype per unit]
+# A unit's buffers have one dtype, so that its all-gather, copy-out, gradient copy-in, codecs,
+# error-feedback residuals, rank-0 scatter, full state dict and checkpoint all stay one typed
+# pass. A group of modules whose parameters have several dtypes (fp32 norms beside bf16 weights
+# in one block) becomes one unit per dtype, in the order each dtype first appears among its
+# parameters: the parts share the modules, and wrap's hooks gather, free and reduce all of a
+# module's parts together (one collective per dtype). The schedule sees ordinary units: each part
+# counts on its own in the prefetch budget, and consecutive parts may share a reduce-scatter
+# bucket, which the runtime reduces in the widest of its dtypes (runtime._widest). The root's
+# first part is the schedule's root; its other parts are gathered when the root's forward starts
+# and, like the root, kept until their backward (they count in the prefetch budget: the schedule
+# knows one root). Everything per unit (checkpoints, full state dicts, the rank-0 scatter,
+# deferred init, which materializes a module group and then shards each of its parts) is
+# unchanged.
+def split_by_dtype(params: list[ParamInfo]) -> list[list[ParamInfo]]:
+    """`params` cut into one list per dtype (order kept within each; dtypes in order of first
+    appearance): see [Note: one dtype per unit]. One list when they share a dtype."""
+    parts: dict[torch.dtype | None, list[ParamInfo]] = {}
+    for info in params:
+        parts.setdefault(info.dtype, []).append(info)
+    return list(parts.values())
 
 
 def with_trainable(layout: UnitLayout, trainable: tuple[bool, ...]) -> UnitLayout:

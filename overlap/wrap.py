@@ -44,7 +44,16 @@ from overlap.stats import StatsRecorder
 from overlap.timing import make_timer
 from overlap.sync import SourcePlan, broadcast_tensors, pack_rank_major, plan_source, scatter_shard
 from overlap.trace import TraceRecorder, trace_dir_from
-from overlap.units import CHUNK_ALIGN_NUMEL, ParamInfo, with_trainable, UnitLayout, find_unit_modules, group_units, make_layout
+from overlap.units import (
+    CHUNK_ALIGN_NUMEL,
+    ParamInfo,
+    UnitLayout,
+    find_unit_modules,
+    group_units,
+    make_layout,
+    split_by_dtype,
+    with_trainable,
+)
 
 
 class OverlapState:
@@ -56,8 +65,8 @@ class OverlapState:
         config: OverlapConfig,
         groups: Groups,
         units: list[UnitTensors],
-        root_unit: int | None,
-        unit_modules: list[tuple[nn.Module, ...]],
+        root_units: tuple[int, ...],
+        hooked: list[HookedModules],
     ) -> None:
         self.config = config
         group = self.group = groups.shard  # all-gathers and reduce-scatters run here
@@ -68,7 +77,12 @@ class OverlapState:
         self.num_replicas = 1 if replicate_group is None else dist.get_world_size(replicate_group)
         self.replica_rank = 0 if replicate_group is None else dist.get_rank(replicate_group)
         self.units = units
-        self.root_unit = root_unit
+        # The root's units: the first is the schedule's root; the others are its parameters of
+        # other dtypes ([Note: one dtype per unit] in units.py), gathered when the root's forward
+        # starts and kept until their backward, as the root is.
+        self.root_units = root_units
+        self.root_unit = root_units[0] if root_units else None
+        root_unit = self.root_unit
         self.stats = StatsRecorder()
         device = units[0].shard.device if units else torch.device("cpu")
         gather_dtype = config.param_dtype
@@ -141,28 +155,26 @@ class OverlapState:
         self._handles: list[Any] = []
         # ecosystem: 0-dim parameters, whole on every rank ([Note: replicated parameters])
         self.replicated = ReplicatedParams(model, groups.everyone, self.runtime.timeout, self.stats)
-        self._install_hooks(model, unit_modules)
+        self._install_hooks(model, hooked)
 
     # ------------------------------------------------------------------ hooks
-    def _install_hooks(self, model: nn.Module, unit_modules: list[tuple[nn.Module, ...]]) -> None:
+    def _install_hooks(self, model: nn.Module, hooked: list[HookedModules]) -> None:
         self._handles.append(
             model.register_forward_pre_hook(self._root_pre_forward, prepend=True, with_kwargs=True)
         )
         self._handles.append(model.register_forward_hook(self._root_post_forward))
-        for index, modules in enumerate(unit_modules):
-            if index == self.root_unit:
-                continue
+        for modules, indices in hooked:  # a module's units: one per dtype ([Note: one dtype per unit])
             for position, module in enumerate(modules):
                 last = position == len(modules) - 1
                 self._handles.append(
                     module.register_forward_pre_hook(
-                        functools.partial(self._unit_pre_forward, index, position == 0),
+                        functools.partial(self._unit_pre_forward, indices, position == 0),
                         prepend=True,
                     )
                 )
                 self._handles.append(
                     module.register_forward_hook(
-                        functools.partial(self._unit_post_forward, index, last)
+                        functools.partial(self._unit_post_forward, indices, last)
                     )
                 )
         for index in range(len(self.units)):
@@ -227,6 +239,8 @@ class OverlapState:
             self.timer.begin_step()
             self.runtime.begin_step()
         self._run(self.schedule.begin_forward())
+        for index in self.root_units[1:]:  # kept like the root: never post_forward-ed
+            self._run(self.schedule.pre_forward(index))
         dtype = self.config.param_dtype
         if dtype is None:
             return None
@@ -244,51 +258,54 @@ class OverlapState:
             return
         grad_enabled = torch.is_grad_enabled()
         if grad_enabled:
-            self._on_backward_of(output, self.root_unit)
+            self._on_backward_of(output, self.root_units)
         self._run(self.schedule.end_forward(grad_enabled))
         if not grad_enabled:
             self._finish_step()
 
     @torch.compiler.disable  # [Note: hooks under torch.compile]
-    def _unit_pre_forward(self, index: int, first: bool, module: nn.Module, args: tuple) -> Any:
+    def _unit_pre_forward(self, indices: tuple[int, ...], first: bool, module: nn.Module, args: tuple) -> Any:
         if self.schedule.phase is Phase.BACKWARD:
-            self._run(self.schedule.pre_backward(index))  # [Note: forward during backward]
+            for index in indices:
+                self._run(self.schedule.pre_backward(index))  # [Note: forward during backward]
             return None
-        self._run(self.schedule.pre_forward(index))
+        for index in indices:
+            self._run(self.schedule.pre_forward(index))
         if self.trace is not None and first:
-            self.trace.begin("compute", f"forward {self.units[index].layout.label}")
+            self.trace.begin("compute", f"forward {self.units[indices[0]].layout.label}")
         if first and torch.is_grad_enabled():
-            return self._on_backward_done(args, index)
+            return self._on_backward_done(args, indices)
         return None
 
     @torch.compiler.disable  # [Note: hooks under torch.compile]
     def _unit_post_forward(
-        self, index: int, last: bool, module: nn.Module, args: tuple, output: Any
+        self, indices: tuple[int, ...], last: bool, module: nn.Module, args: tuple, output: Any
     ) -> None:
         if self.schedule.phase is Phase.BACKWARD:
             return
         grad_enabled = torch.is_grad_enabled()
         if grad_enabled:
-            self._on_backward_of(output, index)
+            self._on_backward_of(output, indices)
         if last:
             if self.trace is not None:
-                self.trace.end("compute", f"forward {self.units[index].layout.label}")
-            self._run(self.schedule.post_forward(index, grad_enabled))
+                self.trace.end("compute", f"forward {self.units[indices[0]].layout.label}")
+            for index in indices:
+                self._run(self.schedule.post_forward(index, grad_enabled))
 
-    def _on_backward_of(self, output: Any, index: int | None) -> None:
-        """Call `_pre_backward(index)` when the first gradient w.r.t. `output` arrives."""
+    def _on_backward_of(self, output: Any, indices: tuple[int, ...]) -> None:
+        """Call `_pre_backward(indices)` when the first gradient w.r.t. `output` arrives."""
         tensors = [
             t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad
         ]
         if len(tensors) == 1:  # the common case: a plain tensor hook is several times cheaper
-            tensors[0].register_hook(functools.partial(self._pre_backward_hook, index))
+            tensors[0].register_hook(functools.partial(self._pre_backward_hook, indices))
         elif tensors:
             register_multi_grad_hook(
-                tensors, functools.partial(self._pre_backward, index), mode="any"
+                tensors, functools.partial(self._pre_backward, indices), mode="any"
             )
 
-    def _pre_backward_hook(self, index: int | None, grad: torch.Tensor) -> None:
-        self._pre_backward(index, grad)  # returns None: the gradient is left as it is
+    def _pre_backward_hook(self, indices: tuple[int, ...], grad: torch.Tensor) -> None:
+        self._pre_backward(indices, grad)  # returns None: the gradient is left as it is
 
     # [Note: end of a unit's backward]
     # A unit's backward is over when (a) every trainable parameter's gradient has been
@@ -304,23 +321,25 @@ class OverlapState:
     # the gradient on to its inputs, e.g. a frozen attention before a trainable feed-forward),
     # so only (b) ends it. With no input needing a gradient, nothing after (a) reads a weight.
 
-    def _on_backward_done(self, args: tuple, index: int) -> tuple | None:
+    def _on_backward_done(self, args: tuple, indices: tuple[int, ...]) -> tuple | None:
         if len(args) == 1 and isinstance(args[0], torch.Tensor):  # the most common case
             if not args[0].requires_grad:
                 return None
-            self._num_forwards[index] += 1
+            for index in indices:
+                self._num_forwards[index] += 1
             # An identity view whose backward node reports (b): a hook on the node is several
             # times cheaper than an autograd.Function. The node runs when the gradient w.r.t.
             # this use of the input is complete, exactly as _BackwardDone.backward would.
             out = args[0].view_as(args[0])
-            out.grad_fn.register_prehook(functools.partial(self._input_grad_done, index))
+            out.grad_fn.register_prehook(functools.partial(self._input_grad_done, indices))
             return (out,)
         if all(isinstance(a, torch.Tensor) for a in args):  # the common case, without pytree
             positions = [i for i, t in enumerate(args) if t.requires_grad]
             if not positions:
                 return None
-            self._num_forwards[index] += 1
-            outs = _BackwardDone.apply(self, index, *(args[i] for i in positions))
+            for index in indices:
+                self._num_forwards[index] += 1
+            outs = _BackwardDone.apply(self, indices, *(args[i] for i in positions))
             new_args = list(args)
             for i, t in zip(positions, outs):
                 new_args[i] = t
@@ -331,20 +350,21 @@ class OverlapState:
         ]
         if not positions:
             return None  # nothing flows back into this unit's inputs; (a) or end_backward
-        self._num_forwards[index] += 1
-        outs = _BackwardDone.apply(self, index, *(flat[i] for i in positions))
+        for index in indices:
+            self._num_forwards[index] += 1
+        outs = _BackwardDone.apply(self, indices, *(flat[i] for i in positions))
         for i, t in zip(positions, outs):
             flat[i] = t
         return tree_unflatten(flat, spec)
 
-    def _pre_backward(self, index: int | None, grad: Any) -> None:
+    def _pre_backward(self, indices: tuple[int, ...], grad: Any) -> None:
         if not self._backward_queued:
             self._backward_queued = True
             self.schedule.begin_backward()
             Variable._execution_engine.queue_callback(self._end_backward)
-        if index is not None:
+        for index in reversed(indices):  # in backward order: the prefetch starts after the last
             self._run(self.schedule.pre_backward(index))
-            if self.trace is not None and index != self.root_unit:  # the root spans it all
+            if self.trace is not None and index not in self.root_units:  # the root spans it all
                 self.trace.begin("compute", f"backward {self.units[index].layout.label}")
 
     def _post_backward(self, index: int) -> None:
@@ -352,8 +372,9 @@ class OverlapState:
             self.trace.end("compute", f"backward {self.units[index].layout.label}")
         self._run(self.schedule.post_backward(index))
 
-    def _input_grad_done(self, index: int, grad_outputs: Any) -> None:
-        self._unit_backward_done(index)  # returns None: the gradient is left as it is
+    def _input_grad_done(self, indices: tuple[int, ...], grad_outputs: Any) -> None:
+        for index in indices:  # returns None: the gradient is left as it is
+            self._unit_backward_done(index)
 
     def _unit_backward_done(self, index: int) -> None:
         self._num_done[index] += 1
@@ -421,13 +442,14 @@ class _BackwardDone(torch.autograd.Function):
     """Identity on a unit's inputs whose backward reports that the unit's backward is over."""
 
     @staticmethod
-    def forward(ctx: Any, state: OverlapState, index: int, *tensors: torch.Tensor) -> Any:
-        ctx.state, ctx.index = state, index
+    def forward(ctx: Any, state: OverlapState, indices: tuple[int, ...], *tensors: torch.Tensor) -> Any:
+        ctx.state, ctx.indices = state, indices
         return tuple(t.view_as(t) for t in tensors)
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> Any:
-        ctx.state._unit_backward_done(ctx.index)
+        for index in ctx.indices:
+            ctx.state._unit_backward_done(index)
         return (None, None, *grads)
 
 
@@ -462,8 +484,10 @@ def wrap(
 ) -> nn.Module:
     """Shard `model` in place across `group` and return it.
 
-    Parameters become DTensor shards (`Shard(0)`) under their original names and ndim, so
-    `torch.optim.AdamW(model.parameters())` builds a sharded optimizer. Forward and backward
+    Parameters become DTensor shards (`Shard(0)`) under their original names, ndim and dtype,
+    so `torch.optim.AdamW(model.parameters())` builds a sharded optimizer. A unit whose
+    parameters have several dtypes (fp32 norms beside bf16 weights) is split into one unit per
+    dtype over the same modules ([Note: one dtype per unit] in units.py). Forward and backward
     all-gather each unit's parameters just ahead of use and reduce-scatter its gradients while
     backward goes on. `overrides` replace fields of `config` (e.g. `prefetch_depth=2`).
     Collective over `group`: every rank must call it with the same model structure.
@@ -518,20 +542,25 @@ def wrap(
     groups = group_units(unit_fqns, numels, config.min_unit_numel)
 
     layouts: list[UnitLayout] = []
-    unit_modules: list[tuple[nn.Module, ...]] = []
-    root_unit = None
-    if params_of[""]:
-        root_unit = 0
-        layouts.append(make_layout(0, "root", ("",), params_of[""], world_size, CHUNK_ALIGN_NUMEL))
-        unit_modules.append((model,))
+    parts_of: list[tuple[int, ...]] = []  # per module group (the root's first): its units
+
+    def add_units(members: tuple[str, ...], params: list[ParamInfo]) -> tuple[int, ...]:
+        """One unit per dtype of `params` ([Note: one dtype per unit] in units.py)."""
+        parts = split_by_dtype(params)
+        indices = tuple(range(len(layouts), len(layouts) + len(parts)))
+        for index, part in zip(indices, parts):
+            label = _unit_label(index, members, part[0].dtype if len(parts) > 1 else None, index == indices[0])
+            layouts.append(make_layout(index, label, members, part, world_size, CHUNK_ALIGN_NUMEL))
+        parts_of.append(indices)
+        return indices
+
+    root_units: tuple[int, ...] = add_units(("",), params_of[""]) if params_of[""] else ()
+    hooked: list[HookedModules] = []
     for members in groups:
-        index = len(layouts)
         params = [p for fqn in members for p in params_of[fqn]]
         if not params:
             continue  # its parameters are tied to modules elsewhere and moved up to the root
-        label = f"unit{index} ({members[0]}{'..' + members[-1] if len(members) > 1 else ''})"
-        layouts.append(make_layout(index, label, members, params, world_size, CHUNK_ALIGN_NUMEL))
-        unit_modules.append(tuple(modules[fqn] for fqn in members))
+        hooked.append(HookedModules(tuple(modules[fqn] for fqn in members), add_units(members, params)))
 
     if device.type == "cpu" and config.cpu_keep_freed_memory:
         keep_freed_cpu_memory()
@@ -544,28 +573,36 @@ def wrap(
             owner_modules, layouts[index], mesh, rank, config, device, source, shards[index], packing
         )
 
+    def shard_group(group_index: int) -> list[UnitTensors]:  # in unit order: collectives pair
+        return [shard(i) for i in parts_of[group_index]]
+
     # weakly: see guard.py; 0-dim parameters are kept as they are (replicated.py), not replaced
     remember_replaced((n, p) for n, p in model.named_parameters() if not is_replicated(p))
 
     if deferred:
-        index_of = {fqn: i for i, layout in enumerate(layouts) if i != root_unit for fqn in layout.module_fqns}
+        # materialized per module group, all of whose units (one per dtype) are then sharded
+        root_group = 0 if root_units else None
+        index_of = {
+            fqn: g for g, parts in enumerate(parts_of) if g != root_group for fqn in layouts[parts[0]].module_fqns
+        }
         unit_set = set(unit_fqns)
 
         def unit_of_module(fqn: str) -> int | None:
             return index_of.get(_unit_of_module(fqn, unit_set))
 
-        params = [[slot.owners[0] for slot in layout.slots] for layout in layouts]
+        params = [[slot.owners[0] for i in parts for slot in layouts[i].slots] for parts in parts_of]
         init_params = source is None or source.is_source
-        units = materialize_and_shard(
-            model, unit_of_module, params, root_unit, device, param_init_fn, shard, init_params
+        done = materialize_and_shard(
+            model, unit_of_module, params, root_group, device, param_init_fn, shard_group, init_params
         )
+        units = [unit for parts in done for unit in parts]  # type: ignore[attr-defined]
     else:
         units = [shard(i) for i in range(len(layouts))]
     if source is not None:
         buffers = list(model.buffers())
         if buffers:
             broadcast_tensors(source, buffers)
-    state = OverlapState(model, config, pgs, units, root_unit, unit_modules)
+    state = OverlapState(model, config, pgs, units, root_units, hooked)
     model._overlap_state = state
     from overlap.module import as_overlap_module  # ecosystem; here: module.py imports api.py, which imports this file
 
@@ -593,6 +630,24 @@ def _default_device(group: dist.ProcessGroup | DeviceMesh | None) -> torch.devic
     if isinstance(group, DeviceMesh):
         return torch.device(group.device_type)
     return backend.default_device(group)
+
+
+class HookedModules(NamedTuple):
+    """Modules whose forward hooks drive units together: a unit's modules, or (a group of
+    modules with parameters of several dtypes) the units of each dtype ([Note: one dtype per
+    unit] in units.py)."""
+
+    modules: tuple[nn.Module, ...]  # in order: the first's pre-hook starts the units, the last's hook ends them
+    units: tuple[int, ...]  # their unit indices, in forward order
+
+
+def _unit_label(index: int, members: tuple[str, ...], dtype: torch.dtype | None, first: bool) -> str:
+    """"unit3 (layers.3)", "root"; a module group's unit of one of several dtypes names it."""
+    where = "root" if members == ("",) else f"{members[0]}{'..' + members[-1] if len(members) > 1 else ''}"
+    kind = "" if dtype is None else str(dtype).removeprefix("torch.")
+    if where == "root" and first:
+        return f"root ({kind})" if kind else "root"
+    return f"unit{index} ({where}{', ' + kind if kind else ''})"
 
 
 class Groups(NamedTuple):
@@ -779,7 +834,7 @@ def _params_by_unit_module(model: nn.Module, unit_fqns: list[str]) -> dict[str, 
     for fqn, owners, param in found.values():
         units = {_unit_of_module(module_fqn, unit_set) for module_fqn, _ in owners}
         unit = units.pop() if len(units) == 1 else ""
-        info = ParamInfo(fqn, tuple(owners), param.shape, param.requires_grad)
+        info = ParamInfo(fqn, tuple(owners), param.shape, param.requires_grad, param.dtype)
         by_unit[unit].append(info)
     return by_unit
 
@@ -788,18 +843,12 @@ def _unit_params(
     modules: dict[str, nn.Module], layout: UnitLayout
 ) -> tuple[list[list[tuple[nn.Module, str]]], list[nn.Parameter], torch.dtype]:
     """The unit's (module, attribute) owners per parameter, its current full parameters, and
-    their one dtype (a unit is gathered through one flat buffer)."""
+    their one dtype ([Note: one dtype per unit] in units.py)."""
     owners = [[(modules[m], name) for m, name in slot.owners] for slot in layout.slots]
     full = [holders[0][0]._parameters[holders[0][1]] for holders in owners]
     dtypes = {p.dtype for p in full}
-    if len(dtypes) != 1:
-        raise ValueError(
-            f"overlap.wrap: {layout.label} mixes parameter dtypes {sorted(map(str, dtypes))}; "
-            "a unit is gathered through one flat buffer, so give its parameters one dtype"
-        )
+    assert len(dtypes) == 1, f"rank {dist.get_rank()}: {layout.label} has dtypes {dtypes} (split_by_dtype)"
     (dtype,) = dtypes
-    if not dtype.is_floating_point:
-        raise ValueError(f"overlap.wrap: {layout.label} has non-floating parameters ({dtype})")
     return owners, full, dtype  # type: ignore[return-value]
 
 
@@ -819,8 +868,7 @@ def _shard_buffers(
     preallocate: bool,
 ) -> tuple[list[torch.Tensor | None], ScratchBuffer]:
     """Every unit's shard buffer when `preallocate` (else None: `_shard_unit` allocates it), and
-    the buffer the source packs each unit into, sized for the largest unit. Checks every unit's
-    dtype before anything is sharded.
+    the buffer the source packs each unit into, sized for the largest unit.
 
     [Note: shards first]
     The shards outlive wrap; a deferred unit's full parameters and the source's packed copy do
@@ -879,7 +927,7 @@ def _shard_unit(
             with torch.no_grad():
                 local.copy_(param.detach()[rank * rows : rank * rows + local_rows])
         dtensor = DTensor.from_local(
-            local, mesh, shard_placements(mesh), run_check=False, shape=param.shape, stride=param.stride()
+            _own_storage(local), mesh, shard_placements(mesh), run_check=False, shape=param.shape, stride=param.stride()
         )
         sharded_params.append(nn.Parameter(dtensor, requires_grad=param.requires_grad))
         padded = unsharded_flat[
@@ -891,6 +939,23 @@ def _shard_unit(
     unit = UnitTensors(layout, shard, sharded_params, unsharded_flat, unsharded_params, owners)
     unit.swap_in(sharded_params)
     return unit
+
+
+def _own_storage(view: torch.Tensor) -> torch.Tensor:
+    """`view`'s memory as a tensor with a storage object of its own, covering exactly its bytes.
+
+    [Note: shards with their own storage]
+    A sharded parameter's local tensor is this rank's rows in the unit's flat shard buffer: the
+    optimizer writes there and the all-gather reads from there. As a plain view it would carry
+    the flat buffer's storage, with an offset, and `torch.save(model.state_dict())` would fail
+    (torch 2.13 gives the DTensor wrapper the local's storage offset, so pickling takes the plain
+    tensor path and reads the wrapper's null storage) or, where it succeeds, write the whole
+    flat buffer once per parameter. Through DLPack the local tensor shares the memory (in-place
+    writes land in the flat buffer; the DLPack capsule keeps that buffer alive) but owns a storage
+    of its own bytes at offset 0: saving writes each parameter's bytes and nothing else.
+    Nothing may rely on `untyped_storage()` identity between a local tensor and its flat shard;
+    `data_ptr()` is shared."""
+    return torch.from_dlpack(view)
 
 
 def state_of(model: nn.Module) -> OverlapState:

@@ -12,6 +12,8 @@ dropout.
 - ViT: image classification; [CLS] token and position embeddings with dim 0 of size 1.
 - CLIP: two towers, contrastive loss, a 0-dim `logit_scale` (kept whole on every rank,
   [Note: replicated parameters] in overlap/replicated.py).
+- GPT-2 mixed: the model in bf16 with its LayerNorms put back to fp32, so every block and the
+  root hold two dtypes (one unit per dtype: [Note: one dtype per unit] in overlap/units.py).
 Also: greedy `generate` between `model.unshard()` and `model.reshard()` gathers nothing.
 """
 
@@ -146,7 +148,19 @@ FAMILIES: dict[str, tuple[Callable[[], nn.Module], Callable[[int, int], dict]]] 
 }
 
 
+def _bf16_with_fp32_norms(model: nn.Module) -> nn.Module:
+    model.to(torch.bfloat16)
+    for module in model.modules():
+        if isinstance(module, nn.LayerNorm):
+            module.float()
+    return model
+
+
+FAMILIES["gpt2-mixed"] = (lambda: _bf16_with_fp32_norms(FAMILIES["gpt2"][0]()), _lm)
+
+
 def _max_rel(ref: torch.Tensor, ours: torch.Tensor) -> float:
+    ref, ours = ref.float(), ours.float()
     scale = ref.abs().max().item()
     return (ref - ours).abs().max().item() / scale if scale > 0 else (ref - ours).abs().max().item()
 
@@ -231,13 +245,16 @@ def train_family(rank: int, world: int, family: str) -> dict:
 # cross-attention k and v gradients, and the encoder output's gradient becomes
 # (k1 + v1) + (k0 + v0) where DDP's autograd adds ((k1 + v1) + k0) + v0: equal up to rounding
 # (~3e-7 relative in the encoder's gradients; the decoder's are bitwise).
-BITWISE = {"llama", "mixtral", "gpt2", "bert", "vit", "clip"}
+BITWISE = {"llama", "mixtral", "gpt2", "gpt2-mixed", "bert", "vit", "clip"}
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_family_trains_like_ddp(world2, family):
     for rank, r in enumerate(world2.run(train_family, family=family)):
-        assert len(r["units"]) >= 3 and r["units"][0] == "root", (rank, r["units"])  # 2+ layers
+        assert len(r["units"]) >= 3 and r["units"][0].startswith("root"), (rank, r["units"])  # 2+ layers
+        if family == "gpt2-mixed":  # the root and each block: one unit per dtype
+            assert r["units"][:2] == ["root (bfloat16)", "unit1 (root, float32)"], (rank, r["units"])
+            assert len(r["units"]) == 2 + 2 * 2, (rank, r["units"])
         for step, (ref, ours, _) in enumerate(r["losses"]):
             assert abs(ours - ref) <= 1e-6 * abs(ref), (rank, family, step, r["losses"])
         if family in BITWISE:
