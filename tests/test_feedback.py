@@ -11,6 +11,7 @@ between formats.
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -117,7 +118,9 @@ def feedback_drift(codec, fmt_name: str | None, steps: int) -> tuple[torch.Tenso
     g = torch.Generator().manual_seed(1)
     base = (torch.rand(numel, generator=g) - 0.5) * 0.8 * step  # within +-0.4 steps
     base[::block] = 1.0
-    residual = None if fmt_name is None else FeedbackResidual.zeros(FORMATS[fmt_name](codec), 0, 2, numel, CPU)
+    residual = None
+    if fmt_name is not None:
+        residual = FeedbackResidual.zeros(FORMATS[fmt_name](codec), 0, 2, numel, CPU)
     sent = torch.zeros(numel, dtype=torch.float64)
     total = torch.zeros(numel, dtype=torch.float64)
     stored_error = torch.zeros(numel, dtype=torch.float64)
@@ -221,7 +224,9 @@ def encoded_reduce_scatter(rank: int, world: int, fmt_name: str | None, steps: i
 
     codec = Int8Codec(64)
     numel = 64 * 8
-    residual = None if fmt_name is None else FeedbackResidual.zeros(FORMATS[fmt_name](codec), rank, world, numel, CPU)
+    residual = None
+    if fmt_name is not None:
+        residual = FeedbackResidual.zeros(FORMATS[fmt_name](codec), rank, world, numel, CPU)
 
     def grads_of(r: int, step: int) -> torch.Tensor:  # rank r's (world, numel) rank-major rows
         g = torch.Generator().manual_seed(100 * step + r)
@@ -233,8 +238,8 @@ def encoded_reduce_scatter(rank: int, world: int, fmt_name: str | None, steps: i
     exact = torch.zeros(numel, dtype=torch.float64)
     for step in range(steps):
         tail = torch.full((world, 1), float(rank + 1))
-        result = comm.reduce_scatter_encoded(grads_of(rank, step), tail, dist.group.WORLD, world, codec, residual)
-        out = comm.wait(result)
+        grads = grads_of(rank, step)
+        out = comm.wait(comm.reduce_scatter_encoded(grads, tail, dist.group.WORLD, world, codec, residual))
         assert out[numel].item() == sum(range(1, world + 1))  # the tail, summed exactly
         received += out[:numel].double()
         exact += sum(grads_of(r, step)[rank].double() for r in range(world))
@@ -300,7 +305,8 @@ def state_memory(rank: int, world: int, specs: list[str]) -> dict:
 
 def test_residual_memory_formula_and_state_under_055_ddp(world2):
     ef = "grad_compression=int8,error_feedback=True"
-    specs = ["ddp", f"overlap[{ef}]", f"overlap[{ef},error_feedback_dtype=bfloat16]", f"overlap[{ef},error_feedback_dtype=int8]"]
+    dtypes = ("", ",error_feedback_dtype=bfloat16", ",error_feedback_dtype=int8")
+    specs = ["ddp", *(f"overlap[{ef}{dtype}]" for dtype in dtypes)]
     for r in world2.run(state_memory, specs=specs, timeout_s=300):
         ddp = r["ddp"]["state"]
         ratios = {spec: r[spec]["state"] / ddp for spec in specs[1:]}
@@ -321,7 +327,8 @@ def residual_checkpoints(rank: int, world: int, root: str) -> dict:
     from overlap.compression import feedback
 
     def trained(dtype: str, seed: int = 0):
-        model = overlap.wrap(tiny_lm(seed=seed), grad_compression="int4", error_feedback=True, error_feedback_dtype=dtype)
+        config = {"grad_compression": "int4", "error_feedback": True, "error_feedback_dtype": dtype}
+        model = overlap.wrap(tiny_lm(seed=seed), **config)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         loss_of(model(batch(model, rank, 0))).backward()
         opt.step()
@@ -346,11 +353,16 @@ def residual_checkpoints(rank: int, world: int, root: str) -> dict:
     as_fp32, opt3 = trained("float32", seed=3)
     overlap.checkpoint.load(f"{root}/new", as_fp32, opt3)
     converted = all(
-        torch.equal(residuals(as_fp32)[k].restore(p), residuals(model)[k].restore(p)) for k in saved for p in range(world)
+        torch.equal(residuals(as_fp32)[k].restore(p), residuals(model)[k].restore(p))
+        for k in saved
+        for p in range(world)
     )  # int8 -> fp32 is exact
     # a format-1 checkpoint: every rank's dense row, this rank's zero
     original = feedback.FeedbackResidual.saved
-    feedback.FeedbackResidual.saved = lambda self: torch.stack([self.restore(p) for p in range(self.world_size)])  # type: ignore[method-assign]
+    def format_1(self: feedback.FeedbackResidual) -> torch.Tensor:
+        return torch.stack([self.restore(p) for p in range(self.world_size)])
+
+    feedback.FeedbackResidual.saved = format_1  # type: ignore[method-assign,assignment]
     try:
         overlap.checkpoint.save(f"{root}/old", as_fp32, opt3, step=1)
     finally:
@@ -363,10 +375,23 @@ def residual_checkpoints(rank: int, world: int, root: str) -> dict:
     # the account follows the load; forgetting a unit's residual does not go negative
     accounts = [accounted(m) for m in (fresh, as_fp32, from_old)]
     from_old._overlap_state.runtime.forget_residuals(0)
+    accounts.append(accounted(from_old))
+    # a residual whose columns do not match its bucket's gradients (a checkpoint of another
+    # layout) restarts from zero with a warning, at the next step
+    key, right = next(iter(residuals(fresh).items()))
+    residuals(fresh)[key] = feedback.FeedbackResidual.zeros(right.format, rank, world, right.numel + 16, CPU)
+    fresh._overlap_state.runtime.memory.set("residuals", sum(r.nbytes for r in residuals(fresh).values()))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loss_of(fresh(batch(fresh, rank, 1))).backward()
+    warned = any("restarts from zero" in str(w.message) for w in caught)
+    restarted = warned and residuals(fresh)[key].numel == right.numel
+    accounts.append(accounted(fresh))
     return {"same": same, "converted": converted, "old": old_loaded, "accounted": accounts,
-            "after_forget": overlap.memory_stats(from_old).bytes["residuals"] == sum(r.nbytes for r in residuals(from_old).values())}  # fmt: skip
+            "restarted": restarted}  # fmt: skip
 
 
 def test_residual_checkpoints_roundtrip_convert_and_load_format_1(world2, tmp_path):
     for r in world2.run(residual_checkpoints, root=str(tmp_path), timeout_s=300):
-        assert r == {"same": True, "converted": True, "old": True, "accounted": [True] * 3, "after_forget": True}, r
+        expected = {"same": True, "converted": True, "old": True, "accounted": [True] * 5, "restarted": True}
+        assert r == expected, r

@@ -154,7 +154,8 @@ class Int8Residual(ResidualFormat):
 
     def allocate(self, num_rows: int, numel: int, device: torch.device) -> tuple[torch.Tensor, ...]:
         codes = torch.zeros(num_rows, code_numel(numel, 8, self.block_size), dtype=torch.int8, device=device)
-        scales = torch.zeros(num_rows, num_blocks_for(numel, self.block_size), dtype=torch.float32, device=device)
+        num_blocks = num_blocks_for(numel, self.block_size)
+        scales = torch.zeros(num_rows, num_blocks, dtype=torch.float32, device=device)
         return codes, scales
 
     def restore(self, row: tuple[torch.Tensor, ...], numel: int) -> torch.Tensor:
