@@ -153,8 +153,8 @@ class Int8Residual(ResidualFormat):
     name: ClassVar[str] = "int8"
 
     def allocate(self, num_rows: int, numel: int, device: torch.device) -> tuple[torch.Tensor, ...]:
-        codes = torch.zeros(num_rows, code_numel(numel, 8, self.block_size), dtype=torch.int8, device=device)
-        num_blocks = num_blocks_for(numel, self.block_size)
+        num_codes, num_blocks = code_numel(numel, 8, self.block_size), num_blocks_for(numel, self.block_size)
+        codes = torch.zeros(num_rows, num_codes, dtype=torch.int8, device=device)
         scales = torch.zeros(num_rows, num_blocks, dtype=torch.float32, device=device)
         return codes, scales
 
@@ -211,9 +211,9 @@ class FeedbackResidual:
 
     @classmethod
     def zeros(
-        cls, format: ResidualFormat, rank: int, world_size: int, numel: int, device: torch.device
+        cls, fmt: ResidualFormat, rank: int, world_size: int, numel: int, device: torch.device
     ) -> FeedbackResidual:
-        return cls(format, rank, world_size, numel, format.allocate(world_size - 1, numel, device))
+        return cls(fmt, rank, world_size, numel, fmt.allocate(world_size - 1, numel, device))
 
     def _row(self, peer: int) -> tuple[torch.Tensor, ...]:
         assert peer != self.rank and 0 <= peer < self.world_size, (
@@ -254,14 +254,14 @@ class FeedbackResidual:
     def from_saved(
         cls,
         saved: dict[str, Any] | torch.Tensor,
-        format: ResidualFormat,
+        fmt: ResidualFormat,
         rank: int,
         world_size: int,
         device: torch.device,
     ) -> FeedbackResidual:
-        """A residual saved by `saved` (or, from checkpoints before the per-peer rows, a dense
-        (world_size, numel) tensor whose own row is dropped), converted to `format` if it was
-        stored in another one."""
+        """The residual that `saved()` returned (or, from a checkpoint of format 1, a dense
+        (world_size, numel) tensor, whose own row is dropped) on `device`, converted to `fmt`
+        if it was stored in another format."""
         if isinstance(saved, torch.Tensor):  # checkpoint format 1: every rank's row, own row zero
             if saved.dim() != 2 or saved.shape[0] != world_size:
                 raise ValueError(
@@ -283,10 +283,10 @@ class FeedbackResidual:
             )
         tensors = tuple(t.to(device) for t in saved["tensors"])
         old = cls(format_from_params(saved["format"]), rank, world_size, saved["numel"], tensors)
-        if old.format == format:
+        if old.format == fmt:
             return old
-        new = cls.zeros(format, rank, world_size, old.numel, device)
+        new = cls.zeros(fmt, rank, world_size, old.numel, device)
         for peer in range(world_size):
             if peer != rank:
-                format.store(new._row(peer), old.restore(peer))
+                fmt.store(new._row(peer), old.restore(peer))
         return new
