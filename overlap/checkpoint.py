@@ -37,7 +37,11 @@ the coordinator and broadcasts it), so no rank waits for one that gave up.
 - Error-feedback residuals (`OverlapConfig.error_feedback`), inside `rank<r>`, follow the same rule as
   the RNG states: they are a per-rank correction of that rank's gradient contribution, restored
   rank by rank at the same world size and reset to zero (with a warning) at another, which costs
-  one step of uncompensated quantization error and biases nothing.
+  one step of uncompensated quantization error and biases nothing. Each is stored compactly as
+  `FeedbackResidual.saved()` (its format, one row per peer rank; format 2). A checkpoint of
+  format 1 holds a dense (world_size, columns) tensor instead, whose own-rank row (never
+  encoded, so zero) is dropped on load. A residual saved in another `error_feedback_dtype` is
+  converted to the configured one; a run without error feedback ignores them (with a warning).
 
 Loading writes into the tensors that exist: DCP copies into the local tensor of each DTensor in
 `model.state_dict()`, which is a view of the unit's flat shard buffer that the all-gather reads
@@ -69,6 +73,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
+from overlap.compression.feedback import FeedbackResidual, make_residual_format
 from overlap.wrap import OverlapState, state_of
 
 try:  # NumPy is optional; its generator state is saved when it is importable
@@ -78,7 +83,7 @@ except ImportError:  # pragma: no cover
 
 __all__ = ["latest", "load", "save"]
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: error-feedback residuals as FeedbackResidual.saved()
 _STEP_DIR = re.compile(r"step_(\d+)")
 _TMP_MARK = ".tmp-"
 
@@ -139,7 +144,7 @@ def save(
             {
                 "rng": _rng_states(),
                 "extra": rank_extra,
-                "residuals": {k: v.cpu() for k, v in state.runtime.residuals.items()},
+                "residuals": {k: v.saved() for k, v in state.runtime.residuals.items()},
             }
         ),
     }
@@ -251,18 +256,31 @@ def load(
 
 
 def _restore_residuals(state: Any, saved: dict, saved_world_size: int) -> None:
-    """Error-feedback residuals back at the same world size; zero (with a warning) at another."""
-    if saved and saved_world_size == state.world_size:
-        state.runtime.residuals = {k: v.to(state.runtime.device) for k, v in saved.items()}
-        return
-    if saved:
+    """Error-feedback residuals back at the same world size, in the configured format; zero
+    (with a warning) at another world size or when error feedback is off."""
+    runtime = state.runtime
+    residuals: dict[tuple[int, ...], FeedbackResidual] = {}
+    if saved and runtime.residual_dtype is None:
+        warnings.warn(
+            "overlap.checkpoint.load: the checkpoint holds error-feedback residuals and this "
+            "model runs without error feedback: they are ignored",
+            stacklevel=3,
+        )
+    elif saved and saved_world_size != state.world_size:
         warnings.warn(
             "overlap.checkpoint.load: error-feedback residuals were saved at world size "
             f"{saved_world_size} and start from zero at {state.world_size} "
             "([Note: what a checkpoint holds])",
             stacklevel=3,
         )
-    state.runtime.residuals = {}
+    elif saved:
+        fmt = make_residual_format(runtime.residual_dtype, runtime.grad_codec)
+        residuals = {
+            k: FeedbackResidual.from_saved(v, fmt, runtime.rank, runtime.world_size, runtime.device)
+            for k, v in saved.items()
+        }
+    runtime.residuals = residuals
+    runtime.memory.set("residuals", sum(r.nbytes for r in residuals.values()))
 
 
 def _commit(tmp: Path, final: Path) -> None:

@@ -17,7 +17,8 @@ from typing import Any, Literal, NamedTuple
 import torch
 import torch.distributed as dist
 
-from overlap.compression import Codec, encode_with_feedback
+from overlap.compression import Codec
+from overlap.compression.feedback import FeedbackResidual
 from overlap.fingerprint import TAG_NUMEL, write_tag
 
 # torch 2.13 deprecates all_gather_into_tensor / reduce_scatter_tensor in favour of the
@@ -183,15 +184,16 @@ def reduce_scatter_encoded(
     group: dist.ProcessGroup,
     world_size: int,
     codec: Codec,
-    residual: torch.Tensor | None = None,
+    residual: FeedbackResidual | None = None,
 ) -> CommResult:
     """Reduce-scatter the rank-major `grads` (world_size, n) through `codec`: row r is encoded
-    (with error feedback into row r of `residual` when given) and sent to rank r by all-to-all;
-    `wait` decodes the world_size received rows and sums them in fp32, in rank order.
+    (with error feedback from `residual`'s row for rank r when given) and sent to rank r by
+    all-to-all; `wait` decodes the world_size received rows and sums them in fp32, in rank order.
 
-    This rank's own row never crosses the wire, so it is not encoded: `wait` adds it exactly
-    (its residual row stays zero). That is both cheaper (1/world_size of the codec work, half
-    of it at two ranks) and more accurate than sending it to itself through the codec.
+    This rank's own row never crosses the wire, so it is not encoded: `wait` adds it exactly,
+    and the residual has no row for it ([Note: error feedback residual] in feedback.py). That
+    is both cheaper (1/world_size of the codec work, half of it at two ranks) and more accurate
+    than sending it to itself through the codec.
 
     `tail` (world_size, k) rides along uncompressed and is summed exactly (the used-flag columns
     of runtime.reduce). The result is [sum of grads row | sum of tail row], in grads' dtype.
@@ -207,13 +209,13 @@ def reduce_scatter_encoded(
     send = torch.zeros(world_size * step, dtype=torch.uint8, device=grads.device)
     me = dist.get_rank(group) if world_size > 1 else 0
     own = grads[me]
+    assert residual is None or (residual.rank, residual.world_size) == (me, world_size), (
+        f"rank {me}: the residual belongs to rank {residual.rank} of {residual.world_size}"
+    )
     for r in range(world_size):
         if r == me:
             continue
-        if residual is not None:
-            enc, _ = encode_with_feedback(codec, grads[r], residual[r])
-        else:
-            enc = codec.encode(grads[r])
+        enc = codec.encode(grads[r]) if residual is None else residual.encode(codec, grads[r], r)
         row = send[r * step : (r + 1) * step]
         row[tail_span : tail_span + wire].copy_(codec.to_bytes(enc))
     for r in range(world_size):

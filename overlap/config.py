@@ -19,6 +19,11 @@ _DTYPES = {
     "float16": torch.float16,
     "bfloat16": torch.bfloat16,
 }
+_RESIDUAL_DTYPES = {  # overlap.compression.feedback.RESIDUAL_DTYPES
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "int8": torch.int8,
+}
 _PARAM_CODECS = (None, "bf16", "int8", "fp8")  # overlap.compression.PARAM_CODECS
 _GRAD_CODECS = (None, "bf16", "int8", "int4")  # overlap.compression.GRAD_CODECS
 
@@ -154,12 +159,26 @@ class OverlapConfig:
 
     error_feedback: bool = False
     """Carry what gradient quantization dropped into the next step's gradient (needs
-    `grad_compression`). Costs one residual the size of a full unsharded gradient per rank, for
-    every bucket (4 bytes per parameter element in fp32, 2 in bf16; see
-    `error_feedback_dtype`). The residuals are training state."""
+    `grad_compression`). Costs a residual of (world_size - 1) / world_size of the unsharded
+    gradient per rank (this rank's own chunk is never quantized), in `error_feedback_dtype`.
+    The residuals are training state (checkpoints keep them)."""
 
     error_feedback_dtype: torch.dtype = torch.float32
-    """float32 (exact: decoded + residual == gradient) or bfloat16 (half the memory)."""
+    """How the residual is stored ([Note: error feedback residual] in compression/feedback.py):
+    - float32: 4 bytes per element; exact (decoded + residual == gradient): nothing is lost.
+    - bfloat16: 2 bytes; each residual rounded to 8 significant bits.
+    - int8: 1 + 4 / block bytes (int8 codes and an fp32 scale per codec block); for the
+      blockwise codecs "int8" and "int4" only. Each element within 1/254 of its block's
+      quantization bound; that rounding is not fed back (a drift of at most bound / 254 per step).
+    At two ranks with fp32 AdamW, int8 gradients + feedback keep 10 B/param of state with a
+    float32 residual (0.625x DDP's 16), 9 with bfloat16 (0.5625x), 8.51 with int8 (0.532x;
+    measured by `overlap bench memory`). Use int8 where that memory decides what fits: it kept
+    the effect of feedback in our runs (int4, 200 steps, tiny LM: parameter error against DDP
+    0.189 with an int8 residual, 0.178 float32, 0.430 without feedback; a 100-step GPT run
+    of benchmarks/convergence.py within noise of float32), and costs ~1.7x the encode time of
+    the fused float32 path on CPU (a decode and an encode of the residual per chunk). float32
+    stays the default: exact, and the cheapest encode. Names ("float32", "bfloat16", "int8")
+    are accepted too."""
 
     sync_module_states: bool = True
     """Every rank starts from rank 0's parameter and buffer values, as DDP promises: `wrap`
@@ -221,10 +240,21 @@ class OverlapConfig:
                 f"grad_compression={self.grad_compression!r} is not available in this version "
                 f"of overlap; use one of {_GRAD_CODECS}"
             )
-        if isinstance(self.error_feedback_dtype, str):
-            object.__setattr__(self, "error_feedback_dtype", _DTYPES.get(self.error_feedback_dtype))
-        if self.error_feedback_dtype not in (torch.float32, torch.bfloat16):
-            raise ValueError("error_feedback_dtype must be torch.float32 or torch.bfloat16")
+        ef_dtype = self.error_feedback_dtype
+        if isinstance(ef_dtype, str):
+            ef_dtype = _RESIDUAL_DTYPES.get(ef_dtype, ef_dtype)
+            object.__setattr__(self, "error_feedback_dtype", ef_dtype)
+        if ef_dtype not in _RESIDUAL_DTYPES.values():
+            raise ValueError(
+                "error_feedback_dtype must be torch.float32, torch.bfloat16 or torch.int8 (or "
+                f"their names), got {ef_dtype!r}"
+            )
+        if self.error_feedback and ef_dtype == torch.int8 and self.grad_compression not in ("int8", "int4"):
+            raise ValueError(
+                "error_feedback_dtype=torch.int8 stores the residual per codec block: it needs "
+                f"grad_compression='int8' or 'int4', got {self.grad_compression!r}; use "
+                "error_feedback_dtype=torch.float32 or torch.bfloat16"
+            )
         block = self.compression_block_size
         if block is not None and (not isinstance(block, int) or block <= 0 or block % 2):
             raise ValueError(f"compression_block_size must be None or an even int > 0, got {block!r}")

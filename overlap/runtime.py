@@ -52,6 +52,7 @@ _NO_LABEL = contextlib.nullcontext()
 
 from overlap import backend, comm, kernels
 from overlap.compression import Codec
+from overlap.compression.feedback import FeedbackResidual, make_residual_format
 from overlap.fingerprint import TAG_NUMEL, FingerprintCheck, HostTags, Tag, signature, tag_view
 from overlap.memory import MemoryAccount, nbytes
 from overlap.schedule import (
@@ -247,8 +248,8 @@ class Runtime:
     param_codec: Codec | None = None  # None: uncompressed all-gather
     grad_codec: Codec | None = None  # None: uncompressed reduce-scatter (reduce_impl)
     residual_dtype: torch.dtype | None = None  # error feedback on when set
-    residuals: dict[tuple[int, ...], torch.Tensor] = field(default_factory=dict)
-    """Error-feedback residual per bucket (its units): [world_size, gradient columns]."""
+    residuals: dict[tuple[int, ...], FeedbackResidual] = field(default_factory=dict)
+    """Error-feedback residual per bucket (its units): a row of gradient columns per peer rank."""
     replicate_group: dist.ProcessGroup | None = None
     """HSDP: reduced shards are summed across replicas here. See [Note: hybrid sharding] in wrap.py."""
     secondary_group: dist.ProcessGroup | None = None
@@ -669,19 +670,30 @@ class Runtime:
         """Drop the error-feedback residuals of every bucket holding `unit` (its gradient layout
         changed: the residual's columns no longer match). They restart from zero."""
         for indices in [k for k in self.residuals if unit in k]:
-            self.memory.sub("residuals", nbytes(self.residuals.pop(indices)))
+            self.memory.sub("residuals", self.residuals.pop(indices).nbytes)
 
-    def _residual(self, indices: tuple[int, ...], width: int) -> torch.Tensor | None:
+    def _residual(self, indices: tuple[int, ...], width: int) -> FeedbackResidual | None:
         """This bucket's error-feedback residual (zeros the first time), or None when off.
 
-        Keyed by the bucket's units: the schedule forms the same buckets every step."""
+        Keyed by the bucket's units: the schedule forms the same buckets every step. One loaded
+        from a checkpoint of another gradient layout restarts from zero, with a warning."""
         if self.residual_dtype is None:
             return None
+        assert self.grad_codec is not None, f"rank {self.rank}: error feedback without a gradient codec"
         residual = self.residuals.get(indices)
+        if residual is not None and residual.numel != width:
+            warnings.warn(
+                f"overlap: the error-feedback residual of units {indices} has {residual.numel} "
+                f"columns, their gradients {width} (a checkpoint of another layout?): it restarts from zero",
+                stacklevel=2,
+            )
+            self.forget_residuals(indices[0])
+            residual = None
         if residual is None:
-            residual = torch.zeros(self.world_size, width, dtype=self.residual_dtype, device=self.device)
+            fmt = make_residual_format(self.residual_dtype, self.grad_codec)
+            residual = FeedbackResidual.zeros(fmt, self.rank, self.world_size, width, self.device)
             self.residuals[indices] = residual
-            self.memory.add("residuals", nbytes(residual))
+            self.memory.add("residuals", residual.nbytes)
         return residual
 
     def wait_reduce(self, bucket: int, indices: tuple[int, ...]) -> None:
