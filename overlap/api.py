@@ -51,7 +51,7 @@ def clip_grad_norm_(
         raise RuntimeError(f"the total norm of order {norm_type} of gradients is non-finite")
     coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
     if grads:
-        torch._foreach_mul_(grads, coef.to(grads[0].dtype))
+        torch._foreach_mul_(grads, coef)  # a 0-dim fp32 factor: each gradient keeps its dtype
     return total
 
 

@@ -92,6 +92,7 @@ CONFIGS = {
     "plain": {},
     "bucketed": {"reduce_scatter_bucket_bytes": 1 << 16, "prefetch_depth": 2},
     "int8_ef": {"param_compression": "int8", "grad_compression": "int8", "error_feedback": True},
+    "int8_ef_int8res": {"grad_compression": "int8", "error_feedback": True, "error_feedback_dtype": "int8"},
     "zero2": {"reshard_after_forward": False},
 }
 

@@ -310,7 +310,7 @@ def overlap_trainer(
 
     wrapped = overlap.wrap(model, **overrides)
 
-    def residual_bytes() -> int:  # error feedback: one full unit-size residual per rank
+    def residual_bytes() -> int:  # error feedback: (world-1)/world of the gradient, in error_feedback_dtype
         return overlap.memory_stats(wrapped).bytes["residuals"]
 
     return plain_trainer(

@@ -13,9 +13,24 @@ from overlap.compression.codecs import (
     make_grad_codec,
     make_param_codec,
 )
-from overlap.compression.feedback import encode_with_feedback, quantization_residual
+from overlap.compression.feedback import (
+    RESIDUAL_DTYPES,
+    DenseResidual,
+    FeedbackResidual,
+    Int8Residual,
+    ResidualFormat,
+    encode_with_feedback,
+    make_residual_format,
+    quantization_residual,
+)
 
 __all__ = [
+    "RESIDUAL_DTYPES",
+    "DenseResidual",
+    "FeedbackResidual",
+    "Int8Residual",
+    "ResidualFormat",
+    "make_residual_format",
     "GRAD_CODECS",
     "PARAM_CODECS",
     "BF16Codec",

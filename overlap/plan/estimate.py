@@ -13,18 +13,20 @@ MFU and memory per GPU.
     units in flight    the simulator's peak of gathered or gathering units (param dtype)
     gradient buffers   the simulator's peak of buckets issued and not yet reduced (reduce
                        dtype), plus one unit's unsharded gradients being produced (param dtype)
-    error feedback     one full-size residual when the config carries one
+    error feedback     the residual's rows for the peer ranks, (W-1)/W of a full gradient in
+                       `error_feedback_dtype` (int8: codes + an fp32 scale per codec block)
     activations        an estimate from the model's shape (see `TransformerShape`), not a
                        measurement; allocator fragmentation and workspaces come on top
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 import torch
 
-from overlap.compression import make_grad_codec, make_param_codec
+from overlap.compression import make_grad_codec, make_param_codec, make_residual_format
 from overlap.config import OverlapConfig
 from overlap.plan.cost import Link, Topology, UnitCost
 from overlap.plan.models import GpuSpec, ModelProfile
@@ -216,20 +218,29 @@ def build_units(profile: ModelProfile, config: OverlapConfig, cluster: Cluster) 
     return units
 
 
+def _error_feedback_bytes(profile: ModelProfile, config: OverlapConfig, world_size: int) -> float:
+    """Per rank: one residual row per peer rank over this rank's 1/W of the gradient columns
+    ([Note: error feedback residual] in compression/feedback.py)."""
+    if not config.error_feedback or config.grad_compression is None:
+        return 0
+    codec = make_grad_codec(config.grad_compression, block_size=config.compression_block_size)
+    fmt = make_residual_format(config.error_feedback_dtype, codec)
+    return (world_size - 1) * fmt.row_nbytes(math.ceil(profile.num_params / world_size))
+
+
 def estimate(profile: ModelProfile, config: OverlapConfig, cluster: Cluster) -> Estimate:
     """Predict one steady-state training step (nccl: one communicator, collectives in order)."""
     units = build_units(profile, config, cluster)
     shard_params = profile.num_params / cluster.num_gpus
     optimizer_s = OPTIMIZER_BYTES_PER_PARAM * shard_params / (cluster.gpu.hbm_tbps * 1e12)
     prediction = simulate(units, config, cluster.topology(), backend="nccl", root=0, optimizer_s=optimizer_s)
-    ef_elem = torch.empty((), dtype=config.error_feedback_dtype).element_size()
     tokens = profile.seq_len * profile.local_batch
     memory = MemoryEstimate(
         sharded_state_bytes=SHARDED_STATE_BYTES_PER_PARAM * shard_params,
         root_bytes=units[0].param_bytes,
         units_in_flight_bytes=prediction.peak_unsharded_bytes,
         grad_buffer_bytes=prediction.peak_reduce_bytes + max(u.param_bytes for u in units[1:]),
-        error_feedback_bytes=profile.num_params * ef_elem if config.error_feedback else 0,
+        error_feedback_bytes=_error_feedback_bytes(profile, config, cluster.num_gpus),
         activation_bytes=None
         if profile.activation_bytes_per_token is None
         else profile.activation_bytes_per_token * tokens,
