@@ -135,8 +135,10 @@ def all_reduce_flat(tensor: torch.Tensor, group: dist.ProcessGroup) -> CommResul
 def _sum_chunks(world_size: int, n: int) -> Callable[[torch.Tensor], torch.Tensor]:
     def finish(received: torch.Tensor) -> torch.Tensor:
         chunks = received.view(world_size, n)
-        total = chunks[0].clone()
-        for r in range(1, world_size):  # rank order, as a ring would add them
+        if world_size == 1:
+            return chunks[0]
+        total = torch.add(chunks[0], chunks[1])  # rank order, as a ring would add them
+        for r in range(2, world_size):
             total.add_(chunks[r])
         return total
 

@@ -383,9 +383,10 @@ class Runtime:
             return
         what = f"all-gather of {unit.layout.label}"
         tags = unit.tag_out
-        if self.gather_stream is None and tags is not None and HostTags.fits(tags, self.world_size):
-            if unit.host_tags is None or unit.host_tags.trailers is not tags:
-                unit.host_tags = HostTags(tags, self.world_size)
+        if unit.host_tags is not None and unit.host_tags.trailers is tags:
+            self.fingerprints.check_host(unit.host_tags, unit.gather_tag, what)
+        elif self.gather_stream is None and tags is not None and HostTags.fits(tags, self.world_size):
+            unit.host_tags = HostTags(tags, self.world_size)
             self.fingerprints.check_host(unit.host_tags, unit.gather_tag, what)
         else:
             self.fingerprints.check(gathered, self.world_size, unit.gather_tag, what)
