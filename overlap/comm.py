@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from overlap.compression import Codec
 from overlap.compression.feedback import FeedbackResidual
-from overlap.fingerprint import TAG_NUMEL, write_tag
+from overlap.fingerprint import TAG_BYTES, TAG_NUMEL, write_tag
 
 # torch 2.13 deprecates all_gather_into_tensor / reduce_scatter_tensor in favour of the
 # *_single names (a FutureWarning on every call); torch 2.11 has only the old names.
@@ -145,9 +145,16 @@ def _sum_chunks(world_size: int, n: int) -> Callable[[torch.Tensor], torch.Tenso
     return finish
 
 
-def encode_shard(shard: torch.Tensor, codec: Codec) -> torch.Tensor:
-    """The wire bytes of `shard` under `codec`, as `all_gather_encoded` sends them."""
-    return codec.to_bytes(codec.encode(shard))
+def encode_shard(shard: torch.Tensor, codec: Codec, tag_room: bool = False) -> torch.Tensor:
+    """The wire bytes of `shard` under `codec`, as `all_gather_encoded` sends them; with
+    `tag_room`, padded to 8 bytes and followed by `TAG_BYTES` for the tag ([Note: collective
+    fingerprints])."""
+    wire = codec.to_bytes(codec.encode(shard))
+    if not tag_room:
+        return wire
+    out = torch.zeros(_round8(wire.numel()) + TAG_BYTES, dtype=torch.uint8, device=wire.device)
+    out[: wire.numel()].copy_(wire)
+    return out
 
 
 def all_gather_encoded(
@@ -158,13 +165,23 @@ def all_gather_encoded(
     dtype: torch.dtype,
     codec: Codec,
     shard_dtype: torch.dtype = torch.float32,
+    tag: int | None = None,
 ) -> CommResult:
     """All-gather through `codec`: `send` is this rank's shard of `numel` elements encoded by
     `encode_shard`; every rank's bytes are gathered and each part decoded into a rank-major
     `dtype` tensor by `wait`. The fp32 master shard is untouched; only the wire copy is
     compressed (this rank decodes its own part too, so every rank computes with the same
-    values)."""
-    received = torch.empty(world_size * send.numel(), dtype=torch.uint8, device=send.device)
+    values). With `tag`, `send` has `encode_shard`'s tag room and the tag is written into its
+    last `TAG_BYTES`; each rank's row of the output then ends in that rank's tag
+    (`fingerprint.byte_tags`)."""
+    wire = codec.wire_bytes(numel, shard_dtype)
+    row = send.numel()
+    if tag is not None:
+        assert row == _round8(wire) + TAG_BYTES, (row, wire)
+        send[row - TAG_BYTES :].view(torch.int64).fill_(tag)
+    else:
+        assert row == wire, (row, wire)
+    received = torch.empty(world_size * row, dtype=torch.uint8, device=send.device)
     work = None
     if _local(world_size):
         received.copy_(send)
@@ -173,7 +190,8 @@ def all_gather_encoded(
 
     def finish(buf: torch.Tensor) -> torch.Tensor:
         out = torch.empty(world_size * numel, dtype=dtype, device=buf.device)
-        for r, part in enumerate(codec.from_chunk_bytes(buf, world_size, numel, shard_dtype)):
+        for r in range(world_size):
+            part = codec.from_bytes(buf[r * row : r * row + wire], numel, shard_dtype)
             codec.decode_into(part, out[r * numel : (r + 1) * numel])
         return out
 

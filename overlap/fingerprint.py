@@ -18,9 +18,12 @@ rank receives every rank's tag in the same collective, without a collective of i
   the count is read once per step a step late through pinned memory, without a sync; the error
   then comes one step late. `check_pending(wait=True)` reads at once, at one sync.
 
+Compressed all-gathers carry the same tag in the last `TAG_BYTES` of each rank's byte row
+(`comm.encode_shard` leaves the room, `byte_tags` reads it).
+
 What it cannot catch: collectives of different sizes (gloo aborts the process on the size
-mismatch, NCCL may hang until the process group's timeout), and compressed or hpZ-secondary
-all-gathers, which carry no tag yet.
+mismatch, NCCL may hang until the process group's timeout), and hpZ's backward all-gathers
+from the secondary copies, which carry no tag yet.
 """
 
 from __future__ import annotations
@@ -30,6 +33,9 @@ import hashlib
 from dataclasses import dataclass
 
 import torch
+
+TAG_BYTES = 8
+"""The tag's size; a compressed all-gather's byte rows end in it (`byte_tags`)."""
 
 TAG_NUMEL = 4
 """Elements after each rank's shard in a tagged all-gather: 8 bytes or more in any float dtype of
@@ -86,6 +92,22 @@ def received_tags(gathered: torch.Tensor, world_size: int) -> torch.Tensor:
     bits (no float copy in between: a tag may look like a NaN)."""
     trailers = gathered.view(world_size, -1)[:, -TAG_NUMEL:].contiguous()
     return trailers.view(torch.uint8)[:, :8].contiguous().view(torch.int64).view(-1)
+
+
+def byte_tags(received: torch.Tensor, world_size: int) -> torch.Tensor:
+    """Every rank's int64 tag from a tagged compressed all-gather's uint8 output, shape
+    (world_size,): each rank's row ends in its tag (`comm.all_gather_encoded`)."""
+    rows = received.view(world_size, -1)[:, -TAG_BYTES:].contiguous()
+    return rows.view(torch.int64).view(-1)
+
+
+def host_byte_tags(received: torch.Tensor, world_size: int) -> list[int]:
+    """`byte_tags` read in place from host memory (a ctypes view: no torch op per check)."""
+    row = received.numel() // world_size
+    assert received.device.type == "cpu" and received.is_contiguous() and row % 8 == 0
+    assert received.data_ptr() % 8 == 0
+    words = ctypes.cast(received.data_ptr(), ctypes.POINTER(ctypes.c_int64))
+    return [words[(r + 1) * row // 8 - 1] for r in range(world_size)]
 
 
 def mismatch_message(values: list[int], mine: int, rank: int, what: str) -> str:
@@ -145,9 +167,9 @@ class FingerprintCheck:
         self._expected: torch.Tensor | None = None  # CUDA: the tag this rank sent with them
         self._in_flight: tuple[torch.Tensor, torch.cuda.Event] | None = None
 
-    def check_host(self, tags: HostTags, mine: int, what: str) -> None:
-        """CPU: compare the tags `tags` reads with `mine`, now."""
-        values = tags.values()
+    def check_host(self, tags: HostTags | list[int], mine: int, what: str) -> None:
+        """CPU: compare the tags `tags` reads (or holds) with `mine`, now."""
+        values = tags.values() if isinstance(tags, HostTags) else tags
         for value in values:
             if value != mine:
                 raise CollectiveMismatchError(mismatch_message(values, mine, self.rank, what))
@@ -155,7 +177,10 @@ class FingerprintCheck:
     def check(self, gathered: torch.Tensor, world_size: int, mine: int, what: str) -> None:
         """Compare the tags of a tagged all-gather's output with `mine` (CPU: now; CUDA: on the
         current stream, reported by `check_pending`)."""
-        values = received_tags(gathered, world_size)
+        self.check_values(received_tags(gathered, world_size), mine, what)
+
+    def check_values(self, values: torch.Tensor, mine: int, what: str) -> None:
+        """As `check`, for the (world_size,) int64 tags already taken out of the output."""
         if not self._on_device:
             host = values.tolist()  # host memory: nothing to wait for (CPU tensors)
             if any(v != mine for v in host):

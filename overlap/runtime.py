@@ -53,7 +53,16 @@ _NO_LABEL = contextlib.nullcontext()
 from overlap import backend, comm, kernels
 from overlap.compression import Codec
 from overlap.compression.feedback import FeedbackResidual, make_residual_format
-from overlap.fingerprint import TAG_NUMEL, FingerprintCheck, HostTags, Tag, signature, tag_view
+from overlap.fingerprint import (
+    TAG_NUMEL,
+    FingerprintCheck,
+    HostTags,
+    Tag,
+    byte_tags,
+    host_byte_tags,
+    signature,
+    tag_view,
+)
 from overlap.memory import MemoryAccount, nbytes
 from overlap.schedule import (
     Action,
@@ -338,6 +347,7 @@ class Runtime:
                 if unit.gather_from_secondary:
                     assert self.secondary_group is not None and unit.secondary is not None
                     outer = self.world_size // dist.get_world_size(self.secondary_group)
+                    unit.gather_tag = None  # untagged ([Note: collective fingerprints])
                     unit.gather = comm.all_gather_secondary(unit.secondary, self.secondary_group, outer)
                 elif self.param_codec is None:
                     tagged = self._tagged[index] if self.world_size > 1 else None
@@ -347,9 +357,10 @@ class Runtime:
                         send, self.group, self.world_size, dtype, unit.gather_tag, self._tag_slots[index]
                     )
                 else:
+                    unit.gather_tag = self._tag(index, unit, for_backward) if self.world_size > 1 else None
                     unit.gather = comm.all_gather_encoded(
                         self._encoded_shard(unit, for_backward), unit.shard.numel(), self.group, self.world_size,
-                        dtype, self.param_codec, unit.shard.dtype,
+                        dtype, self.param_codec, unit.shard.dtype, unit.gather_tag,
                     )
                 result = unit.gather
                 unit.gather_bytes = nbytes(result.output, *result.inputs)
@@ -358,7 +369,7 @@ class Runtime:
                     # the gather stream waits, not the CPU
                     gathered = comm.wait(result, self.timeout)
                     self.timer.stop(span, self.gather_stream)
-                    self._check_tag(unit, gathered)  # on the device, before the event below
+                    self._check_tag(unit, gathered, result.output)  # on the device, before the event below
                     self._keep_secondary(unit, gathered)
                     self._copy_out(unit, gathered)
                     unit.gather_event = self.gather_stream.record_event()
@@ -376,12 +387,19 @@ class Runtime:
         phase = 2 if for_backward else (0 if torch.is_grad_enabled() else 1)
         return Tag(self.step, phase, index, unit.signature).pack()
 
-    def _check_tag(self, unit: UnitTensors, gathered: torch.Tensor) -> None:
+    def _check_tag(self, unit: UnitTensors, gathered: torch.Tensor, received: torch.Tensor) -> None:
         """CUDA: before copy-out, on the device. CPU: after copy-out, from the tags it copied
-        (`HostTags`), or from `gathered` where they cannot be read in place."""
+        (`HostTags`), or from `gathered` where they cannot be read in place. A compressed
+        gather's tags end its byte rows (`received`, before decoding)."""
         if unit.gather_tag is None:
             return
         what = f"all-gather of {unit.layout.label}"
+        if self.param_codec is not None:
+            if self.gather_stream is None:
+                self.fingerprints.check_host(host_byte_tags(received, self.world_size), unit.gather_tag, what)
+            else:
+                self.fingerprints.check_values(byte_tags(received, self.world_size), unit.gather_tag, what)
+            return
         tags = unit.tag_out
         if unit.host_tags is not None and unit.host_tags.trailers is tags:
             self.fingerprints.check_host(unit.host_tags, unit.gather_tag, what)
@@ -420,7 +438,7 @@ class Runtime:
                 self.timer.waited(unit.gather.work)
                 self._alloc_unsharded(unit)
                 self._copy_out(unit, gathered)  # its tags too: checked next, before any use
-                self._check_tag(unit, gathered)
+                self._check_tag(unit, gathered, unit.gather.output)
                 self._keep_secondary(unit, gathered)
                 del gathered
                 self._drop_gather(unit)
@@ -437,7 +455,7 @@ class Runtime:
         assert self.param_codec is not None
         if not for_backward or unit.encoded is None:
             self._drop_encoded(unit)
-            unit.encoded = comm.encode_shard(unit.shard, self.param_codec)
+            unit.encoded = comm.encode_shard(unit.shard, self.param_codec, tag_room=self.world_size > 1)
             self.memory.add("gather_buffers", nbytes(unit.encoded))
         return unit.encoded
 

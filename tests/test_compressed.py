@@ -122,9 +122,9 @@ def encodes_per_step(rank: int, world: int) -> dict:
     calls: list[int] = []
     original = comm.encode_shard
 
-    def counting(shard, codec):
+    def counting(shard, codec, **kwargs):
         calls.append(shard.data_ptr())
-        return original(shard, codec)
+        return original(shard, codec, **kwargs)
 
     comm.encode_shard = counting
     counts, losses = [], []

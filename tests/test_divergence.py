@@ -1,6 +1,7 @@
 """Ranks that run different phases are caught, not hung ([Note: collective fingerprints]).
 
-Every uncompressed all-gather carries each rank's (step, phase, unit, trainable signature); a
+Every all-gather (uncompressed, or compressed: the tag ends each rank's byte row) carries each
+rank's (step, phase, unit, trainable signature); a
 rank that evaluates alone, skips a unit, or froze other parameters makes every rank raise in the
 same collective, naming what each rank ran. No collective is added per step.
 """
@@ -34,10 +35,10 @@ def _train_step(model: nn.Module, x: torch.Tensor, **kwargs) -> None:
     loss_of(model(x, **kwargs) if kwargs else model(x)).backward()
 
 
-def eval_on_rank0_only(rank: int, world: int) -> str:
+def eval_on_rank0_only(rank: int, world: int, config: dict | None = None) -> str:
     import overlap
 
-    model = overlap.wrap(encoder_stack(layers=3, dim=16), collective_timeout_s=60)
+    model = overlap.wrap(encoder_stack(layers=3, dim=16), collective_timeout_s=60, **(config or {}))
     _train_step(model, batch(model, rank, 0))
     try:
         if rank == 0:
@@ -77,12 +78,12 @@ def freeze_on_one_rank(rank: int, world: int) -> str:
     return "no error"
 
 
-def same_phases_agree(rank: int, world: int) -> int:
+def same_phases_agree(rank: int, world: int, config: dict | None = None) -> int:
     """Evaluation on every rank, gradient accumulation, several steps: no false alarm, and the
     number of collectives per step is what it was without tags."""
     import overlap
 
-    model = overlap.wrap(encoder_stack(layers=3, dim=16))
+    model = overlap.wrap(encoder_stack(layers=3, dim=16), **(config or {}))
     for step in range(3):
         with torch.no_grad():
             model(batch(model, rank, 10 + step))
@@ -109,11 +110,21 @@ def world2():
     ids=["eval_on_rank0", "freeze_on_one_rank"],
 )
 def test_divergence_raises_on_every_rank(world2, fn, phrases):
-    messages = world2.run(fn, timeout_s=240)
+    _assert_diverged(world2.run(fn, timeout_s=240), phrases)
+
+
+def _assert_diverged(messages: list[str], phrases: tuple[str, ...]) -> None:
     for rank, message in enumerate(messages):
         assert message.startswith(f"overlap: rank {rank}: the ranks' collectives diverged"), message
         for phrase in phrases:
             assert phrase in message, (phrase, message)
+
+
+@pytest.mark.parametrize("config", [{"param_compression": "int8"}, {"param_compression": "bf16", "grad_compression": "int8"}])
+def test_compressed_gathers_carry_the_tag(world2, config):
+    """The tag rides at the end of each rank's encoded bytes: the same divergence is caught."""
+    messages = world2.run(eval_on_rank0_only, config=config, timeout_s=240)
+    _assert_diverged(messages, ("forward (no grad)", "rank 0:", "rank 1:"))
 
 
 def test_skipped_unit_raises_on_every_rank(world2):
@@ -127,6 +138,7 @@ def test_skipped_unit_raises_on_every_rank(world2):
         assert "diverged" in message or "collective_timeout_s=30" in message, message
 
 
-def test_no_false_alarm_and_no_extra_collective(world2):
-    gathers = world2.run(same_phases_agree, timeout_s=240)
+@pytest.mark.parametrize("config", [{}, {"param_compression": "int8"}], ids=["plain", "int8_weights"])
+def test_no_false_alarm_and_no_extra_collective(world2, config):
+    gathers = world2.run(same_phases_agree, config=config, timeout_s=240)
     assert gathers[0] == gathers[1] > 0
