@@ -49,7 +49,8 @@ def test_bench_overhead_run(tmp_path: Path) -> None:
     assert pstats.Stats(str(prof)).total_calls > 0  # type: ignore[attr-defined]
     assert profile["functions"] and all(f["self_us_per_unit"] >= 0 for f in profile["functions"])
     verbs = {f["function"] for f in profile["overlap_functions"]}
-    assert {"gather", "wait_gather", "reduce"} <= verbs, verbs  # overlap/runtime.py's verbs
+    # overlap/runtime.py's verbs (at world size 1 `gather` returns at once: [Note: aliased units])
+    assert {"wait_gather", "reduce"} <= verbs, verbs
     assert all("/overlap/bench/" not in f["where"] for f in profile["overlap_functions"])
 
 
