@@ -49,8 +49,9 @@ def test_bench_overhead_run(tmp_path: Path) -> None:
     assert pstats.Stats(str(prof)).total_calls > 0  # type: ignore[attr-defined]
     assert profile["functions"] and all(f["self_us_per_unit"] >= 0 for f in profile["functions"])
     verbs = {f["function"] for f in profile["overlap_functions"]}
-    # overlap/runtime.py's verbs (at world size 1 `gather` returns at once: [Note: aliased units])
-    assert {"wait_gather", "reduce"} <= verbs, verbs
+    # overlap/runtime.py's gradient verbs lead at world size 1, where the gather verbs only swap
+    # parameters ([Note: aliased units]) and may fall out of the top rows
+    assert {"reduce", "wait_reduce"} <= verbs, verbs
     assert all("/overlap/bench/" not in f["where"] for f in profile["overlap_functions"])
 
 
