@@ -182,7 +182,7 @@ class FingerprintCheck:
     def check_values(self, values: torch.Tensor, mine: int, what: str) -> None:
         """As `check`, for the (world_size,) int64 tags already taken out of the output."""
         if not self._on_device:
-            host = values.tolist()  # host memory: nothing to wait for (CPU tensors)
+            host = values.tolist()  # CPU tensors only (this branch never runs on CUDA): no device to wait for
             if any(v != mine for v in host):
                 raise CollectiveMismatchError(mismatch_message(host, mine, self.rank, what))
             return
@@ -219,5 +219,5 @@ class FingerprintCheck:
         values, done = ready
         done.synchronize()  # recorded a step ago: long complete
         if int(values[0]) > 0:
-            seen = values[2:].tolist()
+            seen = values[2:].tolist()  # pinned host copy recorded a step ago; only on a mismatch
             raise CollectiveMismatchError(mismatch_message(seen, int(values[1]), self.rank, "all-gather a step ago"))

@@ -107,6 +107,7 @@ class ReplicatedParams:
         averaged = buffer[:num].div_(self.num_ranks)
         # The counts are read back (a device sync on CUDA) only when this rank left a gradient
         # out; otherwise every count is >= 1.
+        # at most once per step (end of backward), and only when this rank left a gradient out
         counts = [1.0] * num if all(used) else buffer[num:].tolist()
         for p, value, count in zip(params, averaged, counts):
             if count == 0:

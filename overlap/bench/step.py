@@ -485,7 +485,7 @@ def check_parity(contenders: list[Contender], losses: dict[str, list[float]]) ->
             if ref is None
             else abs(losses[c.name][1] - ref[1]) / max(abs(ref[1]), 1e-30)
         )
-        rel_t = torch.tensor([rel], dtype=torch.float64)
+        rel_t = torch.tensor([rel], dtype=torch.float64)  # parity report, once per contender (CPU)
         dist.all_reduce(rel_t, op=dist.ReduceOp.MAX)
         c.parity_rel = None if ref is None else rel_t.item()
         if dist.get_rank() != 0:
@@ -509,6 +509,7 @@ def warm_up_and_account(contenders: list[Contender]) -> None:
     compressed step, 2)."""
     losses: dict[str, list[float]] = {}
     for c in contenders:
+        # warm-up, once per contender, outside the timed steps: the loss read syncs on purpose
         losses[c.name] = [c.step().item(), c.step().item()]
 
         def account(c: Contender = c) -> None:

@@ -247,7 +247,7 @@ class FeedbackResidual:
             "rank": self.rank,
             "world_size": self.world_size,
             "numel": self.numel,
-            "tensors": tuple(t.cpu() for t in self.tensors),
+            "tensors": tuple(t.cpu() for t in self.tensors),  # checkpoint save only, never per step
         }
 
     @classmethod
