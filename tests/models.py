@@ -21,10 +21,12 @@ class Block(nn.Module):
 class TinyLM(nn.Module):
     """Embedding + repeated blocks + head: the shape of a causal LM, a few thousand parameters."""
 
-    def __init__(self, vocab: int = 37, dim: int = 24, hidden: int = 30, layers: int = 4) -> None:
+    def __init__(
+        self, vocab: int = 37, dim: int = 24, hidden: int = 30, layers: int = 4, block: type[nn.Module] = Block
+    ) -> None:
         super().__init__()
         self.embed = nn.Embedding(vocab, dim)
-        self.blocks = nn.ModuleList([Block(dim, hidden) for _ in range(layers)])
+        self.blocks = nn.ModuleList([block(dim, hidden) for _ in range(layers)])
         self.norm = nn.LayerNorm(dim)
         self.head = nn.Linear(dim, vocab, bias=False)
 

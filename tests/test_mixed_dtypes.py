@@ -25,7 +25,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import overlap
-from models import batch, loss_of
+from models import TinyLM, batch, loss_of
 from overlap import checkpoint
 from overlap.compression import IdentityCodec
 from test_parity import _max_rel_diff, _shard_rows
@@ -44,21 +44,11 @@ class MixedBlock(nn.Module):
         return x + h * self.gain.to(h.dtype)
 
 
-class MixedLM(nn.Module):
-    """TinyLM's shape (models.py) with blocks of three dtypes and a root of two."""
+class MixedLM(TinyLM):
+    """TinyLM (models.py) with blocks of three dtypes and a root of two (see `to_mixed`)."""
 
     def __init__(self, vocab: int = 37, dim: int = 24, hidden: int = 30, layers: int = 3) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(vocab, dim)
-        self.blocks = nn.ModuleList([MixedBlock(dim, hidden) for _ in range(layers)])
-        self.norm = nn.LayerNorm(dim)
-        self.head = nn.Linear(dim, vocab, bias=False)
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        x = self.embed(idx)
-        for block in self.blocks:
-            x = block(x)
-        return self.head(self.norm(x))
+        super().__init__(vocab, dim, hidden, layers, block=MixedBlock)
 
 
 def to_mixed(model: MixedLM, fp32_root_norm: bool = True) -> MixedLM:
