@@ -52,6 +52,11 @@ def backend_for(backend_string: str, device_type: str) -> str:
     return pairs[device_type]
 
 
+ALL_TO_ALL_GATHER_MAX_BYTES = 256 * 1024
+"""`all_gather_impl="auto"` on gloo gathers shards up to this size through all-to-all
+([Note: all-gather through all-to-all] in comm.py)."""
+
+
 @dataclass(frozen=True)
 class CommSemantics:
     """How collectives over one group behave for tensors of one device type."""
@@ -80,6 +85,13 @@ class CommSemantics:
         """See [Note: reduce-scatter through all-to-all] in comm.py: gloo's own reduce-scatter
         sends twice the bytes, so CPU tensors over gloo go through all-to-all."""
         return "all_to_all" if self.backend == "gloo" else "native"
+
+
+    def auto_gather_impl(self, shard_bytes: int) -> str:
+        """See [Note: all-gather through all-to-all] in comm.py: small shards over gloo go
+        through all-to-all, whose fixed cost per call is lower than gloo's all-gather's."""
+        small = shard_bytes <= ALL_TO_ALL_GATHER_MAX_BYTES
+        return "all_to_all" if self.backend == "gloo" and small else "native"
 
 
 def wait_timeout(sem: CommSemantics, timeout: timedelta | None) -> timedelta | None:

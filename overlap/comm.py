@@ -25,6 +25,7 @@ from overlap.fingerprint import TAG_BYTES, TAG_NUMEL, write_tag
 # *_single names (a FutureWarning on every call); torch 2.11 has only the old names.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 _all_to_all = dist.all_to_all_single
 
 
@@ -51,6 +52,56 @@ class CommResult(NamedTuple):
     finish: Callable[[torch.Tensor], torch.Tensor] | None = None  # applied to output by `wait`
 
 
+GatherImpl = Literal["native", "all_to_all"]
+
+
+class RecvSlack(NamedTuple):
+    """Room an all-to-all leaves for a peer that sends more than expected ([Note: receive slack])."""
+
+    rank: int  # this rank's index in the group
+    floor_bytes: int  # each peer's part of the receive buffer holds at least this many bytes
+
+
+def _exchange(send: torch.Tensor, world_size: int, group: dist.ProcessGroup, slack: RecvSlack | None):
+    """All-to-all of `send` (world_size equal parts, part r to rank r). Returns (received, work,
+    starts): what rank r sent here is `received[starts[r] : starts[r] + part]`; starts is None
+    when `received` is simply rank-major (no slack needed).
+
+    [Note: receive slack]
+    gloo aborts the process (an uncaught `EnforceNotMet` in its own thread, no Python error)
+    when a message is larger than the buffer posted for it, and completes quietly when it is
+    smaller. Ranks whose steps diverge (a data-dependent branch on one rank) pair different
+    collectives; once small all-gathers and fused exchanges go through all-to-all too
+    ([Note: all-gather through all-to-all], [Note: fused exchange] in runtime.py), a larger
+    all-to-all of one rank can meet a smaller one of another. So each all-to-all posts at least
+    `floor_bytes` for every peer, the largest message the runtime's small exchanges can carry:
+    a mismatch then delivers the wrong bytes instead of aborting, and the tags of the gathers
+    ([Note: collective fingerprints]) or the collective timeout make every rank raise. The
+    parts for peers are then not back to back, hence `starts`. Messages above the floor (large
+    units) are not covered, as with any collective of mismatched sizes on gloo.
+    """
+    part = send.numel() // world_size
+    floor = 0 if slack is None else -(-slack.floor_bytes // send.element_size())
+    if floor <= part or world_size == 1:
+        received = torch.empty_like(send)
+        return received, _all_to_all(received, send, group=group, async_op=True), None
+    assert slack is not None
+    sizes = [part if r == slack.rank else floor for r in range(world_size)]  # gloo: own part exact
+    received = torch.empty(sum(sizes), dtype=send.dtype, device=send.device)
+    work = _all_to_all(
+        received, send, output_split_sizes=sizes, input_split_sizes=[part] * world_size, group=group, async_op=True
+    )
+    starts = [sum(sizes[:r]) for r in range(world_size)]
+    return received, work, starts
+
+
+def _rows(received: torch.Tensor, world_size: int, part: int, starts: list[int] | None) -> list[torch.Tensor]:
+    """What each rank sent, in rank order (see `_exchange`)."""
+    if starts is None:
+        return list(received.view(world_size, part).unbind(0))
+    return [received[start : start + part] for start in starts]
+
+
 def all_gather_flat(
     shard: torch.Tensor,
     group: dist.ProcessGroup,
@@ -58,6 +109,8 @@ def all_gather_flat(
     dtype: torch.dtype,
     tag: int | None = None,
     tag_slot: torch.Tensor | None = None,
+    impl: GatherImpl = "native",
+    slack: RecvSlack | None = None,
 ) -> CommResult:
     """Gather every rank's flat `shard` into one rank-major (world_size * numel) tensor.
 
@@ -65,6 +118,17 @@ def all_gather_flat(
     `tag`, the last `fingerprint.TAG_NUMEL` elements of `shard` are not data: the tag is written
     there (after the cast) and every rank receives every rank's ([Note: collective fingerprints]).
     `tag_slot`: the caller's `fingerprint.tag_view` of `shard`'s tag, used when there is no cast.
+
+    [Note: all-gather through all-to-all]
+    "native" calls the backend's all-gather. "all_to_all" sends a copy of the shard to every
+    rank through all-to-all: the same (n-1)/n of the bytes on the wire and the same rank-major
+    output, one more unit-sized send buffer while it runs. gloo's all-gather costs more CPU per
+    call than its all-to-all (measured at two ranks, 8 KiB shards: 364 against 306 µs a call,
+    251 against 185 µs of the process's CPU; at 4 MiB the two are even and the copy moves to
+    the calling thread), so "auto" picks all_to_all on gloo for units of up to
+    `backend.ALL_TO_ALL_GATHER_MAX_BYTES` gathered, where the fixed cost of a collective
+    dominates and the send copies stay small. An all-to-all gather can also travel in the same
+    all-to-all as a gradient reduction (`reduce_scatter_and_gather`).
     """
     send = shard if shard.dtype == dtype else shard.to(dtype)
     if tag is not None:
@@ -76,6 +140,14 @@ def all_gather_flat(
     if _local(world_size):
         out.copy_(send)
         return CommResult(out, None, (send,))
+    if impl == "all_to_all":  # `slack`: see [Note: receive slack]
+        copies = out  # the send copies; a fresh buffer receives
+        copies.view(world_size, -1).copy_(send.expand(world_size, send.numel()))
+        received, work, starts = _exchange(copies, world_size, group, slack)
+        if starts is None:
+            return CommResult(received, work, (copies,))
+        numel = send.numel()
+        return CommResult(received, work, (copies,), lambda buf: torch.cat(_rows(buf, world_size, numel, starts)))
     work = _all_gather(out, send, group=group, async_op=True)
     return CommResult(out, work, (send,))
 
@@ -100,7 +172,11 @@ ReduceImpl = Literal["native", "all_to_all"]
 
 
 def reduce_scatter_flat(
-    full: torch.Tensor, group: dist.ProcessGroup, world_size: int, impl: ReduceImpl = "native"
+    full: torch.Tensor,
+    group: dist.ProcessGroup,
+    world_size: int,
+    impl: ReduceImpl = "native",
+    slack: RecvSlack | None = None,
 ) -> CommResult:
     """Sum the rank-major `full` (world_size * n) over ranks; this rank keeps its n-element chunk.
 
@@ -117,13 +193,32 @@ def reduce_scatter_flat(
         out = torch.empty(n, dtype=full.dtype, device=full.device)
         out.copy_(full)
         return CommResult(out, None, (full,))
-    if impl == "all_to_all":
-        received = torch.empty_like(full)
-        work = _all_to_all(received, full, group=group, async_op=True)
-        return CommResult(received, work, (full,), _sum_chunks(world_size, n))
+    if impl == "all_to_all":  # `slack`: see [Note: receive slack]
+        received, work, starts = _exchange(full, world_size, group, slack)
+        return CommResult(received, work, (full,), _sum_rows(world_size, n, n, starts))
     out = torch.empty(n, dtype=full.dtype, device=full.device)
     work = _reduce_scatter(out, full, op=dist.ReduceOp.SUM, group=group, async_op=True)
     return CommResult(out, work, (full,))
+
+
+def reduce_scatter_and_gather(
+    rows: torch.Tensor, reduce_cols: int, group: dist.ProcessGroup, slack: RecvSlack | None = None
+) -> tuple[CommResult, CommResult]:
+    """One all-to-all for a gradient reduction and an all-gather ([Note: fused exchange] in
+    runtime.py). `rows` is (world_size, reduce_cols + g): row r holds the gradient chunk for
+    rank r in its first `reduce_cols` columns, this rank's shard (g elements) in the rest.
+
+    Returns (reduce, gather), sharing one work: `wait` on the first gives the sum of the
+    received gradient chunks in rank order (as `reduce_scatter_flat` with "all_to_all"), on the
+    second every rank's shard, rank-major (as `all_gather_flat`)."""
+    world_size, part = rows.shape
+    received, work, starts = _exchange(rows.view(-1), world_size, group, slack)
+
+    def gathered(buf: torch.Tensor) -> torch.Tensor:
+        return torch.cat([row[reduce_cols:] for row in _rows(buf, world_size, part, starts)])
+
+    reduce = CommResult(received, work, (rows,), _sum_rows(world_size, reduce_cols, part, starts))
+    return reduce, CommResult(received, work, (rows,), gathered)
 
 
 def all_reduce_flat(tensor: torch.Tensor, group: dist.ProcessGroup) -> CommResult:
@@ -132,9 +227,14 @@ def all_reduce_flat(tensor: torch.Tensor, group: dist.ProcessGroup) -> CommResul
     return CommResult(tensor, work, (tensor,))
 
 
-def _sum_chunks(world_size: int, n: int) -> Callable[[torch.Tensor], torch.Tensor]:
+def _sum_rows(
+    world_size: int, n: int, part: int, starts: list[int] | None
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Sum the first `n` elements of what each rank sent (`part` each, see `_exchange`), in
+    rank order."""
+
     def finish(received: torch.Tensor) -> torch.Tensor:
-        chunks = received.view(world_size, n)
+        chunks = [row[:n] for row in _rows(received, world_size, part, starts)]
         if world_size == 1:
             return chunks[0]
         total = torch.add(chunks[0], chunks[1])  # rank order, as a ring would add them
@@ -205,6 +305,7 @@ def reduce_scatter_encoded(
     world_size: int,
     codec: Codec,
     residual: FeedbackResidual | None = None,
+    slack: RecvSlack | None = None,
 ) -> CommResult:
     """Reduce-scatter the rank-major `grads` (world_size, n) through `codec`: row r is encoded
     (with error feedback from `residual`'s row for rank r when given) and sent to rank r by
@@ -240,17 +341,15 @@ def reduce_scatter_encoded(
         row[tail_span : tail_span + wire].copy_(codec.to_bytes(enc))
     for r in range(world_size):
         send[r * step : r * step + tail_bytes].copy_(tail[r].contiguous().view(torch.uint8))
-    received = torch.empty_like(send)
-    work = None
+    work, starts = None, None
     if _local(world_size):
-        received.copy_(send)
-    else:
-        work = _all_to_all(received, send, group=group, async_op=True)
+        received = send.clone()
+    else:  # `slack`: see [Note: receive slack]
+        received, work, starts = _exchange(send, world_size, group, slack)
 
     def finish(buf: torch.Tensor) -> torch.Tensor:
         out = torch.zeros(n + k, dtype=torch.float32, device=buf.device)
-        for r in range(world_size):
-            row = buf[r * step : (r + 1) * step]
+        for r, row in enumerate(_rows(buf, world_size, step, starts)):
             if r == me:
                 out[:n] += own  # exact, in its place in the rank order
             else:

@@ -83,6 +83,16 @@ class OverlapConfig:
     (all-to-all, then a local sum in rank order), or "auto": all_to_all on gloo, whose own
     reduce-scatter puts twice the bytes on the wire, native elsewhere (NCCL)."""
 
+    all_gather_impl: str = "auto"
+    """How uncompressed parameters are all-gathered: "native" (the backend's all-gather),
+    "all_to_all" (every rank sends its shard to every rank: the same bytes on the wire, one more
+    unit-sized send buffer while it runs), or "auto": all_to_all on gloo for units of at most
+    512 KiB (gathered), where gloo's all-gather costs more CPU per call, native otherwise and
+    elsewhere (NCCL). With all_to_all on both sides, a backward all-gather issued right after a gradient
+    reduction in the same group travels in the same all-to-all: one collective instead of two
+    per unit in backward. See [Note: all-gather through all-to-all] in comm.py and
+    [Note: fused exchange] in runtime.py."""
+
     hybrid_mode: str = "replicate"
     """What a 2-D DeviceMesh (outer, inner) passed as `group` means (ignored for a 1-D group):
     "replicate" (HSDP): shard over the inner dimension, replicate over the outer one; reduced
@@ -213,6 +223,10 @@ class OverlapConfig:
             raise ValueError(
                 "reduce_scatter_impl must be 'auto', 'native' or 'all_to_all', "
                 f"got {self.reduce_scatter_impl!r}"
+            )
+        if self.all_gather_impl not in ("auto", "native", "all_to_all"):
+            raise ValueError(
+                f"all_gather_impl must be 'auto', 'native' or 'all_to_all', got {self.all_gather_impl!r}"
             )
         if self.hybrid_mode not in ("replicate", "secondary"):
             raise ValueError(f"hybrid_mode must be 'replicate' or 'secondary', got {self.hybrid_mode!r}")

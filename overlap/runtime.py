@@ -254,6 +254,7 @@ class Runtime:
     trace: TraceRecorder | None = None
     timer: SpanTimer = field(default_factory=HostTimer)  # wrap passes make_timer(device)
     reduce_impl: comm.ReduceImpl = "native"
+    gather_impl: str = "native"  # OverlapConfig.all_gather_impl: "auto", "native" or "all_to_all"
     param_codec: Codec | None = None  # None: uncompressed all-gather
     grad_codec: Codec | None = None  # None: uncompressed reduce-scatter (reduce_impl)
     residual_dtype: torch.dtype | None = None  # error feedback on when set
@@ -295,15 +296,98 @@ class Runtime:
             for unit in self.units:  # [Note: aliased units]
                 if (self.gather_dtype or unit.shard.dtype) == unit.shard.dtype:
                     unit.alias_shard()
+        self._gather_impl = [self._resolve_gather_impl(u, t) for u, t in zip(self.units, self._tagged)]
+        self._fusable = [self._can_fuse(i) for i in range(len(self.units))]
+        self._slack = self._receive_slack()
+
+    def _resolve_gather_impl(self, unit: UnitTensors, tagged: torch.Tensor | None) -> comm.GatherImpl:
+        """The unit's uncompressed all-gather ([Note: all-gather through all-to-all] in comm.py),
+        decided from sizes every rank shares."""
+        if self.gather_impl != "auto":
+            return self.gather_impl  # type: ignore[return-value]
+        numel = (unit.shard if tagged is None else tagged).numel()
+        itemsize = (self.gather_dtype or unit.shard.dtype).itemsize
+        return self.semantics.auto_gather_impl(numel * itemsize)  # type: ignore[return-value]
+
+    def _receive_slack(self) -> comm.RecvSlack | None:
+        """What every all-to-all leaves room for ([Note: receive slack] in comm.py): the largest
+        message of a small exchange, an all-to-all gather or a unit's reduction, or both at
+        once where they fuse. From the layouts (every parameter trainable: an upper bound), so
+        every rank computes the same."""
+        small = [i for i, impl in enumerate(self._gather_impl) if impl == "all_to_all"]
+        if comm.runs_locally(self.world_size) or not small:
+            return None
+        def gather_bytes(i: int) -> int:
+            unit = self.units[i]
+            numel = (unit.shard if self._tagged[i] is None else self._tagged[i]).numel()
+            return numel * (self.gather_dtype or unit.shard.dtype).itemsize
+
+        def reduce_bytes(i: int) -> int:  # one row: gradient chunks and used flags
+            layout = self.units[i].layout
+            itemsize = (self.reduce_dtype or self.units[i].unsharded_flat.dtype).itemsize
+            return (layout.shard_numel + len(layout.slots)) * max(itemsize, 4)  # codecs: fp32 at most
+
+        most_gather = max(gather_bytes(i) for i in small)
+        most_reduce = max(reduce_bytes(i) for i in small)
+        fuse = any(self._fusable)
+        floor = most_gather + most_reduce if fuse else max(most_gather, most_reduce)
+        return comm.RecvSlack(dist.get_rank(self.group), -(-floor // 64) * 64)
+
+    def _can_fuse(self, index: int) -> bool:
+        """Whether a backward all-gather of unit `index` may ride in a reduction's all-to-all
+        ([Note: fused exchange]): CPU, more than one rank, no cast, no hpZ (and, checked at
+        each reduction, no codec)."""
+        unit = self.units[index]
+        return (
+            self._gather_impl[index] == "all_to_all"
+            and self.reduce_impl == "all_to_all"
+            and self.gather_stream is None
+            and self.secondary_group is None
+            and not unit.aliased
+            and not comm.runs_locally(self.world_size)
+            and (self.gather_dtype or unit.shard.dtype) == unit.shard.dtype
+        )
 
     # ------------------------------------------------------------------ dispatch
     def run(self, actions: list[Action]) -> None:
         verbs = self._verbs
-        for action in actions:
+        skip = -1  # the index of a Gather already issued with the Reduce before it
+        for k, action in enumerate(actions):
+            if k == skip:
+                continue
             try:
+                if type(action) is Reduce and k + 1 < len(actions):
+                    fused = self._fused_gather(action, actions[k + 1])
+                    if fused is not None:
+                        self.reduce(action.bucket, action.units, fused)
+                        skip = k + 1
+                        continue
                 verbs[type(action)](action)
             except comm.CollectiveError as e:  # [Note: collective failures] in comm.py
                 raise comm.CollectiveError(f"overlap: rank {self.rank}: the {self._describe(action)} {e}") from e
+
+    # [Note: fused exchange]
+    # In backward, a unit's gradient reduction and the prefetch all-gather of a unit further on
+    # are issued back to back (the schedule's post_backward: Free, Reduce, Gather). When both
+    # go through all-to-all in the same group (CPU/gloo: reduce_scatter_impl and
+    # all_gather_impl resolve to all_to_all, no codec, no cast, no hpZ), they travel as one:
+    # row r of the send buffer is [the gradient chunk for rank r | this rank's shard], so rank r
+    # receives its chunk to sum and every rank's shard ([comm.reduce_scatter_and_gather]). One
+    # collective instead of two per unit in backward: on two CPU cores a gloo collective costs
+    # ~200-300 µs of CPU whatever its size at these sizes, while the copy of a small shard into
+    # the send rows costs a few. The values exchanged are the same, so results are bitwise
+    # those of the two collectives. Every rank sees the same actions in the same order
+    # ([Note: collective order] in schedule.py) and decides from sizes and settings they share,
+    # so the collectives still pair. The first step (order checks between the two) is unfused.
+
+    def _fused_gather(self, reduce: Reduce, following: Action) -> Gather | None:
+        """`following`, if it is a Gather that may travel with `reduce` ([Note: fused exchange])."""
+        if type(following) is not Gather or not following.for_backward or not self._fusable[following.unit]:
+            return None
+        if self.param_codec is not None or self.grad_codec is not None:
+            return None
+        dtype = self.reduce_dtype or _widest(self.units[i].unsharded_flat.dtype for i in reduce.units)
+        return following if dtype == self.units[following.unit].shard.dtype else None
 
     def _make_verbs(self) -> dict[type, Any]:
         """Each action type's verb: one dict lookup per action (a `match` over seven class
@@ -354,7 +438,8 @@ class Runtime:
                     unit.gather_tag = None if tagged is None else self._tag(index, unit, for_backward)
                     send = unit.shard if tagged is None else tagged
                     unit.gather = comm.all_gather_flat(
-                        send, self.group, self.world_size, dtype, unit.gather_tag, self._tag_slots[index]
+                        send, self.group, self.world_size, dtype, unit.gather_tag, self._tag_slots[index],
+                        self._gather_impl[index], self._slack,
                     )
                 else:
                     unit.gather_tag = self._tag(index, unit, for_backward) if self.world_size > 1 else None
@@ -537,8 +622,10 @@ class Runtime:
                 storage.resize_(0)
                 self.memory.sub("unsharded", unit.unsharded_nbytes)
 
-    def reduce(self, bucket: int, indices: tuple[int, ...]) -> None:
+    def reduce(self, bucket: int, indices: tuple[int, ...], fused: Gather | None = None) -> None:
         """Copy the bucket's unsharded gradients into one rank-major buffer; reduce-scatter it.
+        With `fused`, that unit's backward all-gather travels in the same all-to-all
+        ([Note: fused exchange]).
 
         [Note: used flags] After the gradient columns, each trainable parameter adds one column
         holding 1 where this rank produced a gradient for it, else 0. Every row of that column
@@ -570,20 +657,32 @@ class Runtime:
             sizes = [n * span for span in spans]
             if self.grad_codec is None:  # flags ride in the same buffer
                 srcs, sizes, data_cols = [*srcs, flags], [*sizes, flags.numel()], [*data_cols, len(used)]
-            full = torch.empty(n, sum(sizes) // n, dtype=dtype, device=self.device)
+            reduce_cols = sum(sizes) // n
+            deferred = None  # a gather too large to ride along: issued right after, on its own
+            if fused is not None and not self._fits_slack(reduce_cols, fused.unit, dtype):
+                deferred, fused = fused, None
+            if fused is not None:  # the shard's columns, filled below
+                shard_send = self._fused_shard(fused.unit)
+                srcs, sizes, data_cols = [*srcs, None], [*sizes, n * shard_send.numel()], [*data_cols, 0]
+            total_cols = sum(sizes) // n
+            full = torch.empty(n, total_cols, dtype=dtype, device=self.device)
             self._copy_in(indices, used, srcs, full, sizes, data_cols)
             del srcs
+            if fused is not None:
+                full[:, reduce_cols:].copy_(shard_send.expand(n, shard_send.numel()))
             event, reduced = None, None
             if self.reduce_stream is not None:
                 self.reduce_stream.wait_stream(torch.cuda.current_stream(self.device))
             span = self.timer.start("collective", "reduce", self._span_label(indices), self.reduce_stream, nbytes(full))
             with self._stream(self.reduce_stream):
-                if self.grad_codec is None:
-                    result = comm.reduce_scatter_flat(full.view(-1), self.group, n, self.reduce_impl)
+                if fused is not None:
+                    result, gather = comm.reduce_scatter_and_gather(full, reduce_cols, self.group, self._slack)
+                elif self.grad_codec is None:
+                    result = comm.reduce_scatter_flat(full.view(-1), self.group, n, self.reduce_impl, self._slack)
                 else:  # gradient rows contiguous for the encoder; flags exact, beside them
                     residual = self._residual(indices, width_grads)
                     result = comm.reduce_scatter_encoded(
-                        full, flags.view(n, -1), self.group, n, self.grad_codec, residual
+                        full, flags.view(n, -1), self.group, n, self.grad_codec, residual, self._slack
                     )
                 del full
                 if self.reduce_stream is not None:
@@ -594,15 +693,74 @@ class Runtime:
                 else:
                     self.timer.stop(span, work=result.work)
         input_bytes = nbytes(*result.inputs) + (nbytes(result.output) if result.finish is not None else 0)
+        gather_bytes = 0
+        if fused is not None:  # the shard's columns (sent and received) are the gather's buffers
+            gather_bytes = input_bytes * (total_cols - reduce_cols) // total_cols
+            input_bytes -= gather_bytes
+            self._fused_gather_issued(fused.unit, gather, gather_bytes)
         self.memory.add("reduce_inputs", input_bytes)
         pending = PendingReduce(result, event, all(used), input_bytes)
         self._pending[bucket] = pending
         self._pending_units[bucket] = indices
         sent = result.inputs[0]
-        num_bytes = sent.numel() * sent.element_size()
+        num_bytes = sent.numel() * sent.element_size() - gather_bytes // 2
         self.stats.record_issue("reduce", num_bytes)
         if reduced is not None:
             self._reduced(bucket, indices, pending, reduced)
+        if deferred is not None:
+            self.gather(deferred.unit, deferred.for_backward)
+
+    @property
+    def receive_floor_bytes(self) -> int:
+        """What each all-to-all leaves room for per peer ([Note: receive slack] in comm.py); 0: none."""
+        return 0 if self._slack is None else self._slack.floor_bytes
+
+    def gather_nbytes(self, index: int) -> int:
+        """Bytes an uncompressed all-gather of unit `index` holds while in flight (accounted as
+        gather_buffers): natively the output and the shard sent; through all-to-all the send
+        copies and the receive buffer with its slack ([Note: receive slack] in comm.py)."""
+        unit = self.units[index]
+        itemsize = (self.gather_dtype or unit.shard.dtype).itemsize
+        part = self._fused_numel(index) * itemsize
+        if comm.runs_locally(self.world_size) or self._gather_impl[index] == "native":
+            return (self.world_size + 1) * part
+        floor = self.receive_floor_bytes
+        return self.world_size * part + part + (self.world_size - 1) * max(part, floor)
+
+    def _fits_slack(self, reduce_cols: int, index: int, dtype: torch.dtype) -> bool:
+        """Whether a reduction of `reduce_cols` per row and unit `index`'s shard fit in the
+        receive slack together ([Note: receive slack] in comm.py); decided from sizes every rank
+        shares."""
+        assert self._slack is not None
+        numel = reduce_cols + self._fused_numel(index)
+        return numel * dtype.itemsize <= self._slack.floor_bytes
+
+    def _fused_numel(self, index: int) -> int:
+        tagged = self._tagged[index]
+        return (self.units[index].shard if tagged is None else tagged).numel()
+
+    def _fused_shard(self, index: int) -> torch.Tensor:
+        """What unit `index`'s fused backward all-gather sends: its shard, tagged when the tags
+        are on ([Note: collective fingerprints]), the tag written now ([Note: fused exchange])."""
+        unit = self.units[index]
+        tagged = self._tagged[index]
+        unit.gather_from_secondary = False
+        unit.gather_tag = None if tagged is None else self._tag(index, unit, True)
+        if tagged is None:
+            return unit.shard
+        slot = self._tag_slots[index]
+        assert slot is not None and unit.gather_tag is not None
+        slot.fill_(unit.gather_tag)
+        return tagged
+
+    def _fused_gather_issued(self, index: int, gather: comm.CommResult, gather_bytes: int) -> None:
+        """Unit `index`'s all-gather is in flight inside a reduction's all-to-all: from here on
+        it is waited, checked and copied out as any CPU all-gather (`wait_gather`)."""
+        unit = self.units[index]
+        unit.gather = gather
+        unit.gather_bytes = gather_bytes
+        self.memory.add("gather_buffers", gather_bytes)
+        self.stats.record_issue("gather", gather_bytes // 2)
 
     def _copy_in(
         self,
@@ -617,13 +775,13 @@ class Runtime:
         in kernels/copy.py)."""
         if not all(s is None or s.is_contiguous() for s in srcs):
             srcs = [s if s is None else s.contiguous() for s in srcs]
-        key = (indices, used, full.dtype, *(s.dtype for s in srcs if s is not None))
+        key = (indices, used, len(sizes), full.dtype, *(s.dtype for s in srcs if s is not None))
         bound = self._bound_copy_in.get(key)
         if bound is not None and bound[0] == sizes and bound[1] == data_cols:  # layouts may change
             bound[2](srcs, full)
             return
         kernels.copy_in(srcs, full, sizes=sizes, data_cols=data_cols, num_rows=self.world_size)
-        fn = kernels.bind_copy_in(set(key[2:]), full.device, sizes, data_cols, self.world_size)
+        fn = kernels.bind_copy_in(set(key[3:]), full.device, sizes, data_cols, self.world_size)
         self._bound_copy_in[key] = (sizes, data_cols, fn)
 
     def _flags_for(self, used: tuple[bool, ...], dtype: torch.dtype) -> torch.Tensor:

@@ -64,7 +64,12 @@ LEGAL_TRANSITIONS: dict[UnitState, frozenset[UnitState]] = {
 }
 
 
-_HELD = frozenset({UnitState.GATHERING, UnitState.UNSHARDED})
+_HELD = (UnitState.GATHERING, UnitState.UNSHARDED)  # a tuple: `in` compares identities, no hash
+
+# `_move` runs several times per unit and step; an Enum's __hash__ is Python code (several µs
+# per set or dict lookup), so each state carries its legal successors as a tuple.
+for _state, _successors in LEGAL_TRANSITIONS.items():
+    _state.successors = tuple(_successors)  # type: ignore[attr-defined]
 
 
 class Phase(enum.Enum):
@@ -225,7 +230,7 @@ class Schedule:
     # ---------------------------------------------------------------- moves
     def _move(self, unit: int, new: UnitState) -> None:
         old = self.states[unit]
-        assert new in LEGAL_TRANSITIONS[old], f"unit {unit}: illegal transition {old} -> {new}"
+        assert new in old.successors, f"unit {unit}: illegal transition {old} -> {new}"  # type: ignore[attr-defined]
         self.states[unit] = new
         if unit == self.root:
             return

@@ -129,6 +129,7 @@ class OverlapState:
             trace=self.trace,
             timer=self.timer,
             reduce_impl=_reduce_impl(config.reduce_scatter_impl, group, device),
+            gather_impl=config.all_gather_impl,
             param_codec=None
             if config.param_compression is None
             else make_param_codec(config.param_compression, block_size=config.compression_block_size),

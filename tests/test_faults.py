@@ -186,20 +186,28 @@ def _arm(model: torch.nn.Module, fault: Fault, step: list[int], rank: int, repor
     from overlap.schedule import Phase as SchedulePhase
 
     state = model._overlap_state
-    verb = "reduce" if fault.phase == "backward reduce" else "gather"
     phase = SchedulePhase.FORWARD if fault.phase == "forward gather" else SchedulePhase.BACKWARD
-    original = getattr(Runtime, verb)
     calls = 0
 
-    def trapped(self: Runtime, *args: Any) -> None:
-        nonlocal calls
-        if step[0] == fault.step and state.schedule.phase is phase:
-            calls += 1
-            if calls == fault.nth:
-                _stop(fault, rank, report)
-        original(self, *args)
+    def trap(verb: str, counts: Callable[[tuple[Any, ...]], bool]) -> None:
+        original = getattr(Runtime, verb)
 
-    setattr(Runtime, verb, trapped)
+        def trapped(self: Runtime, *args: Any) -> None:
+            nonlocal calls
+            if counts(args) and step[0] == fault.step and state.schedule.phase is phase:
+                calls += 1
+                if calls == fault.nth:
+                    _stop(fault, rank, report)
+            original(self, *args)
+
+        setattr(Runtime, verb, trapped)
+
+    if fault.phase == "backward reduce":
+        trap("reduce", lambda args: True)
+    else:
+        trap("gather", lambda args: True)
+        if fault.phase == "backward gather":  # one may ride in a reduction ([Note: fused exchange])
+            trap("reduce", lambda args: len(args) > 2 and args[2] is not None)
 
 
 def train_with_fault(rank: int, world_size: int, report: Report, fault: Fault) -> None:

@@ -214,6 +214,9 @@ def test_backend_semantics_decided_per_device(backend_string, device, blocks, im
     assert sem.futures_complete_at_enqueue is blocks
     assert sem.host_timing_valid is not blocks
     assert sem.auto_reduce_impl() == impl
+    # gathers of small units through all-to-all where reductions go that way (gloo)
+    small, large = backend.ALL_TO_ALL_GATHER_MAX_BYTES, backend.ALL_TO_ALL_GATHER_MAX_BYTES + 1
+    assert sem.auto_gather_impl(small) == impl and sem.auto_gather_impl(large) == "native"
     assert backend.wait_timeout(sem, timedelta(seconds=5)) == (None if blocks else timedelta(seconds=5))
 
 

@@ -171,20 +171,27 @@ def hpz_vs_ddp(rank: int, world: int, config: dict, steps: int = 3) -> dict:
     base = tiny_lm()
     ours = overlap.wrap(copy.deepcopy(base), group=mesh, hybrid_mode="secondary", **config)
     sizes: list[int] = []  # group size of every all-gather of the last step
-    original = comm._all_gather
+    # every all-gather, native or through all-to-all, compressed or not, secondary ones too
+    originals = {"all_gather_flat": comm.all_gather_flat, "all_gather_encoded": comm.all_gather_encoded}
 
-    def counting(out, send, group=None, async_op=False):
-        sizes.append(dist.get_world_size(group))
-        return original(out, send, group=group, async_op=async_op)
+    def counting(name):
+        def gather(*args, **kwargs):
+            group = args[1] if name == "all_gather_flat" else args[2]
+            sizes.append(dist.get_world_size(group))
+            return originals[name](*args, **kwargs)
+
+        return gather
 
     def check_param(name: str, p: torch.Tensor) -> None:
         assert p.placements == (Shard(0),) and p.device_mesh.size() == world, name
 
-    comm._all_gather = counting
+    for name in originals:
+        setattr(comm, name, counting(name))
     try:
         worst = _steps_vs_ddp(rank, base, ours, steps, rank, world, check_param, on_step=sizes.clear)
     finally:
-        comm._all_gather = original
+        for name, fn in originals.items():
+            setattr(comm, name, fn)
     del worst["ref"]
     held = [u.secondary is not None for u in ours._overlap_state.units]
     with torch.no_grad():
@@ -246,21 +253,16 @@ def hsdp_issue_order(rank: int, world: int) -> list[str]:
     ours = overlap.wrap(base, group=mesh)
     loss_of(ours(batch(base, rank, 0))).backward()  # first step: order checks
     events: list[str] = []
-    rs, ar = comm.reduce_scatter_flat, comm.all_reduce_flat
-
-    def log_rs(*args, **kwargs):
-        events.append("rs")
-        return rs(*args, **kwargs)
-
-    def log_ar(*args, **kwargs):
-        events.append("ar")
-        return ar(*args, **kwargs)
-
-    comm.reduce_scatter_flat, comm.all_reduce_flat = log_rs, log_ar
+    # a reduction is a reduce-scatter, or one carrying a gather ([Note: fused exchange])
+    logged = {"reduce_scatter_flat": "rs", "reduce_scatter_and_gather": "rs", "all_reduce_flat": "ar"}
+    originals = {name: getattr(comm, name) for name in logged}
+    for name, fn in originals.items():
+        setattr(comm, name, lambda *a, _fn=fn, _what=logged[name], **k: (events.append(_what), _fn(*a, **k))[1])
     try:
         loss_of(ours(batch(base, rank, 1))).backward()
     finally:
-        comm.reduce_scatter_flat, comm.all_reduce_flat = rs, ar
+        for name, fn in originals.items():
+            setattr(comm, name, fn)
     return events
 
 

@@ -116,6 +116,9 @@ CONFIGS_2 = [
     pytest.param({"max_inflight_allgather_bytes": 4000, "prefetch_depth": 4}, id="byte-cap"),
     pytest.param({"unit_policy": {nn.LayerNorm}}, id="class-policy"),
     pytest.param({"reduce_scatter_impl": "native"}, id="native-reduce-scatter"),
+    # default on gloo: gathers through all-to-all, backward gathers fused into reductions
+    pytest.param({"all_gather_impl": "native"}, id="native-all-gather"),
+    pytest.param({"all_gather_impl": "all_to_all", "prefetch_depth": 2}, id="a2a-gather-deep"),
 ]
 
 

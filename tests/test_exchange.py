@@ -1,0 +1,75 @@
+"""All-to-all exchanges on gloo: gathers through all-to-all, a reduction and a gather in one
+all-to-all, and the receive slack that keeps a mismatched pair from aborting the process
+([Note: all-gather through all-to-all], [Note: receive slack] in comm.py; [Note: fused
+exchange] in runtime.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from harness import World
+from overlap import comm
+from overlap.launch import run_local_world
+
+
+@pytest.fixture(scope="module")
+def world3():
+    w = World(3)
+    yield w
+    w.close()
+
+
+def _data(rank: int, numel: int, seed: int) -> torch.Tensor:
+    return torch.randn(numel, generator=torch.Generator().manual_seed(seed * 10 + rank))
+
+
+def exchanges_agree(rank: int, world: int, slack_bytes: int) -> dict:
+    """Every all-to-all path against the native collectives, bitwise."""
+    group = dist.group.WORLD
+    slack = comm.RecvSlack(rank, slack_bytes) if slack_bytes else None
+    shard, grads = _data(rank, 40, 1), _data(rank, world * 24, 2)
+    native_gather = comm.wait(comm.all_gather_flat(shard, group, world, torch.float32))
+    a2a_gather = comm.wait(comm.all_gather_flat(shard, group, world, torch.float32, impl="all_to_all", slack=slack))
+    reduced = comm.wait(comm.reduce_scatter_flat(grads.clone(), group, world, "all_to_all", slack))
+    rows = torch.cat([grads.view(world, 24), shard.expand(world, 40)], dim=1).contiguous()
+    fused_reduce, fused_gather = comm.reduce_scatter_and_gather(rows, 24, group, slack)
+    got_gather, got_reduce = comm.wait(fused_gather), comm.wait(fused_reduce)
+    # the reference sum, in rank order
+    everyone = comm.wait(comm.all_gather_flat(grads, group, world, torch.float32)).view(world, world, 24)
+    expected = everyone[0, rank].clone()
+    for r in range(1, world):
+        expected += everyone[r, rank]
+    return {
+        "a2a_gather": torch.equal(native_gather, a2a_gather),
+        "reduce": torch.equal(reduced, expected),
+        "fused_gather": torch.equal(got_gather, native_gather),
+        "fused_reduce": torch.equal(got_reduce, expected),
+    }
+
+
+@pytest.mark.parametrize("slack_bytes", [0, 4096], ids=["no-slack", "slack"])
+def test_all_to_all_paths_match_native_collectives(world3, slack_bytes):
+    for rank, r in enumerate(world3.run(exchanges_agree, slack_bytes=slack_bytes)):
+        assert all(r.values()), (rank, r)
+
+
+def mismatched_pair(rank: int, world: int, slack_bytes: int) -> list[float]:
+    """Rank 1 sends twice the bytes rank 0 expects (ranks whose steps diverged)."""
+    part = 8 if rank == 0 else 16
+    slack = comm.RecvSlack(rank, slack_bytes) if slack_bytes else None
+    send = torch.full((world * part,), float(rank + 1))
+    result = comm.reduce_scatter_flat(send, dist.group.WORLD, world, "all_to_all", slack)
+    return comm.wait(result).tolist()
+
+
+def test_receive_slack_turns_an_abort_into_wrong_bytes():
+    """With room for the larger message, the mismatch completes (the bytes are wrong, which the
+    gathers' tags or the next collective's timeout report); without it gloo aborts the process
+    from its own thread, which no Python code can catch."""
+    sums = run_local_world(mismatched_pair, 2, 16 * 4, timeout_s=30, deadline_s=120)
+    assert len(sums[0]) == 8 and len(sums[1]) == 16
+    assert sums[0] == [3.0] * 8  # its 8 expected elements arrived from rank 1 (of 16 sent)
+    with pytest.raises(RuntimeError, match="SIGABRT|signal 6|exit code -6"):
+        run_local_world(mismatched_pair, 2, 0, timeout_s=30, deadline_s=120)
