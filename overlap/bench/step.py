@@ -249,7 +249,8 @@ class Contender:
     exposed_comm_ms: Callable[[], float] | None = None
     """The contender's own measure of the last step's exposed communication, if it has one."""
     overlap_efficiency: Callable[[], float] | None = None
-    """Hidden comm / total comm of the last complete step, from the engine's own trace."""
+    """Hidden comm / total comm of one extra, untimed, traced step (after a round's timed
+    steps), from the engine's own trace."""
     trains_like_ddp: bool = True
     lossy: bool = False
     """Its communication changes the numbers: the parity check reports, it does not warn."""
@@ -334,30 +335,37 @@ def make_overlap(cfg: StepBenchConfig, batch: Batch, name: str, overrides: dict)
         return float("nan") if stats is None else stats.exposed_comm_ms
 
     # Overlap efficiency comes from the engine's trace (comm busy = union of the collectives'
-    # issue->done spans, exposed = union of the waits; overlap.report). The recorder keeps only
-    # the last two steps so that rewriting its file stays cheap on the timed path.
-    from overlap.report import load_events
+    # issue->done spans, exposed = union of the waits; overlap.report), recorded in one extra
+    # step after each round's timed steps: recording and rewriting the trace file cost 1-3% of
+    # a step, which the timed steps must not carry (no other contender records anything).
+    from overlap.report import load_events, training_steps
     from overlap.report import summarize as summarize_trace
     from overlap.trace import TraceRecorder
 
+    state = model._overlap_state
     recorder = TraceRecorder(Path(tempfile.mkdtemp(prefix="overlap-bench-trace-")), dist.get_rank(), max_steps=2)
-    model._overlap_state.trace = recorder
-    model._overlap_state.runtime.trace = recorder
+    contender = from_trainer(trainer, batch, exposed_comm_ms=exposed_comm_ms)
 
     def overlap_efficiency() -> float:
         """NaN when there is nothing to measure: world size 1 moves no bytes, or the trace has
-        no complete training step yet."""
+        no complete training step."""
         if dist.get_world_size() == 1:
             return float("nan")
+        state.trace = state.runtime.trace = recorder
         try:
-            summaries = summarize_trace(load_events([recorder.path]))
+            contender.step()  # untimed, traced
+        finally:
+            state.trace = state.runtime.trace = None
+        try:
+            events = load_events([recorder.path])
+            steps = training_steps(events)
+            summaries = summarize_trace(events, steps[-1]) if steps else []  # the step just traced
         except (FileNotFoundError, ValueError):
             return float("nan")
         return summaries[0].efficiency if summaries else float("nan")
 
-    return from_trainer(
-        trainer, batch, exposed_comm_ms=exposed_comm_ms, overlap_efficiency=overlap_efficiency
-    )
+    contender.overlap_efficiency = overlap_efficiency
+    return contender
 
 
 def attach_zero3_comm(
