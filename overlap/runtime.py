@@ -296,18 +296,26 @@ class Runtime:
             for unit in self.units:  # [Note: aliased units]
                 if (self.gather_dtype or unit.shard.dtype) == unit.shard.dtype:
                     unit.alias_shard()
-        self._gather_impl = [self._resolve_gather_impl(u, t) for u, t in zip(self.units, self._tagged)]
+        self._gather_impl = [self._resolve_gather_impl(i) for i in range(len(self.units))]
         self._fusable = [self._can_fuse(i) for i in range(len(self.units))]
         self._slack = self._receive_slack()
 
-    def _resolve_gather_impl(self, unit: UnitTensors, tagged: torch.Tensor | None) -> comm.GatherImpl:
-        """The unit's uncompressed all-gather ([Note: all-gather through all-to-all] in comm.py),
-        decided from sizes every rank shares."""
+    def _resolve_gather_impl(self, index: int) -> comm.GatherImpl:
+        """Unit `index`'s uncompressed all-gather ([Note: all-gather through all-to-all] in
+        comm.py), decided from sizes every rank shares."""
         if self.gather_impl != "auto":
             return self.gather_impl  # type: ignore[return-value]
-        numel = (unit.shard if tagged is None else tagged).numel()
-        itemsize = (self.gather_dtype or unit.shard.dtype).itemsize
-        return self.semantics.auto_gather_impl(numel * itemsize)  # type: ignore[return-value]
+        return self.semantics.auto_gather_impl(self.world_size * self._gather_part_bytes(index))  # type: ignore[return-value]
+
+    def _gather_numel(self, index: int) -> int:
+        """Elements one rank sends in an uncompressed all-gather of unit `index`: its shard,
+        with the tag slot when tags are on ([Note: collective fingerprints])."""
+        tagged = self._tagged[index]
+        return (self.units[index].shard if tagged is None else tagged).numel()
+
+    def _gather_part_bytes(self, index: int) -> int:
+        unit = self.units[index]
+        return self._gather_numel(index) * (self.gather_dtype or unit.shard.dtype).itemsize
 
     def _receive_slack(self) -> comm.RecvSlack | None:
         """What every all-to-all leaves room for ([Note: receive slack] in comm.py): the largest
@@ -317,17 +325,12 @@ class Runtime:
         small = [i for i, impl in enumerate(self._gather_impl) if impl == "all_to_all"]
         if comm.runs_locally(self.world_size) or not small:
             return None
-        def gather_bytes(i: int) -> int:
-            unit = self.units[i]
-            numel = (unit.shard if self._tagged[i] is None else self._tagged[i]).numel()
-            return numel * (self.gather_dtype or unit.shard.dtype).itemsize
-
         def reduce_bytes(i: int) -> int:  # one row: gradient chunks and used flags
             layout = self.units[i].layout
             itemsize = (self.reduce_dtype or self.units[i].unsharded_flat.dtype).itemsize
             return (layout.shard_numel + len(layout.slots)) * max(itemsize, 4)  # codecs: fp32 at most
 
-        most_gather = max(gather_bytes(i) for i in small)
+        most_gather = max(self._gather_part_bytes(i) for i in small)
         most_reduce = max(reduce_bytes(i) for i in small)
         fuse = any(self._fusable)
         floor = most_gather + most_reduce if fuse else max(most_gather, most_reduce)
@@ -719,9 +722,7 @@ class Runtime:
         """Bytes an uncompressed all-gather of unit `index` holds while in flight (accounted as
         gather_buffers): natively the output and the shard sent; through all-to-all the send
         copies and the receive buffer with its slack ([Note: receive slack] in comm.py)."""
-        unit = self.units[index]
-        itemsize = (self.gather_dtype or unit.shard.dtype).itemsize
-        part = self._fused_numel(index) * itemsize
+        part = self._gather_part_bytes(index)
         if comm.runs_locally(self.world_size) or self._gather_impl[index] == "native":
             return (self.world_size + 1) * part
         floor = self.receive_floor_bytes
@@ -732,12 +733,8 @@ class Runtime:
         receive slack together ([Note: receive slack] in comm.py); decided from sizes every rank
         shares."""
         assert self._slack is not None
-        numel = reduce_cols + self._fused_numel(index)
+        numel = reduce_cols + self._gather_numel(index)
         return numel * dtype.itemsize <= self._slack.floor_bytes
-
-    def _fused_numel(self, index: int) -> int:
-        tagged = self._tagged[index]
-        return (self.units[index].shard if tagged is None else tagged).numel()
 
     def _fused_shard(self, index: int) -> torch.Tensor:
         """What unit `index`'s fused backward all-gather sends: its shard, tagged when the tags

@@ -28,7 +28,7 @@ import overlap
 from models import TinyLM, batch, loss_of
 from overlap import checkpoint
 from overlap.compression import IdentityCodec
-from test_parity import _max_rel_diff, _shard_rows
+from test_parity import _max_rel_diff, _shard_rows, bf16_compute_vs_reference
 
 
 class MixedBlock(nn.Module):
@@ -221,33 +221,7 @@ def mixed_precision_vs_reference(rank: int, world: int, steps: int = 3) -> dict:
     """param_dtype=bf16, reduce_dtype=fp32 on a mixed model: every parameter is gathered and
     computed in bf16, gradients are reduced in fp32, and each master shard keeps its own dtype
     (bf16 weights, fp32 norms, fp16 gains). The reference does exactly that by hand."""
-    base = mixed_lm()
-    master = copy.deepcopy(base)
-    ours = overlap.wrap(base, param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    ref_opt, opt = _optim("sgd", master.parameters()), _optim("sgd", ours.parameters())
-    bitwise = True
-    for step in range(steps):
-        x = batch(base, rank, step)
-        low = copy.deepcopy(master).to(torch.bfloat16)
-        ref_loss = loss_of(low(x))
-        ref_loss.backward()
-        for p_master, p_low in zip(master.parameters(), low.parameters()):
-            g = p_low.grad.float()
-            dist.all_reduce(g)
-            p_master.grad = (g / world).to(p_master.dtype)
-        loss = loss_of(ours(x))
-        loss.backward()
-        bitwise &= bool(torch.equal(loss, ref_loss))
-        for (name, p), p_ref in zip(ours.named_parameters(), master.parameters()):
-            assert p.dtype == p_ref.dtype and p.grad.dtype == p_ref.dtype, name
-            bitwise &= bool(torch.equal(_shard_rows(p_ref.grad, p.grad.to_local(), rank, world), p.grad.to_local()))
-        ref_opt.step()
-        opt.step()
-        ref_opt.zero_grad()
-        opt.zero_grad()
-        for p, p_ref in zip(ours.parameters(), master.parameters()):
-            bitwise &= bool(torch.equal(_shard_rows(p_ref.detach(), p.to_local(), rank, world), p.to_local()))
-    return {"bitwise": bitwise}
+    return bf16_compute_vs_reference(rank, world, mixed_lm(), lambda ps: _optim("sgd", ps), steps)
 
 
 def test_param_dtype_applies_to_every_unit_of_a_mixed_model(world2):

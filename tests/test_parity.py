@@ -164,13 +164,19 @@ def mixed_precision_vs_reference(rank: int, world: int, steps: int = 3) -> dict:
     """param_dtype=bf16, reduce_dtype=fp32 against a plain model that reproduces that path:
     bf16 copy of the fp32 master weights for forward/backward, fp32 all-reduce of the bf16
     gradients, AdamW on the fp32 master."""
+    return bf16_compute_vs_reference(rank, world, tiny_lm(), lambda ps: torch.optim.AdamW(ps, lr=1e-2), steps)
+
+
+def bf16_compute_vs_reference(rank: int, world: int, base: nn.Module, make_optim, steps: int) -> dict:
+    """`base` wrapped with param_dtype=bf16, reduce_dtype=fp32 against the same path by hand:
+    a bf16 copy of the master weights computes, its gradients are all-reduced in fp32 and
+    divided by the world size, and `make_optim` steps the master, whose parameters keep their
+    own dtypes. Loss, gradient shards and parameter shards compared bitwise every step."""
     import torch.distributed as dist
 
-    base = tiny_lm()
     master = copy.deepcopy(base)
     ours = overlap.wrap(base, param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    ref_opt = torch.optim.AdamW(master.parameters(), lr=1e-2)
-    opt = torch.optim.AdamW(ours.parameters(), lr=1e-2)
+    ref_opt, opt = make_optim(master.parameters()), make_optim(ours.parameters())
     bitwise = True
     for step in range(steps):
         x = batch(base, rank, step)
@@ -180,12 +186,12 @@ def mixed_precision_vs_reference(rank: int, world: int, steps: int = 3) -> dict:
         for p_master, p_low in zip(master.parameters(), low.parameters()):
             g = p_low.grad.float()
             dist.all_reduce(g)
-            p_master.grad = g / world
+            p_master.grad = (g / world).to(p_master.dtype)
         loss = loss_of(ours(x))
         loss.backward()
         bitwise &= bool(torch.equal(loss, ref_loss))
         for (name, p), p_ref in zip(ours.named_parameters(), master.parameters()):
-            assert p.dtype == torch.float32 and p.grad.dtype == torch.float32, name
+            assert p.dtype == p_ref.dtype and p.grad.dtype == p_ref.dtype, name
             bitwise &= bool(torch.equal(_shard_rows(p_ref.grad, p.grad.to_local(), rank, world), p.grad.to_local()))
         ref_opt.step()
         opt.step()
