@@ -63,8 +63,24 @@ class OverlapConfig:
 
     reshard_after_forward: bool = True
     """True frees each unit's unsharded parameters after its forward and gathers them again for
-    backward (ZeRO-3). False keeps them until the unit's backward is done (ZeRO-2: one all-gather
-    per step, more memory)."""
+    backward (ZeRO-3), except the units `keep_for_backward_bytes` keeps. False keeps them until
+    the unit's backward is done (ZeRO-2: one all-gather per step, more memory)."""
+
+    keep_for_backward_bytes: int = 128 * 2**20
+    """With reshard_after_forward: the last units of the forward, whose backward runs first, stay
+    gathered from their forward until their backward, while their unsharded bytes add up to at
+    most this. Each kept unit saves one all-gather per step (a third of ZeRO-3's traffic for
+    that unit) and holds its unsharded bytes in the meantime, outside the prefetch budget. The
+    last unit is always kept, as FSDP2 keeps its root's. 0: only the last unit (strict ZeRO-3,
+    FSDP2's default). Ignored when `max_inflight_allgather_bytes` is set (that cap bounds every
+    unsharded byte). See [Note: units kept for backward] in schedule.py.
+    Why 128 MiB by default: a fixed amount, not a share of the model, so it does not grow with
+    the model or shrink ZeRO-3's 1/N scaling. Small units, where the second gather is a large
+    share of the step (W1 on 2 ranks: 8 units of 12 MiB, all kept), lose it; large models
+    (a unit over 64 MiB, e.g. a 7B model's 400 MB bf16 blocks) keep only the last unit, as
+    FSDP2. DeepSpeed ZeRO-3 keeps up to 1e9 parameters live by default
+    (stage3_max_live_parameters, stage3_max_reuse_distance). Measured in benchmarks/RESULTS.md
+    (session of 2026-12-02, second)."""
 
     reduce_scatter_bucket_bytes: int = 0
     """Gradients of consecutive units (in backward order) are reduce-scattered together once their
@@ -213,7 +229,7 @@ class OverlapConfig:
             isinstance(c, type) and issubclass(c, nn.Module) for c in policy
         ):
             raise ValueError(f"unit_policy set must hold nn.Module classes, got {set(policy)!r}")
-        for name in ("min_unit_numel", "prefetch_depth", "reduce_scatter_bucket_bytes"):
+        for name in ("min_unit_numel", "prefetch_depth", "reduce_scatter_bucket_bytes", "keep_for_backward_bytes"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"{name} must be an int >= 0, got {value!r}")

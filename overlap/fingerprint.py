@@ -21,6 +21,21 @@ rank receives every rank's tag in the same collective, without a collective of i
 Compressed all-gathers carry the same tag in the last `TAG_BYTES` of each rank's byte row
 (`comm.encode_shard` leaves the room, `byte_tags` reads it).
 
+[Note: reduction trail]
+Gradient reductions carry no tag (a reduce-scatter sums what it receives; there is nothing to
+compare after it). In ZeRO-3 the backward all-gathers between them caught ranks whose backwards
+diverged (one rank skipped a unit, so it reduces the units in another order). Units kept from
+forward to backward ([Note: units kept for backward] in schedule.py) have no backward gather,
+and with every unit kept a backward is reductions only: two ranks reducing [3, 2, 1, 0] and
+[3, 2, 0, 1] would sum unit 1's gradients with unit 0's, silently when the sizes match. So the
+runtime folds the units of every reduction it issues into a running hash (`reduce_trail`); when
+the next step begins, the trail of the last step that reduced anything moves into the
+signature field of every tag (XOR). Ranks whose reductions differed then raise
+`CollectiveMismatchError` at the next step's first all-gather, naming "signature" as what
+differs. One step late (the optimizer has applied that step's gradients by then, as on CUDA,
+where every check is read a step late), but not silent. Ranks that skip the same unit together
+(layer drop under one seed) reduce in the same order and raise nothing.
+
 What it cannot catch: collectives of different sizes (gloo aborts the process on the size
 mismatch, NCCL may hang until the process group's timeout), and hpZ's backward all-gathers
 from the secondary copies, which carry no tag yet.
@@ -63,6 +78,10 @@ class Tag:
     def describe(self) -> str:
         phase = PHASES[self.phase] if self.phase < len(PHASES) else f"phase {self.phase}"
         return f"step {self.step} {phase} of unit {self.unit} (signature {self.signature:#x})"
+
+
+TRAIL_MASK = 0x7FFFFF
+"""The reduction trail's bits: those of the tag's signature field ([Note: reduction trail])."""
 
 
 def signature(trainable: tuple[bool, ...]) -> int:
@@ -122,7 +141,9 @@ def mismatch_message(values: list[int], mine: int, rank: int, what: str) -> str:
         f"(this rank expected {Tag.unpack(mine).describe()}). Every rank must run the same "
         "forwards and backwards in the same order: e.g. evaluate on every rank (and reduce the "
         "metric), not under `if rank == 0`, and keep data-dependent branches from skipping a unit "
-        "on some ranks only."
+        "on some ranks only. Tags that differ in their signature only: the ranks froze different "
+        "parameters, or reduced gradients in a different order in their last backward (a unit "
+        "skipped on some ranks: [Note: reduction trail] in overlap/fingerprint.py)."
     )
     return "\n".join(lines)
 

@@ -55,6 +55,7 @@ from overlap.compression import Codec
 from overlap.compression.feedback import FeedbackResidual, make_residual_format
 from overlap.fingerprint import (
     TAG_NUMEL,
+    TRAIL_MASK,
     FingerprintCheck,
     HostTags,
     Tag,
@@ -143,6 +144,7 @@ class UnitTensors:
     secondary: torch.Tensor | None = None  # hpZ: see [Note: secondary copy]
     encoded: torch.Tensor | None = None  # wire bytes of the shard this step: _encoded_shard
     gather_from_secondary: bool = False  # the gather in flight reads the secondary copies
+    needs_secondary: bool = True  # hpZ: False for a unit kept for backward (no backward gather)
     trainable: list[tuple[Any, nn.Parameter]] = field(init=False)  # (slot, sharded param) with grads
     copy_out_views: list[torch.Tensor] | None = None  # per slot, its span of unsharded_flat
     gather_tag: int | None = None  # the tag of the all-gather in flight ([Note: collective fingerprints])
@@ -271,6 +273,8 @@ class Runtime:
     _pending: dict[int, PendingReduce] = field(init=False, default_factory=dict)
     _pending_units: dict[int, tuple[int, ...]] = field(init=False, default_factory=dict)
     step: int = field(init=False, default=0)  # steps begun on this rank, in the tags
+    reduce_trail: int = field(init=False, default=0)  # the reductions since the last roll: [Note: reduction trail]
+    last_trail: int = field(init=False, default=0)  # those of the last step that reduced, in the tags
     _flags: dict[tuple[tuple[bool, ...], torch.dtype], torch.Tensor] = field(init=False, default_factory=dict)
     _labels: dict[tuple[int, ...], str] = field(init=False, default_factory=dict)  # _span_label's
     _bound_copy_in: dict[tuple, Any] = field(init=False, default_factory=dict)  # by bucket layout
@@ -473,7 +477,7 @@ class Runtime:
 
     def _tag(self, index: int, unit: UnitTensors, for_backward: bool) -> int:
         phase = 2 if for_backward else (0 if torch.is_grad_enabled() else 1)
-        return Tag(self.step, phase, index, unit.signature).pack()
+        return Tag(self.step, phase, index, unit.signature ^ self.last_trail).pack()
 
     def _check_tag(self, unit: UnitTensors, gathered: torch.Tensor, received: torch.Tensor) -> None:
         """CUDA: before copy-out, on the device. CPU: after copy-out, from the tags it copied
@@ -561,11 +565,17 @@ class Runtime:
         gather dtype, decoded when the forward gather was compressed). A backward all-gather over
         the inner group then returns [parts of inner rank 0 | inner rank 1 | ...], i.e. the parts
         in (inner, outer) order; comm.all_gather_secondary turns that back into rank-major order.
-        Only gathers made with grad enabled keep it (a no_grad forward has no backward), and the
-        copy is dropped when the unit's gradients have been reduced: the optimizer step changes
+        Only gathers made with grad enabled keep it (a no_grad forward has no backward), units
+        kept from forward to backward take none ([Note: units kept for backward] in schedule.py:
+        they are not gathered for backward), and the copy is dropped when the unit's gradients have been reduced: the optimizer step changes
         the parameters, so the next step's forward takes a fresh one.
         """
-        if self.secondary_group is None or unit.gather_from_secondary or not torch.is_grad_enabled():
+        if (
+            self.secondary_group is None
+            or not unit.needs_secondary
+            or unit.gather_from_secondary
+            or not torch.is_grad_enabled()
+        ):
             return
         inner = dist.get_world_size(self.secondary_group)
         parts = gathered.view(self.world_size // inner, inner, -1)
@@ -639,6 +649,7 @@ class Runtime:
         once and cached on the device; the counts are read back only when this rank left some
         parameter of the bucket without gradient (otherwise every count is >= 1).
         """
+        self.reduce_trail = hash((self.reduce_trail, indices)) & TRAIL_MASK  # [Note: reduction trail]
         n = self.world_size
         dtype = self.reduce_dtype or _widest(self.units[i].unsharded_flat.dtype for i in indices)
         with _phase("reduce", f"bucket{bucket}"):
@@ -921,6 +932,8 @@ class Runtime:
         self.memory.set("grad_shards", grad_bytes)
         self.memory.reset_peak()
         self.step += 1
+        if self.reduce_trail:  # the last step reduced: its trail goes into this step's tags
+            self.last_trail, self.reduce_trail = self.reduce_trail, 0
 
     def _accumulate(self, unit: UnitTensors, reduced: torch.Tensor, offset: int, used: list[float]) -> None:
         """Add a unit's reduced gradient shard (at storage `offset` of `reduced`) into its sharded

@@ -13,8 +13,25 @@ Each unit moves through
     SHARDED --no gradient this step--> REDUCING --reduced (zeros)--> SHARDED
 
 and nothing else (`LEGAL_TRANSITIONS`, asserted on every move). A unit that is kept after forward
-(reshard_after_forward=False, or the last unit, which backward needs first) goes straight from
-UNSHARDED in forward to its backward.
+(reshard_after_forward=False, the last unit, which backward needs first, or one of the units
+below) goes straight from UNSHARDED in forward to its backward.
+
+[Note: units kept for backward]
+ZeRO-3 gathers every unit twice a step: for its forward, and again for its backward, after
+freeing it in between. For the last units of the forward that round trip buys little: their
+backward comes first, so they are freed only to be gathered again moments later. Once the
+forward order is known, the schedule keeps the last unit and then the units before it, from
+the end, while their unsharded bytes add up to at most `keep_bytes`
+(OverlapConfig.keep_for_backward_bytes); each saves one all-gather (a third of its traffic)
+per step. Between their forward and their backward they are *parked*: held, counted in the
+memory peak, but outside the prefetch budget, so the forward prefetch goes on past them (it
+stopped at the first kept unit before, which made reshard_after_forward=False slower than
+ZeRO-3: benchmarks/RESULTS.md, planner table). So at most `prefetch_depth + 1` unparked units
+are held, plus the parked ones, plus the unit being reduced: the kept bytes are a budget of
+their own. The last unit is kept but not parked: its backward is the next computation. A cap
+on gathered bytes (`max_inflight_bytes`) turns the keeping off beyond the last unit: the cap
+is the user's bound on every unsharded byte. Why a byte budget and what it is by default (a
+fixed amount, not a share of the model): OverlapConfig.keep_for_backward_bytes.
 
 [Note: prefetch budget]
 Outside the root unit (which stays unsharded for the whole step, as FSDP2 keeps its root), at
@@ -23,6 +40,7 @@ ones prefetched for it. Prefetch tops up after every event, so a freed unit is r
 In backward one more may linger: the unit whose gradients are still being accumulated while the
 next unit's backward has already begun ("the unit being reduced"). The unit needed *now* is always
 gathered, even past the budget. `max_inflight_allgather_bytes` caps the same set by bytes.
+Units kept for backward wait outside this budget ([Note: units kept for backward]).
 
 [Note: collective order]
 Every rank must issue the same collectives in the same order. Gathers follow the unit order
@@ -147,6 +165,7 @@ class ScheduleConfig:
     reshard_after_forward: bool
     bucket_bytes: int
     max_reduce_inputs: int = 1
+    keep_bytes: int = 0  # OverlapConfig.keep_for_backward_bytes: [Note: units kept for backward]
 
 
 def order_hash(order: tuple[int, ...]) -> int:
@@ -189,6 +208,8 @@ class Schedule:
     _max_unsharded_bytes: int = field(init=False, default=0)
     _held: set[int] = field(init=False, default_factory=set)  # GATHERING or UNSHARDED, root excluded
     _held_bytes: int = field(init=False, default=0)
+    _kept: frozenset[int] = field(init=False, default=frozenset())  # [Note: units kept for backward]
+    _parked: set[int] = field(init=False, default_factory=set)
     _backward_cache: tuple[int, ...] | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
@@ -207,6 +228,11 @@ class Schedule:
     def max_unsharded(self) -> tuple[int, int]:
         """Most non-root units (and their bytes) held at once since the last `reset_peak()`."""
         return self._max_unsharded, self._max_unsharded_bytes
+
+    def kept_units(self) -> frozenset[int]:
+        """Units kept from their forward to their backward, known once the first forward ended
+        ([Note: units kept for backward]; reshard_after_forward=False keeps every unit besides)."""
+        return self._kept
 
     def reset_peak(self) -> None:
         self._max_unsharded = len(self._held)
@@ -242,6 +268,7 @@ class Schedule:
             self._max_unsharded_bytes = max(self._max_unsharded_bytes, self._held_bytes)
         elif was and not now:
             self._held.discard(unit)
+            self._parked.discard(unit)
             self._held_bytes -= self.unit_bytes[unit]
 
     def _gather(self, unit: int, out: list[Action]) -> None:
@@ -268,7 +295,8 @@ class Schedule:
     def _prefetch(self, order: tuple[int, ...], out: list[Action]) -> None:
         """Top up prefetch along `order` after the cursor, within the budget."""
         cfg = self.config
-        num_held, held_bytes = len(self._held), self._held_bytes
+        # parked units wait for their backward outside the depth budget: [Note: units kept for backward]
+        num_held, held_bytes = len(self._held) - len(self._parked), self._held_bytes
         for unit in order[self._cursor + 1 :]:
             if num_held >= cfg.prefetch_depth + 1:
                 return
@@ -311,6 +339,7 @@ class Schedule:
         out: list[Action] = []
         if unit not in self._seen_forward:
             self._seen_forward.append(unit)
+        self._parked.discard(unit)  # computing again
         order = self._predicted_forward()
         if unit in order:
             self._cursor = order.index(unit)
@@ -323,21 +352,39 @@ class Schedule:
         out: list[Action] = []
         if unit == self.root or self.pinned:
             return out  # the root stays unsharded until the step ends; [Note: pinned units]
-        keep = grad_enabled and (
-            not self.config.reshard_after_forward
-            or (self.forward_order is not None and unit == self.forward_order[-1])
-        )
-        if not keep and self.states[unit] is UnitState.UNSHARDED:
+        if self.states[unit] is not UnitState.UNSHARDED:
+            return out
+        keep = grad_enabled and (not self.config.reshard_after_forward or unit in self._kept)
+        if not keep:
             self._move(unit, UnitState.SHARDED)
             out.append(self._actions.free[unit])
-            self._prefetch(self._predicted_forward(), out)
+        elif self.forward_order is not None and unit != self.forward_order[-1]:
+            self._parked.add(unit)  # it leaves the prefetch budget: [Note: units kept for backward]
+        else:
+            return out  # the last unit: its backward is next
+        self._prefetch(self._predicted_forward(), out)
         return out
+
+    def _choose_kept(self) -> frozenset[int]:
+        """The units kept from their forward to their backward ([Note: units kept for backward])."""
+        order = [u for u in self.forward_order or () if u != self.root]
+        if not order:
+            return frozenset()
+        kept, total = {order[-1]}, self.unit_bytes[order[-1]]
+        if self.config.max_inflight_bytes is None:
+            for unit in reversed(order[:-1]):
+                total += self.unit_bytes[unit]
+                if total > self.config.keep_bytes:
+                    break
+                kept.add(unit)
+        return frozenset(kept)
 
     def end_forward(self, grad_enabled: bool) -> list[Action]:
         """The root module's forward returned."""
         out: list[Action] = []
         if self.forward_order is None:
             self.forward_order = tuple(self._seen_forward)
+            self._kept = self._choose_kept()
         if not self._forward_checked:
             self._forward_checked = True
             out.append(CheckOrder("forward", order_hash(self.forward_order), self.forward_order))
@@ -406,6 +453,7 @@ class Schedule:
         if unit in self._started_backward:
             return out
         self._started_backward.add(unit)
+        self._parked.discard(unit)  # its backward is the one computing now
         order = self._predicted_backward()
         if unit in order:
             self._cursor = order.index(unit)

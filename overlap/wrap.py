@@ -97,6 +97,7 @@ class OverlapState:
                 reshard_after_forward=config.reshard_after_forward,
                 bucket_bytes=config.reduce_scatter_bucket_bytes,
                 max_reduce_inputs=config.max_reduce_inputs,
+                keep_bytes=config.keep_for_backward_bytes,
             ),
             root=root_unit,
         )
@@ -261,7 +262,11 @@ class OverlapState:
         grad_enabled = torch.is_grad_enabled()
         if grad_enabled:
             self._on_backward_of(output, self.root_units)
+        first = self.schedule.forward_order is None
         self._run(self.schedule.end_forward(grad_enabled))
+        if first:  # hpZ: a unit kept for backward needs no secondary copy, nor do the root's
+            for index in (*self.schedule.kept_units(), *self.root_units):
+                self.runtime.units[index].needs_secondary = False
         if not grad_enabled:
             self._finish_step()
 

@@ -50,14 +50,15 @@ def eval_on_rank0_only(rank: int, world: int, config: dict | None = None) -> str
     return "no error"
 
 
-def skip_a_unit_on_one_rank(rank: int, world: int) -> str:
+def skip_a_unit_on_one_rank(rank: int, world: int, config: dict, skip_on: tuple[int, ...] = (1,)) -> str:
     import overlap
 
-    model = overlap.wrap(Skippy(), collective_timeout_s=30)
+    model = overlap.wrap(Skippy(), collective_timeout_s=30, **config)
     x = torch.randn(4, 16, generator=torch.Generator().manual_seed(rank))
     _train_step(model, x)
     try:
-        _train_step(model, x, skip=1 if rank == 1 else None)
+        _train_step(model, x, skip=1 if rank in skip_on else None)
+        _train_step(model, x)  # kept units: the next step's first all-gather names it
     except (overlap.CollectiveMismatchError, overlap.comm.CollectiveError) as e:
         return str(e)
     return "no error"
@@ -127,15 +128,27 @@ def test_compressed_gathers_carry_the_tag(world2, config):
     _assert_diverged(messages, ("forward (no grad)", "rank 0:", "rank 1:"))
 
 
-def test_skipped_unit_raises_on_every_rank(world2):
+@pytest.mark.parametrize("config", [{"keep_for_backward_bytes": 0}, {}], ids=["strict-zero3", "kept-units"])
+def test_skipped_unit_raises_on_every_rank(world2, config):
     """A rank that skips a unit leaves its prefetched copy unused and issues its backward
     collectives in another order. Where the paired collectives are both all-gathers the tags
     name both sides; where a rank's all-gather meets the other's reduce-scatter, the collective
-    fails within `collective_timeout_s` on every rank, naming its unit. Either way: no hang."""
-    messages = world2.run(skip_a_unit_on_one_rank, timeout_s=240)
+    fails within `collective_timeout_s` on every rank, naming its unit. Either way: no hang.
+    With every unit kept for backward (the default on this small model), the backward is
+    reductions only: the next step's first all-gather raises, naming the signature
+    ([Note: reduction trail] in fingerprint.py)."""
+    messages = world2.run(skip_a_unit_on_one_rank, config=config, timeout_s=240)
     for rank, message in enumerate(messages):
         assert message.startswith(f"overlap: rank {rank}: the "), message
         assert "diverged" in message or "collective_timeout_s=30" in message, message
+        if config == {}:
+            assert "diverged" in message and "step 3 forward" in message, message
+
+
+def test_same_skip_on_every_rank_raises_nothing(world2):
+    """Layer drop under one seed: every rank skips the same unit, so every rank reduces in the
+    same order, and the reduction trail agrees: no false alarm."""
+    assert world2.run(skip_a_unit_on_one_rank, config={}, skip_on=(0, 1), timeout_s=240) == ["no error"] * 2
 
 
 @pytest.mark.parametrize("config", [{}, {"param_compression": "int8"}], ids=["plain", "int8_weights"])

@@ -216,7 +216,9 @@ def train_with_fault(rank: int, world_size: int, report: Report, fault: Fault) -
     import overlap
     from overlap.comm import CollectiveError
 
-    model = overlap.wrap(tiny_lm(layers=4), collective_timeout_s=COLLECTIVE_TIMEOUT_S)
+    # keep_for_backward_bytes=0: every kind of collective ZeRO-3 issues, backward gathers included
+    # (kept units have none: [Note: units kept for backward])
+    model = overlap.wrap(tiny_lm(layers=4), collective_timeout_s=COLLECTIVE_TIMEOUT_S, keep_for_backward_bytes=0)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     step = [0]
     if rank == fault.victim and fault.phase != "before optimizer":

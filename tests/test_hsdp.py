@@ -21,6 +21,7 @@ import overlap
 from models import batch, loss_of, tiny_lm
 
 TOL = 1e-6
+ZERO3 = {"keep_for_backward_bytes": 0}  # only the last unit kept: [Note: units kept for backward]
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -193,19 +194,21 @@ def hpz_vs_ddp(rank: int, world: int, config: dict, steps: int = 3) -> dict:
         for name, fn in originals.items():
             setattr(comm, name, fn)
     del worst["ref"]
+    secondary_peak = overlap.memory_stats(ours).peak["secondary"]  # of the last step
     held = [u.secondary is not None for u in ours._overlap_state.units]
     with torch.no_grad():
         ours(batch(base, rank, 0))  # a no_grad forward keeps no secondary copy
     held_after_eval = [u.secondary is not None for u in ours._overlap_state.units]
-    return {**worst, "sizes": sizes, "held": held, "held_after_eval": held_after_eval}
+    return {**worst, "sizes": sizes, "held": held, "held_after_eval": held_after_eval, "secondary_peak": secondary_peak}
 
 
 @pytest.mark.parametrize(
     "config",
     [
-        pytest.param({}, id="default"),
-        pytest.param({"prefetch_depth": 2, "reduce_scatter_bucket_bytes": 6000}, id="bucketed"),
-        pytest.param({"param_compression": "bf16"}, id="bf16-weights"),
+        pytest.param(ZERO3, id="strict-zero3"),
+        pytest.param({"prefetch_depth": 2, "reduce_scatter_bucket_bytes": 6000, **ZERO3}, id="bucketed"),
+        pytest.param({"param_compression": "bf16", **ZERO3}, id="bf16-weights"),
+        pytest.param({}, id="default"),  # every block kept for backward: no backward gather
     ],
 )
 def test_hpz_secondary_copy_matches_ddp(world4, config):
@@ -214,9 +217,14 @@ def test_hpz_secondary_copy_matches_ddp(world4, config):
         tol = 5e-2 if "param_compression" in config else TOL  # bf16 weights vs fp32 DDP
         assert all(r[k] <= tol for k in ("loss", "grad", "param")), (rank, r)
         sizes = [s for s in r["sizes"] if s > 1]
-        # the order check of the first step is over; forward gathers span all 4 ranks, the
-        # backward ones (every unit but the last of forward, which stays gathered) span 2
-        assert sizes.count(4) >= 3 and sizes.count(2) >= 2, (rank, sizes)
+        if config.get("keep_for_backward_bytes") == 0:
+            # the order check of the first step is over; forward gathers span all 4 ranks, the
+            # backward ones (every unit but the last of forward, which stays gathered) span 2
+            assert sizes.count(4) >= 3 and sizes.count(2) >= 2, (rank, sizes)
+            assert r["secondary_peak"] > 0, r
+        else:  # kept units are neither gathered for backward nor copied for it
+            assert sizes.count(4) >= 3 and sizes.count(2) == 0, (rank, sizes)
+            assert r["secondary_peak"] == 0, r
         assert not any(r["held"]) and not any(r["held_after_eval"]), (rank, r)
 
 

@@ -38,7 +38,12 @@ def _train(rank: int, world: int, config: dict, steps: int = 3) -> dict:
     root = state.root_unit
     body = [b for i, b in enumerate(units) if i != root]
     stats = peaks[-1]
+    schedule = state.schedule
+    kept = schedule.kept_units()  # [Note: units kept for backward]: beyond the last unit
+    kept_extra = sum(units[u] for u in kept) - (units[schedule.forward_order[-1]] if kept else 0)
     return {
+        "kept_extra": kept_extra,
+        "num_kept": len(kept),
         "peak_total": max(p.peak_total_bytes for p in peaks[1:]),
         "peak": stats.peak,
         "now": stats.bytes,
@@ -64,7 +69,9 @@ def _bucket_input_max(state, config: dict) -> int:
 
 CONFIGS = {
     "default": {},
-    "prefetch2": {"prefetch_depth": 2},
+    "strict_zero3": {"keep_for_backward_bytes": 0},
+    "keep_three": {"keep_for_backward_bytes": 3 * 35_200},  # units of 35,200 bytes (padded)
+    "prefetch2": {"prefetch_depth": 2, "keep_for_backward_bytes": 0},
     "bucketed": {"reduce_scatter_bucket_bytes": 40_000},
     "two_inputs": {"max_reduce_inputs": 2},
     "int8_ef": {"grad_compression": "int8", "error_feedback": True},
@@ -85,7 +92,12 @@ def test_accounted_peak_within_budget(world2, name):
         depth = config.get("prefetch_depth", 1)
         k = config.get("max_reduce_inputs", 1)
         ideal = 2 * r["shards"]  # parameter shards + gradient shards
-        budget = (depth + 1) * r["unit_max"] + r["root"]  # prefetch budget, root kept all step
+        # prefetch budget, root kept all step, units kept from forward to backward
+        budget = (depth + 1) * r["unit_max"] + r["root"] + r["kept_extra"]
+        if config.get("keep_for_backward_bytes") == 0:
+            assert r["kept_extra"] == 0 and r["num_kept"] == 1, r
+        if name == "keep_three":
+            assert r["num_kept"] == 3, r
         # gathers in flight: the prefetched ones and, in backward, the next unit's
         gathers = (depth + 1) * r["gather_max"]
         bound = ideal + budget + k * r["bucket_input_max"] + gathers + r["peak"]["residuals"]

@@ -104,11 +104,14 @@ def train_vs_ddp(
             bitwise &= bool(torch.equal(p_ref, p.to_local()))
             worst["param"] = max(worst["param"], _max_rel_diff(p_ref, p.detach().to_local()))
     stats = overlap.step_stats(ours)
-    return {"bitwise": bitwise, **worst, "max_unsharded": stats.max_unsharded_units}
+    kept = len(ours._overlap_state.schedule.kept_units())  # [Note: units kept for backward]
+    return {"bitwise": bitwise, **worst, "max_unsharded": stats.max_unsharded_units, "kept": kept}
 
 
 CONFIGS_2 = [
     pytest.param({}, id="default"),
+    pytest.param({"keep_for_backward_bytes": 0}, id="strict-zero3"),  # only the last unit kept
+    pytest.param({"keep_for_backward_bytes": 3000}, id="keep-some"),
     pytest.param({"prefetch_depth": 0}, id="no-prefetch"),
     pytest.param({"prefetch_depth": 3, "reduce_scatter_bucket_bytes": 4000}, id="deep-bucketed"),
     pytest.param({"reshard_after_forward": False}, id="zero2"),
@@ -130,7 +133,10 @@ def test_bitwise_parity_world2(world2, model, config):
         assert r["bitwise"], f"rank {rank}: not bitwise equal to DDP: {r}"
         depth = config.get("prefetch_depth", overlap.OverlapConfig().prefetch_depth)
         if config.get("reshard_after_forward", True):
-            assert r["max_unsharded"] <= depth + 1, r
+            # the prefetch budget (the last unit, kept, included) plus the other kept units
+            assert r["max_unsharded"] <= depth + max(r["kept"], 1), r
+            if config.get("keep_for_backward_bytes") == 0:
+                assert r["kept"] == 1, r
 
 
 @pytest.mark.parametrize(

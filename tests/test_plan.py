@@ -51,14 +51,19 @@ def test_no_comm_hidden_without_prefetch_and_all_hidden_with_it():
 
 
 @pytest.mark.parametrize("depth", [0, 1, 2, 3])
-@pytest.mark.parametrize("reshard", [True, False])
-def test_counts_and_memory_follow_the_schedule(depth, reshard):
+@pytest.mark.parametrize(("reshard", "keep"), [(True, 0), (True, 25_000_000), (True, None), (False, 0)])
+def test_counts_and_memory_follow_the_schedule(depth, reshard, keep):
     n = 6
-    p = simulate(units(n), OverlapConfig(prefetch_depth=depth, reshard_after_forward=reshard), TOPO, record=True)
-    assert p.num_allgathers == (2 * n - 1 if reshard else n)  # ZeRO-3 keeps the last unit
+    config = OverlapConfig(prefetch_depth=depth, reshard_after_forward=reshard)
+    if keep is not None:  # None: the default (128 MiB keeps all six 10 MB units)
+        config = config.replace(keep_for_backward_bytes=keep)
+    p = simulate(units(n), config, TOPO, record=True)
+    # ZeRO-3 keeps the last unit, and more within keep_for_backward_bytes
+    kept = min(n, max(1, config.keep_for_backward_bytes // 10_000_000))
+    assert p.num_allgathers == (2 * n - kept if reshard else n)
     assert p.num_reduce_scatters == n
     if reshard:
-        assert p.peak_unsharded_units <= depth + 1
+        assert p.peak_unsharded_units <= depth + kept
     # compute is serial and never overlaps itself; every wait ends when its collective does
     compute = sorted((a, b) for lane, _, a, b in p.events if lane == "compute")
     assert all(b0 <= a1 + 1e-12 for (_, b0), (a1, _) in zip(compute, compute[1:]))

@@ -162,9 +162,10 @@ def test_host_work_lands_on_the_training_thread():
 
 def test_backward_regather_has_its_own_issue_cost():
     units = [unit(f"u{i}", 0.02, 0.04, gather_issue_host_s=2 * MS, backward_gather_issue_host_s=0.0) for i in range(3)]
-    cheap = simulate(units, OverlapConfig(prefetch_depth=0), TOPO, backend="gloo")
+    zero3 = OverlapConfig(prefetch_depth=0, keep_for_backward_bytes=0)  # units 1 and 0 re-gathered
+    cheap = simulate(units, zero3, TOPO, backend="gloo")
     units = [unit(f"u{i}", 0.02, 0.04, gather_issue_host_s=2 * MS) for i in range(3)]
-    full = simulate(units, OverlapConfig(prefetch_depth=0), TOPO, backend="gloo")
+    full = simulate(units, zero3, TOPO, backend="gloo")
     assert full.step_s - cheap.step_s == pytest.approx(2 * 2 * MS)  # units 1 and 0 re-gather
 
 

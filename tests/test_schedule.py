@@ -194,3 +194,74 @@ def test_reduce_inputs_bounded(max_inputs):
         buckets = [a.bucket for a in actions if isinstance(a, Reduce)]
         assert released == buckets[: len(buckets) - max_inputs]
         assert [a.bucket for a in actions if isinstance(a, WaitReduce)] == buckets
+
+
+def make_keeping(n: int, keep: int, depth: int = 1, sizes=None, cap=None) -> Schedule:
+    sizes = sizes or [100] * n
+    return Schedule(list(sizes), [200] * n, ScheduleConfig(depth, cap, True, 0, keep_bytes=keep))
+
+
+def test_kept_units_are_not_gathered_again_for_backward():
+    # [Note: units kept for backward]: 250 bytes keep units 3 and 2 (200), not 1 (300)
+    s = make_keeping(4, keep=250)
+    first = sequential_step(s, 4)
+    assert sum(isinstance(a, Gather) and a.for_backward for a in first) == 4  # order not known yet
+    second = sequential_step(s, 4)
+    assert [a.unit for a in second if isinstance(a, Gather) and a.for_backward] == [1, 0]
+    assert [a.unit for a in second if isinstance(a, Free)] == [0, 1, 3, 2, 1, 0]
+    # the forward prefetch goes past the parked unit 2 into unit 3
+    fwd = second[: second.index(WaitGather(3))]
+    assert fwd.index(Gather(3)) < fwd.index(WaitGather(2))
+
+
+@pytest.mark.parametrize("keep", [0, 100, 250, 10_000])
+def test_keep_budget_bounds_held_units(keep):
+    sizes = [100, 300, 100, 100, 200]
+    kept_bytes = {0: 200, 100: 200, 250: 200, 10_000: 800}[keep]  # the last unit always
+
+    def watch(sched: Schedule) -> None:
+        parked = sched._parked
+        assert len(set(sched.held_units()) - parked) <= 2 + 1, sched.states  # depth + 1 + reducing
+        assert sum(sched.unit_bytes[u] for u in parked) + 200 <= max(kept_bytes, 200)
+
+    s = make_keeping(5, keep=keep, sizes=sizes)
+    for _ in range(3):
+        actions = sequential_step(s, 5, watch=watch)
+        assert all(st is UnitState.SHARDED for st in s.states)
+    kept = {u for u in range(5) if not any(a == Gather(u, True) for a in actions)}
+    assert sum(sizes[u] for u in kept) == kept_bytes, kept
+
+
+def test_byte_cap_turns_keeping_off():
+    s = make_keeping(4, keep=10_000, cap=250)
+    sequential_step(s, 4)
+    second = sequential_step(s, 4)
+    assert [a.unit for a in second if isinstance(a, Gather) and a.for_backward] == [2, 1, 0]
+
+
+def test_zero2_prefetches_in_forward():
+    # reshard_after_forward=False keeps every unit: they are parked, so the forward prefetch
+    # still runs one unit ahead (it stopped at the first kept unit before)
+    s = make(4, depth=1, reshard=False)
+    sequential_step(s, 4)
+    second = sequential_step(s, 4)
+    forward = second[: second.index(WaitGather(3)) + 1]
+    assert forward == [
+        Gather(0), Gather(1), WaitGather(0),
+        Gather(2), WaitGather(1),
+        Gather(3), WaitGather(2),
+        WaitGather(3),
+    ]
+    assert not any(isinstance(a, Gather) for a in second[len(forward):])
+
+
+def test_second_forward_before_backward_unparks():
+    s = make_keeping(3, keep=1000)
+    sequential_step(s, 3)
+    s.begin_forward()
+    for u in range(3):
+        s.pre_forward(u)
+        s.post_forward(u, True)
+    assert s._parked == {0, 1}
+    frees = [a for a in s.begin_forward() if isinstance(a, Free)]  # e.g. a second micro-forward
+    assert sorted(a.unit for a in frees) == [0, 1, 2] and not s._parked

@@ -355,6 +355,7 @@ def simulate(
             config.reshard_after_forward,
             config.reduce_scatter_bucket_bytes,
             config.max_reduce_inputs,
+            config.keep_for_backward_bytes,
         ),
         root=root,
     )
