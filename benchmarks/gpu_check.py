@@ -252,6 +252,7 @@ def part_sync_free(c: Check) -> PartResult:
     layer_bytes = sum(p.numel() for p in nn.TransformerEncoderLayer(s.d, s.heads, s.ff).parameters()) * 4
     configs = {
         "plain": {},
+        "strict-zero3": {"keep_for_backward_bytes": 0},  # backward gathers too (the default keeps small units)
         "bucketed": {"reduce_scatter_bucket_bytes": 3 * layer_bytes},
         "int8+ef": {"grad_compression": "int8", "error_feedback": True},
     }
