@@ -229,7 +229,8 @@ class OverlapConfig:
             isinstance(c, type) and issubclass(c, nn.Module) for c in policy
         ):
             raise ValueError(f"unit_policy set must hold nn.Module classes, got {set(policy)!r}")
-        for name in ("min_unit_numel", "prefetch_depth", "reduce_scatter_bucket_bytes", "keep_for_backward_bytes"):
+        non_negative = ("min_unit_numel", "prefetch_depth", "reduce_scatter_bucket_bytes", "keep_for_backward_bytes")
+        for name in non_negative:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"{name} must be an int >= 0, got {value!r}")

@@ -144,7 +144,7 @@ class UnitTensors:
     secondary: torch.Tensor | None = None  # hpZ: see [Note: secondary copy]
     encoded: torch.Tensor | None = None  # wire bytes of the shard this step: _encoded_shard
     gather_from_secondary: bool = False  # the gather in flight reads the secondary copies
-    needs_secondary: bool = True  # hpZ: False for a unit kept for backward (no backward gather)
+    needs_secondary: bool = True  # hpZ: False for kept and root units (no backward gather)
     trainable: list[tuple[Any, nn.Parameter]] = field(init=False)  # (slot, sharded param) with grads
     copy_out_views: list[torch.Tensor] | None = None  # per slot, its span of unsharded_flat
     gather_tag: int | None = None  # the tag of the all-gather in flight ([Note: collective fingerprints])
@@ -566,9 +566,10 @@ class Runtime:
         the inner group then returns [parts of inner rank 0 | inner rank 1 | ...], i.e. the parts
         in (inner, outer) order; comm.all_gather_secondary turns that back into rank-major order.
         Only gathers made with grad enabled keep it (a no_grad forward has no backward), units
-        kept from forward to backward take none ([Note: units kept for backward] in schedule.py:
-        they are not gathered for backward), and the copy is dropped when the unit's gradients have been reduced: the optimizer step changes
-        the parameters, so the next step's forward takes a fresh one.
+        kept from forward to backward and the root's take none (they are not gathered for
+        backward: [Note: units kept for backward] in schedule.py), and the copy is dropped when
+        the unit's gradients have been reduced: the optimizer step changes the parameters, so
+        the next step's forward takes a fresh one.
         """
         if (
             self.secondary_group is None

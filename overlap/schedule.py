@@ -361,7 +361,7 @@ class Schedule:
         elif self.forward_order is not None and unit != self.forward_order[-1]:
             self._parked.add(unit)  # it leaves the prefetch budget: [Note: units kept for backward]
         else:
-            return out  # the last unit: its backward is next
+            return out  # the last unit (its backward is next), or ZeRO-2 before the order is known
         self._prefetch(self._predicted_forward(), out)
         return out
 

@@ -6,6 +6,10 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+STRICT_ZERO3 = {"keep_for_backward_bytes": 0}
+"""Overrides for strict ZeRO-3: only the last unit kept from forward to backward, every other unit
+gathered again for its backward ([Note: units kept for backward] in overlap/schedule.py)."""
+
 
 class Block(nn.Module):
     def __init__(self, dim: int, hidden: int) -> None:

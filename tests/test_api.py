@@ -13,7 +13,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import overlap
-from models import Block, TinyLM, batch, loss_of, tiny_lm
+from models import STRICT_ZERO3, Block, TinyLM, batch, loss_of, tiny_lm
 from overlap import comm
 
 
@@ -86,8 +86,7 @@ def collectives_and_labels(rank: int, world: int, config: dict) -> dict:
     return {"calls": per_step, "labels": labels, "stats": stats}
 
 
-ZERO3 = {"keep_for_backward_bytes": 0}  # only the last unit kept: [Note: units kept for backward]
-NATIVE = {"all_gather_impl": "native", **ZERO3}
+NATIVE = {"all_gather_impl": "native", **STRICT_ZERO3}
 
 
 @pytest.mark.parametrize(
@@ -101,9 +100,9 @@ NATIVE = {"all_gather_impl": "native", **ZERO3}
         ({**NATIVE, "reduce_scatter_impl": "native"}, 8, 5, {"all_gather": 8, "reduce_scatter": 5}),
         # the default on gloo ([Note: fused exchange]): every collective an all-to-all, and two of
         # the three backward gathers (those issued right after a reduction) ride in it: 13 -> 11
-        (ZERO3, 8, 5, {"all_to_all": 11}),
-        ({"reduce_scatter_bucket_bytes": 10**9, **ZERO3}, 8, 1, {"all_to_all": 9}),  # no reduction to ride in
-        ({"reduce_scatter_impl": "native", **ZERO3}, 8, 5, {"all_to_all": 8, "reduce_scatter": 5}),  # nothing fused
+        (STRICT_ZERO3, 8, 5, {"all_to_all": 11}),
+        ({"reduce_scatter_bucket_bytes": 10**9, **STRICT_ZERO3}, 8, 1, {"all_to_all": 9}),  # no reduction to ride in
+        ({"reduce_scatter_impl": "native", **STRICT_ZERO3}, 8, 5, {"all_to_all": 8, "reduce_scatter": 5}),  # nothing fused
         # the defaults: the 4 small blocks are kept from forward to backward, no backward gather
         ({}, 5, 5, {"all_to_all": 10}),
         ({"keep_for_backward_bytes": 1}, 8, 5, {"all_to_all": 11}),  # as 0: the last unit always

@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 
 from harness import World
-from models import batch, encoder_stack, loss_of
+from models import STRICT_ZERO3, batch, encoder_stack, loss_of
 
 
 class Skippy(nn.Module):
@@ -128,7 +128,7 @@ def test_compressed_gathers_carry_the_tag(world2, config):
     _assert_diverged(messages, ("forward (no grad)", "rank 0:", "rank 1:"))
 
 
-@pytest.mark.parametrize("config", [{"keep_for_backward_bytes": 0}, {}], ids=["strict-zero3", "kept-units"])
+@pytest.mark.parametrize("config", [STRICT_ZERO3, {}], ids=["strict-zero3", "kept-units"])
 def test_skipped_unit_raises_on_every_rank(world2, config):
     """A rank that skips a unit leaves its prefetched copy unused and issues its backward
     collectives in another order. Where the paired collectives are both all-gathers the tags

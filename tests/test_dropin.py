@@ -16,7 +16,7 @@ import torch.utils.checkpoint as ckpt
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import overlap
-from models import Block, TinyLM, batch, encoder_stack, loss_of
+from models import STRICT_ZERO3, Block, TinyLM, batch, encoder_stack, loss_of
 from overlap import comm
 
 
@@ -134,7 +134,7 @@ def train_vs_reference(rank: int, world: int, case: str, config: dict, steps: in
 @pytest.mark.parametrize("case", list(BUILDERS))
 @pytest.mark.parametrize(
     "config",
-    [{}, {"prefetch_depth": 2, "reduce_scatter_bucket_bytes": 5000, "keep_for_backward_bytes": 0}],
+    [{}, {"prefetch_depth": 2, "reduce_scatter_bucket_bytes": 5000, **STRICT_ZERO3}],
     ids=["default", "deep-strict-zero3"],
 )
 def test_training_code_parity(world2, case, config):

@@ -211,14 +211,14 @@ def _arm(model: torch.nn.Module, fault: Fault, step: list[int], rank: int, repor
 
 
 def train_with_fault(rank: int, world_size: int, report: Report, fault: Fault) -> None:
-    from models import batch, loss_of, tiny_lm
+    from models import STRICT_ZERO3, batch, loss_of, tiny_lm
 
     import overlap
     from overlap.comm import CollectiveError
 
-    # keep_for_backward_bytes=0: every kind of collective ZeRO-3 issues, backward gathers included
-    # (kept units have none: [Note: units kept for backward])
-    model = overlap.wrap(tiny_lm(layers=4), collective_timeout_s=COLLECTIVE_TIMEOUT_S, keep_for_backward_bytes=0)
+    # strict ZeRO-3: every kind of collective it issues, backward gathers included (units kept
+    # for backward have none)
+    model = overlap.wrap(tiny_lm(layers=4), collective_timeout_s=COLLECTIVE_TIMEOUT_S, **STRICT_ZERO3)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     step = [0]
     if rank == fault.victim and fault.phase != "before optimizer":

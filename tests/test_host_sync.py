@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from harness import World
-from models import batch, encoder_stack, loss_of
+from models import STRICT_ZERO3, batch, encoder_stack, loss_of
 from overlap import backend
 
 PACKAGE_DIR = os.path.dirname(os.path.abspath(sys.modules["overlap"].__file__)) + os.sep
@@ -96,7 +96,7 @@ CONFIGS = {
     "zero2": {"reshard_after_forward": False},
     # the default keeps this small model's units from forward to backward: the backward gathers'
     # path is audited here ([Note: units kept for backward])
-    "strict_zero3": {"keep_for_backward_bytes": 0},
+    "strict_zero3": STRICT_ZERO3,
 }
 
 

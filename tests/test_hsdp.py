@@ -18,10 +18,9 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import overlap
-from models import batch, loss_of, tiny_lm
+from models import STRICT_ZERO3, batch, loss_of, tiny_lm
 
 TOL = 1e-6
-ZERO3 = {"keep_for_backward_bytes": 0}  # only the last unit kept: [Note: units kept for backward]
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -205,9 +204,9 @@ def hpz_vs_ddp(rank: int, world: int, config: dict, steps: int = 3) -> dict:
 @pytest.mark.parametrize(
     "config",
     [
-        pytest.param(ZERO3, id="strict-zero3"),
-        pytest.param({"prefetch_depth": 2, "reduce_scatter_bucket_bytes": 6000, **ZERO3}, id="bucketed"),
-        pytest.param({"param_compression": "bf16", **ZERO3}, id="bf16-weights"),
+        pytest.param(STRICT_ZERO3, id="strict-zero3"),
+        pytest.param({"prefetch_depth": 2, "reduce_scatter_bucket_bytes": 6000, **STRICT_ZERO3}, id="bucketed"),
+        pytest.param({"param_compression": "bf16", **STRICT_ZERO3}, id="bf16-weights"),
         pytest.param({}, id="default"),  # every block kept for backward: no backward gather
     ],
 )

@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 
 from harness import World
-from models import batch, encoder_stack, loss_of
+from models import STRICT_ZERO3, batch, encoder_stack, loss_of
 
 
 def _train(rank: int, world: int, config: dict, steps: int = 3) -> dict:
@@ -69,9 +69,9 @@ def _bucket_input_max(state, config: dict) -> int:
 
 CONFIGS = {
     "default": {},
-    "strict_zero3": {"keep_for_backward_bytes": 0},
+    "strict_zero3": STRICT_ZERO3,
     "keep_three": {"keep_for_backward_bytes": 3 * 35_200},  # units of 35,200 bytes (padded)
-    "prefetch2": {"prefetch_depth": 2, "keep_for_backward_bytes": 0},
+    "prefetch2": {"prefetch_depth": 2, **STRICT_ZERO3},
     "bucketed": {"reduce_scatter_bucket_bytes": 40_000},
     "two_inputs": {"max_reduce_inputs": 2},
     "int8_ef": {"grad_compression": "int8", "error_feedback": True},

@@ -19,7 +19,7 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import overlap
-from models import batch, encoder_stack, loss_of, tiny_lm
+from models import STRICT_ZERO3, batch, encoder_stack, loss_of, tiny_lm
 from overlap.runtime import Runtime
 
 MODELS = {"tiny_lm": tiny_lm, "encoder": encoder_stack}
@@ -110,7 +110,7 @@ def train_vs_ddp(
 
 CONFIGS_2 = [
     pytest.param({}, id="default"),
-    pytest.param({"keep_for_backward_bytes": 0}, id="strict-zero3"),  # only the last unit kept
+    pytest.param(STRICT_ZERO3, id="strict-zero3"),
     pytest.param({"keep_for_backward_bytes": 3000}, id="keep-some"),
     pytest.param({"prefetch_depth": 0}, id="no-prefetch"),
     pytest.param({"prefetch_depth": 3, "reduce_scatter_bucket_bytes": 4000}, id="deep-bucketed"),
