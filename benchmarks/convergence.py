@@ -354,7 +354,7 @@ def main() -> None:
     )  # fmt: skip
     parser.add_argument("--nproc", type=int, default=2)
     d = DemoConfig()
-    for flag in ("layers", "dim", "heads", "batch_size", "block_size", "eval_batches"):
+    for flag in ("layers", "dim", "heads", "batch_size", "block_size", "eval_batches", "seed"):
         parser.add_argument(
             f"--{flag.replace('_', '-')}", dest=flag, type=int, default=getattr(d, flag),
             help="as `overlap demo`'s",
@@ -381,7 +381,7 @@ def main() -> None:
     cfg = replace(
         DemoConfig(), steps=args.steps, log_every=10**9, layers=args.layers, dim=args.dim,
         heads=args.heads, batch_size=args.batch_size, block_size=args.block_size,
-        eval_batches=args.eval_batches,
+        eval_batches=args.eval_batches, seed=args.seed,
     )  # fmt: skip
     if args.from_json is not None:
         saved = json.loads(args.from_json.read_text())

@@ -18,6 +18,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <vector>
 
 namespace {
 
@@ -205,6 +206,60 @@ void feedback_blocks_base(const scalar_t* x, float* r, int64_t numel, int64_t bi
   feedback_blocks<scalar_t>(x, r, numel, bits, block, fmt, noise, codes_out, scales, table, b0, b1);
 }
 
+// Error feedback with an int8 residual ([Note: error feedback residual] in feedback.py), fused:
+// r = decode(res_codes) (int8 blockwise, the codec's block), t = x + r, codes = quantize(t),
+// r' = t - decode(codes), (res_codes, res_scales) = quantize_int8(r'), one block at a time through
+// a block-sized buffer: one pass over memory instead of the composition's three kernels and two
+// full-size fp32 temporaries. The same fp32 operations in the same order as the composition
+// (dequantize_blockwise, quantize_feedback_blockwise, quantize_blockwise), so the same bits.
+template <typename scalar_t>
+__attribute__((always_inline)) inline void feedback_int8res_blocks(const scalar_t* x, int8_t* res_codes,
+                                                                   float* res_scales, int64_t numel, int64_t bits,
+                                                                   int64_t block, int64_t fmt, const float* noise,
+                                                                   void* codes_out, float* scales,
+                                                                   const float* fp8_table, float* t, int64_t b0,
+                                                                   int64_t b1) {
+  for (int64_t b = b0; b < b1; ++b) {
+    const int64_t start = b * block;
+    const int64_t len = std::min(block, numel - start);
+    const scalar_t* xb = x + start;
+    int8_t* rc = res_codes + start;
+    const float rs = res_scales[b];
+    for (int64_t i = 0; i < len; ++i) t[i] = static_cast<float>(xb[i]) + static_cast<float>(rc[i]) * rs;
+    uint8_t* cb = static_cast<uint8_t*>(codes_out) + (bits == 4 ? start / 2 : start);
+    quantize_blocks<float>(t, len, bits, block, fmt, noise == nullptr ? nullptr : noise + start, cb, scales + b, 0, 1);
+    const float s = scales[b];
+    if (fmt == kFmtFp8) {
+      for (int64_t i = 0; i < len; ++i) t[i] = t[i] - fp8_table[cb[i]] * s;
+    } else if (bits == 8) {
+      const int8_t* c = reinterpret_cast<const int8_t*>(cb);
+      for (int64_t i = 0; i < len; ++i) t[i] = t[i] - static_cast<float>(c[i]) * s;
+    } else {
+      for (int64_t i = 0; i < len; ++i) {
+        const int32_t nib = (i & 1) ? (cb[i / 2] >> 4) : (cb[i / 2] & 0xF);
+        t[i] = t[i] - static_cast<float>(nib - 8) * s;
+      }
+    }
+    quantize_blocks<float>(t, len, 8, block, kFmtInt, nullptr, rc, res_scales + b, 0, 1);
+  }
+}
+
+template <typename scalar_t>
+__attribute__((target("avx2"))) void feedback_int8res_blocks_avx2(const scalar_t* x, int8_t* rc, float* rs,
+                                                                  int64_t numel, int64_t bits, int64_t block,
+                                                                  int64_t fmt, const float* noise, void* codes_out,
+                                                                  float* scales, const float* table, float* t,
+                                                                  int64_t b0, int64_t b1) {
+  feedback_int8res_blocks<scalar_t>(x, rc, rs, numel, bits, block, fmt, noise, codes_out, scales, table, t, b0, b1);
+}
+
+template <typename scalar_t>
+void feedback_int8res_blocks_base(const scalar_t* x, int8_t* rc, float* rs, int64_t numel, int64_t bits,
+                                  int64_t block, int64_t fmt, const float* noise, void* codes_out, float* scales,
+                                  const float* table, float* t, int64_t b0, int64_t b1) {
+  feedback_int8res_blocks<scalar_t>(x, rc, rs, numel, bits, block, fmt, noise, codes_out, scales, table, t, b0, b1);
+}
+
 void fill_fp8_table(float* table) {
   for (int i = 0; i < 256; ++i) {
     table[i] = static_cast<float>(c10::Float8_e4m3fn(static_cast<uint8_t>(i), c10::Float8_e4m3fn::from_bits()));
@@ -333,6 +388,39 @@ std::tuple<at::Tensor, at::Tensor> quantize_feedback_blockwise(const at::Tensor&
   return {codes, scales};
 }
 
+std::tuple<at::Tensor, at::Tensor> quantize_feedback_int8res_blockwise(
+    const at::Tensor& x, const at::Tensor& res_codes, const at::Tensor& res_scales, int64_t bits, int64_t block,
+    int64_t fmt, const std::optional<at::Tensor>& noise) {
+  check_args(bits, block, fmt);
+  TORCH_CHECK(x.device().is_cpu() && x.is_contiguous(), "overlap quantize_feedback_int8res: x must be a contiguous CPU tensor");
+  const int64_t numel = x.numel();
+  const int64_t nb = (numel + block - 1) / block;
+  TORCH_CHECK(res_codes.scalar_type() == at::kChar && res_codes.is_contiguous() && res_codes.numel() == nb * block &&
+                  res_codes.device().is_cpu(),
+              "overlap quantize_feedback_int8res: res_codes must be contiguous int8 on CPU, num_blocks * block");
+  TORCH_CHECK(res_scales.scalar_type() == at::kFloat && res_scales.is_contiguous() && res_scales.numel() == nb &&
+                  res_scales.device().is_cpu(),
+              "overlap quantize_feedback_int8res: res_scales must be contiguous fp32 on CPU, num_blocks");
+  auto [codes, scales] = empty_codes(x, bits, block, fmt);
+  const float* u = noise_ptr(noise, nb, block, fmt);
+  float table[256];
+  if (fmt == kFmtFp8) fill_fp8_table(table);
+  static const bool has_avx2 = __builtin_cpu_supports("avx2") && std::getenv("OVERLAP_CPU_BASELINE") == nullptr;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "overlap_quantize_feedback_int8res", [&] {
+    const auto run = has_avx2 ? &feedback_int8res_blocks_avx2<scalar_t> : &feedback_int8res_blocks_base<scalar_t>;
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    int8_t* rcp = res_codes.data_ptr<int8_t>();
+    float* rsp = res_scales.data_ptr<float>();
+    void* cp = codes.data_ptr();
+    float* sp = scales.data_ptr<float>();
+    at::parallel_for(0, nb, grain_blocks(block), [&](int64_t b0, int64_t b1) {
+      std::vector<float> t(static_cast<size_t>(block));  // one block of x + r, in fp32
+      run(xp, rcp, rsp, numel, bits, block, fmt, u, cp, sp, table, t.data(), b0, b1);
+    });
+  });
+  return {codes, scales};
+}
+
 // For tests: the fp8 bit conversion above applied elementwise (compared with torch's cast).
 at::Tensor fp8_e4m3fn_cast(const at::Tensor& x) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous() && x.device().is_cpu(), "fp32 CPU tensor");
@@ -354,5 +442,8 @@ TORCH_LIBRARY(overlap_cpu, m) {
   m.def("quantize_feedback_blockwise(Tensor x, Tensor(a!) residual, int bits, int block, int fmt, Tensor? noise) "
         "-> (Tensor, Tensor)",
         &quantize_feedback_blockwise);
+  m.def("quantize_feedback_int8res_blockwise(Tensor x, Tensor(a!) res_codes, Tensor(b!) res_scales, int bits, "
+        "int block, int fmt, Tensor? noise) -> (Tensor, Tensor)",
+        &quantize_feedback_int8res_blockwise);
   m.def("fp8_e4m3fn_cast(Tensor x) -> Tensor", &fp8_e4m3fn_cast);
 }

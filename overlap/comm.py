@@ -62,10 +62,26 @@ class RecvSlack(NamedTuple):
     floor_bytes: int  # each peer's part of the receive buffer holds at least this many bytes
 
 
-def _exchange(send: torch.Tensor, world_size: int, group: dist.ProcessGroup, slack: RecvSlack | None):
+def _exchange(
+    send: torch.Tensor,
+    world_size: int,
+    group: dist.ProcessGroup,
+    slack: RecvSlack | None,
+    rank: int | None = None,
+) -> tuple[torch.Tensor, Any, list[int | None] | None]:
     """All-to-all of `send` (world_size equal parts, part r to rank r). Returns (received, work,
     starts): what rank r sent here is `received[starts[r] : starts[r] + part]`; starts is None
-    when `received` is simply rank-major (no slack needed).
+    when `received` is simply rank-major (no slack needed, every part travelled), and
+    `starts[rank]` is None when this rank's own part stayed home (read it from `send`: `_rows`).
+
+    [Note: own part stays home]
+    An all-to-all sends each rank's own part to itself too: a copy of 1/world_size of the
+    buffer, made by the backend's thread, into a receive buffer that large (at two ranks, half
+    of a gradient bucket copied and held for nothing). With `rank` given and the own part at an
+    end of `send` (always at two ranks; the first and last rank otherwise), it is left out of
+    both splits and the reader takes it from `send` itself: the same values in the same rank
+    order, so sums stay bitwise as before. Ranks in the middle send theirs to themselves as
+    before; the splits only have to agree pairwise, so the two kinds mix in one collective.
 
     [Note: receive slack]
     gloo aborts the process (an uncaught `EnforceNotMet` in its own thread, no Python error)
@@ -82,24 +98,48 @@ def _exchange(send: torch.Tensor, world_size: int, group: dist.ProcessGroup, sla
     """
     part = send.numel() // world_size
     floor = 0 if slack is None else -(-slack.floor_bytes // send.element_size())
-    if floor <= part or world_size == 1:
+    home = rank is not None and world_size > 1 and rank in (0, world_size - 1)
+    if (floor <= part and not home) or world_size == 1:
         received = torch.empty_like(send)
         return received, _all_to_all(received, send, group=group, async_op=True), None
-    assert slack is not None
-    sizes = [part if r == slack.rank else floor for r in range(world_size)]  # gloo: own part exact
+    me = slack.rank if slack is not None else rank
+    assert me is not None and (rank is None or rank == me), (rank, me)
+    # gloo: the own part exact (or absent), the peers' at least the floor
+    sizes = [(0 if home else part) if r == me else max(part, floor) for r in range(world_size)]
     received = torch.empty(sum(sizes), dtype=send.dtype, device=send.device)
+    if home:  # [Note: own part stays home]
+        travel = send[part:] if me == 0 else send[: send.numel() - part]
+        splits = [0 if r == me else part for r in range(world_size)]
+    else:
+        travel, splits = send, [part] * world_size
     work = _all_to_all(
-        received, send, output_split_sizes=sizes, input_split_sizes=[part] * world_size, group=group, async_op=True
+        received, travel, output_split_sizes=sizes, input_split_sizes=splits, group=group, async_op=True
     )
-    starts = [sum(sizes[:r]) for r in range(world_size)]
+    starts: list[int | None] = [sum(sizes[:r]) for r in range(world_size)]
+    if home:
+        starts[me] = None
     return received, work, starts
 
 
-def _rows(received: torch.Tensor, world_size: int, part: int, starts: list[int] | None) -> list[torch.Tensor]:
-    """What each rank sent, in rank order (see `_exchange`)."""
+def _rows(
+    received: torch.Tensor,
+    world_size: int,
+    part: int,
+    starts: list[int | None] | None,
+    send: torch.Tensor | None = None,
+) -> list[torch.Tensor]:
+    """What each rank sent, in rank order (see `_exchange`); a part that stayed home is read
+    from `send`, the flat buffer given to `_exchange`."""
     if starts is None:
         return list(received.view(world_size, part).unbind(0))
-    return [received[start : start + part] for start in starts]
+    rows = []
+    for r, start in enumerate(starts):
+        if start is None:
+            assert send is not None, "the own part stayed home: pass the send buffer"
+            rows.append(send.view(-1)[r * part : (r + 1) * part])
+        else:
+            rows.append(received[start : start + part])
+    return rows
 
 
 def all_gather_flat(
@@ -193,9 +233,9 @@ def reduce_scatter_flat(
         out = torch.empty(n, dtype=full.dtype, device=full.device)
         out.copy_(full)
         return CommResult(out, None, (full,))
-    if impl == "all_to_all":  # `slack`: see [Note: receive slack]
-        received, work, starts = _exchange(full, world_size, group, slack)
-        return CommResult(received, work, (full,), _sum_rows(world_size, n, n, starts))
+    if impl == "all_to_all":  # `slack`: see [Note: receive slack]; [Note: own part stays home]
+        received, work, starts = _exchange(full, world_size, group, slack, _rank(group, slack))
+        return CommResult(received, work, (full,), _sum_rows(world_size, n, n, starts, full))
     out = torch.empty(n, dtype=full.dtype, device=full.device)
     work = _reduce_scatter(out, full, op=dist.ReduceOp.SUM, group=group, async_op=True)
     return CommResult(out, work, (full,))
@@ -212,12 +252,13 @@ def reduce_scatter_and_gather(
     received gradient chunks in rank order (as `reduce_scatter_flat` with "all_to_all"), on the
     second every rank's shard, rank-major (as `all_gather_flat`)."""
     world_size, part = rows.shape
-    received, work, starts = _exchange(rows.view(-1), world_size, group, slack)
+    send = rows.view(-1)
+    received, work, starts = _exchange(send, world_size, group, slack, _rank(group, slack))
 
     def gathered(buf: torch.Tensor) -> torch.Tensor:
-        return torch.cat([row[reduce_cols:] for row in _rows(buf, world_size, part, starts)])
+        return torch.cat([row[reduce_cols:] for row in _rows(buf, world_size, part, starts, send)])
 
-    reduce = CommResult(received, work, (rows,), _sum_rows(world_size, reduce_cols, part, starts))
+    reduce = CommResult(received, work, (rows,), _sum_rows(world_size, reduce_cols, part, starts, send))
     return reduce, CommResult(received, work, (rows,), gathered)
 
 
@@ -227,14 +268,18 @@ def all_reduce_flat(tensor: torch.Tensor, group: dist.ProcessGroup) -> CommResul
     return CommResult(tensor, work, (tensor,))
 
 
+def _rank(group: dist.ProcessGroup, slack: RecvSlack | None) -> int:
+    return slack.rank if slack is not None else dist.get_rank(group)
+
+
 def _sum_rows(
-    world_size: int, n: int, part: int, starts: list[int] | None
+    world_size: int, n: int, part: int, starts: list[int | None] | None, send: torch.Tensor
 ) -> Callable[[torch.Tensor], torch.Tensor]:
-    """Sum the first `n` elements of what each rank sent (`part` each, see `_exchange`), in
-    rank order."""
+    """Sum the first `n` elements of what each rank sent (`part` each, see `_exchange`; `send`
+    the flat buffer given to it), in rank order."""
 
     def finish(received: torch.Tensor) -> torch.Tensor:
-        chunks = [row[:n] for row in _rows(received, world_size, part, starts)]
+        chunks = [row[:n] for row in _rows(received, world_size, part, starts, send)]
         if world_size == 1:
             return chunks[0]
         total = torch.add(chunks[0], chunks[1])  # rank order, as a ring would add them
@@ -327,7 +372,10 @@ def reduce_scatter_encoded(
     tail_span = _round8(tail_bytes)
     wire = codec.wire_bytes(n, dtype)
     step = tail_span + _round8(wire)
-    send = torch.zeros(world_size * step, dtype=torch.uint8, device=grads.device)
+    send = torch.empty(world_size * step, dtype=torch.uint8, device=grads.device)
+    padding = send.view(world_size, step)
+    padding[:, tail_bytes:tail_span].zero_()  # the bytes no reader looks at, zeros all the same
+    padding[:, tail_span + wire :].zero_()
     me = dist.get_rank(group) if world_size > 1 else 0
     own = grads[me]
     assert residual is None or (residual.rank, residual.world_size) == (me, world_size), (
@@ -344,12 +392,12 @@ def reduce_scatter_encoded(
     work, starts = None, None
     if _local(world_size):
         received = send.clone()
-    else:  # `slack`: see [Note: receive slack]
-        received, work, starts = _exchange(send, world_size, group, slack)
+    else:  # `slack`: see [Note: receive slack]; [Note: own part stays home]
+        received, work, starts = _exchange(send, world_size, group, slack, me)
 
     def finish(buf: torch.Tensor) -> torch.Tensor:
         out = torch.zeros(n + k, dtype=torch.float32, device=buf.device)
-        for r, row in enumerate(_rows(buf, world_size, step, starts)):
+        for r, row in enumerate(_rows(buf, world_size, step, starts, send)):
             if r == me:
                 out[:n] += own  # exact, in its place in the rank order
             else:

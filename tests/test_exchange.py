@@ -1,7 +1,7 @@
 """All-to-all exchanges on gloo: gathers through all-to-all, a reduction and a gather in one
-all-to-all, and the receive slack that keeps a mismatched pair from aborting the process
-([Note: all-gather through all-to-all], [Note: receive slack] in comm.py; [Note: fused
-exchange] in runtime.py)."""
+all-to-all, own chunks that stay home, and the receive slack that keeps a mismatched pair from
+aborting the process ([Note: all-gather through all-to-all], [Note: own part stays home],
+[Note: receive slack] in comm.py; [Note: fused exchange] in runtime.py)."""
 
 from __future__ import annotations
 
@@ -32,7 +32,9 @@ def exchanges_agree(rank: int, world: int, slack_bytes: int) -> dict:
     shard, grads = _data(rank, 40, 1), _data(rank, world * 24, 2)
     native_gather = comm.wait(comm.all_gather_flat(shard, group, world, torch.float32))
     a2a_gather = comm.wait(comm.all_gather_flat(shard, group, world, torch.float32, impl="all_to_all", slack=slack))
-    reduced = comm.wait(comm.reduce_scatter_flat(grads.clone(), group, world, "all_to_all", slack))
+    reduce_result = comm.reduce_scatter_flat(grads.clone(), group, world, "all_to_all", slack)
+    received = reduce_result.output.numel()  # the receive buffer
+    reduced = comm.wait(reduce_result)
     rows = torch.cat([grads.view(world, 24), shard.expand(world, 40)], dim=1).contiguous()
     fused_reduce, fused_gather = comm.reduce_scatter_and_gather(rows, 24, group, slack)
     got_gather, got_reduce = comm.wait(fused_gather), comm.wait(fused_reduce)
@@ -41,7 +43,13 @@ def exchanges_agree(rank: int, world: int, slack_bytes: int) -> dict:
     expected = everyone[0, rank].clone()
     for r in range(1, world):
         expected += everyone[r, rank]
+    # [Note: own part stays home]: the first and last rank neither send nor receive their own
+    # chunk; a rank in the middle does (as every rank did before)
+    home = rank in (0, world - 1)
+    peers_part = max(24, slack_bytes // 4)
+    expected_received = (world - 1) * peers_part + (0 if home else 24)
     return {
+        "receive_buffer": received == expected_received,
         "a2a_gather": torch.equal(native_gather, a2a_gather),
         "reduce": torch.equal(reduced, expected),
         "fused_gather": torch.equal(got_gather, native_gather),

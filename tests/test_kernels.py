@@ -580,6 +580,48 @@ def test_fused_error_feedback_matches_the_composition(bits, fmt, dtype, stochast
             assert torch.equal(decoded + r, x.float() + r0), numel
 
 
+@pytest.mark.parametrize(
+    "bits,fmt,stochastic",
+    [(8, "int", False), (8, "int", True), (4, "int", False), (4, "int", True), (8, "fp8", False)],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_int8_residual_feedback_matches_the_composition(bits, fmt, dtype, stochastic):
+    """C++ quantize_feedback_int8res == decode the int8 residual, quantize_feedback, re-encode
+    the residual (the reference kernels), bitwise: codes, scales and both residual tensors; and
+    the residual it leaves is the int8 encoding of exactly what the codes dropped."""
+    from overlap.kernels import (
+        dequantize_blockwise,
+        quantize_blockwise,
+        quantize_feedback_blockwise,
+        quantize_feedback_int8res_blockwise,
+    )
+
+    _cpp_or_skip()  # fails instead under OVERLAP_REQUIRE_EXT=1, as CI sets it
+    block = 64
+    for numel in (1, 63, 64, 1000, 4099):
+        x = (torch.randn(numel) * 3).to(dtype)
+        x[: numel // 7] *= 1e-3  # blocks of very different scales
+        res0 = quantize_blockwise(torch.randn(numel) * 0.01, 8, block, backend="ref")
+        outs = {}
+        for backend in ("ref", "cpp"):
+            res_codes, res_scales = res0[0].clone(), res0[1].clone()
+            g = torch.Generator().manual_seed(7)
+            codes, scales = quantize_feedback_int8res_blockwise(
+                x, res_codes, res_scales, bits, block, stochastic, g, fmt=fmt, backend=backend
+            )
+            outs[backend] = (codes, scales, res_codes, res_scales)
+        for a, b in zip(outs["ref"], outs["cpp"]):
+            assert torch.equal(a, b), (numel, a, b)
+        if not stochastic:
+            codes, scales, res_codes, res_scales = outs["cpp"]
+            dropped = dequantize_blockwise(res0[0], res0[1], 8, block, numel)  # the old residual
+            assert torch.equal(quantize_feedback_blockwise(x, dropped, bits, block, fmt=fmt)[0], codes)
+            expected = quantize_blockwise(dropped, 8, block)  # what the codes dropped, re-encoded
+            assert torch.equal(expected[0], res_codes) and torch.equal(expected[1], res_scales), numel
+    with pytest.raises(ValueError, match="int8 codes"):
+        quantize_feedback_int8res_blockwise(torch.randn(100), torch.zeros(100, dtype=torch.int8), torch.zeros(1), 8, 64)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_triton_gpu_launches_do_not_sync():
     """On a real GPU, the steady-state launches never synchronize the host ([Note: copy tables]):

@@ -43,6 +43,7 @@ from overlap.kernels import (
     num_blocks_for,
     quantize_blockwise,
     quantize_feedback_blockwise,
+    quantize_feedback_int8res_blockwise,
 )
 from overlap.compression.finite import NonfiniteCounter
 from overlap.kernels.reference import CodeFormat
@@ -247,6 +248,14 @@ class _BlockwiseCodec(Codec):
     def encode_feedback(self, x: torch.Tensor, residual: torch.Tensor) -> Encoded:
         codes, scales = quantize_feedback_blockwise(
             x, residual, self.bits, self.block_size, self.stochastic, self.generator, fmt=self.fmt
+        )
+        return self._checked(Encoded(codes, scales, x.numel(), torch.float32))  # x + r, in fp32
+
+    def encode_feedback_int8res(self, x: torch.Tensor, res_codes: torch.Tensor, res_scales: torch.Tensor) -> Encoded:
+        """`encode_feedback` with the residual held as int8 codes and fp32 scales in this codec's
+        blocks, decoded and re-encoded in place (`Int8Residual` in feedback.py)."""
+        codes, scales = quantize_feedback_int8res_blockwise(
+            x, res_codes, res_scales, self.bits, self.block_size, self.stochastic, self.generator, fmt=self.fmt
         )
         return self._checked(Encoded(codes, scales, x.numel(), torch.float32))  # x + r, in fp32
 

@@ -170,6 +170,13 @@ class Int8Residual(ResidualFormat):
     def row_nbytes(self, numel: int) -> int:
         return code_numel(numel, 8, self.block_size) + _SCALE_BYTES * num_blocks_for(numel, self.block_size)
 
+    def encode(self, codec: Codec, x: torch.Tensor, row: tuple[torch.Tensor, ...]) -> Encoded:
+        if isinstance(codec, _BlockwiseCodec) and codec.block_size == self.block_size:
+            # restore, encode_feedback and store in one kernel (the same bits; on CPU one pass
+            # over memory without the fp32 residual: kernels.quantize_feedback_int8res_blockwise)
+            return codec.encode_feedback_int8res(x, *row)
+        return super().encode(codec, x, row)
+
     def params(self) -> dict[str, Any]:
         return {"name": self.name, "block_size": self.block_size}
 

@@ -18,6 +18,7 @@ from overlap.kernels.quantize import (
     dequantize_blockwise,
     quantize_blockwise,
     quantize_feedback_blockwise,
+    quantize_feedback_int8res_blockwise,
     select_backend,
 )
 from overlap.kernels.reference import (
@@ -41,6 +42,7 @@ __all__ = [
     "quantize_blockwise",
     "quantize_blockwise_ref",
     "quantize_feedback_blockwise",
+    "quantize_feedback_int8res_blockwise",
     "select_backend",
     "select_copy_backend",
 ]

@@ -9,7 +9,7 @@ reference (`reference.py`), which defines the format ([Note: blockwise quantizat
 from __future__ import annotations
 
 import warnings
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -35,6 +35,23 @@ def _check_format(bits: int, block: int, fmt: CodeFormat, stochastic: bool) -> N
         raise ValueError(f"overlap.kernels: block must be a positive int (even for 4 bits), got {block!r}")
     if stochastic and fmt == "fp8":
         raise ValueError("overlap.kernels: stochastic rounding is available for int formats only")
+
+
+def _extension() -> Any:
+    """The C++ ops, for backend "cpp"."""
+    ext = cpu.load_extension()
+    if ext is None:
+        raise RuntimeError("overlap.kernels: backend='cpp' requested but the extension is not built")
+    return ext
+
+
+def _noise(x: torch.Tensor, block: int, stochastic: bool, generator: torch.Generator | None) -> torch.Tensor | None:
+    """Stochastic rounding's uniforms for the flat `x`: `num_blocks * block` draws from
+    `generator`, the same draw for every backend (None for round-to-nearest)."""
+    if not stochastic:
+        return None
+    nb = num_blocks_for(x.numel(), block)
+    return torch.rand(nb * block, generator=generator, device=x.device, dtype=torch.float32)
 
 
 def _triton_usable(device: torch.device, block: int) -> bool:
@@ -96,16 +113,10 @@ def quantize_blockwise(
     if not x.is_floating_point():
         raise TypeError(f"overlap.kernels.quantize_blockwise: x must be floating, got {x.dtype}")
     x = x.contiguous().view(-1)
-    noise = None
-    if stochastic:
-        nb = num_blocks_for(x.numel(), block)
-        noise = torch.rand(nb * block, generator=generator, device=x.device, dtype=torch.float32)
+    noise = _noise(x, block, stochastic, generator)
     chosen = select_backend(x.device, block, backend, fmt=fmt)
     if chosen == "cpp":
-        ext = cpu.load_extension()
-        if ext is None:
-            raise RuntimeError("overlap.kernels: backend='cpp' requested but the extension is not built")
-        return ext.quantize_blockwise(x, bits, block, _FMT_ID[fmt], noise)
+        return _extension().quantize_blockwise(x, bits, block, _FMT_ID[fmt], noise)
     if chosen == "triton":
         from overlap.kernels import triton_kernels
 
@@ -144,10 +155,7 @@ def dequantize_blockwise(
     scales = scales.contiguous().float()
     chosen = select_backend(codes.device, block, backend, fmt=fmt)
     if chosen == "cpp":
-        ext = cpu.load_extension()
-        if ext is None:
-            raise RuntimeError("overlap.kernels: backend='cpp' requested but the extension is not built")
-        ext.dequantize_blockwise(codes, scales, bits, block, numel, out, accumulate, _FMT_ID[fmt])
+        _extension().dequantize_blockwise(codes, scales, bits, block, numel, out, accumulate, _FMT_ID[fmt])
         return out
     if chosen == "triton":
         from overlap.kernels import triton_kernels
@@ -185,16 +193,61 @@ def quantize_feedback_blockwise(
     target = residual.view(-1)
     chosen = select_backend(x.device, block, backend, fmt=fmt)
     if chosen == "cpp":
-        ext = cpu.load_extension()
-        if ext is None:
-            raise RuntimeError("overlap.kernels: backend='cpp' requested but the extension is not built")
-        noise = None
-        if stochastic:
-            nb = num_blocks_for(x.numel(), block)
-            noise = torch.rand(nb * block, generator=generator, device=x.device, dtype=torch.float32)
-        return ext.quantize_feedback_blockwise(x, target, bits, block, _FMT_ID[fmt], noise)
+        noise = _noise(x, block, stochastic, generator)
+        return _extension().quantize_feedback_blockwise(x, target, bits, block, _FMT_ID[fmt], noise)
     target.add_(x)  # x + r == r + x in IEEE arithmetic
     codes, scales = quantize_blockwise(target, bits, block, stochastic, generator, fmt=fmt, backend=chosen)  # type: ignore[arg-type]
     decoded = dequantize_blockwise(codes, scales, bits, block, x.numel(), fmt=fmt, backend=chosen)  # type: ignore[arg-type]
     torch.sub(target, decoded, out=target)
+    return codes, scales
+
+
+def quantize_feedback_int8res_blockwise(
+    x: torch.Tensor,
+    res_codes: torch.Tensor,
+    res_scales: torch.Tensor,
+    bits: int,
+    block: int,
+    stochastic: bool = False,
+    generator: torch.Generator | None = None,
+    *,
+    fmt: CodeFormat = "int",
+    backend: Backend = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Error feedback with the residual kept as int8 blockwise codes (same `block`): quantize
+    `x + decode(res_codes, res_scales)` -> (codes, fp32 scales) and re-encode what the codes
+    dropped into `res_codes` / `res_scales`, in place. Defined as the composition below
+    (`dequantize_blockwise`, `quantize_feedback_blockwise`, `quantize_blockwise`, which
+    `Int8Residual` in compression/feedback.py ran before); the C++ backend computes the same fp32
+    operations block by block, so the same bits, with no full-size fp32 temporaries.
+    """
+    _check_format(bits, block, fmt, stochastic)
+    numel = x.numel()
+    nb = num_blocks_for(numel, block)
+    if (
+        res_codes.dtype != torch.int8
+        or res_codes.numel() != code_numel(numel, 8, block)
+        or not res_codes.is_contiguous()
+        or res_scales.dtype != torch.float32
+        or res_scales.numel() != nb
+        or not res_scales.is_contiguous()
+    ):
+        raise ValueError(
+            "overlap.kernels.quantize_feedback_int8res_blockwise: the residual must be contiguous int8 "
+            f"codes ({code_numel(numel, 8, block)}) and fp32 scales ({nb}) for {numel} elements in "
+            f"blocks of {block}, got {res_codes.dtype} {tuple(res_codes.shape)} / {res_scales.dtype} "
+            f"{tuple(res_scales.shape)}"
+        )
+    x = x.contiguous().view(-1)
+    chosen = select_backend(x.device, block, backend, fmt=fmt)
+    if chosen == "cpp":
+        noise = _noise(x, block, stochastic, generator)
+        return _extension().quantize_feedback_int8res_blockwise(x, res_codes, res_scales, bits, block, _FMT_ID[fmt], noise)
+    residual = dequantize_blockwise(res_codes, res_scales, 8, block, numel, backend=chosen)  # type: ignore[arg-type]
+    codes, scales = quantize_feedback_blockwise(
+        x, residual, bits, block, stochastic, generator, fmt=fmt, backend=chosen  # type: ignore[arg-type]
+    )
+    new_codes, new_scales = quantize_blockwise(residual, 8, block, backend=chosen)  # type: ignore[arg-type]
+    res_codes.copy_(new_codes.view(res_codes.shape))
+    res_scales.copy_(new_scales.view(res_scales.shape))
     return codes, scales
