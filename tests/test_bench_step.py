@@ -7,6 +7,7 @@ the pure pieces (config validation, override parsing, JSON paths, the scaling ta
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -39,7 +40,8 @@ RUN_KEYS = {
 }
 
 
-def run_python(*argv: str) -> str:
+def run_python(*argv: str, tmpdir: Path | None = None) -> str:
+    env = None if tmpdir is None else {**os.environ, "TMPDIR": str(tmpdir)}
     proc = subprocess.run(
         [sys.executable, *argv],
         cwd=REPO,
@@ -47,6 +49,7 @@ def run_python(*argv: str) -> str:
         capture_output=True,
         text=True,
         timeout=RUN_TIMEOUT_S,
+        env=env,
     )
     assert proc.returncode == 0, f"{' '.join(argv)} failed:\n{proc.stdout}\n{proc.stderr}"
     return proc.stdout
@@ -102,10 +105,14 @@ def test_bench_step_scaling_run(model: str, tmp_path: Path) -> None:
 
 def test_step_w1_script(tmp_path: Path) -> None:
     out = tmp_path / "w1.json"
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
     stdout = run_python(
         "benchmarks/step_w1.py", *TINY, "--ff", "64", *TINY_RUN, "--world-size", "2",
-        "--json", str(out),
+        "--json", str(out), tmpdir=scratch,
     )  # fmt: skip
+    # overlap's trace folders (one per rank and world) are removed when the ranks exit
+    assert not list(scratch.glob("overlap-bench-trace-*")), list(scratch.iterdir())
     check_report(out, 2, memory=True)  # a single world size: PATH itself
     assert "peak RSS = the OS's high-water mark (VmHWM) of a fresh world running only that contender" in stdout
     assert "W1 step: 1 x TransformerEncoderLayer(d=32, ff=64)" in stdout

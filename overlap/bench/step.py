@@ -263,6 +263,8 @@ class Contender:
     efficiency: list[float] = field(default_factory=list)  # one per round, mean over ranks
     state_bytes: int = 0
     parity_rel: float | None = None
+    keep_alive: tuple[Any, ...] = ()
+    """What lives exactly as long as the contender (its trace's temporary directory)."""
 
 
 def train_step(
@@ -343,7 +345,9 @@ def make_overlap(cfg: StepBenchConfig, batch: Batch, name: str, overrides: dict)
     from overlap.trace import TraceRecorder
 
     state = model._overlap_state
-    recorder = TraceRecorder(Path(tempfile.mkdtemp(prefix="overlap-bench-trace-")), dist.get_rank(), max_steps=2)
+    # removed when the contender is collected or the process exits (TemporaryDirectory's finalizer)
+    trace_dir = tempfile.TemporaryDirectory(prefix="overlap-bench-trace-")
+    recorder = TraceRecorder(Path(trace_dir.name), dist.get_rank(), max_steps=2)
     contender = from_trainer(trainer, batch, exposed_comm_ms=exposed_comm_ms)
 
     def overlap_efficiency() -> float:
@@ -365,6 +369,7 @@ def make_overlap(cfg: StepBenchConfig, batch: Batch, name: str, overrides: dict)
         return summaries[0].efficiency if summaries else float("nan")
 
     contender.overlap_efficiency = overlap_efficiency
+    contender.keep_alive = (trace_dir,)
     return contender
 
 
