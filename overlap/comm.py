@@ -17,6 +17,7 @@ from typing import Any, Literal, NamedTuple
 import torch
 import torch.distributed as dist
 
+from overlap import kernels
 from overlap.compression import Codec
 from overlap.compression.feedback import FeedbackResidual
 from overlap.fingerprint import TAG_BYTES, TAG_NUMEL, write_tag
@@ -217,8 +218,12 @@ def reduce_scatter_flat(
     world_size: int,
     impl: ReduceImpl = "native",
     slack: RecvSlack | None = None,
+    divide: Divide | None = None,
 ) -> CommResult:
     """Sum the rank-major `full` (world_size * n) over ranks; this rank keeps its n-element chunk.
+    `divide`: through all-to-all, the sum's first `divide.numel` elements are divided by
+    `divide.divisor` in the same pass (`kernels.sum_rows`); natively they are not (the caller
+    divides; `divides(impl, world_size)` says which).
 
     [Note: reduce-scatter through all-to-all]
     "native" calls the backend's reduce-scatter. "all_to_all" sends chunk r to rank r and sums
@@ -235,14 +240,18 @@ def reduce_scatter_flat(
         return CommResult(out, None, (full,))
     if impl == "all_to_all":  # `slack`: see [Note: receive slack]; [Note: own part stays home]
         received, work, starts = _exchange(full, world_size, group, slack, _rank(group, slack))
-        return CommResult(received, work, (full,), _sum_rows(world_size, n, n, starts, full))
+        return CommResult(received, work, (full,), _sum_rows(world_size, n, n, starts, full, divide))
     out = torch.empty(n, dtype=full.dtype, device=full.device)
     work = _reduce_scatter(out, full, op=dist.ReduceOp.SUM, group=group, async_op=True)
     return CommResult(out, work, (full,))
 
 
 def reduce_scatter_and_gather(
-    rows: torch.Tensor, reduce_cols: int, group: dist.ProcessGroup, slack: RecvSlack | None = None
+    rows: torch.Tensor,
+    reduce_cols: int,
+    group: dist.ProcessGroup,
+    slack: RecvSlack | None = None,
+    divide: Divide | None = None,
 ) -> tuple[CommResult, CommResult]:
     """One all-to-all for a gradient reduction and an all-gather ([Note: fused exchange] in
     runtime.py). `rows` is (world_size, reduce_cols + g): row r holds the gradient chunk for
@@ -258,7 +267,7 @@ def reduce_scatter_and_gather(
     def gathered(buf: torch.Tensor) -> torch.Tensor:
         return torch.cat([row[reduce_cols:] for row in _rows(buf, world_size, part, starts, send)])
 
-    reduce = CommResult(received, work, (rows,), _sum_rows(world_size, reduce_cols, part, starts, send))
+    reduce = CommResult(received, work, (rows,), _sum_rows(world_size, reduce_cols, part, starts, send, divide))
     return reduce, CommResult(received, work, (rows,), gathered)
 
 
@@ -272,20 +281,36 @@ def _rank(group: dist.ProcessGroup, slack: RecvSlack | None) -> int:
     return slack.rank if slack is not None else dist.get_rank(group)
 
 
+class Divide(NamedTuple):
+    """Divide the first `numel` elements of a reduction's sum by `divisor` (the average)."""
+
+    numel: int
+    divisor: int
+
+
+def divides(impl: ReduceImpl, world_size: int) -> bool:
+    """Whether `reduce_scatter_flat` applies its `divide` (through all-to-all, over ranks)."""
+    return impl == "all_to_all" and not _local(world_size)
+
+
 def _sum_rows(
-    world_size: int, n: int, part: int, starts: list[int | None] | None, send: torch.Tensor
+    world_size: int,
+    n: int,
+    part: int,
+    starts: list[int | None] | None,
+    send: torch.Tensor,
+    divide: Divide | None = None,
 ) -> Callable[[torch.Tensor], torch.Tensor]:
     """Sum the first `n` elements of what each rank sent (`part` each, see `_exchange`; `send`
-    the flat buffer given to it), in rank order."""
+    the flat buffer given to it), in rank order (as a ring would add them), then `divide`."""
 
     def finish(received: torch.Tensor) -> torch.Tensor:
         chunks = [row[:n] for row in _rows(received, world_size, part, starts, send)]
         if world_size == 1:
             return chunks[0]
-        total = torch.add(chunks[0], chunks[1])  # rank order, as a ring would add them
-        for r in range(2, world_size):
-            total.add_(chunks[r])
-        return total
+        if divide is None:
+            return kernels.sum_rows(chunks)
+        return kernels.sum_rows(chunks, divide.numel, divide.divisor)
 
     return finish
 

@@ -238,6 +238,7 @@ class PendingReduce:
     all_used: bool  # this rank produced a gradient for every trainable parameter of the bucket
     input_bytes: int  # accounted bytes of the input buffers (released with `result`)
     reduced: torch.Tensor | None = None  # [summed gradients | used counts]
+    averaged: bool = False  # the reduction's sum already divided its gradients ([Note: one pass for the sum])
     all_reduce: comm.CommResult | None = None  # HSDP: the sum of `reduced` across replicas
     all_reduce_event: torch.cuda.Event | None = None  # CUDA: the all-reduce stream after it
 
@@ -689,11 +690,16 @@ class Runtime:
             if self.reduce_stream is not None:
                 self.reduce_stream.wait_stream(torch.cuda.current_stream(self.device))
             span = self.timer.start("collective", "reduce", self._span_label(indices), self.reduce_stream, nbytes(full))
+            # [Note: one pass for the sum] Through all-to-all, the received chunks are summed
+            # here, and the average (sum, then divide, as wait_reduce does otherwise) is taken in
+            # the same pass (kernels.sum_rows); not under HSDP, which divides after its all-reduce.
+            divide = comm.Divide(width_grads, n) if self.replicate_group is None and n > 1 else None
+            averaged = divide is not None and (fused is not None or (self.grad_codec is None and comm.divides(self.reduce_impl, n)))
             with self._stream(self.reduce_stream):
                 if fused is not None:
-                    result, gather = comm.reduce_scatter_and_gather(full, reduce_cols, self.group, self._slack)
+                    result, gather = comm.reduce_scatter_and_gather(full, reduce_cols, self.group, self._slack, divide)
                 elif self.grad_codec is None:
-                    result = comm.reduce_scatter_flat(full.view(-1), self.group, n, self.reduce_impl, self._slack)
+                    result = comm.reduce_scatter_flat(full.view(-1), self.group, n, self.reduce_impl, self._slack, divide)
                 else:  # gradient rows contiguous for the encoder; flags exact, beside them
                     residual = self._residual(indices, width_grads)
                     result = comm.reduce_scatter_encoded(
@@ -714,7 +720,7 @@ class Runtime:
             input_bytes -= gather_bytes
             self._fused_gather_issued(fused.unit, gather, gather_bytes)
         self.memory.add("reduce_inputs", input_bytes)
-        pending = PendingReduce(result, event, all(used), input_bytes)
+        pending = PendingReduce(result, event, all(used), input_bytes, averaged=averaged)
         self._pending[bucket] = pending
         self._pending_units[bucket] = indices
         sent = result.inputs[0]
@@ -913,7 +919,7 @@ class Runtime:
             num_flags = reduced.numel() - grad_numel
             used = [1.0] * num_flags if pending.all_used else reduced[grad_numel:].tolist()
             # Sum, then divide: at world size 2 this equals DDP's (g/2 + g/2) bitwise.
-            if self.world_size * self.num_replicas > 1:
+            if self.world_size * self.num_replicas > 1 and not pending.averaged:
                 grads.div_(self.world_size * self.num_replicas)
             offset = grads.storage_offset()
             for unit in units:

@@ -38,6 +38,10 @@ def exchanges_agree(rank: int, world: int, slack_bytes: int) -> dict:
     rows = torch.cat([grads.view(world, 24), shard.expand(world, 40)], dim=1).contiguous()
     fused_reduce, fused_gather = comm.reduce_scatter_and_gather(rows, 24, group, slack)
     got_gather, got_reduce = comm.wait(fused_gather), comm.wait(fused_reduce)
+    # [Note: one pass for the sum]: the average of the first 20, in the sum's pass
+    divide = comm.Divide(20, world)
+    averaged = comm.wait(comm.reduce_scatter_flat(grads.clone(), group, world, "all_to_all", slack, divide))
+    fused_averaged = comm.wait(comm.reduce_scatter_and_gather(rows, 24, group, slack, divide)[0])
     # the reference sum, in rank order
     everyone = comm.wait(comm.all_gather_flat(grads, group, world, torch.float32)).view(world, world, 24)
     expected = everyone[0, rank].clone()
@@ -54,6 +58,8 @@ def exchanges_agree(rank: int, world: int, slack_bytes: int) -> dict:
         "reduce": torch.equal(reduced, expected),
         "fused_gather": torch.equal(got_gather, native_gather),
         "fused_reduce": torch.equal(got_reduce, expected),
+        "averaged": torch.equal(averaged, torch.cat([expected[:20] / world, expected[20:]])),
+        "fused_averaged": torch.equal(fused_averaged, averaged),
     }
 
 

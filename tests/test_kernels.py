@@ -622,6 +622,31 @@ def test_fused_int8_residual_feedback_matches_the_composition(bits, fmt, dtype, 
         quantize_feedback_int8res_blockwise(torch.randn(100), torch.zeros(100, dtype=torch.int8), torch.zeros(1), 8, 64)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_sum_rows_matches_add_then_divide(dtype):
+    """C++ sum_rows == torch.add left to right, then div_ of the gradient part, bitwise (every
+    rounding of the reduced dtypes included), for 2-4 rows and any split point."""
+    from overlap.kernels import sum_rows, sum_rows_ref
+
+    _cpp_or_skip()  # fails instead under OVERLAP_REQUIRE_EXT=1, as CI sets it
+    gen = torch.Generator().manual_seed(3)
+    spread = 1.0 if dtype == torch.float16 else 4.0  # fp16: stay finite (NaN != NaN)
+    for num_rows in (2, 3, 4):
+        for numel in (1, 999, 70_001):  # the last spans several parallel chunks
+            rows = [(torch.randn(numel, generator=gen) * torch.randn(numel, generator=gen).mul(spread).exp()).to(dtype)
+                    for _ in range(num_rows)]  # fmt: skip
+            for divide_numel in (0, numel // 2, numel):
+                expected = rows[0] + rows[1]
+                for row in rows[2:]:
+                    expected = expected + row
+                expected[:divide_numel] /= num_rows
+                assert torch.equal(sum_rows_ref(rows, divide_numel, num_rows), expected)
+                got = sum_rows(rows, divide_numel, num_rows, backend="cpp")
+                assert torch.equal(got, expected), (num_rows, numel, divide_numel)
+    with pytest.raises(ValueError, match="one shape and dtype"):
+        sum_rows([torch.zeros(3), torch.zeros(4)])
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_triton_gpu_launches_do_not_sync():
     """On a real GPU, the steady-state launches never synchronize the host ([Note: copy tables]):

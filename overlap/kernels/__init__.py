@@ -21,6 +21,7 @@ from overlap.kernels.quantize import (
     quantize_feedback_int8res_blockwise,
     select_backend,
 )
+from overlap.kernels.reduce import sum_rows, sum_rows_ref
 from overlap.kernels.reference import (
     code_numel,
     dequantize_blockwise_ref,
@@ -45,4 +46,6 @@ __all__ = [
     "quantize_feedback_int8res_blockwise",
     "select_backend",
     "select_copy_backend",
+    "sum_rows",
+    "sum_rows_ref",
 ]
