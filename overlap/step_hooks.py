@@ -1,7 +1,7 @@
 """Checks that run at an optimizer's `step()`, once per optimizer until something changes.
 
-Several parts of overlap look at the optimizers users build over the wrapped model (guard.py:
-stale parameters; foreach.py: the foreach choice on CPU). Each is a global optimizer step
+Parts of overlap look at the optimizers users build over the wrapped model (guard.py: stale
+parameters). Each is a global optimizer step
 pre-hook, installed when the first wrap registers something, that runs its check on an
 optimizer's first step and again only when the optimizer's number of parameter groups changed
 (`add_param_group`) or a later wrap registered more: a dict lookup per step otherwise.

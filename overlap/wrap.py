@@ -34,7 +34,7 @@ from overlap import backend, comm
 from overlap.compression import make_grad_codec, make_param_codec
 from overlap.config import OverlapConfig
 from overlap.fingerprint import TAG_NUMEL
-from overlap.foreach import register_sharded
+from overlap.local_step import register_sharded
 from overlap.guard import remember_replaced
 from overlap.init import ParamInitFn, ScratchBuffer, materialize_and_shard
 from overlap.monitor import Monitor
@@ -611,7 +611,7 @@ def wrap(
             broadcast_tensors(source, buffers)
     state = OverlapState(model, config, pgs, units, root_units, hooked)
     model._overlap_state = state
-    register_sharded(p for unit in units for p in unit.sharded_params)  # [Note: foreach on CPU]
+    register_sharded(p for unit in units for p in unit.sharded_params)  # [Note: local optimizer step]
     from overlap.module import as_overlap_module  # ecosystem; here: module.py imports api.py, which imports this file
 
     as_overlap_module(model)  # ecosystem: model.no_sync(), .unshard(), ... (overlap/module.py)
