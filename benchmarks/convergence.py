@@ -5,6 +5,9 @@ on the stdlib text, 2 ranks.
     python benchmarks/convergence.py --contenders ddp,overlap,ddp-bf16 --steps 20     # a quick look
     python benchmarks/convergence.py --from-json out/convergence.json \\
         --step-json out/step-1gbit.json --frontier-png docs/frontier-1gbit.png     # table + picture
+    python benchmarks/convergence.py --seed 1 --json out/seed1.json ...            # another seed
+    python benchmarks/convergence.py --from-json out/convergence.json --from-json out/seed1.json \\
+        --step-json out/step-1gbit.json                                            # mean over seeds
 
 Every contender trains `overlap demo`'s run (same GPT, data stream per rank, seed, AdamW(lr 3e-3,
 betas (0.9, 0.95), weight decay 0.1), warm-up + cosine schedule, gradient clipping at 1.0,
@@ -23,6 +26,12 @@ then the peers (overlap/bench/peers.py). Names are those of `overlap bench step`
 then shows step time, loss gap and memory side by side, and whether each contender is on the
 frontier (no other contender is faster, at least as accurate and no bigger in peak memory);
 `--frontier-png` draws step time against loss gap, marker area = peak memory per rank.
+
+Several `--from-json` files (one run per `--seed` each) are read as seeds: a contender's gap is
+the mean over seeds of its gap to that seed's fp32 DDP, shown with the seeds' range (the
+picture's error bars), over the seeds a contender ran with (the table says how many). With one
+seed the gaps of the lossy codecs here are within the seed-to-seed range of each other, which
+one file cannot show.
 """
 
 from __future__ import annotations
@@ -194,31 +203,41 @@ class FrontierPoint:
     step_ms: float
     spread_ms: tuple[float, float]
     loss_gap: float
-    """Relative final training loss vs fp32 DDP."""
+    """Relative final training loss vs fp32 DDP (the mean over seeds)."""
+    gap_range: tuple[float, float]
+    """The smallest and largest of the seeds' training loss gaps."""
     val_gap: float
     memory_bytes: int
     """Peak RSS per rank from the step benchmark's fresh worlds (else this script's)."""
     state_bytes: int
+    num_seeds: int = 1
+    """How many seeds' runs the gaps average."""
 
 
-def join(step_report: dict[str, Any], runs: list[ConvergenceRun]) -> list[FrontierPoint]:
-    """The contenders present in both, with step time and memory from the step benchmark."""
-    ref = next(r for r in runs if r.name == REFERENCE)
-    by_name = {r.name: r for r in runs}
+def join(step_report: dict[str, Any], seeds: list[list[ConvergenceRun]]) -> list[FrontierPoint]:
+    """The contenders present in the step report and in the seeds' runs, with step time and
+    memory from the step benchmark and loss gaps averaged over the seeds each ran with."""
+    refs = [next(r for r in runs if r.name == REFERENCE) for runs in seeds]
+    by_name = [{r.name: r for r in runs} for runs in seeds]
     points = []
     for s in step_report["runs"]:
-        r = by_name.get(s["name"])
-        if r is None:
+        pairs = [(names[s["name"]], ref) for names, ref in zip(by_name, refs) if s["name"] in names]
+        if not pairs:
             continue
+        mine = [r for r, _ in pairs]
+        train = [gap(r.final_loss, ref.final_loss) for r, ref in pairs]
+        val = [gap(r.val_loss, ref.val_loss) for r, ref in pairs]
         points.append(
             FrontierPoint(
-                name=r.name,
+                name=s["name"],
                 step_ms=s["median_step_ms"],
                 spread_ms=tuple(s["spread_ms"]),
-                loss_gap=gap(r.final_loss, ref.final_loss),
-                val_gap=gap(r.val_loss, ref.val_loss),
-                memory_bytes=s["peak_mem_bytes"] or r.peak_rss_bytes,
+                loss_gap=statistics.fmean(train),
+                gap_range=(min(train), max(train)),
+                val_gap=statistics.fmean(val),
+                memory_bytes=s["peak_mem_bytes"] or max(r.peak_rss_bytes for r in mine),
                 state_bytes=s["state_bytes"],
+                num_seeds=len(pairs),
             )
         )
     return points
@@ -237,15 +256,17 @@ def format_frontier(link: str, points: list[FrontierPoint]) -> str:
     mib = 2**20
     w = max(len("contender"), *(len(p.name) for p in points))
     header = (
-        f"{'contender':<{w}} {'step ms':>9} {'spread ms':>15} {'train gap':>10} {'val gap':>8} "
-        f"{'state MiB':>10} {'peak MiB':>9} {'frontier':>9}"
+        f"{'contender':<{w}} {'step ms':>9} {'spread ms':>15} {'train gap':>10} {'seeds: range':>20} "
+        f"{'val gap':>8} {'state MiB':>10} {'peak MiB':>9} {'frontier':>9}"
     )
     lines = [f"\n{link}: step time (bench step) and loss gap vs fp32 DDP (this script)", header]
     lines.append("-" * len(header))
     for p in sorted(points, key=lambda p: p.step_ms):
         lo, hi = p.spread_ms
+        g0, g1 = p.gap_range
         lines.append(
             f"{p.name:<{w}} {p.step_ms:>9.1f} {f'{lo:.1f}-{hi:.1f}':>15} {p.loss_gap:>+10.2%} "
+            f"{f'{p.num_seeds}: {g0:+.2%}..{g1:+.2%}':>20} "
             f"{p.val_gap:>+8.2%} {p.state_bytes / mib:>10.2f} {p.memory_bytes / mib:>9.1f} "
             f"{'yes' if not dominated(p, points) else '':>9}"
         )
@@ -279,12 +300,16 @@ def plot_frontier(link: str, points: list[FrontierPoint], path: Path) -> None:
             alpha=0.8 if on else 0.35, edgecolors="black" if on else "none",
             color="tab:blue" if p.name.startswith("overlap") else "tab:orange",
         )  # fmt: skip
+        lo, hi = p.gap_range
+        if hi > lo:  # several seeds: their range
+            ax.errorbar(p.step_ms, 100 * p.loss_gap, yerr=[[100 * (p.loss_gap - lo)], [100 * (hi - p.loss_gap)]],
+                        fmt="none", ecolor="gray", elinewidth=0.8, alpha=0.6)  # fmt: skip
         ax.annotate(short_name(p.name), (p.step_ms, 100 * p.loss_gap), fontsize=7, xytext=(4, 4),
                     textcoords="offset points")  # fmt: skip
     ax.set_yscale("symlog", linthresh=1.0)  # gaps of a few % beside PowerSGD's tens of %
     ax.axhline(0.0, color="gray", lw=0.8)
     ax.set_xlabel("median step time, ms (overlap bench step)")
-    ax.set_ylabel("final training loss vs fp32 DDP, %")
+    ax.set_ylabel("final training loss vs fp32 DDP, % (mean over seeds; bars: their range)")
     ax.set_title(
         f"{link}: blue = overlap, orange = peers; outlined = on the frontier; "
         "area = peak memory per rank", fontsize=9,
@@ -365,8 +390,9 @@ def main() -> None:
     parser.add_argument("--json", type=Path, default=None, help="write the runs here")
     parser.add_argument("--png", type=Path, default=None, help="loss curves")
     parser.add_argument(
-        "--from-json", type=Path, default=None, help="report on runs saved by --json; train nothing"
-    )
+        "--from-json", type=Path, action="append", default=[],
+        help="report on runs saved by --json; train nothing (repeat: one file per seed)",
+    )  # fmt: skip
     parser.add_argument(
         "--step-json", type=Path, action="append", default=[],
         help="an `overlap bench step --json` file (one per link): combined table and frontier",
@@ -383,16 +409,20 @@ def main() -> None:
         heads=args.heads, batch_size=args.batch_size, block_size=args.block_size,
         eval_batches=args.eval_batches, seed=args.seed,
     )  # fmt: skip
-    if args.from_json is not None:
-        saved = json.loads(args.from_json.read_text())
-        runs = [ConvergenceRun(**r) for r in saved["runs"]]
-        steps = saved["steps"]
+    if args.from_json:
+        saved = [json.loads(path.read_text()) for path in args.from_json]
+        seeds = [[ConvergenceRun(**r) for r in one["runs"]] for one in saved]
+        steps = saved[0]["steps"]
+        if any(one["steps"] != steps for one in saved):
+            raise SystemExit("convergence.py: the --from-json files ran different numbers of steps")
     else:
-        runs = converge(contender_list(args), cfg, args.nproc, args.powersgd_start_iter)
+        seeds = [converge(contender_list(args), cfg, args.nproc, args.powersgd_start_iter)]
         steps = args.steps
+    runs = seeds[0]
     print(f"\nconvergence: GPT {cfg.layers}x{cfg.dim}, {steps} steps, {args.nproc} ranks")
-    print(format_losses(runs))
-    if args.json and args.from_json is None:
+    for one in seeds:
+        print(format_losses(one))
+    if args.json and not args.from_json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         payload = {"steps": steps, "demo": asdict(cfg), "runs": [asdict(r) for r in runs]}
         args.json.write_text(json.dumps(payload, indent=1) + "\n")
@@ -401,7 +431,7 @@ def main() -> None:
         plot_losses(runs, steps, args.png)
     for i, step_json in enumerate(args.step_json):
         report = json.loads(step_json.read_text())
-        points = join(report, runs)
+        points = join(report, seeds)
         print(format_frontier(report["link"], points))
         if args.frontier_png:
             plot_frontier(report["link"], points, args.frontier_png[i])

@@ -266,8 +266,8 @@ def test_convergence_script(tmp_path: Path, deepspeed_op: float) -> None:
     ]}))  # fmt: skip
     png = tmp_path / "frontier.png"
     proc = subprocess.run(
-        [sys.executable, "benchmarks/convergence.py", "--from-json", str(runs_json),
-         "--step-json", str(step_json), "--frontier-png", str(png)],
+        [sys.executable, "benchmarks/convergence.py", "--from-json", str(runs_json), "--from-json", str(runs_json),
+         "--step-json", str(step_json), "--frontier-png", str(png)],  # the same seed twice: its gaps
         cwd=REPO, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr}"
@@ -284,7 +284,7 @@ def test_frontier_dominance() -> None:
     def point(name: str, step_ms: float, loss_gap: float, memory: int):  # noqa: ANN202
         return conv.FrontierPoint(
             name=name, step_ms=step_ms, spread_ms=(step_ms, step_ms), loss_gap=loss_gap,
-            val_gap=loss_gap, memory_bytes=memory, state_bytes=memory,
+            gap_range=(loss_gap, loss_gap), val_gap=loss_gap, memory_bytes=memory, state_bytes=memory,
         )  # fmt: skip
 
     fast = point("fast", 1.0, 0.01, 10)
@@ -293,3 +293,28 @@ def test_frontier_dominance() -> None:
     lean = point("lean", 4.0, 0.05, 5)  # slowest and worst, but the least memory
     points = [fast, exact_slow, worse, lean]
     assert [conv.dominated(p, points) for p in points] == [False, False, True, False]
+
+
+def test_frontier_averages_seeds() -> None:
+    """Several seeds: each gap against that seed's DDP, averaged over the seeds a contender ran
+    with, with their range and number."""
+    conv = load_convergence_script()
+
+    def run(name: str, final: float):  # noqa: ANN202
+        return conv.ConvergenceRun(
+            name=name, losses=[final], final_loss=final, val_loss=final, median_step_ms=1.0,
+            state_bytes=1, peak_rss_bytes=1, lossy=False, settings={},
+        )  # fmt: skip
+
+    seeds = [
+        [run("ddp", 2.0), run("a", 2.02), run("b", 2.0)],
+        [run("ddp", 1.0), run("a", 0.99)],  # b did not run with this seed: its one seed counts
+    ]
+    report = {"runs": [
+        {"name": n, "median_step_ms": 1.0, "spread_ms": [1.0, 1.0], "peak_mem_bytes": 1, "state_bytes": 1}
+        for n in ("ddp", "a", "b")
+    ]}  # fmt: skip
+    points = {p.name: p for p in conv.join(report, seeds)}
+    assert set(points) == {"ddp", "a", "b"}
+    assert points["a"].loss_gap == pytest.approx(0.0) and points["a"].gap_range == pytest.approx((-0.01, 0.01))
+    assert points["a"].num_seeds == 2 and points["b"].num_seeds == 1 and points["b"].loss_gap == 0.0
