@@ -160,13 +160,13 @@ inline int64_t data_in_run(const Segment& s, int64_t row, int64_t col, int64_t l
   return std::clamp<int64_t>(std::min(s.data_cols - col, s.valid - *k), 0, len);
 }
 
-Job make_job(const at::Tensor& flat, at::TensorList tensors, c10::IntArrayRef sizes, c10::IntArrayRef data_cols,
-             int64_t num_rows, bool into_flat) {
+// `flat_type` / `flat_numel`: the flat side's dtype and elements (one buffer, or its rows).
+Job make_job(at::ScalarType flat_type, int64_t flat_numel, at::TensorList tensors, c10::IntArrayRef sizes,
+             c10::IntArrayRef data_cols, int64_t num_rows, bool into_flat) {
   TORCH_CHECK(num_rows > 0, "overlap copy: num_rows must be positive");
   TORCH_CHECK(static_cast<int64_t>(tensors.size()) == static_cast<int64_t>(sizes.size()) &&
                   sizes.size() == data_cols.size(),
               "overlap copy: one size and one data_cols per tensor");
-  TORCH_CHECK(flat.device().is_cpu() && flat.is_contiguous(), "overlap copy: flat must be a contiguous CPU tensor");
   Job job;
   int64_t col_off = 0;
   for (size_t i = 0; i < tensors.size(); ++i) {
@@ -188,34 +188,64 @@ Job make_job(const at::Tensor& flat, at::TensorList tensors, c10::IntArrayRef si
       s.valid = t.numel();
       s.start = num_rows * col_off;
       s.stop = s.start + num_rows * cols;
-      s.fn = into_flat ? cast_fn(t.scalar_type(), flat.scalar_type()) : cast_fn(flat.scalar_type(), t.scalar_type());
+      s.fn = into_flat ? cast_fn(t.scalar_type(), flat_type) : cast_fn(flat_type, t.scalar_type());
       job.segs.push_back(s);
     }
     col_off += cols;
   }
   job.row_stride = col_off;
   job.total = num_rows * col_off;
-  TORCH_CHECK(flat.numel() == job.total, "overlap copy: flat has ", flat.numel(), " elements, the segments ",
+  TORCH_CHECK(flat_numel == job.total, "overlap copy: flat has ", flat_numel, " elements, the segments ",
               job.total);
   return job;
 }
 
-void copy_out(const at::Tensor& flat, at::TensorList outs, c10::IntArrayRef sizes, c10::IntArrayRef data_cols,
-              int64_t num_rows) {
-  const Job job = make_job(flat, outs, sizes, data_cols, num_rows, /*into_flat=*/false);
+void check_flat(const at::Tensor& flat) {
+  TORCH_CHECK(flat.device().is_cpu() && flat.is_contiguous(), "overlap copy: flat must be a contiguous CPU tensor");
+}
+
+// Copy-out from rows that need not be one buffer: row r of the flat side starts at rows[r].
+void copy_out_from(const std::vector<const char*>& rows, int64_t flat_bytes, const Job& job) {
   if (job.total == 0) return;
-  const char* base = static_cast<const char*>(flat.data_ptr());
-  const int64_t flat_bytes = flat.element_size();
   for_each_run(job.segs, job.total, [&](const Segment& s, int64_t row, int64_t col, int64_t len) {
     int64_t k;
     const int64_t n = data_in_run(s, row, col, len, &k);  // padding is not copied out
-    if (n > 0) s.fn(base + (row * job.row_stride + s.col_off + col) * flat_bytes, s.many + k * s.elem_bytes, n);
+    if (n > 0) s.fn(rows[row] + (s.col_off + col) * flat_bytes, s.many + k * s.elem_bytes, n);
   });
+}
+
+void copy_out(const at::Tensor& flat, at::TensorList outs, c10::IntArrayRef sizes, c10::IntArrayRef data_cols,
+              int64_t num_rows) {
+  check_flat(flat);
+  const Job job = make_job(flat.scalar_type(), flat.numel(), outs, sizes, data_cols, num_rows, /*into_flat=*/false);
+  const char* base = static_cast<const char*>(flat.data_ptr());
+  std::vector<const char*> rows;
+  for (int64_t r = 0; r < num_rows; ++r) rows.push_back(base + r * job.row_stride * flat.element_size());
+  copy_out_from(rows, flat.element_size(), job);
+}
+
+// copy_out of the rank-major rows `rows[0] | rows[1] | ...` without concatenating them: each row
+// holds at least W elements of one dtype (the first W are read).
+void copy_out_rows(at::TensorList rows, at::TensorList outs, c10::IntArrayRef sizes, c10::IntArrayRef data_cols) {
+  TORCH_CHECK(!rows.empty(), "overlap copy_out_rows: no rows");
+  const int64_t num_rows = static_cast<int64_t>(rows.size());
+  int64_t width = 0;
+  for (size_t i = 0; i < sizes.size(); ++i) width += sizes[i] / num_rows;
+  for (const auto& row : rows) {
+    check_flat(row);
+    TORCH_CHECK(row.scalar_type() == rows[0].scalar_type() && row.numel() >= width,
+                "overlap copy_out_rows: every row needs ", width, " elements of one dtype");
+  }
+  const Job job = make_job(rows[0].scalar_type(), num_rows * width, outs, sizes, data_cols, num_rows, false);
+  std::vector<const char*> bases;
+  for (const auto& row : rows) bases.push_back(static_cast<const char*>(row.data_ptr()));
+  copy_out_from(bases, rows[0].element_size(), job);
 }
 
 void copy_in(at::TensorList srcs, c10::IntArrayRef sizes, c10::IntArrayRef data_cols, const at::Tensor& flat,
              int64_t num_rows) {
-  const Job job = make_job(flat, srcs, sizes, data_cols, num_rows, /*into_flat=*/true);
+  check_flat(flat);
+  const Job job = make_job(flat.scalar_type(), flat.numel(), srcs, sizes, data_cols, num_rows, /*into_flat=*/true);
   if (job.total == 0) return;
   char* base = static_cast<char*>(flat.data_ptr());
   const int64_t flat_bytes = flat.element_size();
@@ -233,4 +263,5 @@ void copy_in(at::TensorList srcs, c10::IntArrayRef sizes, c10::IntArrayRef data_
 TORCH_LIBRARY_FRAGMENT(overlap_cpu, m) {
   m.def("copy_out(Tensor flat, Tensor(a!)[] outs, int[] sizes, int[] data_cols, int num_rows) -> ()", &copy_out);
   m.def("copy_in(Tensor[] srcs, int[] sizes, int[] data_cols, Tensor(a!) flat, int num_rows) -> ()", &copy_in);
+  m.def("copy_out_rows(Tensor[] rows, Tensor(a!)[] outs, int[] sizes, int[] data_cols) -> ()", &copy_out_rows);
 }

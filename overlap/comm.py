@@ -50,7 +50,7 @@ class CommResult(NamedTuple):
     output: torch.Tensor
     work: Any  # dist.Work, or None when the collective ran synchronously (world size 1)
     inputs: tuple[torch.Tensor, ...]  # kept alive until the wait
-    finish: Callable[[torch.Tensor], torch.Tensor] | None = None  # applied to output by `wait`
+    finish: Callable[[torch.Tensor], Any] | None = None  # applied to output by `wait` (a tensor; rows: all_gather_pair)
 
 
 GatherImpl = Literal["native", "all_to_all"]
@@ -171,12 +171,7 @@ def all_gather_flat(
     dominates and the send copies stay small. An all-to-all gather can also travel in the same
     all-to-all as a gradient reduction (`reduce_scatter_and_gather`).
     """
-    send = shard if shard.dtype == dtype else shard.to(dtype)
-    if tag is not None:
-        if tag_slot is not None and send is shard:
-            tag_slot.fill_(tag)
-        else:
-            write_tag(send, send.numel() - TAG_NUMEL, tag)
+    send = _send_of(shard, dtype, tag, tag_slot)
     out = torch.empty(world_size * send.numel(), dtype=dtype, device=send.device)
     if _local(world_size):
         out.copy_(send)
@@ -191,6 +186,55 @@ def all_gather_flat(
         return CommResult(received, work, (copies,), lambda buf: torch.cat(_rows(buf, world_size, numel, starts)))
     work = _all_gather(out, send, group=group, async_op=True)
     return CommResult(out, work, (send,))
+
+
+def _send_of(shard: torch.Tensor, dtype: torch.dtype, tag: int | None, tag_slot: torch.Tensor | None) -> torch.Tensor:
+    """What a gather of `shard` sends: cast to `dtype`, the tag written (`all_gather_flat`)."""
+    send = shard if shard.dtype == dtype else shard.to(dtype)
+    if tag is not None:
+        if tag_slot is not None and send is shard:
+            tag_slot.fill_(tag)
+        else:
+            write_tag(send, send.numel() - TAG_NUMEL, tag)
+    return send
+
+
+def all_gather_pair(
+    shard: torch.Tensor,
+    group: dist.ProcessGroup,
+    rank: int,
+    dtype: torch.dtype,
+    tag: int | None = None,
+    tag_slot: torch.Tensor | None = None,
+    slack: RecvSlack | None = None,
+) -> CommResult:
+    """`all_gather_flat` over two ranks, without the copy of this rank's own shard: `wait`
+    returns the two rows in rank order, this rank's being what it sent, the peer's what it
+    received; `shard`, `tag` and `tag_slot` as there.
+
+    [Note: gather of a pair]
+    A backend's all-gather copies each rank's own input into its output, and at two ranks that
+    is half of every gathered unit (W1: 48 MiB a step, in gloo's thread). Through all-to-all the
+    own part need not travel ([Note: own part stays home]): one message to the peer, one from
+    it, the same bytes on the wire; the copy-out that follows every CPU gather reads the own row
+    from the send buffer (`kernels.bind_copy_out_rows`), so the rows are never concatenated.
+    The receive buffer has `slack`'s room, as every all-to-all ([Note: receive slack]).
+    """
+    send = _send_of(shard, dtype, tag, tag_slot)
+    n = send.numel()
+    peer = 1 - rank
+    floor = 0 if slack is None else -(-slack.floor_bytes // send.element_size())
+    received = torch.empty(max(n, floor), dtype=dtype, device=send.device)
+    out_sizes, in_sizes = [0, 0], [0, 0]
+    out_sizes[peer], in_sizes[peer] = received.numel(), n
+    work = _all_to_all(
+        received, send, output_split_sizes=out_sizes, input_split_sizes=in_sizes, group=group, async_op=True
+    )
+
+    def rows(buf: torch.Tensor) -> list[torch.Tensor]:
+        return [send, buf[:n]] if rank == 0 else [buf[:n], send]
+
+    return CommResult(received, work, (send,), rows)  # type: ignore[arg-type]
 
 
 def all_gather_secondary(

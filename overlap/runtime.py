@@ -304,6 +304,15 @@ class Runtime:
         self._gather_impl = [self._resolve_gather_impl(i) for i in range(len(self.units))]
         self._fusable = [self._can_fuse(i) for i in range(len(self.units))]
         self._slack = self._receive_slack()
+        # [Note: gather of a pair] in comm.py: two ranks on the CPU, uncompressed, impl "auto"
+        self._pair = (
+            self.world_size == 2
+            and self.gather_impl == "auto"
+            and self.gather_stream is None
+            and self.param_codec is None
+            and self.secondary_group is None
+            and not comm.runs_locally(self.world_size)
+        )
 
     def _resolve_gather_impl(self, index: int) -> comm.GatherImpl:
         """Unit `index`'s uncompressed all-gather ([Note: all-gather through all-to-all] in
@@ -445,10 +454,15 @@ class Runtime:
                     tagged = self._tagged[index] if self.world_size > 1 else None
                     unit.gather_tag = None if tagged is None else self._tag(index, unit, for_backward)
                     send = unit.shard if tagged is None else tagged
-                    unit.gather = comm.all_gather_flat(
-                        send, self.group, self.world_size, dtype, unit.gather_tag, self._tag_slots[index],
-                        self._gather_impl[index], self._slack,
-                    )
+                    if self._pair:
+                        unit.gather = comm.all_gather_pair(
+                            send, self.group, self.rank, dtype, unit.gather_tag, self._tag_slots[index], self._slack
+                        )
+                    else:
+                        unit.gather = comm.all_gather_flat(
+                            send, self.group, self.world_size, dtype, unit.gather_tag, self._tag_slots[index],
+                            self._gather_impl[index], self._slack,
+                        )
                 else:
                     unit.gather_tag = self._tag(index, unit, for_backward) if self.world_size > 1 else None
                     unit.gather = comm.all_gather_encoded(
@@ -474,7 +488,8 @@ class Runtime:
                 else:
                     self.timer.stop(span, work=result.work)
         received = result.output
-        self.stats.record_issue("gather", received.numel() * received.element_size())
+        gathered = self.world_size * self._gather_part_bytes(index) if self._pair else received.numel() * received.element_size()
+        self.stats.record_issue("gather", gathered)
 
     def _tag(self, index: int, unit: UnitTensors, for_backward: bool) -> int:
         phase = 2 if for_backward else (0 if torch.is_grad_enabled() else 1)
@@ -500,7 +515,8 @@ class Runtime:
             unit.host_tags = HostTags(tags, self.world_size)
             self.fingerprints.check_host(unit.host_tags, unit.gather_tag, what)
         else:
-            self.fingerprints.check(gathered, self.world_size, unit.gather_tag, what)
+            flat = torch.cat(gathered) if isinstance(gathered, list) else gathered  # [Note: gather of a pair]
+            self.fingerprints.check(flat, self.world_size, unit.gather_tag, what)
 
     def check_fingerprints(self) -> None:
         """Once per step: CUDA reports a step late what the device compared ([Note: collective
@@ -609,20 +625,29 @@ class Runtime:
             unit.copy_out_sizes = [n * s.padded_chunk_numel for s in slots]
             unit.copy_out_cols = [s.chunk_numel for s in slots]
         outs, sizes, cols = unit.copy_out_views, unit.copy_out_sizes, unit.copy_out_cols
-        if gathered.numel() != unit.layout.unsharded_numel:  # tagged: each row ends in its tag
-            assert gathered.numel() == unit.layout.unsharded_numel + self.world_size * TAG_NUMEL
+        rows = gathered if isinstance(gathered, list) else None  # [Note: gather of a pair]
+        if rows is not None:
+            gathered = rows[0]  # its dtype and device; the rows are read below
+        numel = sum(r.numel() for r in rows) if rows is not None else gathered.numel()
+        if numel != unit.layout.unsharded_numel:  # tagged: each row ends in its tag
+            assert numel == unit.layout.unsharded_numel + self.world_size * TAG_NUMEL
             if unit.tag_out is None or unit.tag_out.dtype != gathered.dtype:
                 unit.tag_out = torch.empty(self.world_size * TAG_NUMEL, dtype=gathered.dtype, device=gathered.device)
             outs, sizes, cols = [*outs, unit.tag_out], [*sizes, self.world_size * TAG_NUMEL], [*cols, TAG_NUMEL]
         # The unsharded params alias this storage and autograd may hold them from forward: a
         # refill must not bump their version counter (the data is the same as before the free).
         with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(unit.unsharded_flat):
-            key = (gathered.dtype, len(outs))
+            key = (gathered.dtype, len(outs), rows is not None)
             if unit.copy_out_bound is not None and unit.copy_out_bound[0] == key:
-                unit.copy_out_bound[1](gathered.contiguous())  # [Note: bound copies] in kernels/copy.py
-            else:  # a layout not seen yet: checked once, then bound
+                # [Note: bound copies] in kernels/copy.py
+                unit.copy_out_bound[1](rows if rows is not None else gathered.contiguous())
+            elif rows is None:  # a layout not seen yet: checked once, then bound
                 kernels.copy_out(gathered, outs, sizes=sizes, data_cols=cols, num_rows=self.world_size)
                 bound = kernels.bind_copy_out(gathered.dtype, gathered.device, outs, sizes, cols, self.world_size)
+                unit.copy_out_bound = (key, bound)
+            else:  # checked on the concatenated rows once, then bound to read the rows in place
+                kernels.copy_out(torch.cat(rows), outs, sizes=sizes, data_cols=cols, num_rows=self.world_size)
+                bound = kernels.bind_copy_out_rows(gathered.dtype, gathered.device, outs, sizes, cols, self.world_size)
                 unit.copy_out_bound = (key, bound)
 
     def free(self, index: int) -> None:
@@ -741,6 +766,8 @@ class Runtime:
         gather_buffers): natively the output and the shard sent; through all-to-all the send
         copies and the receive buffer with its slack ([Note: receive slack] in comm.py)."""
         part = self._gather_part_bytes(index)
+        if self._pair:  # the shard sent and the peer's part received ([Note: gather of a pair])
+            return part + max(part, self.receive_floor_bytes)
         if comm.runs_locally(self.world_size) or self._gather_impl[index] == "native":
             return (self.world_size + 1) * part
         floor = self.receive_floor_bytes

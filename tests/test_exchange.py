@@ -1,7 +1,8 @@
 """All-to-all exchanges on gloo: gathers through all-to-all, a reduction and a gather in one
-all-to-all, own chunks that stay home, and the receive slack that keeps a mismatched pair from
-aborting the process ([Note: all-gather through all-to-all], [Note: own part stays home],
-[Note: receive slack] in comm.py; [Note: fused exchange] in runtime.py)."""
+all-to-all, own chunks that stay home, the gather of a pair, and the receive slack that keeps a
+mismatched pair from aborting the process ([Note: all-gather through all-to-all], [Note: own
+part stays home], [Note: gather of a pair], [Note: receive slack] in comm.py; [Note: fused
+exchange] in runtime.py)."""
 
 from __future__ import annotations
 
@@ -66,6 +67,30 @@ def exchanges_agree(rank: int, world: int, slack_bytes: int) -> dict:
 @pytest.mark.parametrize("slack_bytes", [0, 4096], ids=["no-slack", "slack"])
 def test_all_to_all_paths_match_native_collectives(world3, slack_bytes):
     for rank, r in enumerate(world3.run(exchanges_agree, slack_bytes=slack_bytes)):
+        assert all(r.values()), (rank, r)
+
+
+def pair_gather(rank: int, world: int, slack_bytes: int) -> dict:
+    """[Note: gather of a pair]: the rows in rank order equal the native all-gather's; the
+    own row is the buffer sent (no copy) and only the peer's part is received."""
+    group = dist.group.WORLD
+    slack = comm.RecvSlack(rank, slack_bytes) if slack_bytes else None
+    shard = _data(rank, 40, 1)
+    native = comm.wait(comm.all_gather_flat(shard, group, world, torch.float32))
+    result = comm.all_gather_pair(shard, group, rank, torch.float32, slack=slack)
+    rows = comm.wait(result)
+    cast = comm.wait(comm.all_gather_pair(shard, group, rank, torch.bfloat16, slack=slack))
+    return {
+        "rows": torch.equal(torch.cat(rows), native),
+        "own_row_is_sent": rows[rank] is shard,
+        "received_peer_only": result.output.numel() == max(40, slack_bytes // 4),
+        "cast": torch.equal(torch.cat(cast), native.to(torch.bfloat16)),
+    }
+
+
+@pytest.mark.parametrize("slack_bytes", [0, 4096], ids=["no-slack", "slack"])
+def test_gather_of_a_pair(world2, slack_bytes):
+    for rank, r in enumerate(world2.run(pair_gather, slack_bytes=slack_bytes)):
         assert all(r.values()), (rank, r)
 
 

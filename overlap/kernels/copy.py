@@ -204,6 +204,26 @@ def bind_copy_out(
     return lambda flat: copy_out_ref(flat, outs, sizes, num_rows, data)
 
 
+def bind_copy_out_rows(
+    flat_dtype: torch.dtype,
+    device: torch.device,
+    outs: Sequence[torch.Tensor],
+    sizes: Sequence[int],
+    data_cols: Sequence[int],
+    num_rows: int,
+) -> Any:
+    """`rows -> copy_out(cat(rows), outs, ...)` without the concatenation, for a checked layout
+    ([Note: bound copies]): `rows` are `num_rows` contiguous tensors of `flat_dtype`, row r of
+    the rank-major flat buffer in the first `sum(sizes) // num_rows` elements of `rows[r]`."""
+    outs, sizes, data = list(outs), list(sizes), list(data_cols)
+    width = sum(sizes) // num_rows
+    if select_copy_backend(device, {flat_dtype, *(t.dtype for t in outs)}) == "cpp":
+        op = _extension().copy_out_rows.default
+        return lambda rows: op(rows, outs, sizes, data)
+    flat = bind_copy_out(flat_dtype, device, outs, sizes, data, num_rows)
+    return lambda rows: flat(torch.cat([row[:width] for row in rows]))
+
+
 def bind_copy_in(
     dtypes: Iterable[torch.dtype],
     device: torch.device,
