@@ -217,7 +217,7 @@ def all_gather_pair(
     is half of every gathered unit (W1: 48 MiB a step, in gloo's thread). Through all-to-all the
     own part need not travel ([Note: own part stays home]): one message to the peer, one from
     it, the same bytes on the wire; the copy-out that follows every CPU gather reads the own row
-    from the send buffer (`kernels.bind_copy_out_rows`), so the rows are never concatenated.
+    from the send buffer (`kernels.bind_copy_out` with `rows`), so the rows are never concatenated.
     The receive buffer has `slack`'s room, as every all-to-all ([Note: receive slack]).
     """
     send = _send_of(shard, dtype, tag, tag_slot)

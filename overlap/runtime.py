@@ -647,7 +647,7 @@ class Runtime:
                 unit.copy_out_bound = (key, bound)
             else:  # checked on the concatenated rows once, then bound to read the rows in place
                 kernels.copy_out(torch.cat(rows), outs, sizes=sizes, data_cols=cols, num_rows=self.world_size)
-                bound = kernels.bind_copy_out_rows(gathered.dtype, gathered.device, outs, sizes, cols, self.world_size)
+                bound = kernels.bind_copy_out(gathered.dtype, gathered.device, outs, sizes, cols, self.world_size, rows=True)
                 unit.copy_out_bound = (key, bound)
 
     def free(self, index: int) -> None:

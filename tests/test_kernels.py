@@ -349,7 +349,7 @@ def _copy_layouts(
 
 
 def _check_copy_matches(backend: Backend, layouts, pairs, gen: torch.Generator, device: str = "cpu") -> None:
-    from overlap.kernels import bind_copy_out_rows, copy_in, copy_out
+    from overlap.kernels import bind_copy_out, copy_in, copy_out
 
     for sizes, valid, num_rows, data in layouts:
         for flat_dtype, dtype in pairs:
@@ -365,7 +365,7 @@ def _check_copy_matches(backend: Backend, layouts, pairs, gen: torch.Generator, 
             rows = [torch.cat([row, row.new_zeros(3)]) for row in flat.view(num_rows, -1)]
             by_rows = [torch.full_like(t, 7.0) for t in ref]
             cols = [s // num_rows for s in sizes] if data is None else data
-            bind_copy_out_rows(flat_dtype, flat.device, by_rows, sizes, cols, num_rows)(rows)
+            bind_copy_out(flat_dtype, flat.device, by_rows, sizes, cols, num_rows, rows=True)(rows)
             for i, (r, g) in enumerate(zip(ref, by_rows)):
                 assert torch.equal(_bits(r), _bits(g)), f"copy_out from rows, tensor {i}: " + where
             # copy-in: sources of mixed dtypes, some None (zeros); the sentinel must be overwritten

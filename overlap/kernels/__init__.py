@@ -8,7 +8,6 @@ built backend (Triton on CUDA, the just-in-time C++ extension on CPU, else the r
 from overlap.kernels.copy import (
     bind_copy_in,
     bind_copy_out,
-    bind_copy_out_rows,
     copy_in,
     copy_in_ref,
     copy_out,
@@ -33,7 +32,6 @@ from overlap.kernels.reference import (
 __all__ = [
     "bind_copy_in",
     "bind_copy_out",
-    "bind_copy_out_rows",
     "code_numel",
     "copy_in",
     "copy_in_ref",

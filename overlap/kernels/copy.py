@@ -189,39 +189,34 @@ def bind_copy_out(
     sizes: Sequence[int],
     data_cols: Sequence[int],
     num_rows: int,
+    *,
+    rows: bool = False,
 ) -> Any:
     """`flat -> copy_out(flat, outs, ...)` for a checked layout ([Note: bound copies]): `flat`
-    must be contiguous and of `flat_dtype`."""
+    must be contiguous and of `flat_dtype`. With `rows`, the function takes the flat buffer as
+    `num_rows` separate contiguous tensors instead (row r in the first `sum(sizes) // num_rows`
+    elements of the r-th; [Note: gather of a pair] in comm.py), read in place on the CPU."""
     outs, sizes, data = list(outs), list(sizes), list(data_cols)
     chosen = select_copy_backend(device, {flat_dtype, *(t.dtype for t in outs)})
     if chosen == "cpp":
+        if rows:
+            op_rows = _extension().copy_out_rows.default
+            return lambda parts: op_rows(parts, outs, sizes, data)
         op = _extension().copy_out.default
         return lambda flat: op(flat, outs, sizes, data, num_rows)
-    if chosen == "triton":
-        from overlap.kernels import triton_copy
 
-        return lambda flat: triton_copy.copy_out(flat, outs, sizes, data, num_rows)
-    return lambda flat: copy_out_ref(flat, outs, sizes, num_rows, data)
+    def bound(flat: torch.Tensor) -> None:
+        if chosen == "triton":
+            from overlap.kernels import triton_copy
 
+            triton_copy.copy_out(flat, outs, sizes, data, num_rows)
+        else:
+            copy_out_ref(flat, outs, sizes, num_rows, data)
 
-def bind_copy_out_rows(
-    flat_dtype: torch.dtype,
-    device: torch.device,
-    outs: Sequence[torch.Tensor],
-    sizes: Sequence[int],
-    data_cols: Sequence[int],
-    num_rows: int,
-) -> Any:
-    """`rows -> copy_out(cat(rows), outs, ...)` without the concatenation, for a checked layout
-    ([Note: bound copies]): `rows` are `num_rows` contiguous tensors of `flat_dtype`, row r of
-    the rank-major flat buffer in the first `sum(sizes) // num_rows` elements of `rows[r]`."""
-    outs, sizes, data = list(outs), list(sizes), list(data_cols)
+    if not rows:
+        return bound
     width = sum(sizes) // num_rows
-    if select_copy_backend(device, {flat_dtype, *(t.dtype for t in outs)}) == "cpp":
-        op = _extension().copy_out_rows.default
-        return lambda rows: op(rows, outs, sizes, data)
-    flat = bind_copy_out(flat_dtype, device, outs, sizes, data, num_rows)
-    return lambda rows: flat(torch.cat([row[:width] for row in rows]))
+    return lambda parts: bound(torch.cat([part[:width] for part in parts]))
 
 
 def bind_copy_in(
