@@ -281,8 +281,9 @@ def generate_unsharded(rank: int, world: int) -> dict:
     kwargs = {"max_new_tokens": 4, "do_sample": False, "pad_token_id": 0}
     want = plain.generate(prompt, **kwargs)
     gathers: list[int] = []
-    original = comm.all_gather_flat
+    original, original_pair = comm.all_gather_flat, comm.all_gather_pair  # [Note: gather of a pair]
     comm.all_gather_flat = lambda *a, **k: (gathers.append(1), original(*a, **k))[1]
+    comm.all_gather_pair = lambda *a, **k: (gathers.append(1), original_pair(*a, **k))[1]
     try:
         sharded = ours.generate(prompt, **kwargs)
         num_sharded = len(gathers)
@@ -292,7 +293,7 @@ def generate_unsharded(rank: int, world: int) -> dict:
         num_unsharded = len(gathers)
         ours.reshard()
     finally:
-        comm.all_gather_flat = original
+        comm.all_gather_flat, comm.all_gather_pair = original, original_pair
     return {
         "sharded": torch.equal(sharded, want),
         "unsharded": torch.equal(unsharded, want),

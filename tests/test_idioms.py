@@ -305,11 +305,13 @@ def unshard_and_reshard(rank: int, world: int) -> dict:
     held = state.schedule.held_units()
     unsharded_bytes = overlap.memory_stats(ours).bytes["unsharded"]
     gathers, original = _counting("all_gather_flat")
+    pair_gathers, original_pair = _counting("all_gather_pair")  # [Note: gather of a pair]
     try:
         with torch.no_grad():
             outputs = [ours(probe) for _ in range(3)]
     finally:
-        comm.all_gather_flat = original
+        comm.all_gather_flat, comm.all_gather_pair = original, original_pair
+    gathers += pair_gathers
     same = all(torch.equal(out, expected) for out in outputs)
     held_after_forwards = state.schedule.held_units()
     ours.reshard()
