@@ -22,7 +22,8 @@ steps the optimizer, its `state_dict()`, DCP and the user see what they saw befo
 results are the DTensor step's to the bit (tests/test_local_step.py checks both every run).
 
 A step that raised has skipped its post-hook: the swap is undone at the start of that
-optimizer's next step, or by `restore(optimizer)`. On CUDA the dispatch runs ahead of the
+optimizer's next step, or by `restore(optimizer)`. A step given a closure is not swapped: the
+closure's backward would leave its gradients on the DTensors, after the swap took the old ones. On CUDA the dispatch runs ahead of the
 device and foreach is torch's default there, so groups on other devices are left alone.
 """
 
@@ -104,8 +105,8 @@ def _arrange(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
 
 
 def _swap(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    if torch.compiler.is_compiling():
-        return
+    if torch.compiler.is_compiling() or len(args) > 1 or kwargs.get("closure") is not None:
+        return  # a closure runs forward and backward inside the step: its gradients are new DTensors
     swaps = []
     for group in optimizer.param_groups:
         if not _eligible(optimizer, group):

@@ -127,6 +127,38 @@ def test_other_groups_keep_the_dtensor_step(world2):
         assert counts["mixed_group"] > 0 and counts["other_optimizer"] > 0 and counts["eligible"] == 0, counts
 
 
+def with_closure(rank: int, world: int) -> dict:
+    """A closure that recomputes the gradients inside step(): the step must use them (it is not
+    swapped), as DDP's step does."""
+    ref = DDP(copy.deepcopy(tiny_lm()))
+    model = overlap.wrap(tiny_lm())
+    results = {}
+    for name, m in (("ddp", ref), ("ours", model)):
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        loss_of(m(batch(model, rank, 0))).backward()  # stale gradients, from another batch
+
+        def closure(m=m, opt=opt):
+            opt.zero_grad()
+            loss = loss_of(m(batch(model, rank, 1)))
+            loss.backward()
+            return loss
+
+        opt.step(closure)
+        results[name] = m
+    named_ref = dict(ref.module.named_parameters())
+    return {
+        "bitwise": all(
+            torch.equal(_rows(named_ref[n].detach(), p.to_local(), rank, world), p.to_local())
+            for n, p in model.named_parameters()
+        )
+    }
+
+
+def test_a_step_with_a_closure_uses_its_gradients(world2):
+    for r in world2.run(with_closure):
+        assert all(r.values()), r
+
+
 def raises_inside_step(rank: int, world: int) -> dict:
     model = overlap.wrap(tiny_lm())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
