@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from test_peers import DEEPSPEED_BUILD_S, deepspeed_op  # noqa: F401 (a fixture)
 
-from overlap.bench import peers
+from overlap.bench import peers, step
 from overlap.bench.step import (
     DEFAULT_CONTENDERS,
     StepBenchConfig,
@@ -68,8 +68,11 @@ def check_report(path: Path, world_size: int, memory: bool) -> dict:
         assert lo <= run["median_step_ms"] <= hi
         if memory:  # from a fresh world running only this contender
             assert run["peak_mem_bytes"] > 0, run
+            # what training added: above the pre-build RSS, below the whole process's peak
+            assert 0 < run["train_mem_bytes"] < run["peak_mem_bytes"], run
+            assert run["train_mem_range_bytes"] == [run["train_mem_bytes"]] * 2, run  # one world
         else:
-            assert run["peak_mem_bytes"] is None, run
+            assert run["peak_mem_bytes"] is None and run["train_mem_bytes"] is None, run
         eff = run.get("overlap_efficiency")
         if run["name"] == "overlap" and world_size > 1:
             assert eff is not None and 0.0 <= eff <= 1.0, run  # from overlap's own trace
@@ -167,6 +170,25 @@ def test_config_validation() -> None:
         StepBenchConfig(dim=30, heads=4)
     with pytest.raises(ValueError, match="key=value"):
         StepBenchConfig(overlap_configs=("prefetch_depth",))
+    with pytest.raises(ValueError, match="memory_repeats"):
+        StepBenchConfig(memory_repeats=0)
+
+
+def test_memory_pass_takes_contenders_in_turn_and_medians(monkeypatch: pytest.MonkeyPatch) -> None:
+    """--memory-repeats: one world per contender per repeat, in turn; medians and the range."""
+    calls = []
+    figures = {"ddp": [(900, 300), (910, 280), (950, 330)], "overlap": [(800, 200), (700, 100), (810, 210)]}
+
+    def fake_world(fn, world_size, cfg, name, **kw):  # noqa: ANN001, ANN003, ANN202
+        calls.append(name)
+        return [figures[name][calls.count(name) - 1], None]
+
+    monkeypatch.setattr(step, "run_local_world", fake_world)
+    cfg = StepBenchConfig(contenders=("overlap", "ddp"), memory_repeats=3)
+    peaks = step.measure_peaks(cfg, 2)
+    assert calls == ["overlap", "ddp"] * 3
+    assert peaks["ddp"] == step.Peaks(peak_bytes=910, train_bytes=300, train_range_bytes=(280, 330))
+    assert peaks["overlap"] == step.Peaks(peak_bytes=800, train_bytes=200, train_range_bytes=(100, 210))
 
 
 def test_parse_overrides() -> None:

@@ -21,7 +21,9 @@ import json
 import subprocess
 import sys
 import time
+from functools import partial
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -278,6 +280,14 @@ def test_convergence_script(tmp_path: Path, deepspeed_op: float) -> None:
     assert png.stat().st_size > 0
 
 
+def convergence_run(conv: Any, name: str, final: float) -> Any:
+    """A one-step ConvergenceRun of convergence.py whose losses are all `final`."""
+    return conv.ConvergenceRun(
+        name=name, losses=[final], final_loss=final, val_loss=final, median_step_ms=1.0,
+        state_bytes=1, peak_rss_bytes=7, lossy=True, settings={},
+    )  # fmt: skip
+
+
 def test_frontier_dominance() -> None:
     conv = load_convergence_script()
 
@@ -300,12 +310,7 @@ def test_frontier_averages_seeds() -> None:
     with, with their range and number."""
     conv = load_convergence_script()
 
-    def run(name: str, final: float):  # noqa: ANN202
-        return conv.ConvergenceRun(
-            name=name, losses=[final], final_loss=final, val_loss=final, median_step_ms=1.0,
-            state_bytes=1, peak_rss_bytes=1, lossy=False, settings={},
-        )  # fmt: skip
-
+    run = partial(convergence_run, conv)
     seeds = [
         [run("ddp", 2.0), run("a", 2.02), run("b", 2.0)],
         [run("ddp", 1.0), run("a", 0.99)],  # b did not run with this seed: its one seed counts
@@ -318,3 +323,37 @@ def test_frontier_averages_seeds() -> None:
     assert set(points) == {"ddp", "a", "b"}
     assert points["a"].loss_gap == pytest.approx(0.0) and points["a"].gap_range == pytest.approx((-0.01, 0.01))
     assert points["a"].num_seeds == 2 and points["b"].num_seeds == 1 and points["b"].loss_gap == 0.0
+
+
+def test_frontier_compares_on_shared_seeds_and_train_memory() -> None:
+    """Dominance compares two contenders' gaps on the seeds both ran (a one-seed contender is
+    not judged against another's three-seed mean), and the memory axis is the step
+    benchmark's train figure (peak RSS less the pre-build RSS) where it has one."""
+    conv = load_convergence_script()
+
+    run = partial(convergence_run, conv)
+    seeds = [
+        [run("ddp", 1.0), run("ours", 0.98), run("peer", 0.995)],  # a seed where all look better
+        [run("ddp", 1.0), run("ours", 1.01)],
+        [run("ddp", 1.0), run("ours", 1.01)],
+    ]
+    report = {"runs": [
+        {"name": "ours", "median_step_ms": 2.0, "spread_ms": [2.0, 2.0], "peak_mem_bytes": 600,
+         "train_mem_bytes": 200, "train_mem_range_bytes": [190, 210], "state_bytes": 1},
+        {"name": "peer", "median_step_ms": 1.0, "spread_ms": [1.0, 1.0], "peak_mem_bytes": 590,
+         "train_mem_bytes": 200, "train_mem_range_bytes": [200, 200], "state_bytes": 2},
+    ]}  # fmt: skip
+    points = {p.name: p for p in conv.join(report, seeds)}
+    ours, peer = points["ours"], points["peer"]
+    assert ours.memory_bytes == 200 and ours.memory_kind == "train RSS"
+    assert ours.memory_range == (190, 210)
+    assert ours.seed_gaps == pytest.approx({0: -0.02, 1: 0.01, 2: 0.01})
+    assert peer.seed_gaps == pytest.approx({0: -0.005})
+    # by the means, the faster peer (-0.5%, one seed) would dominate ours (0.0%, three seeds);
+    # on seed 0, which both ran, ours is the more accurate
+    assert peer.loss_gap < ours.loss_gap
+    assert not conv.dominated(ours, list(points.values()))
+    # without the train figure the step report's peak RSS is the memory
+    del report["runs"][0]["train_mem_bytes"]
+    ours = next(p for p in conv.join(report, seeds) if p.name == "ours")
+    assert ours.memory_bytes == 600 and ours.memory_kind == "peak RSS"

@@ -61,7 +61,13 @@ from torch import nn
 
 from overlap.bench import peers
 from overlap.bench.peers import parse_overrides
-from overlap.bench.step import StepBenchConfig, build_model, parse_nproc, process_peak_rss_bytes
+from overlap.bench.step import (
+    StepBenchConfig,
+    build_model,
+    current_rss_bytes,
+    parse_nproc,
+    process_peak_rss_bytes,
+)
 from overlap.launch import current_device, default_world, run_local_world
 
 DEFAULT_CONTENDERS = ("overlap", "fsdp2", "ddp")
@@ -131,11 +137,6 @@ class MemoryBenchConfig:
             if name == "overlap":
                 names += [f"overlap[{spec}]" for spec in self.overlap_configs]
         return names
-
-
-def current_rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 def reset_peak_rss() -> bool:

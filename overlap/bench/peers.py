@@ -213,6 +213,15 @@ def available(names: Sequence[str], say: Callable[[str], None] = print) -> tuple
     return tuple(kept)
 
 
+def import_requirements(name: str, device: torch.device) -> None:
+    """Import what contender `name` builds with (DeepSpeed joined to the default group), so
+    that a memory figure taken next starts from the same loaded process for every contender."""
+    if name in DEEPSPEED_PEERS:
+        import_deepspeed(device)
+    elif name in REQUIRES:
+        importlib.import_module(REQUIRES[name])
+
+
 # ---------------------------------------------------------------------------------------------
 # memory accounting
 

@@ -64,13 +64,18 @@ peak RSS is per contender: after the timed rounds, each contender runs again in 
 own freshly spawned processes (same world size and threads, no --link), 2 warm-up steps plus 1,
 and each rank reads the OS's high-water mark of its resident memory (VmHWM; see [Note: ru_maxrss
 of a spawned rank]) at the end; reported is the largest rank. It covers the whole process (torch import, model build, steps), the same baseline
-for every contender. In the timing processes all contenders live side by side, so no honest
-per-contender peak exists there. `--no-memory` skips this pass (peak: n/a). For more (CUDA
-peaks, base and train RSS, the library's own accounting) see `overlap bench memory`.
+for every contender. "train" is that peak less the RSS the rank had just before the contender
+was built (torch, the process group and the contender's package loaded): what training adds,
+the CPU's counterpart of CUDA's max_memory_allocated, without the ~600 MB of interpreter and
+libraries that make peak RSS of a small model mostly baseline. `--memory-repeats N` runs N
+worlds per contender, in turn, and reports the medians. In the timing processes all contenders
+live side by side, so no honest per-contender peak exists there. `--no-memory` skips this pass
+(peak: n/a). For more (CUDA peaks, base and train RSS, the library's own accounting) see
+`overlap bench memory`.
 
 JSON (`--json PATH`): `{"world_size", "link", "model", "config", "runs": [{"name",
 "median_step_ms", "spread_ms", "tokens_per_s", "exposed_comm_ms", "peak_mem_bytes",
-"state_bytes", "lossy", "settings", ...}]}`, one
+"train_mem_bytes", "train_mem_range_bytes", "state_bytes", "lossy", "settings", ...}]}`, one
 file per world size: PATH itself for a single world size, else PATH with `.n<world size>` before
 its suffix (out/w1.json -> out/w1.n1.json, out/w1.n2.json, ...).
 """
@@ -79,6 +84,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import statistics
 import tempfile
@@ -143,6 +149,8 @@ class StepBenchConfig:
     """Apply overlap's CPU allocator setting to every contender (see [Note: one allocator ...])."""
     memory: bool = True
     """Measure each contender's peak RSS in a fresh world of its own (see the module docstring)."""
+    memory_repeats: int = 1
+    """Fresh worlds per contender in the memory pass (taken in turn); the medians are reported."""
     timeout_s: float = 300.0
     """Process-group timeout: a hung collective fails after this long."""
     link: str | None = None
@@ -157,8 +165,8 @@ class StepBenchConfig:
             raise ValueError(
                 f"StepBenchConfig.contenders: unknown {unknown}; choose from {ALL_CONTENDERS}"
             )
-        if min(self.rounds, self.steps) < 1:
-            raise ValueError("StepBenchConfig: rounds and steps must be >= 1")
+        if min(self.rounds, self.steps, self.memory_repeats) < 1:
+            raise ValueError("StepBenchConfig: rounds, steps and memory_repeats must be >= 1")
         if min(self.layers, self.dim, self.heads, self.ff, self.batch, self.seq, self.threads) < 1:
             raise ValueError("StepBenchConfig: model sizes, batch, seq and threads must be >= 1")
         if self.dim % self.heads:
@@ -466,6 +474,12 @@ def build_contenders(cfg: StepBenchConfig, batch: Batch) -> list[Contender]:
 # memory accounting
 
 
+def current_rss_bytes() -> int:
+    """This process's resident memory now (VmRSS, from /proc/self/statm)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
 def process_peak_rss_bytes() -> int:
     """The OS's high-water mark of this process's resident memory (VmHWM).
 
@@ -600,27 +614,54 @@ def step_rank(rank: int, world_size: int, cfg: StepBenchConfig) -> StepReport | 
     return summarize(cfg, world_size, contenders)
 
 
-def peak_rank(rank: int, world_size: int, cfg: StepBenchConfig, name: str) -> int:
-    """Contender `name` alone in this fresh process: warm-up steps plus one, then the largest
-    rank's lifetime peak RSS."""
+def peak_rank(rank: int, world_size: int, cfg: StepBenchConfig, name: str) -> tuple[int, int]:
+    """Contender `name` alone in this fresh process: warm-up steps plus one. Returns the largest
+    rank's lifetime peak RSS and the largest rank's peak above the RSS it had just before the
+    contender was built (its packages already imported): what training adds."""
     set_up_rank(cfg)
+    peers.import_requirements(name, torch.device("cpu"))
+    base = current_rss_bytes()
     c = build_contender(cfg, make_batch(cfg, rank), name)
     for _ in range(WARMUP_STEPS + 1):
         c.step()
-    peak = torch.tensor([process_peak_rss_bytes()], dtype=torch.int64)
-    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-    return int(peak)
+    peak = process_peak_rss_bytes()
+    both = torch.tensor([peak, peak - base], dtype=torch.int64)
+    dist.all_reduce(both, op=dist.ReduceOp.MAX)
+    return int(both[0]), int(both[1])
 
 
-def measure_peaks(cfg: StepBenchConfig, world_size: int) -> dict[str, int]:
-    """Each contender's peak RSS, from a world of `world_size` fresh processes of its own."""
-    return {
-        name: run_local_world(
-            peak_rank, world_size, cfg, name, timeout_s=cfg.timeout_s,
-            threads_per_rank=cfg.threads,
-        )[0]
-        for name in contender_names(cfg)
-    }  # fmt: skip
+@dataclass(frozen=True, kw_only=True)
+class Peaks:
+    """One contender's memory pass: medians over its worlds, and the range of the train figure."""
+
+    peak_bytes: int
+    train_bytes: int
+    train_range_bytes: tuple[int, int]
+
+
+def measure_peaks(cfg: StepBenchConfig, world_size: int) -> dict[str, Peaks]:
+    """Each contender's peak RSS and peak above its pre-build RSS, each from worlds of
+    `world_size` fresh processes of its own: `cfg.memory_repeats` worlds per contender, taken
+    in turn."""
+    names = contender_names(cfg)
+    seen: dict[str, list[tuple[int, int]]] = {name: [] for name in names}
+    for _ in range(cfg.memory_repeats):
+        for name in names:
+            seen[name].append(
+                run_local_world(
+                    peak_rank, world_size, cfg, name, timeout_s=cfg.timeout_s,
+                    threads_per_rank=cfg.threads,
+                )[0]
+            )  # fmt: skip
+    out = {}
+    for name, runs in seen.items():
+        train = [t for _, t in runs]
+        out[name] = Peaks(
+            peak_bytes=int(statistics.median(p for p, _ in runs)),
+            train_bytes=int(statistics.median(train)),
+            train_range_bytes=(min(train), max(train)),
+        )
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -643,6 +684,12 @@ class StepRun:
     peak_mem_bytes: int | None
     """Peak RSS (VmHWM) of a fresh world that ran only this contender, largest rank; None
     when not measured (--no-memory). See "Memory" in the module docstring."""
+    train_mem_bytes: int | None = None
+    """The same peak less the RSS the rank had just before the contender was built (torch, the
+    process group and the contender's package already loaded): the memory training adds (model,
+    state, buffers, activations, the allocator's slack), largest rank; None when not measured."""
+    train_mem_range_bytes: tuple[int, int] | None = None
+    """Smallest and largest train figure over the memory pass's worlds (--memory-repeats)."""
     state_bytes: int
     """Parameters + gradients + optimizer state, per rank, by accounting."""
     parity_rel: float | None
@@ -724,7 +771,7 @@ def format_report(report: StepReport) -> str:
     w = max(len(row.name) for row in rows)
     header = (
         f"{'contender':<{w}} {'step ms':>9} {'spread ms':>15} {'tok/s':>8} {'exposed ms':>11} "
-        f"{'overlap eff':>11} {'state MiB':>10} {'peak RSS MiB':>13}"
+        f"{'overlap eff':>11} {'state MiB':>10} {'peak RSS MiB':>13} {'train MiB':>10}"
     )
     lines += [header, "-" * len(header)]
     for row in rows:
@@ -733,17 +780,21 @@ def format_report(report: StepReport) -> str:
         e_str = "n/a" if e is None else ("~" if row.exposed_comm_estimated else "") + f"{e:.1f}"
         eff = "n/a" if row.overlap_efficiency is None else f"{row.overlap_efficiency:.0%}"
         peak = "n/a" if row.peak_mem_bytes is None else f"{row.peak_mem_bytes / mib:.1f}"
+        train = "n/a" if row.train_mem_bytes is None else f"{row.train_mem_bytes / mib:.1f}"
         lines.append(
             f"{row.name:<{w}} {row.median_step_ms:>9.1f} {f'{lo:.1f}-{hi:.1f}':>15} "
             f"{row.tokens_per_s:>8.0f} {e_str:>11} {eff:>11} {row.state_bytes / mib:>10.1f} "
-            f"{peak:>13}"
+            f"{peak:>13} {train:>10}"
         )
     lines.append(
         "~ = estimate: step - floor-compute.  overlap eff = hidden comm / total comm from "
         "overlap's trace.  state = params + grads + optimizer + communication state "
         "(error feedback, PowerSGD), per rank.\n"
         "peak RSS = the OS's high-water mark (VmHWM) of a fresh world running only that contender "
-        "(largest rank; whole process: import, build, steps)" + ("" if cfg.memory else ": not measured (--no-memory)")
+        "(largest rank; whole process: import, build, steps); train = that peak less the RSS "
+        "before the contender was built" + (
+            f" (medians of {cfg.memory_repeats} worlds)" if cfg.memory_repeats > 1 else ""
+        ) + ("" if cfg.memory else ": not measured (--no-memory)")
     )
     for row in rows:
         if not row.name.startswith("overlap"):
@@ -825,7 +876,15 @@ def bench_step(cfg: StepBenchConfig) -> list[StepReport]:
         assert report is not None, f"rank 0 of world size {n} returned no report"
         if cfg.memory:
             peaks = measure_peaks(cfg, n)
-            runs = [replace(run, peak_mem_bytes=peaks[run.name]) for run in report.runs]
+            runs = [
+                replace(
+                    run,
+                    peak_mem_bytes=peaks[run.name].peak_bytes,
+                    train_mem_bytes=peaks[run.name].train_bytes,
+                    train_mem_range_bytes=peaks[run.name].train_range_bytes,
+                )
+                for run in report.runs
+            ]
             report = replace(report, runs=runs)
         print(format_report(report), flush=True)
         reports.append(report)
@@ -874,6 +933,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         dest="memory",
         action="store_false",
         help="skip the per-contender peak RSS pass (one fresh world per contender)",
+    )
+    parser.add_argument(
+        "--memory-repeats",
+        type=int,
+        default=d.memory_repeats,
+        help="fresh worlds per contender in the peak RSS pass (medians reported)",
     )
     parser.add_argument("--rounds", type=int, default=d.rounds)
     parser.add_argument(
@@ -931,6 +996,7 @@ def config_from_args(args: argparse.Namespace) -> StepBenchConfig:
         threads=args.threads,
         keep_freed_memory=args.keep_freed_memory,
         memory=args.memory,
+        memory_repeats=args.memory_repeats,
         timeout_s=args.timeout_s,
         link=args.link,
         json_path=args.json_path,
