@@ -331,14 +331,21 @@ def short_name(name: str) -> str:
 
 
 def plot_frontier(link: str, points: list[FrontierPoint], path: Path) -> None:
+    """Step time against loss gap, marker area = memory per rank; the contenders are numbered
+    on the plot and named in a key beside it (their labels would pile up where several
+    contenders run within a few ms of each other)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(9, 5.5))
+    fig, (ax, key) = plt.subplots(
+        1, 2, figsize=(12.5, 5.5), gridspec_kw={"width_ratios": [1.9, 1]}
+    )  # fmt: skip
     biggest = max(p.memory_bytes for p in points)
-    for p in points:
+    ordered = sorted(points, key=lambda p: p.step_ms)
+    lines = [f"{'#':>2} {'contender':<36} {'ms':>6} {'gap':>7} {'seeds':>5} {'MiB':>6}"]
+    for i, p in enumerate(ordered, 1):
         on = not dominated(p, points)
         ax.scatter(
             p.step_ms, 100 * p.loss_gap, s=600 * p.memory_bytes / biggest,
@@ -349,8 +356,16 @@ def plot_frontier(link: str, points: list[FrontierPoint], path: Path) -> None:
         if hi > lo:  # several seeds: their range
             ax.errorbar(p.step_ms, 100 * p.loss_gap, yerr=[[100 * (p.loss_gap - lo)], [100 * (hi - p.loss_gap)]],
                         fmt="none", ecolor="gray", elinewidth=0.8, alpha=0.6)  # fmt: skip
-        ax.annotate(short_name(p.name), (p.step_ms, 100 * p.loss_gap), fontsize=7, xytext=(4, 4),
+        ax.annotate(str(i), (p.step_ms, 100 * p.loss_gap), fontsize=7, xytext=(5, 5 if i % 2 else -11),
                     textcoords="offset points")  # fmt: skip
+        lines.append(
+            f"{i:>2} {short_name(p.name)[:36]:<36} {p.step_ms:>6.1f} {p.loss_gap:>+7.2%} "
+            f"{p.num_seeds:>5} {p.memory_bytes / 2**20:>6.1f}{'  *' if on else ''}"
+        )
+    lines += ["", "* on the frontier: no other contender faster,", "  at least as accurate on the seeds both ran,",
+              "  and no bigger in memory per rank"]  # fmt: skip
+    key.axis("off")
+    key.text(-0.05, 1.0, "\n".join(lines), family="monospace", fontsize=7, va="top")
     ax.set_yscale("symlog", linthresh=1.0)  # gaps of a few % beside PowerSGD's tens of %
     ax.axhline(0.0, color="gray", lw=0.8)
     ax.set_xlabel("median step time, ms (overlap bench step)")
