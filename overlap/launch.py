@@ -16,7 +16,7 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Literal, NamedTuple
+from typing import Any, Literal, NamedTuple, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -178,9 +178,15 @@ def _rank_main(
 def _leave(results: Any) -> None:
     results.close()
     results.join_thread()  # the result reached the parent's pipe
+    exit_now(0)
+
+
+def exit_now(code: int) -> NoReturn:
+    """Flush the output and leave this process with `code` at once, without interpreter
+    finalization ([Note: rank exit]): for a rank whose process group is already destroyed."""
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(code)
 
 
 def _drain(
