@@ -619,7 +619,7 @@ def peak_rank(rank: int, world_size: int, cfg: StepBenchConfig, name: str) -> tu
     rank's lifetime peak RSS and the largest rank's peak above the RSS it had just before the
     contender was built (its packages already imported): what training adds."""
     set_up_rank(cfg)
-    peers.import_requirements(name, torch.device("cpu"))
+    peers.import_requirements(name, train_setup(cfg).device)
     base = current_rss_bytes()
     c = build_contender(cfg, make_batch(cfg, rank), name)
     for _ in range(WARMUP_STEPS + 1):
