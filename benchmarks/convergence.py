@@ -296,17 +296,18 @@ def format_frontier(link: str, points: list[FrontierPoint]) -> str:
     w = max(len("contender"), *(len(p.name) for p in points))
     header = (
         f"{'contender':<{w}} {'step ms':>9} {'spread ms':>15} {'train gap':>10} {'seeds: range':>20} "
-        f"{'val gap':>8} {'state MiB':>10} {'memory MiB':>11} {'frontier':>9}"
+        f"{'val gap':>8} {'state MiB':>10} {'memory MiB':>11} {'its range':>13} {'frontier':>9}"
     )
     lines = [f"\n{link}: step time (bench step) and loss gap vs fp32 DDP (this script)", header]
     lines.append("-" * len(header))
     for p in sorted(points, key=lambda p: p.step_ms):
         lo, hi = p.spread_ms
         g0, g1 = p.gap_range
+        spread = "" if p.memory_range is None else "-".join(f"{m / mib:.1f}" for m in p.memory_range)
         lines.append(
             f"{p.name:<{w}} {p.step_ms:>9.1f} {f'{lo:.1f}-{hi:.1f}':>15} {p.loss_gap:>+10.2%} "
             f"{f'{p.num_seeds}: {g0:+.2%}..{g1:+.2%}':>20} "
-            f"{p.val_gap:>+8.2%} {p.state_bytes / mib:>10.2f} {p.memory_bytes / mib:>11.1f} "
+            f"{p.val_gap:>+8.2%} {p.state_bytes / mib:>10.2f} {p.memory_bytes / mib:>11.1f} {spread:>13} "
             f"{'yes' if not dominated(p, points) else '':>9}"
         )
     kinds = sorted({p.memory_kind for p in points})
