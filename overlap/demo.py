@@ -64,6 +64,7 @@ from overlap.launch import (
     run_local_world,
 )
 from overlap.models import GPT, GPTConfig
+from overlap.monitor import rss_bytes
 
 Engine = Literal["overlap", "ddp"]
 CRASH_AT_ENV = "OVERLAP_DEMO_CRASH_AT"
@@ -185,20 +186,6 @@ def sharded_state_bytes(model: nn.Module, opt: torch.optim.Optimizer) -> int:
     for state in opt.state.values():
         total += sum(_local_bytes(v) for v in state.values() if isinstance(v, torch.Tensor))
     return total
-
-
-def rss_bytes() -> int:
-    """Resident memory of this process now (VmRSS); peak RSS where /proc is missing."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def peak_rss_bytes() -> int:

@@ -32,18 +32,21 @@ log = logging.getLogger("overlap")
 _PAGE_BYTES = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
-def process_sample() -> dict[str, float]:
-    """RSS bytes and CPU seconds (user + system) of this process."""
-    rss = 0
+def rss_bytes() -> int:
+    """This process's resident memory now (/proc/self/statm); its peak where /proc is missing."""
     try:
         with open("/proc/self/statm") as f:
-            rss = int(f.read().split()[1]) * _PAGE_BYTES
+            return int(f.read().split()[1]) * _PAGE_BYTES
     except OSError:
         import resource
 
-        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+
+
+def process_sample() -> dict[str, float]:
+    """RSS bytes and CPU seconds (user + system) of this process."""
     times = os.times()
-    return {"rss_bytes": rss, "cpu_s": times.user + times.system}
+    return {"rss_bytes": rss_bytes(), "cpu_s": times.user + times.system}
 
 
 def nvml_handle(nvml: Any, device: torch.device) -> Any:

@@ -515,8 +515,9 @@ class Runtime:
             unit.host_tags = HostTags(tags, self.world_size)
             self.fingerprints.check_host(unit.host_tags, unit.gather_tag, what)
         else:
-            flat = torch.cat(gathered) if isinstance(gathered, list) else gathered  # [Note: gather of a pair]
-            self.fingerprints.check(flat, self.world_size, unit.gather_tag, what)
+            if isinstance(gathered, list):  # [Note: gather of a pair]: each row ends in its tag
+                gathered = torch.cat([row[-TAG_NUMEL:] for row in gathered])
+            self.fingerprints.check(gathered, self.world_size, unit.gather_tag, what)
 
     def check_fingerprints(self) -> None:
         """Once per step: CUDA reports a step late what the device compared ([Note: collective

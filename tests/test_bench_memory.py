@@ -15,11 +15,11 @@ from test_peers import DEEPSPEED_BUILD_S, deepspeed_op  # noqa: F401 (a fixture)
 from overlap.bench.memory import (
     BYTES_PER_PARAM_ZERO3,
     MemoryBenchConfig,
-    current_rss_bytes,
     num_params,
 )
 from overlap.bench.step import process_peak_rss_bytes
 from overlap.launch import run_local_world
+from overlap.monitor import rss_bytes
 
 RUN_TIMEOUT_S = 240  # three spawned worlds of 2 ranks on a loaded 2-core machine
 REPO = Path(__file__).resolve().parent.parent
@@ -88,7 +88,7 @@ def test_spawned_rank_peak_excludes_its_launcher() -> None:
     not report that GiB as its own peak (ru_maxrss would)."""
     ballast = bytearray(2**30)
     ballast[:: 4096] = b"\1" * len(ballast[:: 4096])  # touch every page: resident
-    launcher_rss = current_rss_bytes()
+    launcher_rss = rss_bytes()
     (child_peak,) = run_local_world(peak_of_this_rank, 1, timeout_s=120, deadline_s=180)
     del ballast
     assert 0 < child_peak < launcher_rss - 2**29, (child_peak, launcher_rss)

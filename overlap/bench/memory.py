@@ -61,14 +61,9 @@ from torch import nn
 
 from overlap.bench import peers
 from overlap.bench.peers import parse_overrides
-from overlap.bench.step import (
-    StepBenchConfig,
-    build_model,
-    current_rss_bytes,
-    parse_nproc,
-    process_peak_rss_bytes,
-)
+from overlap.bench.step import StepBenchConfig, build_model, parse_nproc, process_peak_rss_bytes
 from overlap.launch import current_device, default_world, run_local_world
+from overlap.monitor import rss_bytes
 
 DEFAULT_CONTENDERS = ("overlap", "fsdp2", "ddp")
 CONTENDERS = DEFAULT_CONTENDERS + peers.PEERS
@@ -176,7 +171,7 @@ def memory_rank(rank: int, world_size: int, cfg: MemoryBenchConfig, name: str) -
     """Build, wrap and train one contender in this fresh process; its memory figures."""
     device = current_device()
     cuda = device.type == "cuda"
-    base_rss = current_rss_bytes()
+    base_rss = rss_bytes()
     with device:  # built where it trains, as each contender's users would
         model = build_model(cfg.workload())
     trainer = peers.build_trainer(name, model, train_setup(cfg, device))

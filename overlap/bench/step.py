@@ -84,7 +84,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import resource
 import statistics
 import tempfile
@@ -104,6 +103,7 @@ from overlap.bench.link import LinkSpec, active_link, run_linked_world
 from overlap.bench.peers import parse_overrides, state_bytes
 from overlap.launch import run_local_world
 from overlap.models.gpt import GPT, GPTConfig
+from overlap.monitor import rss_bytes
 
 ModelName = Literal["w1", "gpt"]
 MODELS: tuple[ModelName, ...] = get_args(ModelName)
@@ -474,12 +474,6 @@ def build_contenders(cfg: StepBenchConfig, batch: Batch) -> list[Contender]:
 # memory accounting
 
 
-def current_rss_bytes() -> int:
-    """This process's resident memory now (VmRSS, from /proc/self/statm)."""
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
 def process_peak_rss_bytes() -> int:
     """The OS's high-water mark of this process's resident memory (VmHWM).
 
@@ -620,7 +614,7 @@ def peak_rank(rank: int, world_size: int, cfg: StepBenchConfig, name: str) -> tu
     contender was built (its packages already imported): what training adds."""
     set_up_rank(cfg)
     peers.import_requirements(name, train_setup(cfg).device)
-    base = current_rss_bytes()
+    base = rss_bytes()
     c = build_contender(cfg, make_batch(cfg, rank), name)
     for _ in range(WARMUP_STEPS + 1):
         c.step()
