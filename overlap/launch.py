@@ -9,11 +9,12 @@ from __future__ import annotations
 import gc
 import os
 import queue
+import signal
 import socket
 import sys
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Literal, NamedTuple, NoReturn
@@ -131,6 +132,8 @@ class _RankFailed(NamedTuple):
     rank: int
     time_s: float
     traceback: str
+    echo: bool = False
+    """The exception was a failed collective: what a rank sees when a peer dies or hangs."""
 
 
 def _rank_main(
@@ -158,8 +161,8 @@ def _rank_main(
     try:
         results.put(_RankDone(rank, fn(rank, world_size, *args)))
         gc.collect()  # [Note: rank exit]: cycles holding collectives' tensors go while all is alive
-    except BaseException:
-        results.put(_RankFailed(rank, time.time(), traceback.format_exc()))
+    except BaseException as e:
+        results.put(_RankFailed(rank, time.time(), traceback.format_exc(), _is_collective_failure(e)))
         raise
     finally:
         dist.destroy_process_group()
@@ -205,17 +208,75 @@ def _drain(
             done[item.rank] = item.value
 
 
-def _world_error(nproc: int, failed: list[_RankFailed], fallback: ProcessException) -> RuntimeError:
+def _is_collective_failure(exc: BaseException) -> bool:
+    """Whether `exc` (or an exception it came from) is a failed collective: the error every
+    survivor of a dead peer raises, so it says less about the root cause than any other."""
+    from overlap.comm import CollectiveError
+
+    seen: set[int] = set()
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen:
+        if isinstance(e, (CollectiveError, dist.DistError)):
+            return True
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return False
+
+
+def _exit_description(code: int) -> str:
+    if code < 0:
+        try:
+            return f"terminated with signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"terminated with signal {-code}"
+    return f"terminated with exit code {code}"
+
+
+def _world_error(
+    nproc: int,
+    failed: list[_RankFailed],
+    fallback: ProcessException,
+    exitcodes: Sequence[int | None] = (),
+) -> RuntimeError:
     """Name the rank that failed first: once it dies, its peers fail too (connection reset),
-    and their errors only echo the real one."""
-    if not failed:
+    and their errors only echo the real one.
+
+    [Note: first failure]
+    A rank that raises reports its traceback, stamped, before it exits; a rank that dies hard
+    (`os._exit`, a signal, an abort in C++) reports nothing and is seen only by its exit code, at
+    whatever moment the parent next looks, often after its peers' reports of the broken
+    connection. Ordering by time alone therefore blames a survivor. The root cause is chosen in
+    this order: a rank that raised something other than a failed collective (earliest first),
+    then a rank that died without a report (the one the parent saw die first before the rest,
+    which it terminated), then the earliest failed collective.
+    """
+    reported = {f.rank for f in failed}
+    # Ranks the parent terminated (torch's join sends SIGTERM to the rest) did not fail; the
+    # rank whose exit the join reported comes first among those without a report.
+    silent = sorted(
+        (
+            (r, code)
+            for r, code in enumerate(exitcodes)
+            if code not in (None, 0, -signal.SIGTERM) or r == fallback.error_index
+        ),
+        key=lambda rc: rc[0] != fallback.error_index,
+    )
+    silent = [(r, code) for r, code in silent if r not in reported and code not in (None, 0)]
+    causes = sorted((f for f in failed if not f.echo), key=lambda f: f.time_s)
+    echoes = sorted((f for f in failed if f.echo), key=lambda f: f.time_s)
+    if causes:
+        rank, detail = causes[0].rank, causes[0].traceback.strip()
+    elif silent:
+        rank, detail = silent[0][0], f"process {silent[0][0]} {_exit_description(silent[0][1])}"
+    elif echoes:
+        rank, detail = echoes[0].rank, echoes[0].traceback.strip()
+    else:
         return RuntimeError(
             f"rank {fallback.error_index} of {nproc} failed:\n{fallback.msg.strip()}"
         )
-    first = min(failed, key=lambda f: f.time_s)
-    others = sorted({f.rank for f in failed} - {first.rank})
+    others = sorted(({f.rank for f in failed} | {r for r, _ in silent}) - {rank})
     echo = f" (then ranks {others} failed too)" if others else ""
-    return RuntimeError(f"rank {first.rank} of {nproc} failed{echo}:\n{first.traceback.strip()}")
+    return RuntimeError(f"rank {rank} of {nproc} failed{echo}:\n{detail}")
 
 
 def run_local_world(
@@ -258,7 +319,8 @@ def run_local_world(
                 )
     except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
         _drain(results, done, failed, wait_s=1.0)
-        raise _world_error(nproc, failed, e) from None
+        exitcodes = [p.exitcode for p in procs.processes]
+        raise _world_error(nproc, failed, e, exitcodes) from None
     finally:
         for p in procs.processes:
             if p.is_alive():
