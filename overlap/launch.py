@@ -14,6 +14,7 @@ import socket
 import sys
 import time
 import traceback
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -320,6 +321,9 @@ def run_local_world(
     except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
         _drain(results, done, failed, wait_s=1.0)
         exitcodes = [p.exitcode for p in procs.processes]
+        if len(done) == nproc and not failed:  # [Note: died after its result]
+            _warn_teardown(nproc, exitcodes)
+            return [done[r] for r in range(nproc)]
         raise _world_error(nproc, failed, e, exitcodes) from None
     finally:
         for p in procs.processes:
@@ -327,6 +331,26 @@ def run_local_world(
                 p.terminate()
     _drain(results, done, failed)
     return [done.get(r) for r in range(nproc)]
+
+
+# [Note: died after its result]
+# A rank that returned and whose result reached the parent has done all its work; if it then dies
+# in teardown (rarely, a C++ thread of the process group or of a peer library aborting as the
+# process ends: "terminate called ...", SIGABRT), the world's results are complete and are
+# returned, with a warning naming the rank, instead of failing a run whose every rank finished.
+# Any rank without a result, or any rank that raised, still fails the world.
+def _warn_teardown(nproc: int, exitcodes: Sequence[int | None]) -> None:
+    dead = [
+        f"rank {r} {_exit_description(code)}"
+        for r, code in enumerate(exitcodes)
+        if code not in (None, 0, -signal.SIGTERM)
+    ]
+    warnings.warn(
+        f"run_local_world: every one of {nproc} ranks returned its result, then "
+        f"{', '.join(dead) or 'a rank'} while exiting; results kept",
+        RuntimeWarning,
+        stacklevel=3,
+    )
 
 
 def _alive(procs: mp.ProcessContext) -> list[int]:

@@ -89,3 +89,40 @@ def test_ranks_the_parent_terminated_are_not_blamed() -> None:
     )
     err = _world_error(2, [], died, exitcodes=[-15, DIED_CODE])
     assert str(err) == f"rank 1 of 2 failed:\nprocess 1 terminated with exit code {DIED_CODE}"
+
+
+class _AbortWhenCollected:
+    """Held in a reference cycle: collected by the rank's gc.collect() after its result was
+    queued ([Note: rank exit]), it aborts the process the way a C++ thread does at teardown."""
+
+    def __init__(self) -> None:
+        self.me = self
+
+    def __del__(self) -> None:
+        time.sleep(3.0)  # the queue's feeder thread sends the result meanwhile
+        os.abort()
+
+
+def _return_then_abort(rank: int, world_size: int) -> int:
+    if rank == 0:
+        _AbortWhenCollected()
+    return 10 + rank
+
+
+def test_a_rank_that_aborts_after_its_result_keeps_the_results() -> None:
+    """[Note: died after its result]: every rank returned; rank 0 then aborts while exiting.
+    The results are complete, so they are returned, with a warning that names the rank."""
+    with pytest.warns(RuntimeWarning, match=r"then rank 0 terminated with signal SIGABRT"):
+        got = run_local_world(_return_then_abort, 2, timeout_s=60.0, deadline_s=WORLD_DEADLINE_S)
+    assert got == [10, 11]
+
+
+def _abort_before_returning(rank: int, world_size: int) -> int:
+    if rank == 0:
+        os.abort()
+    return rank
+
+
+def test_a_rank_that_aborts_before_its_result_fails_the_world() -> None:
+    with pytest.raises(RuntimeError, match=r"^rank 0 of 2 failed[\s\S]*signal SIGABRT"):
+        run_local_world(_abort_before_returning, 2, timeout_s=60.0, deadline_s=WORLD_DEADLINE_S)
