@@ -254,15 +254,14 @@ def _world_error(
     reported = {f.rank for f in failed}
     # Ranks the parent terminated (torch's join sends SIGTERM to the rest) did not fail; the
     # rank whose exit the join reported comes first among those without a report.
-    silent = sorted(
-        (
-            (r, code)
-            for r, code in enumerate(exitcodes)
-            if code not in (None, 0, -signal.SIGTERM) or r == fallback.error_index
-        ),
-        key=lambda rc: rc[0] != fallback.error_index,
-    )
-    silent = [(r, code) for r, code in silent if r not in reported and code not in (None, 0)]
+    silent = [
+        (r, code)
+        for r, code in enumerate(exitcodes)
+        if r not in reported
+        and code not in (None, 0)
+        and (code != -signal.SIGTERM or r == fallback.error_index)
+    ]
+    silent.sort(key=lambda rc: rc[0] != fallback.error_index)
     causes = sorted((f for f in failed if not f.echo), key=lambda f: f.time_s)
     echoes = sorted((f for f in failed if f.echo), key=lambda f: f.time_s)
     if causes:
