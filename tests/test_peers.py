@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import subprocess
 import sys
 import time
@@ -357,3 +358,36 @@ def test_frontier_compares_on_shared_seeds_and_train_memory() -> None:
     del report["runs"][0]["train_mem_bytes"]
     ours = next(p for p in conv.join(report, seeds) if p.name == "ours")
     assert ours.memory_bytes == 600 and ours.memory_kind == "peak RSS"
+
+
+def test_frontier_says_which_dominations_stand_out_of_the_noise() -> None:
+    """[Note: dominated within noise]: a domination is resolved on an axis only beyond that
+    axis's noise: the step spread, two standard errors of the paired per-seed gap differences,
+    the train memory range."""
+    conv = load_convergence_script()
+
+    def point(name: str, step: tuple[float, float, float], gaps: list[float], mem: tuple[int, int, int]):  # noqa: ANN202
+        return conv.FrontierPoint(
+            name=name, step_ms=step[1], spread_ms=(step[0], step[2]), loss_gap=sum(gaps) / len(gaps),
+            gap_range=(min(gaps), max(gaps)), val_gap=0.0, memory_bytes=mem[1], state_bytes=1,
+            num_seeds=len(gaps), seed_gaps=dict(enumerate(gaps)), memory_range=(mem[0], mem[2]),
+        )  # fmt: skip
+
+    ours = point("ours", (90.0, 95.0, 99.0), [0.001, 0.002, 0.000, 0.001], (100, 101, 102))
+    peer = point("peer", (120.0, 125.0, 130.0), [0.051, 0.049, 0.050, 0.052], (140, 141, 142))
+    twin = point("twin", (93.0, 96.0, 101.0), [0.004, -0.002, 0.003, -0.001], (101, 101, 103))
+    points = [ours, peer, twin]
+    assert conv.dominators(peer, points) == [ours, twin]
+    clear = conv.resolution(peer, ours)
+    assert (clear.faster, clear.more_accurate, clear.leaner) == (True, True, True)
+    assert clear.gap_difference == pytest.approx(-0.0495)
+    # twin is slower than ours but within ours' spread; ours is dominated by nobody
+    assert conv.dominators(ours, points) == [] and conv.dominators(twin, points) == [ours]
+    tie = conv.resolution(twin, ours)
+    assert (tie.faster, tie.more_accurate, tie.leaner) == (False, False, False)
+    lines = conv.format_dominations(points)
+    assert any(l.startswith("  twin dominated by ours") and "every difference within noise" in l for l in lines)
+    assert any(l.startswith("  peer dominated by ours") and "resolved on step, loss, memory" in l for l in lines)
+    # one shared seed: no standard error, so never resolved on the loss
+    lone = conv.resolution(peer, point("lone", (1.0, 2.0, 3.0), [0.0], (1, 1, 1)))
+    assert math.isnan(lone.gap_error) and not lone.more_accurate
