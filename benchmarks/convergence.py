@@ -267,11 +267,15 @@ def join(step_report: dict[str, Any], seeds: list[list[ConvergenceRun]]) -> list
     return points
 
 
+def shared_seeds(p: FrontierPoint, q: FrontierPoint) -> list[int]:
+    return sorted(p.seed_gaps.keys() & q.seed_gaps.keys())
+
+
 def paired_gaps(p: FrontierPoint, q: FrontierPoint) -> tuple[float, float]:
     """p's and q's mean training loss gaps over the seeds both ran with (each contender's own
     mean where they share none): a contender that ran only a lucky seed is not compared with
     another's mean over three."""
-    common = sorted(p.seed_gaps.keys() & q.seed_gaps.keys())
+    common = shared_seeds(p, q)
     if not common:
         return p.loss_gap, q.loss_gap
     return (
@@ -323,20 +327,16 @@ class Resolution(NamedTuple):
 # memory range. A peer beaten on all three is beaten; a domination resolved on none is a tie
 # within noise and says so.
 def resolution(p: FrontierPoint, q: FrontierPoint) -> Resolution:
-    common = sorted(p.seed_gaps.keys() & q.seed_gaps.keys())
-    diffs = [q.seed_gaps[i] - p.seed_gaps[i] for i in common]
-    if len(diffs) >= 2:
-        diff, err = statistics.fmean(diffs), statistics.stdev(diffs) / math.sqrt(len(diffs))
-    else:
-        mine, theirs = paired_gaps(p, q)
-        diff, err = theirs - mine, math.nan
+    diffs = [q.seed_gaps[i] - p.seed_gaps[i] for i in shared_seeds(p, q)]
+    mine, theirs = paired_gaps(p, q)
+    err = statistics.stdev(diffs) / math.sqrt(len(diffs)) if len(diffs) >= 2 else math.nan
     p_lo = p.memory_range[0] if p.memory_range else p.memory_bytes
     q_hi = q.memory_range[1] if q.memory_range else q.memory_bytes
     return Resolution(
         faster=q.spread_ms[1] < p.step_ms,
-        more_accurate=not math.isnan(err) and diff + 2 * err < 0,
+        more_accurate=not math.isnan(err) and theirs - mine + 2 * err < 0,
         leaner=q_hi < p_lo,
-        gap_difference=diff,
+        gap_difference=theirs - mine,
         gap_error=err,
     )
 

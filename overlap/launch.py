@@ -224,6 +224,11 @@ def _is_collective_failure(exc: BaseException) -> bool:
     return False
 
 
+def _died(code: int | None) -> bool:
+    """An exit code of a rank that ended by itself, not cleanly (SIGTERM is the parent's)."""
+    return code not in (None, 0, -signal.SIGTERM)
+
+
 def _exit_description(code: int) -> str:
     if code < 0:
         try:
@@ -257,9 +262,7 @@ def _world_error(
     silent = [
         (r, code)
         for r, code in enumerate(exitcodes)
-        if r not in reported
-        and code not in (None, 0)
-        and (code != -signal.SIGTERM or r == fallback.error_index)
+        if r not in reported and code not in (None, 0) and (_died(code) or r == fallback.error_index)
     ]
     silent.sort(key=lambda rc: rc[0] != fallback.error_index)
     causes = sorted((f for f in failed if not f.echo), key=lambda f: f.time_s)
@@ -339,11 +342,7 @@ def run_local_world(
 # returned, with a warning naming the rank, instead of failing a run whose every rank finished.
 # Any rank without a result, or any rank that raised, still fails the world.
 def _warn_teardown(nproc: int, exitcodes: Sequence[int | None]) -> None:
-    dead = [
-        f"rank {r} {_exit_description(code)}"
-        for r, code in enumerate(exitcodes)
-        if code not in (None, 0, -signal.SIGTERM)
-    ]
+    dead = [f"rank {r} {_exit_description(code)}" for r, code in enumerate(exitcodes) if _died(code)]
     warnings.warn(
         f"run_local_world: every one of {nproc} ranks returned its result, then "
         f"{', '.join(dead) or 'a rank'} while exiting; results kept",
