@@ -173,12 +173,13 @@ def _rank_main(
 # [Note: rank exit]
 # Intermittently (a few times in hundreds of runs, always after every step had finished) a
 # spawned rank aborted at exit with "terminate called without an active exception" and no Python
-# frame: the process group's C++ threads still held tensors or callbacks while the interpreter
-# finalized, and a C++ thread that needs the GIL during finalization is ended by pthread_exit,
-# whose unwinding through a noexcept destructor calls std::terminate. A finished rank therefore
-# collects garbage while the group is alive, destroys the group, flushes its output and result
-# queue and leaves with os._exit: nothing is left for finalization to tear down. (Not proven to
-# be the only cause; PYTHONFAULTHANDLER=1 in tests/run.sh prints the aborting thread if it recurs.)
+# frame. A core dump later showed why ([Note: quiet exit] in overlap/teardown.py): a gloo worker
+# thread dropping a finished collective's tensors needs the GIL, and a thread that asks for it
+# during finalization is ended by pthread_exit, whose unwinding through a noexcept destructor
+# calls std::terminate. A finished rank therefore collects garbage while the group is alive,
+# destroys the group, flushes its output and result queue and leaves with os._exit: nothing is
+# left for finalization to tear down. A user's torchrun script, which finalizes, is covered by
+# the exit hook `wrap` registers.
 def _leave(results: Any) -> None:
     results.close()
     results.join_thread()  # the result reached the parent's pipe

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import weakref
 from datetime import timedelta
 from collections.abc import Iterable
 from typing import Any, NamedTuple
@@ -30,7 +31,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from overlap import backend, comm
+from overlap import backend, comm, teardown
 from overlap.compression import make_grad_codec, make_param_codec
 from overlap.config import OverlapConfig
 from overlap.fingerprint import TAG_NUMEL
@@ -55,6 +56,31 @@ from overlap.units import (
     split_by_dtype,
     with_trainable,
 )
+
+
+class _GradReady:
+    """The post-accumulate-grad hook of a unit's unsharded parameter; holds the state weakly.
+
+    [Note: a wrapped model is collectable]
+    torch keeps a parameter's post-accumulate-grad hooks where the garbage collector cannot see
+    them (in C++), so a hook holding the state strongly closes a cycle the collector cannot
+    break: parameter -> hook -> state -> units -> parameter. A wrapped model then lived until
+    the process exited, whatever the user deleted: its flat buffers, shards, runtime and process
+    group references (a notebook or a tuner that wraps model after model grew by a model each
+    time). Held weakly, the state goes with the model. What a dropped model leaves for the
+    collector is collected at exit at the latest ([Note: quiet exit] in teardown.py).
+    """
+
+    __slots__ = ("_state", "_index")
+
+    def __init__(self, state: OverlapState, index: int) -> None:
+        self._state = weakref.ref(state)
+        self._index = index
+
+    def __call__(self, param: torch.Tensor) -> None:
+        state = self._state()
+        if state is not None:  # None: the model was dropped while its graph lived on
+            state._grad_ready(self._index, param)
 
 
 class OverlapState:
@@ -187,7 +213,7 @@ class OverlapState:
         for param in self.units[index].unsharded_params:
             if param.requires_grad and id(param) not in self._hooked:
                 self._hooked.add(id(param))
-                param.register_post_accumulate_grad_hook(functools.partial(self._grad_ready, index))
+                param.register_post_accumulate_grad_hook(_GradReady(self, index))
 
     # [Note: requires_grad after wrap]
     # Fine-tuning schedules freeze and unfreeze parameters between steps (gradual unfreezing,
@@ -610,6 +636,7 @@ def wrap(
         if buffers:
             broadcast_tensors(source, buffers)
     state = OverlapState(model, config, pgs, units, root_units, hooked)
+    teardown.register()  # [Note: quiet exit]
     model._overlap_state = state
     register_sharded(p for unit in units for p in unit.sharded_params)  # [Note: local optimizer step]
     from overlap.module import as_overlap_module  # ecosystem; here: module.py imports api.py, which imports this file

@@ -286,8 +286,8 @@ dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
                         timeout=timedelta(seconds=300))
 out = train_with_restarts(rank, world, root={root!r}, crash_at={crash_at} if attempt == 0 else None)
 if rank == 0:
-    with open(os.path.join({root!r}, "result.json"), "w") as f:
-        json.dump(dict(out, attempt=attempt), f)
+    with open(os.path.join({root!r}, f"result-{{attempt}}.json"), "w") as f:
+        json.dump(out, f)
 dist.destroy_process_group()
 """
 
@@ -334,17 +334,19 @@ def test_torchrun_restart_resumes_from_latest_checkpoint(world2, tmp_path):
     tests = os.path.dirname(os.path.abspath(__file__))
     script.write_text(_TORCHRUN_SCRIPT.format(tests=tests, root=str(root), crash_at=CRASH_AT))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
-    # One restart is the test; a second is allowed so that a rare abort of a restarted rank
-    # (seen once in CI as "terminate called without an active exception", not yet explained)
-    # resumes from the latest checkpoint too, as a real job would; the losses must still be the
-    # uninterrupted run's, bitwise. PYTHONFAULTHANDLER makes such an abort print its stacks.
-    cmd += ["--max-restarts=2", "--monitor-interval=0.2", str(script)]
+    # One restart, as the test of resuming. A rank that aborted at exit after its work was done
+    # ("terminate called without an active exception": a gloo worker meeting the finalizing
+    # interpreter) used to cost a second one; [Note: quiet exit] in overlap/teardown.py ended
+    # that, and this test says so: with one restart allowed, every rank of it must exit cleanly.
+    # PYTHONFAULTHANDLER makes any abort print its stacks.
+    cmd += ["--max-restarts=1", "--monitor-interval=0.2", str(script)]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONFAULTHANDLER="1")
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    result = json.loads((root / "result.json").read_text())
-    assert result["attempt"] >= 1, result  # the first attempt crashed, a restart finished
+    assert not (root / "result-0.json").exists()  # the first attempt crashed
+    result = json.loads((root / "result-1.json").read_text())  # the restart finished
     assert result["resumed_from"] is not None and result["resumed_from"] >= "step_000004", result
+    assert result["losses"], result  # it trained steps after resuming: the comparison below bites
     reference = world2.run(train_with_restarts, root=str(tmp_path / "ref"), crash_at=None)[0]
     # same world size, same data: the resumed run's losses are the uninterrupted run's, bitwise
     resumed = {int(k): v for k, v in result["losses"].items()}

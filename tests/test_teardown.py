@@ -1,0 +1,127 @@
+"""A wrapped model goes when it is dropped, and a process leaves no native thread mid-work at exit
+([Note: a wrapped model is collectable] in wrap.py, [Note: quiet exit] in teardown.py)."""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import threading
+import time
+import weakref
+
+import torch
+
+import overlap
+from overlap import teardown
+
+
+def _dropped_model_is_collected(rank: int, world_size: int) -> dict:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(torch.nn.Linear(16, 16) for _ in range(3)))
+    wrapped = overlap.wrap(model, unit_policy={torch.nn.Linear})
+    opt = torch.optim.AdamW(wrapped.parameters(), lr=1e-2)
+    for _ in range(2):
+        wrapped(torch.randn(4, 16)).square().sum().backward()
+        opt.step()
+        opt.zero_grad()
+    state = wrapped._overlap_state
+    refs = {
+        "state": weakref.ref(state),
+        "runtime": weakref.ref(state.runtime),
+        "model": weakref.ref(wrapped),
+        "shard": weakref.ref(state.units[0].shard),  # a unit's flat shard: the bulk of its memory
+    }
+    del model, wrapped, opt, state
+    gc.collect()
+    return {name: ref() is None for name, ref in refs.items()}
+
+
+def test_a_dropped_wrapped_model_is_collected(world2):
+    # the parameters' post-accumulate-grad hooks used to hold the state: a cycle through C++
+    # that the collector cannot see, so nothing of a wrapped model was ever freed
+    for collected in world2.run(_dropped_model_is_collected):
+        assert collected == {"state": True, "runtime": True, "model": True, "shard": True}, collected
+
+
+def _graph_outlives_its_model(rank: int, world_size: int) -> tuple[bool, bool]:
+    model = overlap.wrap(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)))
+    loss = model(torch.randn(2, 4)).sum()
+    ref = weakref.ref(model._overlap_state)
+    del model
+    gc.collect()
+    kept = ref() is not None  # the graph's hooks hold the state: its backward still runs
+    loss.backward()
+    del loss
+    gc.collect()
+    return kept, ref() is None
+
+
+def test_a_graph_that_outlives_its_model_still_runs_and_then_lets_go(world2):
+    assert world2.run(_graph_outlives_its_model) == [(True, True), (True, True)]
+
+
+def test_wait_threads_idle_needs_two_quiet_looks_in_a_row():
+    looks = iter([[7], [7], [], [7], [], []])
+    calls = []
+
+    def runnable():
+        calls.append(1)
+        return next(looks)
+
+    assert teardown.wait_threads_idle(timeout_s=60, poll_s=0, runnable=runnable)
+    assert len(calls) == 6  # quiet after [7] did not count; the last two did
+
+
+def test_wait_threads_idle_gives_up_at_its_deadline():
+    assert not teardown.wait_threads_idle(timeout_s=0.05, poll_s=0.001, runnable=lambda: [7])
+    # never quiet twice in a row: the deadline ends it too
+    flips = iter([[], [7]] * 10_000)
+    assert not teardown.wait_threads_idle(timeout_s=0.05, poll_s=0.001, runnable=lambda: next(flips))
+
+
+def test_runnable_threads_tells_busy_threads_from_blocked_ones():
+    blocked = threading.Event()
+    sleeper_id: list[int] = []
+
+    def sleeper():
+        sleeper_id.append(threading.get_native_id())
+        blocked.wait(60)
+
+    t = threading.Thread(target=sleeper)
+    t.start()
+    while not sleeper_id:
+        pass
+    try:
+        while sleeper_id[0] in teardown.runnable_threads():
+            time.sleep(0.001)  # on its way into the wait
+        for _ in range(5):  # once blocked, it stays out of the list
+            assert sleeper_id[0] not in teardown.runnable_threads()
+            time.sleep(0.001)
+    finally:
+        blocked.set()
+        t.join()
+
+    # native work without the GIL (ctypes releases it): runnable, or waiting for a core, which
+    # is the same state; seen at some look while it lasts
+    size = 64 << 20
+    buffer = ctypes.create_string_buffer(size)
+    memset = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t)(
+        ctypes.cast(ctypes.memset, ctypes.c_void_p).value
+    )
+    busy_id: list[int] = []
+    done = threading.Event()
+
+    def busy():
+        busy_id.append(threading.get_native_id())
+        for i in range(200):
+            memset(ctypes.addressof(buffer), i, size)
+        done.set()
+
+    t = threading.Thread(target=busy)
+    t.start()
+    seen = False
+    while not done.is_set() and not seen:
+        seen = bool(busy_id) and busy_id[0] in teardown.runnable_threads()
+    t.join()
+    assert seen
+    assert threading.get_native_id() not in teardown.runnable_threads()  # never the caller
