@@ -10,8 +10,8 @@ wait tens of milliseconds for a core), the worker asks for the GIL of an interpr
 finalizing; CPython before 3.14 then ends the thread with `pthread_exit`, whose unwinding meets a
 C++ destructor and calls `std::terminate`: "terminate called without an active exception",
 SIGABRT, after all the rank's work was done. torchrun reports the rank as failed and restarts
-the job (CI saw it in `test_torchrun_restart_resumes_from_latest_checkpoint`, one run in five
-to fifteen on two busy cores; a core dump showed the worker in `~AsyncBroadcastWork` ->
+the job (CI saw it in `test_torchrun_restart_resumes_from_latest_checkpoint`; here about one
+run in fifteen of that test's script on two cores, 3 in 42; a core dump showed the worker in `~AsyncBroadcastWork` ->
 `decref_pyobject` -> `take_gil` -> `pthread_exit`, the main thread in `Py_FinalizeEx`).
 
 `dist.destroy_process_group()` does not prevent it: the group's threads stop only when the last
@@ -19,8 +19,8 @@ reference to the group goes, and DTensor's sharding cache keeps the mesh, and wi
 to the end of the process (true of any DTensor program, FSDP2 included).
 
 So at exit, while the interpreter is still whole (an `atexit` hook, registered by `wrap`), two
-things happen: garbage is collected (a wrapped model that was dropped lets go of its buffers
-and groups: [Note: a wrapped model is collectable] in wrap.py), and the main thread gives up the
+things happen: garbage is collected (a wrapped model that was dropped lets go of its buffers:
+[Note: a wrapped model is collectable] in wrap.py), and the main thread gives up the
 GIL in short sleeps until no other thread of the process has been runnable for two polls in a
 row: a worker waiting for the GIL gets it during a sleep and finishes; one waiting for a core
 shows as runnable and is waited for. The wait is bounded (`EXIT_WAIT_S`): a thread that stays
@@ -96,4 +96,3 @@ def quiet_exit() -> None:
 def register() -> None:
     """Run `quiet_exit` when the interpreter exits; once per process, however often called."""
     atexit.register(quiet_exit)
-
