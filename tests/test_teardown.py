@@ -125,3 +125,30 @@ def test_runnable_threads_tells_busy_threads_from_blocked_ones():
     t.join()
     assert seen
     assert threading.get_native_id() not in teardown.runnable_threads()  # never the caller
+
+
+_EXIT_SCRIPT = """
+import torch, torch.distributed as dist
+import overlap
+from overlap import teardown
+def reported(*args, **kwargs):
+    print("quiet exit ran", flush=True)
+    return True
+teardown.wait_threads_idle = reported  # what the exit hook calls, once the script has ended
+dist.init_process_group("gloo", init_method="file://{store}", rank=0, world_size=1)
+model = overlap.wrap(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)))
+model(torch.randn(2, 4)).sum().backward()
+dist.destroy_process_group()
+print("script done", flush=True)
+"""
+
+
+def test_wrap_registers_the_quiet_exit_and_it_runs_at_interpreter_exit(tmp_path):
+    import subprocess
+    import sys
+
+    script = tmp_path / "exit.py"
+    script.write_text(_EXIT_SCRIPT.format(store=tmp_path / "store"))
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split() == "script done quiet exit ran".split(), proc.stdout
