@@ -109,11 +109,13 @@ def test_runnable_threads_tells_busy_threads_from_blocked_ones():
         ctypes.cast(ctypes.memset, ctypes.c_void_p).value
     )
     busy_id: list[int] = []
-    done = threading.Event()
+    done, stop = threading.Event(), threading.Event()
 
     def busy():
         busy_id.append(threading.get_native_id())
-        for i in range(200):
+        for i in range(200):  # seconds of writes at most; stopped once seen
+            if stop.is_set():
+                break
             memset(ctypes.addressof(buffer), i, size)
         done.set()
 
@@ -122,6 +124,7 @@ def test_runnable_threads_tells_busy_threads_from_blocked_ones():
     seen = False
     while not done.is_set() and not seen:
         seen = bool(busy_id) and busy_id[0] in teardown.runnable_threads()
+    stop.set()
     t.join()
     assert seen
     assert threading.get_native_id() not in teardown.runnable_threads()  # never the caller
