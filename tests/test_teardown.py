@@ -155,3 +155,46 @@ def test_wrap_registers_the_quiet_exit_and_it_runs_at_interpreter_exit(tmp_path)
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.split() == "script done quiet exit ran".split(), proc.stdout
+
+
+def _live_states() -> int:
+    gc.collect()
+    return sum(type(o).__name__ == "OverlapState" for o in gc.get_objects())
+
+
+def _tuner_trials_release_their_models(rank: int, world_size: int) -> list[int]:
+    import torch.distributed as dist
+
+    from overlap.config import OverlapConfig
+    from overlap.tune.measure import MeasuredTrial
+
+    def step(model, opt):
+        model(torch.randn(4, 16)).square().sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+    def model_fn():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(*(torch.nn.Linear(16, 16) for _ in range(3)))
+
+    configs = [OverlapConfig(prefetch_depth=d) for d in (0, 1, 2)]
+    counts = []
+    for keep in (False, True):
+        trial = MeasuredTrial(
+            model_fn, step, lambda ps: torch.optim.AdamW(ps, lr=1e-3), dist.group.WORLD, None, 1, keep
+        )
+        for config in configs:
+            trial(config, 1)
+        counts.append(_live_states())  # keep=False: none; keep=True: every candidate so far
+        trial.retain([configs[1]])  # the round's survivor
+        counts.append(_live_states())
+        trial.close()
+        counts.append(_live_states())
+    return counts
+
+
+def test_tuner_trials_release_the_models_they_let_go(world2):
+    # the tuner keeps survivors' models on the CPU and releases the others each round; before
+    # [Note: a wrapped model is collectable] every released model stayed in memory
+    for counts in world2.run(_tuner_trials_release_their_models):
+        assert counts == [0, 0, 0, 3, 1, 0], counts
