@@ -15,15 +15,23 @@ import overlap
 from overlap import teardown
 
 
-def _dropped_model_is_collected(rank: int, world_size: int) -> dict:
+def _three_linears() -> torch.nn.Module:
     torch.manual_seed(0)
-    model = torch.nn.Sequential(*(torch.nn.Linear(16, 16) for _ in range(3)))
+    return torch.nn.Sequential(*(torch.nn.Linear(16, 16) for _ in range(3)))
+
+
+def _train_step(model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+    model(torch.randn(4, 16)).square().sum().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def _dropped_model_is_collected(rank: int, world_size: int) -> dict:
+    model = _three_linears()
     wrapped = overlap.wrap(model, unit_policy={torch.nn.Linear})
     opt = torch.optim.AdamW(wrapped.parameters(), lr=1e-2)
     for _ in range(2):
-        wrapped(torch.randn(4, 16)).square().sum().backward()
-        opt.step()
-        opt.zero_grad()
+        _train_step(wrapped, opt)
     state = wrapped._overlap_state
     refs = {
         "state": weakref.ref(state),
@@ -168,20 +176,11 @@ def _tuner_trials_release_their_models(rank: int, world_size: int) -> list[int]:
     from overlap.config import OverlapConfig
     from overlap.tune.measure import MeasuredTrial
 
-    def step(model, opt):
-        model(torch.randn(4, 16)).square().sum().backward()
-        opt.step()
-        opt.zero_grad()
-
-    def model_fn():
-        torch.manual_seed(0)
-        return torch.nn.Sequential(*(torch.nn.Linear(16, 16) for _ in range(3)))
-
     configs = [OverlapConfig(prefetch_depth=d) for d in (0, 1, 2)]
     counts = []
     for keep in (False, True):
         trial = MeasuredTrial(
-            model_fn, step, lambda ps: torch.optim.AdamW(ps, lr=1e-3), dist.group.WORLD, None, 1, keep
+            _three_linears, _train_step, lambda ps: torch.optim.AdamW(ps, lr=1e-3), dist.group.WORLD, None, 1, keep
         )
         for config in configs:
             trial(config, 1)
