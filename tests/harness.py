@@ -4,6 +4,14 @@
 rank and returns the per-rank results. Every run has a deadline; a rank that misses it is named in
 the failure and the world is restarted for the next check, so no test can hang. Collectives inside
 the ranks time out too (the process group is created with `COLLECTIVE_TIMEOUT_S`).
+
+Ranks are forked from one forkserver that has torch and overlap imported already: a fresh
+interpreter per rank costs seconds of CPU on two cores (twice per module), a fork milliseconds, and
+unlike a fork of the pytest process it never inherits a started OpenMP pool or a process group.
+
+Threads: a rank uses one intra-op thread, as a rank of a real job on its share of cores would, unless
+`OMP_NUM_THREADS` is set, which it then honours (the suite is run both ways: [Note: what is bitwise]
+in tolerance.py).
 """
 
 from __future__ import annotations
@@ -19,6 +27,15 @@ from typing import Any, Callable
 import torch.multiprocessing as mp
 
 COLLECTIVE_TIMEOUT_S = 120  # generous: a loaded machine must not fail a test
+PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "overlap", "models"]
+
+_CTX = mp.get_context("forkserver")
+_CTX.set_forkserver_preload(PRELOAD)
+
+
+def rank_threads() -> int:
+    """Intra-op threads per rank: `OMP_NUM_THREADS` when set, else 1."""
+    return int(os.environ.get("OMP_NUM_THREADS") or 1)
 
 
 def _free_port() -> int:
@@ -31,7 +48,7 @@ def _worker(rank: int, world_size: int, port: int, tasks: Any, results: Any) -> 
     import torch
     import torch.distributed as dist
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(rank_threads())
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     dist.init_process_group(
@@ -52,7 +69,7 @@ def _worker(rank: int, world_size: int, port: int, tasks: Any, results: Any) -> 
 class World:
     def __init__(self, world_size: int) -> None:
         self.world_size = world_size
-        self._ctx = mp.get_context("spawn")
+        self._ctx = _CTX
         self._procs: list[Any] = []
         self._task_id = 0
         self._start()

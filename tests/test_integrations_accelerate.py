@@ -4,9 +4,11 @@ The ranks are the harness's spawned world with torchrun's environment variables 
 `Accelerator(cpu=True)` finds them and the process group initialized (DistributedType.MULTI_CPU).
 
 - `prepare` + `accelerator.accumulate` (2 micro-batches per step; the first one's backward
-  reduces nothing) + `accelerator.clip_grad_norm_` + a prepared scheduler, 2 epochs of 2 steps:
-  every micro-batch loss and every final parameter equal bitwise to the same script with
-  `accelerator.prepare(model, ...)` (DDP).
+  reduces nothing) + `accelerator.clip_grad_norm_` + a prepared scheduler, 2 epochs of 2 steps,
+  against the same script with `accelerator.prepare(model, ...)` (DDP): the first step's
+  micro-batch losses equal bitwise; the global norm of the clip is summed over shards here and over
+  whole tensors by DDP ([Note: what is bitwise] in tests/tolerance.py), so the later losses and the
+  final parameters are within `reordered_rtol` of DDP's.
 - `save_state` after epoch 1, then `load_state` into a freshly built model, optimizer and
   scheduler: epoch 2 gives bitwise the losses and final parameters of the uninterrupted run (the
   AdamW moments of both ranks' shards came back, and `accelerator.step`).
@@ -27,6 +29,7 @@ accelerate = pytest.importorskip(
 )
 
 import overlap  # noqa: E402
+from tolerance import losses_within, reordered_mismatches, reordered_rtol  # noqa: E402
 from overlap.integrations import accelerate as overlap_accelerate  # noqa: E402
 from overlap.integrations import is_wrapped  # noqa: E402
 
@@ -129,13 +132,14 @@ def test_matches_ddp_and_resumes(world2, tmp_path):
     ours = world2.run(run, timeout_s=TIMEOUT_S, mode="overlap", root=str(tmp_path / "ckpt"))
     assert [r["wrapper"] for r in ddp] == ["DistributedDataParallel"] * 2
     assert [r["wrapper"] for r in ours] == ["Sequential"] * 2  # not put inside DDP
+    ref, full = ddp[0]["params"], ours[0]["params"]
+    rtol = reordered_rtol(sum(v.numel() for v in ref.values()), steps=4)
     for rank in range(2):
         assert len(ours[rank]["losses"]) == 8
-        assert ours[rank]["losses"] == ddp[rank]["losses"], rank
+        assert ours[rank]["losses"][:2] == ddp[rank]["losses"][:2], rank  # before any update
+        assert losses_within(ours[rank]["losses"], ddp[rank]["losses"], rtol), (rank, ours, ddp)
         assert ours[rank]["sync_flags"] == [False, True] * 4  # accumulate: one reduce per step
-    ref, full = ddp[0]["params"], ours[0]["params"]
-    assert full.keys() == ref.keys()
-    assert [k for k in ref if not torch.equal(ref[k], full[k])] == []
+    assert not reordered_mismatches(full, ref, rtol)
 
     resumed = world2.run(resume, timeout_s=TIMEOUT_S, root=str(tmp_path / "ckpt"))
     for rank in range(2):

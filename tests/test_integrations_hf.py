@@ -7,8 +7,10 @@ process group already initialized, as under torchrun. `use_cpu=True`: accelerate
 - Parity: a tiny Llama (from a config, fp32, eager attention) trains 4 optimizer steps of 2
   micro-batches each (gradient accumulation: the first micro-batch under `model.no_sync()`),
   gradient clipping at 1.0, AdamW with linear decay, under `Trainer` (DDP) and under
-  `OverlapTrainer`: every micro-batch loss on every rank and every final parameter are equal
-  bitwise (2 ranks, fp32: DDP's sum of two gradients is our reduce-scatter's sum).
+  `OverlapTrainer`. The first step's micro-batch losses are equal bitwise (same weights, same
+  batch); after the first clipped update the global gradient norm (summed over shards here, over
+  whole tensors by DDP) carries [Note: what is bitwise]'s reordering, so later losses and the final
+  parameters are within `reordered_rtol` of DDP's (tests/tolerance.py).
 - `save_model()` writes the whole model: `from_pretrained` loads it bitwise equal to the trained
   model's full state dict.
 - `train(resume_from_checkpoint=...)` from the step-2 checkpoint: the resumed steps 3-4 give
@@ -39,6 +41,7 @@ pytest.importorskip(
 )
 
 import overlap  # noqa: E402
+from tolerance import losses_within, reordered_mismatches, reordered_rtol  # noqa: E402
 from overlap.integrations.hf import OVERLAP_DIR, OverlapTrainer  # noqa: E402
 
 transformers.logging.set_verbosity_error()
@@ -145,12 +148,13 @@ def test_trainer_matches_ddp_saves_and_resumes(world2, tmp_path):
     ours = world2.run(run, timeout_s=TIMEOUT_S, mode="overlap", out=str(tmp_path / "ours"))
     assert [r["wrapper"] for r in ddp] == ["DistributedDataParallel"] * 2
     assert [r["wrapper"] for r in ours] == ["LlamaForCausalLM"] * 2  # not put inside DDP
+    ref, full = ddp[0]["params"], ours[0]["params"]
+    rtol = reordered_rtol(sum(v.numel() for v in ref.values()), steps=STEPS)
     for rank in range(2):  # 4 steps x 2 micro-batches, each rank its own data
         assert len(ours[rank]["losses"]) == STEPS * 2
-        assert ours[rank]["losses"] == ddp[rank]["losses"], rank
-    ref, full = ddp[0]["params"], ours[0]["params"]
-    assert full.keys() == ref.keys()
-    assert not [k for k in ref if not torch.equal(ref[k], full[k])]
+        assert ours[rank]["losses"][:2] == ddp[rank]["losses"][:2], rank  # before any update
+        assert losses_within(ours[rank]["losses"], ddp[rank]["losses"], rtol), (rank, ours, ddp)
+    assert not reordered_mismatches(full, ref, rtol)
 
     # save_model(): a whole model that from_pretrained loads
     loaded = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "ours" / "final")

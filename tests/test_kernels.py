@@ -191,12 +191,13 @@ def test_argument_errors():
         dequantize_blockwise(codes, scales, 8, 4, 10, accumulate=True)
 
 
-def test_dispatch_and_fallback_without_ninja(monkeypatch):
+def test_dispatch_and_fallback_without_ninja(monkeypatch, tmp_path):
     from torch.utils import cpp_extension
 
     expected = "cpp" if cpu.load_extension() is not None else "ref"
     assert select_backend(torch.device("cpu"), 256) == expected
-    # A machine without ninja: one warning, then the reference kernels, same results.
+    # A machine without ninja (and no build cached): one warning, then the reference kernels.
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     monkeypatch.setattr(cpu, "_tried", False)
     monkeypatch.setattr(cpu, "_module", None)
     monkeypatch.setattr(cpp_extension, "is_ninja_available", lambda: False)
@@ -214,6 +215,46 @@ def test_dispatch_and_fallback_without_ninja(monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert cpu.load_extension() is None  # opted out: silent
+
+
+def test_build_is_keyed_by_what_it_depends_on(monkeypatch, tmp_path):
+    """[Note: just-in-time C++ build]: another torch, compiler, flag or source byte is another
+    folder (two environments never rebuild each other's build); the same inputs, the same one."""
+    key = cpu.build_key()
+    assert key == cpu.build_key() and cpu.module_name() == f"overlap_cpu_kernels_{key}"
+    monkeypatch.setattr(torch, "__version__", "2.11.0+cu130")
+    assert cpu.build_key() != key
+    monkeypatch.undo()
+    monkeypatch.setattr(cpu, "_CFLAGS", [*cpu._CFLAGS, "-march=native"])
+    assert cpu.build_key() != key
+    monkeypatch.undo()
+    monkeypatch.setenv("CXX", "clang++-that-is-not-here")
+    assert cpu.build_key() != key
+    monkeypatch.undo()
+    copies = []
+    for src in cpu.source_paths():
+        copies.append(tmp_path / src.name)
+        copies[-1].write_bytes(src.read_bytes())
+    monkeypatch.setattr(cpu, "source_paths", lambda: copies)
+    assert cpu.build_key() == key
+    copies[1].write_bytes(copies[1].read_bytes() + b"\n// edited\n")
+    assert cpu.build_key() != key
+
+
+def test_cached_build_loads_without_compiling(monkeypatch):
+    """A finished build in its keyed folder is loaded as it is: no compiler, no ninja run."""
+    from torch.utils import cpp_extension
+
+    ext = _cpp_or_skip()
+    folder = cpu._build_root() / cpu.module_name()
+    assert (folder / "built.ok").is_file() and (folder / f"{cpu.module_name()}.so").is_file()
+
+    def no_compile(*args, **kwargs):
+        raise AssertionError("compiled although a finished build was cached")
+
+    monkeypatch.setattr(cpp_extension, "load", no_compile)
+    monkeypatch.setattr(cpp_extension, "is_ninja_available", lambda: False)
+    assert cpu._build() is ext
 
 
 def test_fp8_falls_back_below_sm89(monkeypatch):

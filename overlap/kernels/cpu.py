@@ -3,15 +3,23 @@
 [Note: just-in-time C++ build]
 `setup.py` never imports torch (pip's build isolation would need a second torch), so the
 extension is compiled by `torch.utils.cpp_extension.load` the first time a CPU kernel runs. The
-build lands in `$TORCH_EXTENSIONS_DIR` (default `~/.cache/torch_extensions`) and later processes,
-ranks included, load it from there (cpp_extension takes a file lock, so concurrent ranks build
-once). Any failure - no compiler, no ninja, a compile error - makes `load_extension()` return
-None with one warning, and the torch reference runs instead. `OVERLAP_NO_EXT=1` skips the build.
+build is keyed by what it depends on (`build_key()`: torch's version, Python's, the compiler and
+its version, the flags and the sources' bytes) and lands in its own folder under
+`$TORCH_EXTENSIONS_DIR` (default `~/.cache/torch_extensions`), so two environments or two
+checkouts never rebuild each other's build: each finds its own, or an identical one. A folder that
+already holds the module is loaded directly (no ninja run); otherwise cpp_extension compiles it
+under its file lock, so concurrent ranks build once, and the wait is announced on stderr with its
+reason and then its duration. Any failure - no compiler, no ninja, a compile error - makes
+`load_extension()` return None with one warning, and the torch reference runs instead.
+`OVERLAP_NO_EXT=1` skips the build.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
+import platform
+import subprocess
 import sys
 import threading
 import time
@@ -27,6 +35,7 @@ _CSRC = Path(__file__).resolve().parents[2] / "csrc"
 # -fno-trapping-math lets the float clamps vectorise (results unchanged: no FP traps are used).
 _CFLAGS = ["-O3", "-ffp-contract=off", "-fno-trapping-math"]
 
+_DONE = "built.ok"  # written once the module has built and loaded
 _lock = threading.Lock()
 _module: Any | None = None  # the torch.ops.overlap_cpu namespace once loaded
 _tried = False
@@ -52,6 +61,39 @@ def load_extension() -> Any | None:
     return _module
 
 
+def build_key() -> str:
+    """A hash of everything the compiled module depends on ([Note: just-in-time C++ build])."""
+    digest = hashlib.sha256()
+    parts = [torch.__version__, sys.version, platform.machine(), _compiler_id(), " ".join(_CFLAGS)]
+    for part in parts:
+        digest.update(part.encode() + b"\0")
+    for src in source_paths():
+        digest.update(src.read_bytes() + b"\0")
+    return digest.hexdigest()[:16]
+
+
+def module_name() -> str:
+    """The extension's name, and so its build folder's: `overlap_cpu_kernels_<build_key()>`."""
+    return f"overlap_cpu_kernels_{build_key()}"
+
+
+def _compiler_id() -> str:
+    """The C++ compiler cpp_extension will call (`$CXX`, else `c++`) and its version line."""
+    cxx = os.environ.get("CXX", "c++")
+    try:
+        done = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=60)
+        first = done.stdout.splitlines()[0] if done.stdout else ""
+    except (OSError, subprocess.SubprocessError):
+        first = "unavailable"
+    return f"{cxx}: {first}"
+
+
+def _say(message: str) -> None:
+    # One line per machine, not one per rank: spawned and torchrun ranks set LOCAL_RANK.
+    if os.environ.get("LOCAL_RANK", "0") == "0":
+        print(message, file=sys.stderr, flush=True)
+
+
 def _build() -> Any | None:
     global build_seconds
     if os.environ.get("OVERLAP_NO_EXT", "") not in ("", "0"):
@@ -68,20 +110,29 @@ def _build() -> Any | None:
     try:
         from torch.utils import cpp_extension
 
-        if not cpp_extension.is_ninja_available():
-            raise RuntimeError("ninja is not installed (`pip install ninja`)")
         start = time.perf_counter()
-        build_dir = _build_dir(cpp_extension)
-        if build_dir is None or not _is_built(build_dir):
-            print("overlap: compiling CPU kernels (once)…", file=sys.stderr, flush=True)
-        cpp_extension.load(
-            name="overlap_cpu_kernels",
-            sources=[str(src) for src in sources],
-            extra_cflags=_CFLAGS,
-            build_directory=None if build_dir is None else str(build_dir),
-            is_python_module=False,  # registers torch.ops.overlap_cpu.* (TORCH_LIBRARY)
-            verbose=False,
-        )
+        name = module_name()
+        build_dir = _build_root() / name
+        built, done = build_dir / f"{name}.so", build_dir / _DONE
+        if done.is_file() and built.is_file():  # keyed by sources and toolchain: nothing to check
+            torch.ops.load_library(str(built))
+        else:
+            if not cpp_extension.is_ninja_available():
+                raise RuntimeError("ninja is not installed (`pip install ninja`)")
+            _say(
+                f"overlap: compiling the C++ CPU kernels for torch {torch.__version__} into "
+                f"{build_dir} (once per torch, compiler and source version; 20-60 s)…"
+            )
+            cpp_extension.load(
+                name=name,
+                sources=[str(src) for src in sources],
+                extra_cflags=_CFLAGS,
+                build_directory=str(_mkdir(build_dir)),
+                is_python_module=False,  # registers torch.ops.overlap_cpu.* (TORCH_LIBRARY)
+                verbose=False,
+            )
+            done.write_text(f"{time.time()}\n")  # after the link: a reader never sees half a .so
+            _say(f"overlap: C++ CPU kernels ready ({time.perf_counter() - start:.0f} s)")
         build_seconds = time.perf_counter() - start
         return torch.ops.overlap_cpu
     except Exception as exc:  # noqa: BLE001  # any build/load failure: fall back, never break
@@ -94,18 +145,12 @@ def _build() -> Any | None:
         return None
 
 
-def _build_dir(cpp_extension: ModuleType) -> Path | None:
-    """Where cpp_extension builds (honours TORCH_EXTENSIONS_DIR); None if torch hides it."""
-    get = getattr(cpp_extension, "_get_build_directory", None)  # private, present in 2.11-2.13
-    if get is None:
-        return None
-    root = Path(get("overlap_cpu_kernels", verbose=False))
-    root.mkdir(parents=True, exist_ok=True)
-    return root
+def _build_root() -> Path:
+    """`$TORCH_EXTENSIONS_DIR`, else `~/.cache/torch_extensions` (cpp_extension's own default)."""
+    root = os.environ.get("TORCH_EXTENSIONS_DIR")
+    return Path(root) if root else Path.home() / ".cache" / "torch_extensions"
 
 
-def _is_built(build_dir: Path) -> bool:
-    # A cheap guess for the message only: cpp_extension itself decides whether to rebuild.
-    sos = list(build_dir.glob("overlap_cpu_kernels*.so"))
-    newest = max(src.stat().st_mtime for src in source_paths())
-    return bool(sos) and all(so.stat().st_mtime >= newest for so in sos)
+def _mkdir(path: Path) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    return path
