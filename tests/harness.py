@@ -27,6 +27,10 @@ from typing import Any, Callable
 import torch.multiprocessing as mp
 
 COLLECTIVE_TIMEOUT_S = 120  # generous: a loaded machine must not fail a test
+DEEPSPEED_BUILD_S = 600
+"""DeepSpeed JIT-builds a small CPU op the first time it starts on a machine (~40 s idle, over
+100 s measured on a loaded 2-core machine); cached under TORCH_EXTENSIONS_DIR afterwards. Tests
+that use the `deepspeed_op` fixture (conftest.py) allow this much more."""
 PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "overlap", "models"]
 
 _CTX = mp.get_context("forkserver")

@@ -21,4 +21,4 @@ if command -v nvcc >/dev/null; then
 fi
 # A rank that aborts (SIGABRT, SIGSEGV) prints its Python stacks: spawned ranks inherit this.
 export PYTHONFAULTHANDLER=1
-python3 -m pytest -q tests "$@"
+python3 -m pytest -q --durations=15 tests "$@"

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_peers import DEEPSPEED_BUILD_S, deepspeed_op  # noqa: F401 (a fixture)
+from harness import DEEPSPEED_BUILD_S
 
 from overlap.bench.memory import (
     BYTES_PER_PARAM_ZERO3,
@@ -62,7 +62,7 @@ def test_bench_memory_run(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(DEEPSPEED_BUILD_S + RUN_TIMEOUT_S)
-def test_bench_memory_peers(tmp_path: Path, deepspeed_op: float) -> None:  # noqa: F811
+def test_bench_memory_peers(tmp_path: Path, deepspeed_op: float) -> None:
     """DeepSpeed ZeRO-3 partitions its state (tuned: even the small parameters) but keeps an fp32
     copy of its partition; PowerSGD adds its error feedback (allocated at step 2) to DDP's."""
     data = run_memory(

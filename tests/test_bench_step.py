@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_peers import DEEPSPEED_BUILD_S, deepspeed_op  # noqa: F401 (a fixture)
+from harness import DEEPSPEED_BUILD_S
 
 from overlap.bench import peers, step
 from overlap.bench.step import (
@@ -124,7 +124,7 @@ def test_step_w1_script(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(DEEPSPEED_BUILD_S + RUN_TIMEOUT_S)
-def test_bench_step_peers(tmp_path: Path, deepspeed_op: float) -> None:  # noqa: F811
+def test_bench_step_peers(tmp_path: Path, deepspeed_op: float) -> None:
     """Every peer in one run with overlap's int8 codec, named in the JSON; exact ones pass the
     parity guard, lossy ones report their difference without a warning."""
     out = tmp_path / "peers.json"

@@ -21,13 +21,13 @@ import json
 import math
 import subprocess
 import sys
-import time
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from harness import DEEPSPEED_BUILD_S
 
 from overlap.bench import peers
 from overlap.bench.step import (
@@ -44,31 +44,10 @@ EXACT_RTOL = 1e-5
 LOSSY_RTOL = 1e-3
 INT8_RTOL = 1e-2
 POWERSGD_RTOL = 0.1
-DEEPSPEED_BUILD_S = 600
-"""DeepSpeed JIT-builds a small CPU op the first time it starts on a machine (~40 s idle, over
-100 s measured on this loaded 2-core machine); cached under TORCH_EXTENSIONS_DIR afterwards."""
 TINY = StepBenchConfig(model="gpt", layers=2, dim=32, heads=2, seq=16, batch=2)
 W1_TINY = StepBenchConfig(model="w1", layers=2, dim=32, heads=2, ff=64, seq=16, batch=2)
 REPO = Path(__file__).resolve().parent.parent
 
-
-@pytest.fixture(scope="module")
-def deepspeed_op() -> float:
-    """Build (or load from the cache) DeepSpeed's CPU op once, in a process of its own, before
-    any rank needs it: the ranks then start in seconds. Returns the seconds it took. Other test
-    modules import this fixture; their tests that use it allow DEEPSPEED_BUILD_S more."""
-    code = (
-        "import os; os.environ.setdefault('DS_ACCELERATOR', 'cpu')\n"
-        "from deepspeed.accelerator import get_accelerator\n"
-        "builder = get_accelerator().create_op_builder('ShareMemCommBuilder')\n"
-        "assert builder is not None and builder.load() is not None\n"
-    )
-    start = time.monotonic()
-    proc = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=DEEPSPEED_BUILD_S
-    )
-    assert proc.returncode == 0, f"DeepSpeed's CPU op did not build:\n{proc.stdout}\n{proc.stderr}"
-    return time.monotonic() - start
 
 
 def setup(cfg: StepBenchConfig) -> peers.TrainSetup:

@@ -25,7 +25,6 @@ import threading
 import time
 import warnings
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import torch
