@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 import overlap
+from harness import rank_threads
 from models import loss_of, tiny_lm
 from overlap import checkpoint
 
@@ -340,7 +341,8 @@ def test_torchrun_restart_resumes_from_latest_checkpoint(world2, tmp_path):
     # that, and this test says so: with one restart allowed, every rank of it must exit cleanly.
     # PYTHONFAULTHANDLER makes any abort print its stacks.
     cmd += ["--max-restarts=1", "--monitor-interval=0.2", str(script)]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONFAULTHANDLER="1")
+    # the reference below runs in the harness's ranks: the same thread count, the same bits
+    env = dict(os.environ, OMP_NUM_THREADS=str(rank_threads()), PYTHONFAULTHANDLER="1")
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert not (root / "result-0.json").exists()  # the first attempt crashed

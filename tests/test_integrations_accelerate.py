@@ -29,6 +29,7 @@ accelerate = pytest.importorskip(
 )
 
 import overlap  # noqa: E402
+from harness import rank_threads  # noqa: E402
 from tolerance import losses_within, reordered_mismatches, reordered_rtol  # noqa: E402
 from overlap.integrations import accelerate as overlap_accelerate  # noqa: E402
 from overlap.integrations import is_wrapped  # noqa: E402
@@ -41,7 +42,7 @@ ACCUMULATE = 2
 def torchrun_env(rank: int, world: int) -> None:
     os.environ.update(
         RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
-        OMP_NUM_THREADS="1",  # else accelerate's CPU mode sets torch's thread count itself
+        OMP_NUM_THREADS=str(rank_threads()),  # else accelerate's CPU mode sets torch's thread count itself
     )
 
 

@@ -41,6 +41,7 @@ pytest.importorskip(
 )
 
 import overlap  # noqa: E402
+from harness import rank_threads  # noqa: E402
 from tolerance import losses_within, reordered_mismatches, reordered_rtol  # noqa: E402
 from overlap.integrations.hf import OVERLAP_DIR, OverlapTrainer  # noqa: E402
 
@@ -55,7 +56,7 @@ def torchrun_env(rank: int, world: int) -> None:
     """What torchrun sets, so that the Trainer (accelerate) sees a distributed launch."""
     os.environ.update(
         RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
-        OMP_NUM_THREADS="1",  # else accelerate's CPU mode sets torch's thread count itself
+        OMP_NUM_THREADS=str(rank_threads()),  # else accelerate's CPU mode sets torch's thread count itself
     )
 
 

@@ -31,6 +31,7 @@ L = pytest.importorskip(
 )
 
 import overlap  # noqa: E402
+from harness import rank_threads  # noqa: E402
 from overlap.integrations import is_wrapped  # noqa: E402
 from overlap.integrations import lightning as overlap_lightning  # noqa: E402
 
@@ -42,7 +43,7 @@ SAMPLES = 16  # 2 ranks x 4 batches of 2: one epoch is 2 optimizer steps of 2 mi
 def torchrun_env(rank: int, world: int) -> None:
     os.environ.update(
         RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
-        NODE_RANK="0", OMP_NUM_THREADS="1",
+        NODE_RANK="0", OMP_NUM_THREADS=str(rank_threads()),
     )
 
 
