@@ -24,6 +24,7 @@ import overlap
 from models import Block, TinyLM, batch, encoder_stack, loss_of, tiny_lm
 from overlap import comm
 from overlap.module import OverlapModule
+from tolerance import reordered_rtol
 
 
 class GatedBlock(Block):
@@ -216,10 +217,11 @@ def clip_like_ddp(rank: int, world: int, clip: str) -> dict:
 def test_clip_grad_norm_is_the_global_norm(world2, clip):
     """`torch.nn.utils.clip_grad_norm_(model.parameters(), c)` on the wrapped model (DTensor
     shards beside plain 0-dim parameters) and `overlap.clip_grad_norm_(model, c)` give DDP's
-    norm and clip like it (same norm up to the order of the sum: 1e-6 relative)."""
+    norm and clip like it (the same norm up to the order of the sum: [Note: what is bitwise])."""
+    rtol = reordered_rtol(sum(p.numel() for p in scaled_lm().parameters()))
     for rank, r in enumerate(world2.run(clip_like_ddp, clip=clip)):
-        assert abs(r["ours"] - r["ref"]) <= 1e-6 * r["ref"], (rank, r)
-        assert r["worst_grad_rel"] <= 1e-6, (rank, r)
+        assert abs(r["ours"] - r["ref"]) <= rtol * r["ref"], (rank, r)
+        assert r["worst_grad_rel"] <= rtol, (rank, r)
 
 
 # ---------------------------------------------------------------- state_dict on rank 0 alone

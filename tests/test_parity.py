@@ -2,8 +2,8 @@
 
 World size 2 in fp32: bitwise (gloo's two-rank sum is commutative and dividing by 2 is exact, so
 sum-then-divide equals DDP's divide-then-sum). World size 4: the reduce-scatter adds the four
-contributions in another order than DDP's all-reduce, so results agree to rounding (≤1e-6
-relative); SGD with momentum is used there because Adam divides by sqrt(v) and turns rounding
+contributions in another order than DDP's all-reduce, so results agree to rounding (within
+`reordered_rtol` of a 4-term sum: [Note: what is bitwise] in tolerance.py); SGD with momentum is used there because Adam divides by sqrt(v) and turns rounding
 noise in near-zero gradients into visible parameter differences.
 """
 
@@ -21,6 +21,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import overlap
 from models import STRICT_ZERO3, batch, encoder_stack, loss_of, tiny_lm
 from overlap.runtime import Runtime
+from tolerance import reordered_rtol
 
 MODELS = {"tiny_lm": tiny_lm, "encoder": encoder_stack}
 
@@ -149,8 +150,9 @@ def test_bitwise_parity_world2(world2, model, config):
 )
 def test_parity_world4(world4, config):
     results = world4.run(train_vs_ddp, model="tiny_lm", config=config, optim="sgd")
+    rtol = reordered_rtol(4, steps=3)  # 4 contributions per element, 3 steps
     for rank, r in enumerate(results):
-        assert r["loss"] <= 1e-6 and r["grad"] <= 1e-6 and r["param"] <= 1e-6, (rank, r)
+        assert r["loss"] <= rtol and r["grad"] <= rtol and r["param"] <= rtol, (rank, r)
 
 
 def test_injected_delays_change_nothing(world2):
@@ -161,9 +163,10 @@ def test_injected_delays_change_nothing(world2):
 
 def test_clipping_matches_ddp(world2):
     results = world2.run(train_vs_ddp, model="tiny_lm", config={}, clip=0.05, optim="sgd")
+    # the global norm is summed in another order ([Note: what is bitwise]): within its tolerance
+    rtol = reordered_rtol(sum(p.numel() for p in tiny_lm().parameters()), steps=3)
     for rank, r in enumerate(results):
-        # the global norm is summed in another order: equal to rounding, not bitwise
-        assert r["grad"] <= 1e-6 and r["param"] <= 1e-6, (rank, r)
+        assert r["grad"] <= rtol and r["param"] <= rtol, (rank, r)
 
 
 def mixed_precision_vs_reference(rank: int, world: int, steps: int = 3) -> dict:
