@@ -168,3 +168,21 @@ def test_runtime_layouts_are_the_runtimes() -> None:
     job = gc.copy_job("out", layout, 2, torch.float32, torch.bfloat16, torch.Generator().manual_seed(0))
     plan = job.plan()
     assert plan["row_stride"] == layout.shard_numel + tag and plan["segments"] == len(layout.slots) + 1
+
+
+def test_patches_are_undone() -> None:
+    """The delays and the event-wait counter replace library and torch functions for a while
+    only: after the context, the originals are back (a later part or config sees none of them)."""
+    from collections import Counter
+
+    gc = load_gpu_check()
+    originals = [gc._comm.wait, gc._comm.all_gather_flat, gc._Runtime.free, gc._Runtime.release_reduce]
+    counts: Counter = Counter()
+    with gc.injected_delays(torch.device("cpu"), counts, seed=0):
+        assert gc._comm.wait is not originals[0] and gc._Runtime.free is not originals[2]
+    assert [gc._comm.wait, gc._comm.all_gather_flat, gc._Runtime.free, gc._Runtime.release_reduce] == originals
+    synchronize = torch.cuda.Event.synchronize
+    waits: list[float] = []
+    with gc.counted_event_waits(waits):
+        assert torch.cuda.Event.synchronize is not synchronize
+    assert torch.cuda.Event.synchronize is synchronize and waits == []
