@@ -88,6 +88,7 @@ import contextlib
 import copy
 import functools
 import gc
+import importlib.util
 import json
 import multiprocessing
 import os
@@ -612,6 +613,8 @@ def part_numerics(c: Check, _budget_s: float) -> PartResult:
     """Every Triton kernel variant on the device against the reference on the CPU."""
     dev = c.device
     interpreted = not c.cuda
+    if importlib.util.find_spec("triton") is None:
+        return "skipped: triton is not installed", "", {}
     measured: dict[str, Any] = {
         "kernels": "triton" + (" under TRITON_INTERPRET=1 on CPU tensors" if interpreted else f" on {dev}"),
         "reference": "the torch references (overlap.kernels.*_ref) on the CPU",

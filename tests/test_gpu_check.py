@@ -41,7 +41,8 @@ def test_dry_run(tmp_path: Path) -> None:
     report = json.loads(out.read_text())
     env = report["environment"]
     assert env["env"]["OVERLAP_FORCE_COLLECTIVES"] == "1" and env["TRITON_INTERPRET"] == "1"
-    assert env["torch"] == torch.__version__ and env["triton"]
+    assert env["torch"] == torch.__version__
+    has_triton = importlib.util.find_spec("triton") is not None  # CI installs it
     parts = {p["part"]: p for p in report["parts"]}
     assert list(parts) == PARTS
     for p in parts.values():
@@ -50,36 +51,11 @@ def test_dry_run(tmp_path: Path) -> None:
         assert parts[key]["status"] == "skipped: no CUDA"
 
     numerics = parts["numerics"]
-    assert numerics["status"] == "passed", numerics
-    cases = numerics["measured"]["cases"]
-    kinds = {name.split()[0] for name in cases}
-    assert kinds == {"quantize", "dequant", "dequant_acc", "feedback", "feedback_int8res", "copy_out", "copy_in"}
-    for ws in (1, 2, 8):  # the runtime's layouts, tagged from 2 ranks on
-        assert f"copy_out ws={ws} bf16>f32" in cases and f"copy_in ws={ws} f16>bf16" in cases
-    assert "tags" in cases["copy_out ws=2 f32>f32"] and "tags" not in cases["copy_out ws=1 f32>f32"]
-    assert any(" sr " in name for name in cases) and all(c["class"] == "bitwise" for c in cases.values())
-    plans = numerics["measured"]["plans"]
-    assert set(plans) == {f"copy_{k} ws={n}" for k in ("out", "in") for n in (1, 2, 8)}
-    assert plans["copy_out ws=1"]["launches"][0]["aligned"]  # untagged: aligned, as the runtime gets it
-    assert numerics["measured"]["skipped"]  # fp8 (the interpreter's cast)
-
-    for key, nproc in (("world2", 2), ("hsdp2x2", 4)):
-        world = parts[key]
-        assert world["status"] == "passed", world
-        measured = world["measured"]
-        assert measured["probe"]["overrides"] == {"reduce_scatter_impl": "native", "all_gather_impl": "native"}
-        assert set(measured["configs"]) == {"plain", "bf16_no_sync", "int8_grads_ef", "int8_params"}
-        for name, config in measured["configs"].items():
-            assert config["ok"] and len(config["ranks"]) == nproc, (key, name, config)
-            for rank in config["ranks"].values():
-                assert rank["bitwise_delayed"], (key, name, rank)
-                assert all(rank["delays"].get(k, 0) > 0 for k in
-                           ("before_collective", "after_wait", "before_free", "before_release_reduce")), rank  # fmt: skip
-        plain = measured["configs"]["plain"]["ranks"]
-        assert all(r["bitwise_vs_reference"] and r["vs_reference"]["bitwise"] for r in plain.values())
-        assert {p["kind"] for p in plain["0"]["copy_plans"]} == {"copy_out", "copy_in"}
-        assert all(p["num_rows"] == 2 for p in plain["0"]["copy_plans"])  # the shard group
-    assert measured["configs"]["plain"]["ranks"]["0"]["stats"]["num_allreduces"] > 0  # HSDP's
+    if has_triton:
+        check_numerics(numerics)
+    else:
+        assert numerics["status"] == "skipped: triton is not installed", numerics
+    check_worlds(parts)
 
     a = parts["nccl_path"]["measured"]
     assert a["backend"] == "gloo" and a["OVERLAP_FORCE_COLLECTIVES"] == "1"
@@ -99,6 +75,41 @@ def test_dry_run(tmp_path: Path) -> None:
     assert all(r["gbps"] > 0 and r["largest_size"] for r in rows)
     assert all(r["share_of_d2d_copy"] > 0 for r in rows if r["op"] != "memcpy f32")
     assert report["summary"].get("error") is None
+
+
+def check_numerics(numerics: dict) -> None:
+    assert numerics["status"] == "passed", numerics
+    cases = numerics["measured"]["cases"]
+    kinds = {name.split()[0] for name in cases}
+    assert kinds == {"quantize", "dequant", "dequant_acc", "feedback", "feedback_int8res", "copy_out", "copy_in"}
+    for ws in (1, 2, 8):  # the runtime's layouts, tagged from 2 ranks on
+        assert f"copy_out ws={ws} bf16>f32" in cases and f"copy_in ws={ws} f16>bf16" in cases
+    assert "tags" in cases["copy_out ws=2 f32>f32"] and "tags" not in cases["copy_out ws=1 f32>f32"]
+    assert any(" sr " in name for name in cases) and all(c["class"] == "bitwise" for c in cases.values())
+    plans = numerics["measured"]["plans"]
+    assert set(plans) == {f"copy_{k} ws={n}" for k in ("out", "in") for n in (1, 2, 8)}
+    assert plans["copy_out ws=1"]["launches"][0]["aligned"]  # untagged: aligned, as the runtime gets it
+    assert numerics["measured"]["skipped"]  # fp8 (the interpreter's cast)
+
+
+def check_worlds(parts: dict) -> None:
+    for key, nproc in (("world2", 2), ("hsdp2x2", 4)):
+        world = parts[key]
+        assert world["status"] == "passed", world
+        measured = world["measured"]
+        assert measured["probe"]["overrides"] == {"reduce_scatter_impl": "native", "all_gather_impl": "native"}
+        assert set(measured["configs"]) == {"plain", "bf16_no_sync", "int8_grads_ef", "int8_params"}
+        for name, config in measured["configs"].items():
+            assert config["ok"] and len(config["ranks"]) == nproc, (key, name, config)
+            for rank in config["ranks"].values():
+                assert rank["bitwise_delayed"], (key, name, rank)
+                assert all(rank["delays"].get(k, 0) > 0 for k in
+                           ("before_collective", "after_wait", "before_free", "before_release_reduce")), rank  # fmt: skip
+        plain = measured["configs"]["plain"]["ranks"]
+        assert all(r["bitwise_vs_reference"] and r["vs_reference"]["bitwise"] for r in plain.values())
+        assert {p["kind"] for p in plain["0"]["copy_plans"]} == {"copy_out", "copy_in"}
+        assert all(p["num_rows"] == 2 for p in plain["0"]["copy_plans"])  # the shard group
+    assert measured["configs"]["plain"]["ranks"]["0"]["stats"]["num_allreduces"] > 0  # HSDP's
 
 
 def test_part_errors_are_recorded_and_the_run_goes_on(tmp_path: Path) -> None:
