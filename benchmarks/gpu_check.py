@@ -44,7 +44,10 @@ Parts, in order of what they prove per second:
              reference (both ranks' half-batches on the unsharded model, gradients summed in rank
              order and divided by 2, SGD). A probe first runs gloo's native reduce-scatter and
              all-gather on the device's tensors; one gloo refuses is replaced by "all_to_all" for
-             every config, and the refusal is recorded (`probe`).
+             every config, and the refusal is recorded (`probe`). Rank 0 records the copies the
+             runtime issued in its first plain step with their Triton launch variants
+             (`copy_plans`), and whether their row strides are the ones runtime_copy_out_layout /
+             runtime_copy_in_layout give (`layout_mirror`: numerics and bandwidth use those).
   hsdp2x2    the same on 4 ranks as a 2x2 mesh (replicate x shard): the all-reduce stream too; the
              reference sums (g0 + g1) + (g2 + g3) and divides by 4, as the shard pairs and the
              all-reduce do.
@@ -792,6 +795,7 @@ def world_rank(rank: int, nproc: int, spec: dict[str, Any], send: Callable[..., 
                        "losses": l1.tolist(), "stats": stats}  # fmt: skip
             if plans_seen is not None:
                 summary["copy_plans"] = plans_seen
+                summary["layout_mirror"] = layout_mirror(base, 2 if spec["hsdp"] else nproc, plans_seen)
             if name == "plain":
                 summary["vs_reference"] = worst_difference(s1, ref_state)
                 summary["losses_vs_reference"] = same_bits(l1, ref_losses[:, rank].contiguous())
@@ -804,6 +808,20 @@ def world_rank(rank: int, nproc: int, spec: dict[str, Any], send: Callable[..., 
         dist.all_reduce(failed)
         if 0 < failed.item() < nproc:  # some ranks failed, not all alike: they may have desynced
             break
+
+
+def layout_mirror(base: nn.Module, n: int, plans: list[dict[str, Any]]) -> dict[str, Any]:
+    """Whether the copies the runtime issued have the row strides that runtime_copy_out_layout /
+    runtime_copy_in_layout (which the numerics and bandwidth parts use) give for one layer's unit
+    over `n` ranks: the mirror of the runtime's layout checked against the runtime itself."""
+    layer = next(iter(base.children()))
+    params = [ParamInfo(name, ((name, "w"),), p.shape, True) for name, p in layer.named_parameters()]
+    layout = make_layout(0, "layer", ("layer",), params, n, CHUNK_ALIGN_NUMEL)
+    expected = {"copy_out": sum(runtime_copy_out_layout(layout, n)[0]) // n,
+                "copy_in": sum(runtime_copy_in_layout(layout, n)[0]) // n}  # fmt: skip
+    seen = sorted({(p["kind"], p["row_stride"]) for p in plans if "row_stride" in p})
+    matches = bool(seen) and all(expected.get(kind) == stride for kind, stride in seen)
+    return {"expected_row_strides": expected, "seen": seen, "matches": matches}
 
 
 def probe_native(device: torch.device) -> dict[str, Any]:

@@ -109,6 +109,8 @@ def check_worlds(parts: dict) -> None:
         assert all(r["bitwise_vs_reference"] and r["vs_reference"]["bitwise"] for r in plain.values())
         assert {p["kind"] for p in plain["0"]["copy_plans"]} == {"copy_out", "copy_in"}
         assert all(p["num_rows"] == 2 for p in plain["0"]["copy_plans"])  # the shard group
+        # the layouts numerics and bandwidth build are the ones this runtime issued
+        assert plain["0"]["layout_mirror"]["matches"], plain["0"]["layout_mirror"]
     assert measured["configs"]["plain"]["ranks"]["0"]["stats"]["num_allreduces"] > 0  # HSDP's
 
 
@@ -165,10 +167,10 @@ def test_compare_tells_bits_from_ulps() -> None:
     assert codes["mismatches"] == 1 and codes["max_code_diff"] == 1 and gc.classify({"codes": codes}) == "within_1_ulp"
 
 
-def test_runtime_layouts_are_the_runtimes() -> None:
-    """The copy layouts the numerics and bandwidth parts build are what the 2-rank world's
-    runtime issued (its copy plans), for the same unit shapes: checked here on a wrapped model's
-    layout at world size 2, tagged (row stride = shard + tag columns)."""
+def test_runtime_layouts() -> None:
+    """The copy layouts the numerics and bandwidth parts build: tagged from 2 ranks on (row stride
+    = shard + tag columns), the used flags after the gradients. (That they are what the runtime
+    issues is checked in the dry run: `layout_mirror`.)"""
     gc = load_gpu_check()
     layout = gc.numerics_layout(2)
     sizes, cols, tag = gc.runtime_copy_out_layout(layout, 2)
