@@ -1,6 +1,8 @@
 """benchmarks/gpu_check.py cannot rot while no GPU is lent: its `--device cpu` dry run runs every
-part that can run on CPU (gloo, tiny sizes) and writes the JSON the GPU run would; and its part
-runner records a crash or an overrun as that part's result and goes on."""
+part that can run on CPU (Triton under its interpreter, the 2-rank and 2x2 worlds on gloo with CPU
+tensors and `time.sleep` delays, the world-size-1 parts on gloo, tiny bandwidth rows) and writes
+the JSON the GPU run would; its part runner records a crash or an overrun as that part's result,
+keeps what a part published before it was cut, and goes on; its comparison tells bits from ulps."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "benchmarks" / "gpu_check.py"
 RUN_TIMEOUT_S = 240
+PARTS = ["numerics", "world2", "hsdp2x2", "nccl_path", "sync_free", "overlap", "parity", "bandwidth", "compile"]
 
 
 def load_gpu_check() -> ModuleType:
@@ -36,33 +39,79 @@ def test_dry_run(tmp_path: Path) -> None:
     )  # fmt: skip
     assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr}"
     report = json.loads(out.read_text())
-    assert report["environment"]["env"]["OVERLAP_FORCE_COLLECTIVES"] == "1"
+    env = report["environment"]
+    assert env["env"]["OVERLAP_FORCE_COLLECTIVES"] == "1" and env["TRITON_INTERPRET"] == "1"
+    assert env["torch"] == torch.__version__
+    has_triton = importlib.util.find_spec("triton") is not None  # CI installs it
     parts = {p["part"]: p for p in report["parts"]}
-    assert list(parts) == ["a", "b", "c", "d", "e", "f"]
+    assert list(parts) == PARTS
     for p in parts.values():
-        assert p["seconds"] >= 0 and p["status"] != "error", p
-    for key in ("b", "c"):
+        assert p["seconds"] >= 0 and p["status"] not in ("error", "running"), p
+    for key in ("compile", "sync_free", "overlap"):
         assert parts[key]["status"] == "skipped: no CUDA"
 
-    a = parts["a"]["measured"]
+    numerics = parts["numerics"]
+    if has_triton:
+        check_numerics(numerics)
+    else:
+        assert numerics["status"] == "skipped: triton is not installed", numerics
+    check_worlds(parts)
+
+    a = parts["nccl_path"]["measured"]
     assert a["backend"] == "gloo" and a["OVERLAP_FORCE_COLLECTIVES"] == "1"
-    # OVERLAP_FORCE_COLLECTIVES makes world size 1 issue real collectives: part a counts them
-    assert parts["a"]["status"] == "passed" and a["collectives_per_step"] > 0, a
+    # OVERLAP_FORCE_COLLECTIVES makes world size 1 issue real collectives: counted
+    assert parts["nccl_path"]["status"] == "passed" and a["collectives_per_step"] > 0, a
 
-    d = parts["d"]
-    assert d["status"] == "passed" and d["measured"]["bitwise"], d  # CPU, fp32: bitwise
-    assert d["measured"]["max_abs_param_diff"] == 0.0
+    parity = parts["parity"]
+    assert parity["status"] == "passed" and parity["measured"]["bitwise"], parity  # CPU, fp32, SGD
+    assert parity["measured"]["params"]["worst_abs_diff"] == 0.0
 
-    e = parts["e"]
-    assert e["status"] == "measured" and e["measured"]["rc"] == 0, e
-    ops = {r["op"].split()[0] for r in e["measured"]["rows"]}
-    assert {"memcpy", "copy_out", "copy_in"} <= ops, ops
-    assert all(r["share_of_d2d_copy"] > 0 for r in e["measured"]["rows"])
-
-    f = parts["f"]["measured"]
-    assert f["overlap"]["peak_rss_bytes"] > 0 and f["fsdp2"]["peak_rss_bytes"] > 0
-    assert f["overlap_over_fsdp2"]["ratio"] > 0
+    bandwidth = parts["bandwidth"]
+    assert bandwidth["status"] == "measured" and not bandwidth["measured"]["errors"], bandwidth
+    rows = bandwidth["measured"]["rows"]
+    ops = {r["op"] for r in rows}
+    assert {"memcpy f32", "quantize int8", "dequant_acc int4", "feedback int8", "copy_out ws=8 bf16>bf16",
+            "copy_in ws=2 bf16>f32"} <= ops, ops  # fmt: skip
+    assert all(r["gbps"] > 0 and r["largest_size"] for r in rows)
+    assert all(r["share_of_d2d_copy"] > 0 for r in rows if r["op"] != "memcpy f32")
     assert report["summary"].get("error") is None
+
+
+def check_numerics(numerics: dict) -> None:
+    assert numerics["status"] == "passed", numerics
+    cases = numerics["measured"]["cases"]
+    kinds = {name.split()[0] for name in cases}
+    assert kinds == {"quantize", "dequant", "dequant_acc", "feedback", "feedback_int8res", "copy_out", "copy_in"}
+    for ws in (1, 2, 8):  # the runtime's layouts, tagged from 2 ranks on
+        assert f"copy_out ws={ws} bf16>f32" in cases and f"copy_in ws={ws} f16>bf16" in cases
+    assert "tags" in cases["copy_out ws=2 f32>f32"] and "tags" not in cases["copy_out ws=1 f32>f32"]
+    assert any(" sr " in name for name in cases) and all(c["class"] == "bitwise" for c in cases.values())
+    plans = numerics["measured"]["plans"]
+    assert set(plans) == {f"copy_{k} ws={n}" for k in ("out", "in") for n in (1, 2, 8)}
+    assert plans["copy_out ws=1"]["launches"][0]["aligned"]  # untagged: aligned, as the runtime gets it
+    assert numerics["measured"]["skipped"]  # fp8 (the interpreter's cast)
+
+
+def check_worlds(parts: dict) -> None:
+    for key, nproc in (("world2", 2), ("hsdp2x2", 4)):
+        world = parts[key]
+        assert world["status"] == "passed", world
+        measured = world["measured"]
+        assert measured["probe"]["overrides"] == {"reduce_scatter_impl": "native", "all_gather_impl": "native"}
+        assert set(measured["configs"]) == {"plain", "bf16_no_sync", "int8_grads_ef", "int8_params"}
+        for name, config in measured["configs"].items():
+            assert config["ok"] and len(config["ranks"]) == nproc, (key, name, config)
+            for rank in config["ranks"].values():
+                assert rank["bitwise_delayed"], (key, name, rank)
+                assert all(rank["delays"].get(k, 0) > 0 for k in
+                           ("before_collective", "after_wait", "before_free", "before_release_reduce")), rank  # fmt: skip
+        plain = measured["configs"]["plain"]["ranks"]
+        assert all(r["bitwise_vs_reference"] and r["vs_reference"]["bitwise"] for r in plain.values())
+        assert {p["kind"] for p in plain["0"]["copy_plans"]} == {"copy_out", "copy_in"}
+        assert all(p["num_rows"] == 2 for p in plain["0"]["copy_plans"])  # the shard group
+        # the layouts numerics and bandwidth build are the ones this runtime issued
+        assert plain["0"]["layout_mirror"]["matches"], plain["0"]["layout_mirror"]
+    assert measured["configs"]["plain"]["ranks"]["0"]["stats"]["num_allreduces"] > 0  # HSDP's
 
 
 def test_part_errors_are_recorded_and_the_run_goes_on(tmp_path: Path) -> None:
@@ -73,26 +122,80 @@ def test_part_errors_are_recorded_and_the_run_goes_on(tmp_path: Path) -> None:
     def crash(_c: object, _budget: float) -> tuple:
         raise RuntimeError("boom")
 
-    def overrun(_c: object, _budget: float) -> tuple:
+    def overrun(c: object, _budget: float) -> tuple:
+        c.progress({"rows": [1, 2]})  # published before it was cut: kept
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:  # interrupted by the part's 5 s budget
             time.sleep(0.05)
         return "passed", "never", {}
 
     def after(c: object, _budget: float) -> tuple:
-        written = json.loads(out.read_text())  # the earlier parts are on disk already
-        return "measured", "none", {"parts_on_disk": [p["part"] for p in written["parts"]]}
+        written = json.loads(out.read_text())  # the earlier parts are on disk, and this one, running
+        return "measured", "none", {"on_disk": [(p["part"], p["status"]) for p in written["parts"]]}
 
-    parts = [gc.Part("x", "crash", crash), gc.Part("y", "overrun", overrun),
-             gc.Part("z", "after", after), gc.Part("w", "gpu", after, cuda_only=True)]  # fmt: skip
-    report = {"environment": {}, "parts": []}
+    parts = [gc.Part("x", crash, 60), gc.Part("y", overrun, 5), gc.Part("z", after, 60),
+             gc.Part("w", after, 60, cuda_only=True)]  # fmt: skip
     start = time.monotonic()
-    gc.run_parts(check, parts, report, {"y": 5.0}, 120.0)
+    gc.run_parts(check, parts, 120.0)
     assert time.monotonic() - start < 40  # the overrun was cut at its budget
     on_disk = json.loads(out.read_text())
-    assert on_disk == json.loads(json.dumps(report, default=str))
+    assert on_disk == json.loads(json.dumps(check.report, default=str))
     x, y, z, w = on_disk["parts"]
     assert x["status"] == "error" and "RuntimeError: boom" in x["error"]
     assert y["status"] == "error" and "PartTimeout" in y["error"] and y["budget_s"] == 5.0
-    assert z["status"] == "measured" and z["measured"]["parts_on_disk"] == ["x", "y"]
+    assert y["measured"] == {"rows": [1, 2]}
+    assert z["status"] == "measured" and z["measured"]["on_disk"] == [["x", "error"], ["y", "error"], ["z", "running"]]
     assert w["status"] == "skipped: no CUDA"
+
+
+def test_compare_tells_bits_from_ulps() -> None:
+    gc = load_gpu_check()
+    nan, inf = float("nan"), float("inf")
+    want = torch.tensor([1.0, -0.0, nan, inf, 3.0])
+    same = gc.compare(want.clone(), want)
+    assert same["bitwise"] and same["exact_bits"] and same["max_ulp"] == 0
+    other_nan = want.clone().view(torch.int32)
+    other_nan[2] = 0x7FFFFFFF  # the GPU's canonical NaN: still NaN, other bits
+    loose = gc.compare(other_nan.view(torch.float32), want)
+    assert loose["bitwise"] and not loose["exact_bits"]
+    near = gc.compare(torch.tensor([1.0, 0.0, nan, inf, torch.nextafter(torch.tensor(3.0), torch.tensor(4.0)).item()]), want)
+    assert not near["bitwise"] and near["mismatches"] == 2 and near["max_ulp"] == 1  # +0 vs -0: 1 ulp
+    assert gc.classify({"out": near}) == "within_1_ulp"
+    lost = gc.compare(torch.tensor([1.0, -0.0, -0.0, inf, 3.0]).bfloat16(), want.bfloat16())  # NaN -> -0.0
+    assert lost["nan_mismatches"] == 1 and gc.classify({"out": lost}) == "differs"
+    codes = gc.compare(torch.tensor([1, 2, 4], dtype=torch.int8), torch.tensor([1, 3, 4], dtype=torch.int8))
+    assert codes["mismatches"] == 1 and codes["max_code_diff"] == 1 and gc.classify({"codes": codes}) == "within_1_ulp"
+
+
+def test_runtime_layouts() -> None:
+    """The copy layouts the numerics and bandwidth parts build: tagged from 2 ranks on (row stride
+    = shard + tag columns), the used flags after the gradients. (That they are what the runtime
+    issues is checked in the dry run: `layout_mirror`.)"""
+    gc = load_gpu_check()
+    layout = gc.numerics_layout(2)
+    sizes, cols, tag = gc.runtime_copy_out_layout(layout, 2)
+    assert tag == gc.TAG_NUMEL and sum(sizes) == 2 * (layout.shard_numel + tag) and cols[-1] == tag
+    assert gc.runtime_copy_out_layout(layout, 1)[2] == 0  # world size 1 is untagged
+    in_sizes, _ = gc.runtime_copy_in_layout(layout, 2)
+    assert sum(in_sizes) == 2 * (layout.grad_shard_numel + len(layout.grad_slots))
+    job = gc.copy_job("out", layout, 2, torch.float32, torch.bfloat16, torch.Generator().manual_seed(0))
+    plan = job.plan()
+    assert plan["row_stride"] == layout.shard_numel + tag and plan["segments"] == len(layout.slots) + 1
+
+
+def test_patches_are_undone() -> None:
+    """The delays and the event-wait counter replace library and torch functions for a while
+    only: after the context, the originals are back (a later part or config sees none of them)."""
+    from collections import Counter
+
+    gc = load_gpu_check()
+    originals = [gc._comm.wait, gc._comm.all_gather_flat, gc._Runtime.free, gc._Runtime.release_reduce]
+    counts: Counter = Counter()
+    with gc.injected_delays(torch.device("cpu"), counts, seed=0):
+        assert gc._comm.wait is not originals[0] and gc._Runtime.free is not originals[2]
+    assert [gc._comm.wait, gc._comm.all_gather_flat, gc._Runtime.free, gc._Runtime.release_reduce] == originals
+    synchronize = torch.cuda.Event.synchronize
+    waits: list[float] = []
+    with gc.counted_event_waits(waits):
+        assert torch.cuda.Event.synchronize is not synchronize
+    assert torch.cuda.Event.synchronize is synchronize and waits == []
