@@ -56,12 +56,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the checkout'
 
 import torch  # noqa: E402
 
-from overlap.bench import peers  # noqa: E402
-from overlap.bench.step import process_peak_rss_bytes  # noqa: E402
-from overlap.data import ByteDataset  # noqa: E402
-from overlap.demo import DemoConfig, batches, evaluate, lr_factor, mean_across_ranks  # noqa: E402
-from overlap.launch import current_device, default_world, run_local_world  # noqa: E402
-from overlap.models import GPT, GPTConfig  # noqa: E402
+from overlap.tools.bench import peers  # noqa: E402
+from overlap.tools.bench.step import process_peak_rss_bytes  # noqa: E402
+from overlap.tools.data import ByteDataset  # noqa: E402
+from overlap.tools.demo import DemoConfig, batches, evaluate, lr_factor, mean_across_ranks  # noqa: E402
+from overlap.tools.launch import current_device, default_world, run_local_world  # noqa: E402
+from overlap.tools.models import GPT, GPTConfig  # noqa: E402
 
 REFERENCE = "ddp"
 OVERLAP_CONFIGS = (

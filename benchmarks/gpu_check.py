@@ -167,7 +167,7 @@ def median_step_ms(c: Check, step: Callable[[], Any], n: int = TIMED_STEPS) -> f
 def patched_comm(wrap_fn: Callable[[Callable[..., Any]], Callable[..., Any]]) -> Iterator[None]:
     """Replace overlap.comm's two plain collectives by `wrap_fn(original)` (the runtime calls
     them through the module), and put them back."""
-    from overlap import comm
+    from overlap.transport import collectives as comm
 
     names = ("all_gather_flat", "reduce_scatter_flat")
     originals = {n: getattr(comm, n) for n in names}
@@ -407,7 +407,7 @@ def part_kernels(c: Check, budget_s: float) -> PartResult:
 
 
 def part_memory(c: Check) -> PartResult:
-    from overlap.bench.memory import MemoryBenchConfig, bench_memory
+    from overlap.tools.bench.memory import MemoryBenchConfig, bench_memory
 
     if c.cuda:  # the issue's 151 M-parameter model
         cfg = MemoryBenchConfig(nproc=(1,), contenders=("overlap", "fsdp2"), device="cuda")

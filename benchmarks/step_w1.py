@@ -18,7 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the checkout's `overlap`
 
-from overlap.bench import step
+from overlap.tools.bench import step
 
 
 def main() -> int:

@@ -1,3 +1,3 @@
-from overlap.cli import main
+from overlap.tools.cli import main
 
 raise SystemExit(main())

@@ -74,7 +74,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 
 from overlap.compression.feedback import FeedbackResidual, make_residual_format
-from overlap.wrap import OverlapState, state_of
+from overlap.engine.state import OverlapState, state_of
 
 try:  # NumPy is optional; its generator state is saved when it is importable
     import numpy as np

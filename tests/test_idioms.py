@@ -22,8 +22,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import overlap
 from models import Block, TinyLM, batch, encoder_stack, loss_of, tiny_lm
-from overlap import comm
-from overlap.module import OverlapModule
+from overlap.transport import collectives as comm
+from overlap.engine.module import OverlapModule
 
 
 class GatedBlock(Block):

@@ -29,8 +29,8 @@ from typing import Any
 import pytest
 import torch
 
-from overlap.bench import peers
-from overlap.bench.step import (
+from overlap.tools.bench import peers
+from overlap.tools.bench.step import (
     StepBenchConfig,
     bench_step,
     build_model,
