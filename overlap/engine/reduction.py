@@ -21,9 +21,16 @@ from overlap.compression.feedback import FeedbackResidual, make_residual_format
 from overlap.observe.labels import phase as _phase
 from overlap.engine.schedule import Gather
 from overlap.engine.unit_tensors import UnitTensors
+from overlap.engine.units import CHUNK_ALIGN_NUMEL
 from overlap.observe.memory import nbytes
 from overlap.transport import collectives as comm
 from overlap.transport.fingerprint import TRAIL_MASK
+
+
+def flag_cols(num_flags: int) -> int:
+    """Columns the used flags take in each row of a reduction: `num_flags`, padded to the chunk
+    alignment so that the row stays a multiple of 16 elements ([Note: used flags])."""
+    return -(-num_flags // CHUNK_ALIGN_NUMEL) * CHUNK_ALIGN_NUMEL
 
 
 def _widest(dtypes: Iterable[torch.dtype]) -> torch.dtype:
@@ -59,7 +66,8 @@ class Reductions:
         ([Note: fused exchange] in transport/host.py).
 
         [Note: used flags] After the gradient columns, each trainable parameter adds one column
-        holding 1 where this rank produced a gradient for it, else 0. Every row of that column
+        holding 1 where this rank produced a gradient for it, else 0 (padded with zero columns
+        to a multiple of 16, `flag_cols`, so that every row stays aligned for the copy-in). Every row of that column
         has the same value, so after the reduce-scatter each rank holds the number of ranks
         that used the parameter. A parameter no rank used keeps `.grad` None, as DDP
         (find_unused_parameters=True) leaves it, instead of getting zeros that an optimizer
@@ -78,9 +86,12 @@ class Reductions:
             data_cols: list[int] = []  # per gradient, the columns of each row holding data
             for index in indices:
                 unit = self.units[index]
-                for param in unit.grad_params:
-                    srcs.append(param.grad)
-                    param.grad = None
+                if unit.grad_sums is None:
+                    for param in unit.grad_params:
+                        srcs.append(param.grad)
+                        param.grad = None
+                else:
+                    srcs += self._take_grads(unit)
                 spans += unit.grad_spans
                 data_cols += unit.grad_cols
             used = tuple(g is not None for g in srcs)
@@ -88,7 +99,7 @@ class Reductions:
             width_grads = sum(spans)
             sizes = [n * span for span in spans]
             if self.grad_codec is None:  # flags ride in the same buffer
-                srcs, sizes, data_cols = [*srcs, flags], [*sizes, flags.numel()], [*data_cols, len(used)]
+                srcs, sizes, data_cols = [*srcs, flags], [*sizes, n * flag_cols(len(used))], [*data_cols, len(used)]
             reduce_cols = sum(sizes) // n
             deferred = None  # a gather too large to ride along: issued right after, on its own
             if fused is not None and not self.transport.fits_with(reduce_cols, fused.unit, dtype):
@@ -138,6 +149,47 @@ class Reductions:
             self._reduced(bucket, indices, pending, reduced)
         if deferred is not None:
             self.gather(deferred.unit, deferred.for_backward)
+
+    # [Note: no_sync in reduce_dtype]
+    # Under no_sync, autograd sums each micro-batch's gradient into the unsharded parameter's
+    # `.grad`, in the parameter's dtype: with param_dtype=bf16 and reduce_dtype=fp32 every
+    # micro-batch's add would round to bf16 (8 bits of mantissa) before the fp32 reduction. So,
+    # as FSDP2 does, when a unit is freed after a backward that does not reduce, each gradient
+    # narrower than reduce_dtype moves into a sum in reduce_dtype (`UnitTensors.grad_sums`,
+    # upcast at the first, added into after), and `.grad` starts again from None; the backward
+    # that reduces adds its own gradient into that sum and copies the sum in. A backward that
+    # reduces right away (no accumulation) is unchanged: its gradients are cast in the copy-in.
+
+    def _keep_grads(self, unit: UnitTensors) -> None:
+        """Move the unit's gradients narrower than reduce_dtype into their sums ([Note: no_sync
+        in reduce_dtype])."""
+        dtype = self.reduce_dtype
+        assert dtype is not None
+        for slot, param in zip(unit.grad_slots, unit.grad_params):
+            grad = param.grad
+            if grad is None or grad.dtype.itemsize >= dtype.itemsize:
+                continue
+            if unit.grad_sums is None:  # per slot: the trainable ones may change in between
+                unit.grad_sums = [None] * len(unit.layout.slots)
+            total = unit.grad_sums[slot]
+            if total is None:
+                unit.grad_sums[slot] = grad.to(dtype)
+            else:
+                total.add_(grad)
+            param.grad = None
+
+    def _take_grads(self, unit: UnitTensors) -> list[torch.Tensor | None]:
+        """The unit's gradients to reduce: each one added into its sum where it has one."""
+        assert unit.grad_sums is not None
+        grads: list[torch.Tensor | None] = []
+        for slot, param in zip(unit.grad_slots, unit.grad_params):
+            grad, total = param.grad, unit.grad_sums[slot]
+            param.grad = None
+            if total is not None:
+                grad = total if grad is None else total.add_(grad)
+            grads.append(grad)
+        unit.grad_sums = None
+        return grads
 
     def _fused_shard(self, index: int) -> torch.Tensor:
         """What unit `index`'s fused backward all-gather sends: its shard, tagged when the tags

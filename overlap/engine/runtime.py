@@ -33,7 +33,7 @@ import torch.distributed as dist
 from overlap.compression import Codec
 from overlap.compression.feedback import FeedbackResidual
 from overlap import kernels
-from overlap.engine.reduction import PendingReduce, Reductions, _widest
+from overlap.engine.reduction import PendingReduce, Reductions, _widest, flag_cols
 from overlap.engine.schedule import (
     Action,
     CheckOrder,
@@ -86,6 +86,7 @@ class Runtime(Reductions):
     _flags: dict[tuple[tuple[bool, ...], torch.dtype], torch.Tensor] = field(init=False, default_factory=dict)
     _labels: dict[tuple[int, ...], str] = field(init=False, default_factory=dict)  # _span_label's
     _bound_copy_in: dict[tuple, Any] = field(init=False, default_factory=dict)  # by bucket layout
+    sync_grads: bool = field(init=False, default=True)  # this backward reduces (not under no_sync)
 
     def __post_init__(self) -> None:
         self.num_replicas = 1 if self.replicate_group is None else dist.get_world_size(self.replicate_group)
@@ -117,7 +118,7 @@ class Runtime(Reductions):
             gather_numel=(unit.shard if tagged is None else tagged).numel(),
             gather_itemsize=gather_dtype.itemsize,
             # one row: gradient chunks and used flags; codecs: fp32 at most
-            reduce_row_bytes=(layout.shard_numel + len(layout.slots)) * max(reduce_itemsize, 4),
+            reduce_row_bytes=(layout.shard_numel + flag_cols(len(layout.slots))) * max(reduce_itemsize, 4),
             same_dtype=not unit.aliased and gather_dtype == unit.shard.dtype,
         )
 
@@ -361,6 +362,8 @@ class Runtime(Reductions):
 
     def free(self, index: int) -> None:
         unit = self.units[index]
+        if not self.sync_grads and self.reduce_dtype is not None:
+            self._keep_grads(unit)  # [Note: no_sync in reduce_dtype]
         if unit.aliased:
             unit.swap_in(unit.sharded_params)  # [Note: aliased units]
             return

@@ -398,6 +398,7 @@ class OverlapState:
         if not self._backward_queued:
             self._backward_queued = True
             self.schedule.begin_backward()
+            self.runtime.sync_grads = self.schedule.sync_grads  # [Note: no_sync in reduce_dtype]
             Variable._execution_engine.queue_callback(self._end_backward)
         for index in reversed(indices):  # in backward order: the prefetch starts after the last
             self._run(self.schedule.pre_backward(index))

@@ -53,6 +53,7 @@ class UnitTensors:
     aliased: bool = False  # unsharded params are views of the shard ([Note: aliased units])
     copy_out_bound: tuple[Any, Any] | None = None  # (gather dtype, outs) -> bound copy-out
     host_tags: HostTags | None = None  # CPU: reads tag_out's tags ([Note: collective fingerprints])
+    grad_sums: list[torch.Tensor | None] | None = None  # under no_sync: [Note: no_sync in reduce_dtype]
 
     def __post_init__(self) -> None:
         self._plan_grads()
@@ -63,6 +64,7 @@ class UnitTensors:
         self.trainable = [(s, p) for s, p in zip(slots, self.sharded_params) if s.requires_grad]
         self.signature = signature(tuple(s.requires_grad for s in slots))
         self.grad_params = [p for s, p in zip(slots, self.unsharded_params) if s.requires_grad]
+        self.grad_slots = [i for i, s in enumerate(slots) if s.requires_grad]  # their slot indices
         self.grad_spans = [s.padded_chunk_numel for s in slots if s.requires_grad]
         self.grad_cols = [s.chunk_numel for s in slots if s.requires_grad]
         # per trainable parameter: (sharded param, offset in the gradient shard, local shape and
