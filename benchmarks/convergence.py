@@ -21,7 +21,7 @@ and sequential; take them from `overlap bench step` on the link you care about.
 
 Contenders: `ddp`, `overlap` and one overlap contender per `--overlap-config` (default: bf16,
 int8 + error feedback, int4 + error feedback, int8 weights + int8 gradients + error feedback),
-then the peers (overlap/bench/peers.py). Names are those of `overlap bench step`, so `--step-json`
+then the peers (overlap/tools/bench/peers.py). Names are those of `overlap bench step`, so `--step-json`
 (a `bench step --json` file, one per link) joins step time and peak memory by name: the table
 then shows step time, loss gap and memory side by side, and whether each contender is on the
 frontier (no other contender is faster, at least as accurate and no bigger in memory per rank);

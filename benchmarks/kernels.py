@@ -18,7 +18,7 @@ codes + scales + out and writes out (fp32); copies read every source and write e
 element (padding included).
 Backends: "ref" (eager torch reference), "cpp" (the C++ extension, on CPU), "compiled"
 (torch.compile of the reference, with --compile), "triton" (on CUDA). Copy ops compare against
-"eager": plain torch ops on a unit laid out as in overlap/units.py (a GPT block of about numel
+"eager": plain torch ops on a unit laid out as in overlap/engine/units.py (a GPT block of about numel
 elements over `--rows` ranks, chunks padded to `--align` elements as wrap lays them out; `--rows
 3` also pads dim 0): `split_with_sizes_copy` (or per-tensor `copy_` when it casts or drops
 padding) for copy-out, pad + `torch.cat` for copy-in. On CPU the allocator keeps freed blocks

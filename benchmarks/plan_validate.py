@@ -5,7 +5,7 @@
 
 W1 (8 x TransformerEncoderLayer(512, ff 2048), batch 4 x 128, fp32, AdamW) on 2 gloo ranks x 1
 thread, one world per link: `loopback`, and `1gbit` (each rank in a network namespace behind
-tc tbf, overlap/bench/link.py; needs root and iproute2). In each world, `--rounds` rounds of:
+tc tbf, overlap/tools/bench/link.py; needs root and iproute2). In each world, `--rounds` rounds of:
 
 1. Calibrate, from measurements that are not the steps validated below:
    link        all-gather and all-to-all of 1, 4, 12 and 24 MiB (what W1 moves), timed

@@ -149,7 +149,7 @@ def as_overlap_module(model: nn.Module) -> None:
         if shadowed:
             warnings.warn(
                 f"overlap.wrap: {cls.__qualname__} defines {', '.join(shadowed)}; on the wrapped "
-                "model these names are overlap's (see overlap/module.py), call the model's own "
+                "model these names are overlap's (see overlap/engine/module.py), call the model's own "
                 f"through {cls.__qualname__}.<name>(model, ...)",
                 stacklevel=3,
             )

@@ -6,7 +6,7 @@ to shard. It stays an ordinary parameter of its module, whole on every rank and 
 unit: forward uses it as it is, the optimizer finds it in `model.parameters()`, state dicts hold
 it as a plain tensor (DCP saves it once, as any replicated value; `overlap.full_state_dict` and
 `load_full_state_dict` copy it as they copy buffers). `wrap` leaves such parameters out of the
-units (`_params_by_unit_module` in wrap.py) and `ReplicatedParams`:
+units (`params_by_unit_module` in sharding.py) and `ReplicatedParams`:
 - broadcasts their values from rank 0 at wrap (DDP's promise: every rank starts from rank 0's);
 - at the end of every backward that syncs gradients (not inside `no_sync`), sums the gradients of
   all of them in one all-reduce over every rank of the model (with HSDP: the whole mesh) and

@@ -170,7 +170,7 @@ def wrap(
     teardown.register()  # [Note: quiet exit]
     model._overlap_state = state
     register_sharded(p for unit in units for p in unit.sharded_params)  # [Note: local optimizer step]
-    as_overlap_module(model)  # ecosystem: model.no_sync(), .unshard(), ... (overlap/module.py)
+    as_overlap_module(model)  # ecosystem: model.no_sync(), .unshard(), ... (overlap/engine/module.py)
     return model
 
 

@@ -125,7 +125,7 @@ class Monitor:
     Nothing is sampled unless a metrics file or an alert asks: with neither, `on_step` reads
     no counters and makes no NVML call. NVML (metrics file only) is read every
     `gpu_sample_every_steps` steps, its PCIe counters at most every `pcie_interval_s` seconds.
-    On CUDA the times of a step arrive a step late (see overlap/stats.py), so alerts name the
+    On CUDA the times of a step arrive a step late (see overlap/observe/stats.py), so alerts name the
     step they concern, which is the one before the step just finished.
     """
 

@@ -1,6 +1,6 @@
 """Per-step accounting: how long compute waited on communication, and what moved.
 
-Times come from the spans of overlap/timing.py (`StatsRecorder.record_spans`): on CPU the host
+Times come from the spans of overlap/observe/timing.py (`StatsRecorder.record_spans`): on CPU the host
 clock, on CUDA device events ([Note: device timing] in timing.py). CUDA figures arrive a step
 late: the StepStats of step s is published when step s+1 ends (sometimes later), and
 `overlap.step_stats(model)` returns the newest *complete* step; its `step` field says which.

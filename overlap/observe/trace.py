@@ -9,7 +9,7 @@ Lanes (Chrome "threads") per rank:
 Turned on by `OverlapConfig.trace_dir` or the environment variable `OVERLAP_TRACE=dir`.
 Open the file in https://ui.perfetto.dev or chrome://tracing; `overlap report DIR` summarizes it.
 
-The communication lanes come from the spans of overlap/timing.py (`record_spans`): on CPU host
+The communication lanes come from the spans of overlap/observe/timing.py (`record_spans`): on CPU host
 stamps, on CUDA device events placed on the host clock ([Note: device clock] in timing.py). On
 CUDA a step's communication reaches the file a step late, in its own step's bucket, so the newest
 step of the file lacks it; `overlap report` reads the one before by default.

@@ -2,7 +2,7 @@
 
 Each function issues one asynchronous collective and returns a typed result holding the output
 tensor, the handle to wait on, and every tensor the collective reads or writes (so the caller keeps
-them alive until the wait; see [Note: buffer lifetime] in runtime.py).
+them alive until the wait; see [Note: buffer lifetime] in engine/runtime.py).
 """
 
 from __future__ import annotations
@@ -242,7 +242,7 @@ def all_gather_secondary(
 ) -> CommResult:
     """hpZ: all-gather the inner group's secondary copies back into the rank-major order of a
     gather over every rank. Inner rank i holds the parts of global ranks o * inner + i for
-    o = 0..num_outer-1 ([Note: secondary copy] in runtime.py); `wait` reorders (inner, outer)
+    o = 0..num_outer-1 ([Note: secondary copy] in engine/runtime.py); `wait` reorders (inner, outer)
     into (outer, inner)."""
     inner = dist.get_world_size(group)
     result = all_gather_flat(secondary, group, inner, secondary.dtype)

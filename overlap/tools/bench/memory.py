@@ -17,7 +17,7 @@ bench step`; the first three are the default)
   fsdp2         fully_shard per layer, then the root; defaults
   ddp           DistributedDataParallel
   peers         deepspeed, deepspeed-tuned, ddp-bf16, ddp-fp16, ddp-powersgd1, ddp-powersgd4,
-                fsdp2-bf16reduce (see overlap/bench/peers.py); one missing its package is skipped
+                fsdp2-bf16reduce (see overlap/tools/bench/peers.py); one missing its package is skipped
                 with one line saying so
 
 Measured in each rank at the end, then the largest rank (all ranks in the JSON)
