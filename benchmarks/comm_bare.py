@@ -3,7 +3,7 @@
     python benchmarks/comm_bare.py                      # 2 gloo ranks, a few sizes, 5 rounds
     python benchmarks/comm_bare.py --sizes 1048576,67108864 --rounds 3
 
-One world; per op and size, rounds alternate the bare loop and `overlap.bench.comm.measure`
+One world; per op and size, rounds alternate the bare loop and `overlap.tools.bench.comm.measure`
 (who goes first flips each round) with the same iteration counts. The bare loop is what one would
 write by hand: a tensor, warm-up, barrier, timed loop of blocking collectives, mean over ranks.
 Its busbw arithmetic is written out here too, independent of the harness. Prints median busbw
@@ -19,8 +19,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from overlap.bench.comm import iters_for, measure
-from overlap.launch import run_local_world
+from overlap.tools.bench.comm import iters_for, measure
+from overlap.tools.launch import run_local_world
 
 
 def bare_busbw_gbps(op: str, num_bytes: int, iters: int, warmup: int) -> float:

@@ -12,7 +12,7 @@ on the stdlib text, 2 ranks.
 Every contender trains `overlap demo`'s run (same GPT, data stream per rank, seed, AdamW(lr 3e-3,
 betas (0.9, 0.95), weight decay 0.1), warm-up + cosine schedule, gradient clipping at 1.0,
 validation batches) in a world of its own freshly spawned processes, one after the other, each
-through its own API (overlap.bench.peers: DeepSpeed steps through its engine). Reported per
+through its own API (overlap.tools.bench.peers: DeepSpeed steps through its engine). Reported per
 contender: the final training loss (mean of the last 10 steps, averaged over ranks) and the
 validation loss, each relative to fp32 DDP ("ddp", the reference, always run); the state bytes
 per rank by accounting (params + grads + optimizer + communication state) and the peak RSS per
@@ -21,7 +21,7 @@ and sequential; take them from `overlap bench step` on the link you care about.
 
 Contenders: `ddp`, `overlap` and one overlap contender per `--overlap-config` (default: bf16,
 int8 + error feedback, int4 + error feedback, int8 weights + int8 gradients + error feedback),
-then the peers (overlap/bench/peers.py). Names are those of `overlap bench step`, so `--step-json`
+then the peers (overlap/tools/bench/peers.py). Names are those of `overlap bench step`, so `--step-json`
 (a `bench step --json` file, one per link) joins step time and peak memory by name: the table
 then shows step time, loss gap and memory side by side, and whether each contender is on the
 frontier (no other contender is faster, at least as accurate and no bigger in memory per rank);
@@ -56,12 +56,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the checkout'
 
 import torch  # noqa: E402
 
-from overlap.bench import peers  # noqa: E402
-from overlap.bench.step import process_peak_rss_bytes  # noqa: E402
-from overlap.data import ByteDataset  # noqa: E402
-from overlap.demo import DemoConfig, batches, evaluate, lr_factor, mean_across_ranks  # noqa: E402
-from overlap.launch import current_device, default_world, run_local_world  # noqa: E402
-from overlap.models import GPT, GPTConfig  # noqa: E402
+from overlap.tools.bench import peers  # noqa: E402
+from overlap.tools.bench.step import process_peak_rss_bytes  # noqa: E402
+from overlap.tools.data import ByteDataset  # noqa: E402
+from overlap.tools.demo import DemoConfig, batches, evaluate, lr_factor, mean_across_ranks  # noqa: E402
+from overlap.tools.launch import current_device, default_world, run_local_world  # noqa: E402
+from overlap.tools.models import GPT, GPTConfig  # noqa: E402
 
 REFERENCE = "ddp"
 OVERLAP_CONFIGS = (
@@ -94,14 +94,14 @@ class ConvergenceRun:
 
 def train_setup(cfg: DemoConfig, device: torch.device, powersgd_start_iter: int) -> peers.TrainSetup:
     return peers.TrainSetup(
-        # overlap.demo.build_optimizer's AdamW, over whatever parameters the contender exposes
+        # overlap.tools.demo.build_optimizer's AdamW, over whatever parameters the contender exposes
         make_optimizer=lambda params: torch.optim.AdamW(
             params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.1
         ),
         units_of=lambda model: list(model.blocks),
         micro_batch=cfg.batch_size,
         hidden_size=cfg.dim,
-        max_grad_norm=1.0,  # overlap.demo clips at 1.0
+        max_grad_norm=1.0,  # overlap.tools.demo clips at 1.0
         powersgd_start_iter=powersgd_start_iter,
         device=device,
     )

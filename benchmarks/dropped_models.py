@@ -30,8 +30,8 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 import overlap
-from overlap.launch import run_local_world
-from overlap.monitor import rss_bytes
+from overlap.tools.launch import run_local_world
+from overlap.observe.monitor import rss_bytes
 
 CONTENDERS = ("overlap", "fsdp2", "ddp")
 LIVE_TYPES = {"overlap": "OverlapState", "fsdp2": "FSDPParamGroup", "ddp": "DistributedDataParallel"}

@@ -157,18 +157,20 @@ from overlap.kernels import (
 )
 
 # =================================================================================================
-# INTERNALS: the only imports of overlap's private modules. The engine is moving into packages
-# (overlap/engine/, overlap/transport/, ...): fix these lines at merge, nothing else here.
+# INTERNALS: the only imports of overlap's private modules (docs/architecture.md says where each
+# lives); a move of the engine's modules changes these lines and nothing else here.
 # isort: split
 # the collectives and their wait ([Note: injected delays], part overlap); Free / ReleaseReduce
-from overlap import comm as _comm
-from overlap.fingerprint import TAG_NUMEL  # the tag slot after each gathered row
+from overlap.engine.reduction import Reductions as _Reductions
+from overlap.engine.reduction import flag_cols  # the padded used-flag columns of a reduction row
+from overlap.engine.runtime import Runtime as _Runtime
+from overlap.engine.units import CHUNK_ALIGN_NUMEL, ParamInfo, UnitLayout, make_layout
 from overlap.kernels.triton_copy import (  # which copy variant a layout gets
     _plan,
     _segments,
 )
-from overlap.runtime import Runtime as _Runtime
-from overlap.units import CHUNK_ALIGN_NUMEL, ParamInfo, UnitLayout, make_layout
+from overlap.transport import collectives as _comm
+from overlap.transport.fingerprint import TAG_NUMEL  # the tag slot after each gathered row
 
 
 def runtime_copy_out_layout(layout: UnitLayout, n: int) -> tuple[list[int], list[int], int]:
@@ -183,10 +185,11 @@ def runtime_copy_out_layout(layout: UnitLayout, n: int) -> tuple[list[int], list
 
 def runtime_copy_in_layout(layout: UnitLayout, n: int) -> tuple[list[int], list[int]]:
     """(sizes, data_cols) of the runtime's gradient copy-in of `layout` over `n` ranks (no codec):
-    per trainable parameter its padded chunk, then the used-flag column of each parameter.
-    Mirrors Runtime.reduce: keep in step with it."""
+    per trainable parameter its padded chunk, then the used-flag column of each parameter, padded
+    to the chunk alignment. Mirrors Reductions.reduce: keep in step with it."""
     slots = layout.grad_slots
-    return [n * s.padded_chunk_numel for s in slots] + [n * len(slots)], [s.chunk_numel for s in slots] + [len(slots)]
+    sizes = [n * s.padded_chunk_numel for s in slots] + [n * flag_cols(len(slots))]
+    return sizes, [s.chunk_numel for s in slots] + [len(slots)]
 
 
 # isort: split
@@ -408,7 +411,7 @@ def injected_delays(device: torch.device, counts: Counter, seed: int) -> Iterato
 
     patches: list[tuple[Any, str, Any]] = [(_comm, n, before("before_collective")) for n in COLLECTIVES]
     patches += [(_comm, "wait", after_wait), (_Runtime, "free", before("before_free")),
-                (_Runtime, "release_reduce", before("before_release_reduce"))]  # fmt: skip
+                (_Reductions, "release_reduce", before("before_release_reduce"))]  # fmt: skip
     with patched(patches):
         yield
 

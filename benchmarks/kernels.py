@@ -18,11 +18,11 @@ codes + scales + out and writes out (fp32); copies read every source and write e
 element (padding included).
 Backends: "ref" (eager torch reference), "cpp" (the C++ extension, on CPU), "compiled"
 (torch.compile of the reference, with --compile), "triton" (on CUDA). Copy ops compare against
-"eager": plain torch ops on a unit laid out as in overlap/units.py (a GPT block of about numel
+"eager": plain torch ops on a unit laid out as in overlap/engine/units.py (a GPT block of about numel
 elements over `--rows` ranks, chunks padded to `--align` elements as wrap lays them out; `--rows
 3` also pads dim 0): `split_with_sizes_copy` (or per-tensor `copy_` when it casts or drops
 padding) for copy-out, pad + `torch.cat` for copy-in. On CPU the allocator keeps freed blocks
-as the runtime sets it ([Note: CPU page faults] in runtime.py).
+as the runtime sets it ([Note: CPU page faults] in transport/host.py).
 
 JSON (`--json PATH`, read by benchmarks/gpu_check.py): {"device", "block", "copy_rows",
 "copy_align", "rows": [...], "errors": [...]}. Each row: op, numel, backend, median_ms, min_ms,
@@ -58,8 +58,8 @@ from overlap.kernels import (
     quantize_feedback_blockwise,
 )
 from overlap.kernels.reference import CodeFormat
-from overlap.runtime import keep_freed_cpu_memory
-from overlap.units import CHUNK_ALIGN_NUMEL, ParamInfo, UnitLayout, make_layout
+from overlap.transport.host import keep_freed_cpu_memory
+from overlap.engine.units import CHUNK_ALIGN_NUMEL, ParamInfo, UnitLayout, make_layout
 
 Contender = Literal["ref", "cpp", "triton", "compiled"]
 CopyContender = Literal["eager", "cpp", "triton"]

@@ -5,7 +5,7 @@
 
 W1 (8 x TransformerEncoderLayer(512, ff 2048), batch 4 x 128, fp32, AdamW) on 2 gloo ranks x 1
 thread, one world per link: `loopback`, and `1gbit` (each rank in a network namespace behind
-tc tbf, overlap/bench/link.py; needs root and iproute2). In each world, `--rounds` rounds of:
+tc tbf, overlap/tools/bench/link.py; needs root and iproute2). In each world, `--rounds` rounds of:
 
 1. Calibrate, from measurements that are not the steps validated below:
    link        all-gather and all-to-all of 1, 4, 12 and 24 MiB (what W1 moves), timed
@@ -36,7 +36,7 @@ from the median calibration (`median_calibration`) by the simulator, two ways:
                (UnitCost.*_host_s) and the fluid contention model (`Contention`: compute slowed
                while comm is in flight, comm stretched while compute runs, collectives in
                flight sharing the link in issue order); [Note: fluid clock] in
-               overlap/plan/simulate.py
+               overlap/tools/plan/simulate.py
 Calibrating in every round puts calibration and measurement under the same machine load.
 
 `--json PATH` writes the calibrations (median and per round), measurements and predictions.
@@ -60,7 +60,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from overlap.plan.cost import Link, Topology, UnitCost, ring_time_s
+from overlap.tools.plan.cost import Link, Topology, UnitCost, ring_time_s
 
 LINKS = ("loopback", "1gbit")
 LINK_SIZES_BYTES = tuple(k * 2**20 for k in (1, 4, 12, 24))
@@ -76,7 +76,7 @@ PROFILE_WARMUP = 1
 
 def fit_link(name: str, rows: list[tuple[int, float]], world_size: int) -> Link:
     """Least-squares fit of `(bytes, seconds)` rows of one collective to the cost model's ring
-    form t = (n-1)·α + (n-1)/n · S / B ([Note: alpha-beta ring model] in overlap/plan/cost.py).
+    form t = (n-1)·α + (n-1)/n · S / B ([Note: alpha-beta ring model] in overlap/tools/plan/cost.py).
     A negative intercept (noise at small sizes) is clamped to α = 0."""
     n = world_size
     if n < 2 or len(rows) < 2:
@@ -95,7 +95,7 @@ def fit_link(name: str, rows: list[tuple[int, float]], world_size: int) -> Link:
 def fluid_queue_s(solo_s: list[float], lanes: int, throughput: float) -> float:
     """Seconds until collectives of these solo times, all issued at once, have finished under
     the simulator's fluid model with this link throughput (`simulate.batch_time_s`)."""
-    from overlap.plan.simulate import Contention, batch_time_s
+    from overlap.tools.plan.simulate import Contention, batch_time_s
 
     return batch_time_s(solo_s, lanes, Contention(concurrent_throughput=throughput))
 
@@ -211,7 +211,7 @@ def build_units(cal: Calibration, overrides: dict[str, Any], host_aware: bool) -
     """The simulator's units for W1 under `overrides` (fp32; layers merged as overlap.wrap
     merges them), with the calibrated compute, codec wire bytes and (host-aware) host work."""
     from overlap.compression import make_grad_codec, make_param_codec
-    from overlap.units import group_units
+    from overlap.engine.units import group_units
 
     config = _config(overrides)
     names = [str(i) for i in range(len(cal.forward_s))]
@@ -246,7 +246,7 @@ def predict_ms(cal: Calibration, overrides: dict[str, Any], host_aware: bool) ->
     """The simulator's steady step for W1 under `overrides`, in ms: "planner" (host_aware
     False) as `overlap tune` models a step (one link fit, additive contention, no host work),
     or host-aware (all-to-all fit for reductions, host work, the fluid contention model)."""
-    from overlap.plan.simulate import Contention, simulate
+    from overlap.tools.plan.simulate import Contention, simulate
 
     units = build_units(cal, overrides, host_aware)
     if not host_aware:
@@ -293,7 +293,7 @@ class ValidateConfig:
     """One validation run. Defaults: about 7 minutes on a quiet 2-core machine."""
 
     links: tuple[str, ...] = LINKS
-    """"loopback" or an emulated link's text ("1gbit", "1gbit,200us": overlap.bench.link)."""
+    """"loopback" or an emulated link's text ("1gbit", "1gbit,200us": overlap.tools.bench.link)."""
     rounds: int = 3
     steps: int = 3
     """Timed steps per config per round (after one warm-up step)."""
@@ -302,7 +302,7 @@ class ValidateConfig:
     json_path: str | None = None
 
     def __post_init__(self) -> None:
-        from overlap.bench.link import LinkSpec
+        from overlap.tools.bench.link import LinkSpec
 
         if min(self.rounds, self.steps, self.profile_steps) < 1:
             raise ValueError("ValidateConfig: rounds, steps and profile_steps must be >= 1")
@@ -314,7 +314,7 @@ class ValidateConfig:
 
 
 def _w1() -> Any:
-    from overlap.bench.step import StepBenchConfig
+    from overlap.tools.bench.step import StepBenchConfig
 
     return StepBenchConfig()
 
@@ -332,7 +332,7 @@ def _max_over_ranks(values: list[float]) -> list[float]:
 
 
 def calibrate_links(world_size: int) -> tuple[Link, Link, dict[str, list[tuple[int, float]]]]:
-    from overlap.bench.comm import iters_for, measure
+    from overlap.tools.bench.comm import iters_for, measure
 
     rows: dict[str, list[tuple[int, float]]] = {}
     for op in ("all_gather", "all_to_all"):
@@ -463,7 +463,7 @@ def measure_contention(layer: nn.Module, x: torch.Tensor, reps: int = 2) -> tupl
     all-gathers back to back on gloo (the same count on every rank), spanning about four
     computes. Beside the loop, compute repeats until the loop ends; a repetition still running
     when it ended is not counted."""
-    from overlap.bench.comm import all_gather_single
+    from overlap.tools.bench.comm import all_gather_single
 
     n = dist.get_world_size()
     numel = sum(p.numel() for p in layer.parameters())
@@ -511,7 +511,7 @@ def measure_concurrency(layer_numel: int, reps: int = 2) -> float:
     turn, issued at once: gloo's two worker threads run two at a time, kept busy as training
     keeps them when the link is the bottleneck (a gather beside a reduction or a prefetched
     gather). Median over `reps`, mean over ranks."""
-    from overlap.bench.comm import all_gather_single
+    from overlap.tools.bench.comm import all_gather_single
 
     n = dist.get_world_size()
     numel = layer_numel - layer_numel % n
@@ -552,7 +552,7 @@ class Rig:
     @classmethod
     def build(cls) -> Rig:
         import overlap
-        from overlap.bench import step as w1
+        from overlap.tools.bench import step as w1
 
         bench = _w1()
         batch = w1.make_batch(bench, dist.get_rank())
@@ -618,7 +618,7 @@ def profile_alone(rig: Rig, steps: int) -> tuple[list[float], list[float]]:
 def build_contenders(table: dict[str, dict[str, Any]], batch: tuple[torch.Tensor, ...]) -> list[tuple[nn.Module, torch.optim.Optimizer]]:
     """One wrapped W1 and AdamW per config, two steps taken (order check, allocator warm)."""
     import overlap
-    from overlap.bench import step as w1
+    from overlap.tools.bench import step as w1
 
     bench = _w1()
     out: list[tuple[nn.Module, torch.optim.Optimizer]] = []
@@ -634,7 +634,7 @@ def build_contenders(table: dict[str, dict[str, Any]], batch: tuple[torch.Tensor
 def time_segment(model: nn.Module, opt: torch.optim.Optimizer, batch: tuple[torch.Tensor, ...], steps: int) -> float:
     """One config's turn in a round: a warm-up step, then the median of `steps` timed steps
     (barrier before each; a step is the slowest rank's), ms."""
-    from overlap.bench import step as w1
+    from overlap.tools.bench import step as w1
 
     w1.train_step(model, opt, batch)
     times = []
@@ -649,8 +649,8 @@ def time_segment(model: nn.Module, opt: torch.optim.Optimizer, batch: tuple[torc
 def validate_rank(rank: int, world_size: int, cfg: ValidateConfig) -> dict[str, Any] | None:
     """One link: rounds of (calibration, every config's segment in rotated order), then the
     predictions from the median calibration; rank 0 returns everything."""
-    from overlap.bench.link import active_link
-    from overlap.runtime import keep_freed_cpu_memory
+    from overlap.tools.bench.link import active_link
+    from overlap.transport.host import keep_freed_cpu_memory
 
     torch.set_num_threads(1)
     keep_freed_cpu_memory()  # what overlap.wrap sets on CPU, applied before calibrating too
@@ -770,8 +770,8 @@ def format_table(results: list[dict[str, Any]]) -> str:
 
 
 def run_link(link: str, cfg: ValidateConfig) -> dict[str, Any]:
-    from overlap.bench.link import LinkSpec, run_linked_world
-    from overlap.launch import run_local_world
+    from overlap.tools.bench.link import LinkSpec, run_linked_world
+    from overlap.tools.launch import run_local_world
 
     if link == "loopback":
         return run_local_world(validate_rank, 2, cfg, threads_per_rank=1)[0]

@@ -7,7 +7,7 @@
 
 `overlap bench step --model w1` with W1's defaults, plus `--world-size N` (the same as
 `--nproc N`). The protocol, contenders, floors, parity guard, memory accounting and JSON schema
-are documented in overlap/bench/step.py.
+are documented in overlap/tools/bench/step.py.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the checkout's `overlap`
 
-from overlap.bench import step
+from overlap.tools.bench import step
 
 
 def main() -> int:

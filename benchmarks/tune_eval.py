@@ -74,8 +74,8 @@ class EvalReport:
 
 
 def _score_on_rank0(times: list[float], pg: dist.ProcessGroup) -> float | None:
-    from overlap.tune.halving import score
-    from overlap.tune.measure import gather_to_rank0
+    from overlap.tools.tune.halving import score
+    from overlap.tools.tune.measure import gather_to_rank0
 
     gathered = gather_to_rank0(times, pg)
     return None if gathered is None else score(gathered) * 1e3
@@ -93,10 +93,10 @@ def _load_kernels() -> None:
 def eval_rank(rank: int, world_size: int, cfg: EvalConfig) -> EvalReport | None:
     from tqdm import tqdm
 
-    from overlap.bench.link import active_link
-    from overlap.tune import tune
-    from overlap.tune.command import resolve_space, workload_fns, workload_key
-    from overlap.tune.measure import MeasuredTrial, process_group
+    from overlap.tools.bench.link import active_link
+    from overlap.tools.tune import tune
+    from overlap.tools.tune.command import resolve_space, workload_fns, workload_key
+    from overlap.tools.tune.measure import MeasuredTrial, process_group
 
     pg = process_group(None)
     cmd = cfg.cmd
@@ -240,8 +240,8 @@ def format_report(r: EvalReport, result: Any) -> str:
 
 
 def main() -> int:
-    from overlap.bench.world import run_bench
-    from overlap.tune import command
+    from overlap.tools.bench.world import run_bench
+    from overlap.tools.tune import command
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     command.add_arguments(parser)

@@ -5,6 +5,7 @@
 """
 
 from overlap import checkpoint
+from overlap import comm  # the documented `overlap.comm.CollectiveError` (transport/collectives.py)
 from overlap.config import OverlapConfig
 from overlap.api import (
     clip_grad_norm_,
@@ -15,10 +16,10 @@ from overlap.api import (
     step_stats,
 )
 from overlap.amp import ShardedGradScaler
-from overlap.fingerprint import CollectiveMismatchError
-from overlap.memory import MemoryStats
-from overlap.stats import StepStats
-from overlap.wrap import wrap
+from overlap.transport.fingerprint import CollectiveMismatchError
+from overlap.observe.memory import MemoryStats
+from overlap.observe.stats import StepStats
+from overlap.engine.wrap import wrap
 
 __all__ = [
     "OverlapConfig",

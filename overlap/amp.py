@@ -46,7 +46,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from overlap.wrap import state_of
+from overlap.engine.state import state_of
 
 
 class ShardedGradScaler(torch.amp.GradScaler):

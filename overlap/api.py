@@ -11,10 +11,10 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from overlap.memory import MemoryStats
+from overlap.observe.memory import MemoryStats
 from overlap.state_dict import full_state_dict, load_full_state_dict
-from overlap.stats import StepStats
-from overlap.wrap import state_of
+from overlap.observe.stats import StepStats
+from overlap.engine.state import state_of
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -59,13 +59,8 @@ def clip_grad_norm_(
 def no_sync(model: nn.Module) -> Iterator[None]:
     """Accumulate gradients locally (unsharded) without reduce-scatter, for gradient
     accumulation: the backward after leaving the context reduces everything accumulated."""
-    schedule = state_of(model).schedule
-    previous = schedule.sync_grads
-    schedule.sync_grads = False
-    try:
+    with state_of(model).no_sync():
         yield
-    finally:
-        schedule.sync_grads = previous
 
 
 def step_stats(model: nn.Module) -> StepStats | None:

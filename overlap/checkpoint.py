@@ -45,7 +45,7 @@ the coordinator and broadcasts it), so no rank waits for one that gave up.
 
 Loading writes into the tensors that exist: DCP copies into the local tensor of each DTensor in
 `model.state_dict()`, which is a view of the unit's flat shard buffer that the all-gather reads
-(see `_shard_unit` in wrap.py). `_copy_into_model` checks that and copies where a state dict
+(see `shard_unit` in engine/sharding.py). `_copy_into_model` checks that and copies where a state dict
 entry turned out not to alias the parameter. Pickled entries are read back with pickle, as DCP
 itself does for non-tensor values: load only checkpoints you trust.
 """
@@ -74,7 +74,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 
 from overlap.compression.feedback import FeedbackResidual, make_residual_format
-from overlap.wrap import OverlapState, state_of
+from overlap.engine.state import OverlapState, state_of
 
 try:  # NumPy is optional; its generator state is saved when it is importable
     import numpy as np

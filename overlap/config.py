@@ -106,8 +106,8 @@ class OverlapConfig:
     512 KiB (gathered), where gloo's all-gather costs more CPU per call, native otherwise and
     elsewhere (NCCL). With all_to_all on both sides, a backward all-gather issued right after a gradient
     reduction in the same group travels in the same all-to-all: one collective instead of two
-    per unit in backward. See [Note: all-gather through all-to-all] in comm.py and
-    [Note: fused exchange] in runtime.py."""
+    per unit in backward. See [Note: all-gather through all-to-all] in transport/collectives.py and
+    [Note: fused exchange] in transport/host.py."""
 
     hybrid_mode: str = "replicate"
     """What a 2-D DeviceMesh (outer, inner) passed as `group` means (ignored for a 1-D group):
@@ -116,7 +116,7 @@ class OverlapConfig:
     rank of the mesh, and after each unit's forward all-gather keep a secondary copy sharded over
     the inner dimension only, so the backward all-gather stays inside the inner group (a node)
     instead of crossing the outer link. It costs 1/inner of the model per rank until the unit's
-    gradients are reduced. See [Note: hybrid sharding] in wrap.py."""
+    gradients are reduced. See [Note: hybrid sharding] in engine/groups.py."""
 
     param_dtype: torch.dtype | None = None
     """Dtype of the all-gathered parameters and of the forward/backward compute (mixed precision);

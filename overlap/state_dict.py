@@ -17,10 +17,11 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from overlap import comm, kernels
-from overlap.init import ScratchBuffer
-from overlap.runtime import UnitTensors
-from overlap.sync import (
+from overlap import kernels
+from overlap.transport import collectives as comm
+from overlap.engine.init import ScratchBuffer
+from overlap.engine.unit_tensors import UnitTensors
+from overlap.engine.sync import (
     SourcePlan,
     broadcast_tensors,
     pack_rank_major,
@@ -28,8 +29,8 @@ from overlap.sync import (
     scatter_shard,
     share_object,
 )
-from overlap.units import ParamSlot
-from overlap.wrap import OverlapState, state_of
+from overlap.engine.units import ParamSlot
+from overlap.engine.state import OverlapState, state_of
 
 
 def full_state_dict(model: nn.Module, rank0_only: bool = True) -> dict[str, torch.Tensor]:

@@ -8,7 +8,7 @@ import torch.nn as nn
 
 STRICT_ZERO3 = {"keep_for_backward_bytes": 0}
 """Overrides for strict ZeRO-3: only the last unit kept from forward to backward, every other unit
-gathered again for its backward ([Note: units kept for backward] in overlap/schedule.py)."""
+gathered again for its backward ([Note: units kept for backward] in overlap/engine/schedule.py)."""
 
 
 class Block(nn.Module):

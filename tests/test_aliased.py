@@ -1,4 +1,4 @@
-"""Units over one rank alias their shard ([Note: aliased units] in overlap/runtime.py).
+"""Units over one rank alias their shard ([Note: aliased units] in overlap/engine/unit_tensors.py).
 
 World size 1 (and HSDP with a shard group of one) without cast or codec: the unsharded
 parameters are views of the shard, so training equals the plain model bitwise, holds no unsharded
@@ -17,7 +17,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import overlap
 from harness import World
 from models import batch, loss_of, tiny_lm
-from overlap.wrap import state_of
+from overlap.engine.state import state_of
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import overlap
 from models import STRICT_ZERO3, Block, TinyLM, batch, loss_of, tiny_lm
-from overlap import comm
+from overlap.transport import collectives as comm
 
 
 def state_dicts(rank: int, world: int) -> dict:

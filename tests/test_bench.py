@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from overlap.bench import link
-from overlap.bench.comm import (
+from overlap.tools.bench import link
+from overlap.tools.bench.comm import (
     OPS,
     algbw_gbps,
     bus_factor,
@@ -28,14 +28,14 @@ from overlap.bench.comm import (
     sweep_sizes,
     variants,
 )
-from overlap.bench.link import EmulatedLink, LinkError, LinkSpec
+from overlap.tools.bench.link import EmulatedLink, LinkError, LinkSpec
 
 RUN_TIMEOUT_S = 120
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
     proc = subprocess.run(
-        [sys.executable, "-m", "overlap.cli", *args],
+        [sys.executable, "-m", "overlap.tools.cli", *args],
         check=False,
         capture_output=True,
         text=True,
@@ -188,7 +188,7 @@ def test_link_setup_and_teardown() -> None:
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_link_cleaned_up_on_signal(sig: signal.Signals) -> None:
     code = (
-        "import time\nfrom overlap.bench.link import EmulatedLink, LinkSpec\n"
+        "import time\nfrom overlap.tools.bench.link import EmulatedLink, LinkSpec\n"
         "with EmulatedLink(LinkSpec.parse('100mbit'), 2):\n"
         "    print('up', flush=True)\n    time.sleep(60)\n"
     )

@@ -12,14 +12,14 @@ from pathlib import Path
 import pytest
 from harness import DEEPSPEED_BUILD_S
 
-from overlap.bench.memory import (
+from overlap.tools.bench.memory import (
     BYTES_PER_PARAM_ZERO3,
     MemoryBenchConfig,
     num_params,
 )
-from overlap.bench.step import process_peak_rss_bytes
-from overlap.launch import run_local_world
-from overlap.monitor import rss_bytes
+from overlap.tools.bench.step import process_peak_rss_bytes
+from overlap.tools.launch import run_local_world
+from overlap.observe.monitor import rss_bytes
 
 RUN_TIMEOUT_S = 240  # three spawned worlds of 2 ranks on a loaded 2-core machine
 REPO = Path(__file__).resolve().parent.parent

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from overlap.bench.overhead import CONTENDERS, OverheadBenchConfig, summarize
+from overlap.tools.bench.overhead import CONTENDERS, OverheadBenchConfig, summarize
 
 RUN_TIMEOUT_S = 240  # three spawned worlds on a loaded 2-core machine
 REPO = Path(__file__).resolve().parent.parent

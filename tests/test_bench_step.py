@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 from harness import DEEPSPEED_BUILD_S
 
-from overlap.bench import peers, step
-from overlap.bench.step import (
+from overlap.tools.bench import peers, step
+from overlap.tools.bench.step import (
     DEFAULT_CONTENDERS,
     StepBenchConfig,
     StepReport,

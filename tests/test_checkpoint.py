@@ -337,7 +337,7 @@ def test_torchrun_restart_resumes_from_latest_checkpoint(world2, tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
     # One restart, as the test of resuming. A rank that aborted at exit after its work was done
     # ("terminate called without an active exception": a gloo worker meeting the finalizing
-    # interpreter) used to cost a second one; [Note: quiet exit] in overlap/teardown.py ended
+    # interpreter) used to cost a second one; [Note: quiet exit] in overlap/engine/teardown.py ended
     # that, and this test says so: with one restart allowed, every rank of it must exit cleanly.
     # PYTHONFAULTHANDLER makes any abort print its stacks.
     cmd += ["--max-restarts=1", "--monitor-interval=0.2", str(script)]

@@ -20,8 +20,8 @@ import torch
 import torch.distributed as dist
 
 from overlap import checkpoint
-from overlap.data import ByteDataset, get_batch, load_stdlib_bytes, rank_generator
-from overlap.demo import (
+from overlap.tools.data import ByteDataset, get_batch, load_stdlib_bytes, rank_generator
+from overlap.tools.demo import (
     CRASH_AT_ENV,
     CRASH_EXIT_CODE,
     CRASH_MARKER,
@@ -30,8 +30,8 @@ from overlap.demo import (
     demo,
     injected_crash_step,
 )
-from overlap.launch import num_cpu_cores, run_local_world
-from overlap.models import GPT, GPTConfig
+from overlap.tools.launch import num_cpu_cores, run_local_world
+from overlap.tools.models import GPT, GPTConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = GPTConfig(block_size=32, n_layer=2, n_head=2, n_embd=64)
@@ -199,12 +199,12 @@ def _rank_of(pid: int) -> str | None:
 
 
 def _run_torchrun(argv: list[str], env: dict[str, str], max_restarts: int, log_dir: Path) -> str:
-    """`torchrun --standalone --nproc-per-node 2 -m overlap.cli *argv`; its output, each rank's
+    """`torchrun --standalone --nproc-per-node 2 -m overlap.tools.cli *argv`; its output, each rank's
     lines prefixed `[default<rank>]:` (--tee). On a hang, names the ranks still running and has
     each print its Python stack (faulthandler, on SIGABRT)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
     cmd += [f"--max-restarts={max_restarts}", "--monitor-interval=0.2", "--tee=3"]
-    cmd += ["--log-dir", str(log_dir), "-m", "overlap.cli"]
+    cmd += ["--log-dir", str(log_dir), "-m", "overlap.tools.cli"]
     env = dict(env, OMP_NUM_THREADS=str(THREADS_PER_RANK), PYTHONFAULTHANDLER="1")
     proc = subprocess.Popen(
         cmd + argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True

@@ -17,7 +17,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import overlap
 from models import STRICT_ZERO3, Block, TinyLM, batch, encoder_stack, loss_of
-from overlap import comm
+from overlap.transport import collectives as comm
 
 
 class TiedLM(TinyLM):

@@ -1,8 +1,8 @@
 """All-to-all exchanges on gloo: gathers through all-to-all, a reduction and a gather in one
 all-to-all, own chunks that stay home, the gather of a pair, and the receive slack that keeps a
 mismatched pair from aborting the process ([Note: all-gather through all-to-all], [Note: own
-part stays home], [Note: gather of a pair], [Note: receive slack] in comm.py; [Note: fused
-exchange] in runtime.py)."""
+part stays home], [Note: gather of a pair], [Note: receive slack] in transport/collectives.py; [Note: fused
+exchange] in transport/host.py)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import torch
 import torch.distributed as dist
 
 from harness import World
-from overlap import comm
-from overlap.launch import run_local_world
+from overlap.transport import collectives as comm
+from overlap.tools.launch import run_local_world
 
 
 @pytest.fixture(scope="module")

@@ -188,8 +188,8 @@ def _stop(fault: Fault, rank: int, report: Report) -> None:
 
 def _arm(model: torch.nn.Module, fault: Fault, step: list[int], rank: int, report: Report) -> None:
     """Patch this process's Runtime so that the victim stops at its fault's collective."""
-    from overlap.runtime import Runtime
-    from overlap.schedule import Phase as SchedulePhase
+    from overlap.engine.runtime import Runtime
+    from overlap.engine.schedule import Phase as SchedulePhase
 
     state = model._overlap_state
     phase = SchedulePhase.FORWARD if fault.phase == "forward gather" else SchedulePhase.BACKWARD
@@ -220,7 +220,7 @@ def train_with_fault(rank: int, world_size: int, report: Report, fault: Fault) -
     from models import STRICT_ZERO3, batch, loss_of, tiny_lm
 
     import overlap
-    from overlap.comm import CollectiveError
+    from overlap.transport.collectives import CollectiveError
 
     # strict ZeRO-3: every kind of collective it issues, backward gathers included (units kept
     # for backward have none)

@@ -220,7 +220,7 @@ def encoded_reduce_scatter(rank: int, world: int, fmt_name: str | None, steps: i
     `feedback_drift`: this rank's received sum against the exact sum of every rank's chunk."""
     import torch.distributed as dist
 
-    from overlap import comm
+    from overlap.transport import collectives as comm
 
     codec = Int8Codec(64)
     numel = 64 * 8
@@ -264,7 +264,7 @@ def test_encoded_reduce_scatter_feeds_back_per_peer(world2):
 
 
 def setup_for_bench():
-    from overlap.bench.peers import TrainSetup
+    from overlap.tools.bench.peers import TrainSetup
 
     return TrainSetup(
         make_optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3),
@@ -278,8 +278,8 @@ def state_memory(rank: int, world: int, specs: list[str]) -> dict:
     """Per contender: the bench's state bytes (params + grads + AdamW + residuals) after 3
     steps, gradients alive, and for overlap the residual bytes against the formula."""
     import overlap
-    from overlap.bench import peers
-    from overlap.wrap import state_of
+    from overlap.tools.bench import peers
+    from overlap.engine.state import state_of
 
     out: dict[str, dict] = {}
     base = tiny_lm(dim=64, hidden=256)

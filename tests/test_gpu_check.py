@@ -177,7 +177,9 @@ def test_runtime_layouts() -> None:
     assert tag == gc.TAG_NUMEL and sum(sizes) == 2 * (layout.shard_numel + tag) and cols[-1] == tag
     assert gc.runtime_copy_out_layout(layout, 1)[2] == 0  # world size 1 is untagged
     in_sizes, _ = gc.runtime_copy_in_layout(layout, 2)
-    assert sum(in_sizes) == 2 * (layout.grad_shard_numel + len(layout.grad_slots))
+    # the used flags padded to the chunk alignment: every row stays a multiple of 16 elements
+    assert sum(in_sizes) == 2 * (layout.grad_shard_numel + gc.flag_cols(len(layout.grad_slots)))
+    assert (layout.shard_numel + tag) % gc.CHUNK_ALIGN_NUMEL == 0
     job = gc.copy_job("out", layout, 2, torch.float32, torch.bfloat16, torch.Generator().manual_seed(0))
     plan = job.plan()
     assert plan["row_stride"] == layout.shard_numel + tag and plan["segments"] == len(layout.slots) + 1

@@ -11,9 +11,9 @@ dropout.
   bias computed by the first block of each stack and used by the others.
 - ViT: image classification; [CLS] token and position embeddings with dim 0 of size 1.
 - CLIP: two towers, contrastive loss, a 0-dim `logit_scale` (kept whole on every rank,
-  [Note: replicated parameters] in overlap/replicated.py).
+  [Note: replicated parameters] in overlap/engine/replicated.py).
 - GPT-2 mixed: the model in bf16 with its LayerNorms put back to fp32, so every block and the
-  root hold two dtypes (one unit per dtype: [Note: one dtype per unit] in overlap/units.py).
+  root hold two dtypes (one unit per dtype: [Note: one dtype per unit] in overlap/engine/units.py).
 Also: greedy `generate` between `model.unshard()` and `model.reshard()` gathers nothing.
 """
 
@@ -34,7 +34,7 @@ transformers = pytest.importorskip(
 )
 
 import overlap  # noqa: E402
-from overlap import comm  # noqa: E402
+from overlap.transport import collectives as comm  # noqa: E402
 from test_hf import _shard_rows  # noqa: E402
 
 transformers.logging.set_verbosity_error()

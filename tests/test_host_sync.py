@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from harness import World
 from models import STRICT_ZERO3, batch, encoder_stack, loss_of
-from overlap import backend
+from overlap.transport import backend
 
 PACKAGE_DIR = os.path.dirname(os.path.abspath(sys.modules["overlap"].__file__)) + os.sep
 
@@ -141,7 +141,7 @@ ONCE_PER_STEP = {
 CPU_ONLY = {
     # the all-gather tags compared on the host; on CUDA the comparison stays on the device and is
     # read once per step, a step late ([Note: collective fingerprints] in fingerprint.py)
-    "overlap/fingerprint.py": "Tensor.tolist",
+    "overlap/transport/fingerprint.py": "Tensor.tolist",
 }
 RECORDED_STEPS = 3
 
@@ -185,7 +185,7 @@ def test_recorder_sees_a_sync_from_library_code(world2):
 
 
 def _recorder_self_check(rank: int, world: int) -> list[str]:
-    import overlap.runtime as runtime
+    import overlap.engine.runtime as runtime
 
     recorder = HostSyncRecorder()
     namespace: dict = {}

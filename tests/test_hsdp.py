@@ -165,7 +165,7 @@ def test_three_dim_mesh_is_refused(world4):
 
 def hpz_vs_ddp(rank: int, world: int, config: dict, steps: int = 3) -> dict:
     """hybrid_mode="secondary": sharded over all 4 ranks; backward gathers inside each pair."""
-    from overlap import comm
+    from overlap.transport import collectives as comm
 
     mesh = init_device_mesh("cpu", (2, world // 2))
     base = tiny_lm()
@@ -253,7 +253,7 @@ def test_hpz_backward_gathers_from_the_secondary_copy(world4):
 
 def hsdp_issue_order(rank: int, world: int) -> list[str]:
     """The collectives of one HSDP backward, in issue order (rs = reduce-scatter, ar = all-reduce)."""
-    from overlap import comm
+    from overlap.transport import collectives as comm
 
     mesh = init_device_mesh("cpu", (2, world // 2))
     base = tiny_lm()

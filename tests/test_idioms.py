@@ -2,7 +2,7 @@
 `model.no_sync()` / `model.set_requires_gradient_sync()`, `torch.nn.utils.clip_grad_norm_(
 model.parameters(), c)`, `model.state_dict()` on rank 0 alone, `model.unshard()` /
 `model.reshard()`, and 0-dim parameters (kept whole on every rank, averaged like DDP's).
-See overlap/module.py and overlap/replicated.py."""
+See overlap/engine/module.py and overlap/engine/replicated.py."""
 
 from __future__ import annotations
 
@@ -22,8 +22,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import overlap
 from models import Block, TinyLM, batch, encoder_stack, loss_of, tiny_lm
-from overlap import comm
-from overlap.module import OverlapModule
+from overlap.engine.module import OverlapModule
+from overlap.transport import collectives as comm
 from tolerance import reordered_rtol
 
 

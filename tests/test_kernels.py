@@ -481,7 +481,7 @@ def test_copy_matches_runtime_layout(align):
     chunks, padded, with the used flags) of a unit ([Note: flat layout]) equal one copy_out /
     copy_in call, with padded chunks (align 16) and packed ones (align 1)."""
     from overlap.kernels import copy_in, copy_out
-    from overlap.units import ParamInfo, make_layout
+    from overlap.engine.units import ParamInfo, make_layout
 
     shapes = [(48, 20), (48,), (7, 3), (1,), (5, 4, 3), (3,)]
     n = 4
@@ -534,7 +534,7 @@ def test_copy_matches_runtime_layout(align):
 def test_layout_pads_chunks_to_the_alignment():
     """[Note: flat layout]: every chunk starts at a multiple of 16 elements in the shard, the
     gradient shard and the unsharded buffer; chunk_numel stays rows_per_rank * row_numel."""
-    from overlap.units import CHUNK_ALIGN_NUMEL, ParamInfo, make_layout
+    from overlap.engine.units import CHUNK_ALIGN_NUMEL, ParamInfo, make_layout
 
     shapes = [(50257, 8), (50257,), (7, 3), (64, 64), (1,)]
     params = [ParamInfo(f"p{i}", ((f"m{i}", "w"),), torch.Size(s), i != 2) for i, s in enumerate(shapes)]
@@ -702,7 +702,7 @@ def test_triton_gpu_launches_do_not_sync():
     (a new table, sent from pinned memory) do not sync either."""
     pytest.importorskip("triton")
     from overlap.kernels import copy_in, copy_out
-    from overlap.units import CHUNK_ALIGN_NUMEL, ParamInfo, make_layout
+    from overlap.engine.units import CHUNK_ALIGN_NUMEL, ParamInfo, make_layout
 
     n = 2
     shapes = [(4096, 64), (4096,), (7, 3), (50257,)]

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch.multiprocessing.spawn import ProcessExitedException
 
-from overlap.launch import _RankFailed, _world_error, run_local_world
+from overlap.tools.launch import _RankFailed, _world_error, run_local_world
 
 WORLD_DEADLINE_S = 120.0
 """Bound on one two-rank world here (seconds when the machine is not loaded)."""
@@ -61,7 +61,7 @@ def test_without_a_cause_the_earliest_echo_is_blamed() -> None:
 def _die_in_a_collective(rank: int, world_size: int) -> None:
     if rank == 1:
         os._exit(DIED_CODE)  # like a lost node: no report, no cleanup
-    from overlap import comm
+    from overlap.transport import collectives as comm
 
     x = torch.ones(4)
     work = dist.all_reduce(x, async_op=True)

@@ -1,5 +1,5 @@
 """SGD, Adam and AdamW over overlap's CPU shards step the local tensors ([Note: local optimizer
-step] in overlap/local_step.py): the same bits as DDP, no DTensor op inside the step, and the
+step] in overlap/engine/local_step.py): the same bits as DDP, no DTensor op inside the step, and the
 DTensors everywhere outside it (hooks, state, state_dict)."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from torch.overrides import TorchFunctionMode
 
 import overlap
 from models import batch, loss_of, tiny_lm
-from overlap import local_step
+from overlap.engine import local_step
 
 SETTINGS = {
     "sgd": (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9, "nesterov": True, "weight_decay": 0.01}),

@@ -21,7 +21,7 @@ from models import STRICT_ZERO3, batch, encoder_stack, loss_of
 
 def _train(rank: int, world: int, config: dict, steps: int = 3) -> dict:
     import overlap
-    from overlap.wrap import state_of
+    from overlap.engine.state import state_of
 
     torch.manual_seed(0)
     model = overlap.wrap(encoder_stack(layers=6, dim=32), **config)
@@ -59,7 +59,7 @@ def _train(rank: int, world: int, config: dict, steps: int = 3) -> dict:
 def _bucket_input_max(state, config: dict) -> int:
     """The largest reduce-scatter input one bucket can allocate (gradients of its units, rank-major,
     plus the all-to-all receive buffer of the same size on gloo, with its slack for each peer:
-    [Note: receive slack] in comm.py)."""
+    [Note: receive slack] in transport/collectives.py)."""
     bucket_bytes = config.get("reduce_scatter_bucket_bytes", 0)
     grads = [u.layout.grad_shard_numel * u.layout.world_size * 4 for u in state.units]
     largest = max(grads) if bucket_bytes == 0 else min(sum(grads), bucket_bytes + max(grads))

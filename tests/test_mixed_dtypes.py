@@ -1,4 +1,4 @@
-"""Units whose parameters have several dtypes ([Note: one dtype per unit] in overlap/units.py):
+"""Units whose parameters have several dtypes ([Note: one dtype per unit] in overlap/engine/units.py):
 a block holding bf16 Linear weights, fp32 LayerNorm parameters and an fp16 gain becomes one unit
 per dtype, each parameter keeps its dtype, and training equals DDP's.
 

@@ -12,8 +12,8 @@ import torch
 
 import overlap
 from models import batch, loss_of, tiny_lm
-from overlap.monitor import Monitor, nvml_handle
-from overlap.stats import StepStats
+from overlap.observe.monitor import Monitor, nvml_handle
+from overlap.observe.stats import StepStats
 
 
 def _step(step: int, **kw) -> StepStats:

@@ -20,7 +20,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import overlap
 from models import STRICT_ZERO3, batch, encoder_stack, loss_of, tiny_lm
-from overlap.runtime import Runtime
+from overlap.engine.runtime import Runtime
 from tolerance import reordered_rtol
 
 MODELS = {"tiny_lm": tiny_lm, "encoder": encoder_stack}

@@ -29,8 +29,8 @@ import pytest
 import torch
 from harness import DEEPSPEED_BUILD_S
 
-from overlap.bench import peers
-from overlap.bench.step import (
+from overlap.tools.bench import peers
+from overlap.tools.bench.step import (
     StepBenchConfig,
     bench_step,
     build_model,

@@ -12,18 +12,18 @@ import torch
 import torch.nn as nn
 
 from overlap import OverlapConfig
-from overlap.cli import main
-from overlap.plan.command import (
+from overlap.tools.cli import main
+from overlap.tools.plan.command import (
     PLAN_DEFAULT_CONFIG,
     PlanConfig,
     RunCost,
     _token_count,
     plan,
 )
-from overlap.plan.cost import LINKS, Topology, UnitCost, ring_time_s
-from overlap.plan.estimate import Cluster, build_units, estimate
-from overlap.plan.models import GPUS, MODELS, load_model
-from overlap.plan.simulate import simulate
+from overlap.tools.plan.cost import LINKS, Topology, UnitCost, ring_time_s
+from overlap.tools.plan.estimate import Cluster, build_units, estimate
+from overlap.tools.plan.models import GPUS, MODELS, load_model
+from overlap.tools.plan.simulate import simulate
 
 TORCHTITAN_8B_TOKENS_PER_S_PER_GPU = 5762  # docs/performance.md, Table 1 (compared, never fitted)
 

@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 
 from overlap import OverlapConfig
-from overlap.plan.cost import Link, Topology, UnitCost, ring_time_s
-from overlap.plan.simulate import Contention, simulate
+from overlap.tools.plan.cost import Link, Topology, UnitCost, ring_time_s
+from overlap.tools.plan.simulate import Contention, simulate
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 import plan_validate as pv
@@ -192,7 +192,7 @@ def test_a_shared_link_completes_in_issue_order(throughput, b_done_ms):
 
 
 def test_link_shares():
-    from overlap.plan.simulate import link_shares
+    from overlap.tools.plan.simulate import link_shares
 
     assert link_shares(2, None) == [1.0, 1.0]
     assert link_shares(3, 1.5) == [1.0, 0.5, 0.0]

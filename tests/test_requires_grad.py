@@ -1,5 +1,5 @@
 """`requires_grad` changed after wrap takes effect at the next forward, as under DDP
-([Note: requires_grad after wrap] in wrap.py): gradual unfreezing and frozen-layer schedules.
+([Note: requires_grad after wrap] in engine/state.py): gradual unfreezing and frozen-layer schedules.
 
 Against DDP (find_unused_parameters=True), every step at two ranks: one whole unit and part of
 another are frozen after two steps and unfrozen three steps later. While frozen a parameter

@@ -1,5 +1,5 @@
 """`torch.save(model.state_dict())` of a wrapped model ([Note: shards with their own storage] in
-overlap/wrap.py): each rank saves its DTensor shards, the file holds each parameter's bytes (not
+overlap/engine/sharding.py): each rank saves its DTensor shards, the file holds each parameter's bytes (not
 its unit's whole flat buffer once per parameter), `torch.load` (weights_only) gives the same
 local shards, and `load_state_dict` of them writes into the flat buffers the engine gathers."""
 

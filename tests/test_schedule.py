@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from overlap.schedule import (
+from overlap.engine.schedule import (
     CheckOrder,
     Free,
     Gather,

@@ -1,5 +1,5 @@
 """A wrapped model goes when it is dropped, and a process leaves no native thread mid-work at exit
-([Note: a wrapped model is collectable] in wrap.py, [Note: quiet exit] in teardown.py)."""
+([Note: a wrapped model is collectable] in engine/state.py, [Note: quiet exit] in teardown.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import weakref
 import torch
 
 import overlap
-from overlap import teardown
+from overlap.engine import teardown
 
 
 def _three_linears() -> torch.nn.Module:
@@ -141,7 +141,7 @@ def test_runnable_threads_tells_busy_threads_from_blocked_ones():
 _EXIT_SCRIPT = """
 import torch, torch.distributed as dist
 import overlap
-from overlap import teardown
+from overlap.engine import teardown
 def reported(*args, **kwargs):
     print("quiet exit ran", flush=True)
     return True
@@ -174,7 +174,7 @@ def _tuner_trials_release_their_models(rank: int, world_size: int) -> list[int]:
     import torch.distributed as dist
 
     from overlap.config import OverlapConfig
-    from overlap.tune.measure import MeasuredTrial
+    from overlap.tools.tune.measure import MeasuredTrial
 
     configs = [OverlapConfig(prefetch_depth=d) for d in (0, 1, 2)]
     counts = []

@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from overlap.stats import StatsRecorder
-from overlap.timing import EventTimer, HostTimer, Span, SpanTimer
+from overlap.observe.stats import StatsRecorder
+from overlap.observe.timing import EventTimer, HostTimer, Span, SpanTimer
 
 MS = 1_000_000  # ns
 

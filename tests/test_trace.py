@@ -9,9 +9,9 @@ import torch
 
 import overlap
 from models import batch, loss_of, tiny_lm
-from overlap.report import format_summary, load_events, plot_timeline, summarize, union_ms
-from overlap.timing import Span
-from overlap.trace import LANES, TraceRecorder
+from overlap.observe.report import format_summary, load_events, plot_timeline, summarize, union_ms
+from overlap.observe.timing import Span
+from overlap.observe.trace import LANES, TraceRecorder
 
 
 def test_union_counts_overlaps_once():

@@ -17,7 +17,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import overlap
 from overlap import OverlapConfig
-from overlap.tune import (
+from overlap.tools.tune import (
     Codec,
     TuneConfig,
     TuneResult,
@@ -27,9 +27,9 @@ from overlap.tune import (
     survivors,
     tune,
 )
-from overlap.tune.cache import TuneKey, model_signature
-from overlap.tune.halving import HalvingRound, first_round_steps_for, schedule_steps
-from overlap.tune.predict import PlannedCandidate, num_to_keep, prune
+from overlap.tools.tune.cache import TuneKey, model_signature
+from overlap.tools.tune.halving import HalvingRound, first_round_steps_for, schedule_steps
+from overlap.tools.tune.predict import PlannedCandidate, num_to_keep, prune
 
 # A small space over tiny_lm (4 blocks of 1,572 elements): 2 granularities x 2 depths x 2 buckets.
 SPACE = TuneSpace(
@@ -374,8 +374,8 @@ def test_tuned_config_trains_like_ddp_and_json_round_trips(world2, tmp_path):
 
 
 def command_on_ranks(rank: int, world: int, out: str) -> dict:
-    from overlap.bench.step import StepBenchConfig
-    from overlap.tune.command import TuneCommand, tune_rank
+    from overlap.tools.bench.step import StepBenchConfig
+    from overlap.tools.tune.command import TuneCommand, tune_rank
 
     workload = StepBenchConfig(layers=2, dim=16, heads=2, ff=24, batch=2, seq=8)
     cmd = TuneCommand(
@@ -398,10 +398,10 @@ def test_command_tunes_the_bench_workload(world2, tmp_path):
 
 
 def test_cli_lists_tune_and_parses_its_flags():
-    from overlap.cli import COMMANDS, build_parser
-    from overlap.tune.command import command_from_args
+    from overlap.tools.cli import COMMANDS, build_parser
+    from overlap.tools.tune.command import command_from_args
 
-    assert COMMANDS["tune"][0] == "overlap.tune.command"
+    assert COMMANDS["tune"][0] == "overlap.tools.tune.command"
     args = build_parser("tune").parse_args(
         ["tune", "--model", "gpt", "--nproc", "2", "--budget", "30", "--prefetch-depth", "1,2",
          "--bucket-bytes", "0,25e6", "--max-inflight-bytes", "none,5e7", "--out", "x.json"]

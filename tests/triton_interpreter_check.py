@@ -147,7 +147,7 @@ def check_no_host_sync(gen: torch.Generator) -> None:
     """The runtime's copies of a padded unit ([Note: flat layout]) and the quantize kernels, run
     twice: the second run builds and uploads nothing. Fresh gradient tensors (copy-in sources
     are new every step) may need a new table, but only sent without blocking."""
-    from overlap.units import CHUNK_ALIGN_NUMEL, ParamInfo, make_layout
+    from overlap.engine.units import CHUNK_ALIGN_NUMEL, ParamInfo, make_layout
 
     n = 4
     shapes = [(48, 20), (48,), (7, 3), (50, 1), (64, 16), (3,)]

@@ -32,7 +32,7 @@ def check_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module, where: s
     """Raise (on every rank: each checks its own optimizer, no collective) when `optimizer` holds a
     parameter that `model`, wrapped by `overlap.wrap`, does not have: an optimizer built before
     the wrap holds the replaced full parameters and would never train them. The step pre-hook in
-    overlap/guard.py raises at the first `step()` too; this names the framework call instead."""
+    overlap/engine/guard.py raises at the first `step()` too; this names the framework call instead."""
     optimizer = getattr(optimizer, "optimizer", optimizer)  # accelerate's / Lightning's wrappers
     own = {id(p) for p in model.parameters()}
     foreign = sum(1 for group in optimizer.param_groups for p in group["params"] if id(p) not in own)

@@ -15,7 +15,7 @@ What the Trainer does by default, and what changes here:
   `accelerator.prepare_model(model, evaluation_mode=True)`: autocast is applied as usual
   (`bf16=True`), and accelerate returns a prepared model untouched from every later `prepare`.
 - Gradient accumulation calls `accelerator.no_sync(model)`, which enters `model.no_sync()` (the
-  wrapped model's own, overlap/module.py): nothing changes.
+  wrapped model's own, overlap/engine/module.py): nothing changes.
 - It builds the optimizer from `self.model` in `train()`: the wrapped model, so the optimizer holds
   the shards. An optimizer passed in `optimizers=` is checked at construction.
 - `save_model` / every checkpoint writes `model.safetensors` from rank 0 via `save_pretrained`,

@@ -20,7 +20,7 @@ followed by padding:
 `num_rows = world_size`, `sizes[i] = world_size * padded_chunk_numel_i` and `data_cols[i] =
 chunk_numel_i` this is exactly the runtime's rank-major all-gather output -> parameter-major
 unsharded buffer (copy-out) and padded gradients -> rank-major reduce-scatter input (copy-in),
-see [Note: flat layout] in overlap/units.py. A `None` source is all zeros (an unused
+see [Note: flat layout] in overlap/engine/units.py. A `None` source is all zeros (an unused
 parameter's gradient).
 
 Casts are torch's (`Tensor.to`): fp32 -> bf16/fp16 round to nearest even, widening is exact;
@@ -195,7 +195,7 @@ def bind_copy_out(
     """`flat -> copy_out(flat, outs, ...)` for a checked layout ([Note: bound copies]): `flat`
     must be contiguous and of `flat_dtype`. With `rows`, the function takes the flat buffer as
     `num_rows` separate contiguous tensors instead (row r in the first `sum(sizes) // num_rows`
-    elements of the r-th; [Note: gather of a pair] in comm.py), read in place on the CPU."""
+    elements of the r-th; [Note: gather of a pair] in transport/collectives.py), read in place on the CPU."""
     outs, sizes, data = list(outs), list(sizes), list(data_cols)
     chosen = select_copy_backend(device, {flat_dtype, *(t.dtype for t in outs)})
     if chosen == "cpp":

@@ -3,7 +3,7 @@ order, and divide the gradient part by the averaging divisor, in one pass.
 
 `sum_rows_ref` defines it (torch.add left to right into a new tensor, then `div_` on the first
 `divide_numel` elements: what `comm` and `Runtime.wait_reduce` did as two passes, and bitwise
-DDP's average at two ranks, see [Note: reduce-scatter through all-to-all] in comm.py). The C++
+DDP's average at two ranks, see [Note: reduce-scatter through all-to-all] in transport/collectives.py). The C++
 backend (csrc/reduce.cpp) computes the same operations with the same roundings, chunk by chunk
 while they are in cache. CPU only: on CUDA, NCCL's reduce-scatter sums.
 """

@@ -28,7 +28,7 @@ hints, so that the compiler emits 16-byte vector loads and stores; the others go
 launch of the same kernel without hints. The variant is a constexpr, not a run-time branch:
 `tl.multiple_of` annotates the op that defined its argument, so a hint inside a run-time branch
 would leak to the other branch. Results are identical either way. The runtime's layout pads
-every chunk to 16 elements ([Note: flat layout] in overlap/units.py), so one odd-sized
+every chunk to 16 elements ([Note: flat layout] in overlap/engine/units.py), so one odd-sized
 parameter only sends its own segment to the scalar variant.
 
 Casts to bf16 round on the bits (round half to even, NaN kept NaN): the GPU's cast does the

@@ -116,9 +116,12 @@ if triton is not None:
     def _cast_out(v, ty: tl.constexpr):
         # fp32 -> bf16 round-half-even done on the bits: the GPU cast already does this, but the
         # interpreter truncates, and this keeps one definition that both can be tested against.
+        # A NaN becomes bf16's quiet NaN: rounding the bits of NVIDIA's canonical NaN (0x7FFFFFFF,
+        # what any arithmetic on a NaN scale gives) would carry into the sign bit: -0.0.
         if ty == tl.bfloat16:
             b = v.to(tl.uint32, bitcast=True)
             b = (b + 0x7FFF + ((b >> 16) & 1)) >> 16
+            b = tl.where(v != v, 0x7FC0, b)
             return b.to(tl.uint16).to(tl.bfloat16, bitcast=True)
         else:
             return v.to(ty)

@@ -1,0 +1,72 @@
+"""The process groups `wrap` runs on, from its `group` argument (a group, or a 1-D or 2-D mesh)."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Placement, Replicate, Shard
+
+
+class Groups(NamedTuple):
+    """The process groups `wrap` runs on. See [Note: hybrid sharding]."""
+
+    shard: dist.ProcessGroup  # all-gathers and reduce-scatters
+    replicate: dist.ProcessGroup | None  # HSDP: reduced shards are all-reduced across replicas
+    secondary: dist.ProcessGroup | None  # hpZ: backward all-gathers from the secondary copy
+    mesh: DeviceMesh  # the mesh of the sharded parameters' DTensors
+    everyone: dist.ProcessGroup  # every rank of the model: the same-model/config checks
+
+
+def resolve_groups(
+    group: dist.ProcessGroup | DeviceMesh | None, device: torch.device, hybrid_mode: str
+) -> Groups:
+    """The groups for `wrap`'s `group` argument.
+
+    [Note: hybrid sharding]
+    A 2-D DeviceMesh is (outer, inner), e.g. (nodes, GPUs per node).
+    hybrid_mode="replicate" (HSDP): parameters are sharded over the inner dimension (the shard
+    group) and replicated over the outer one. All-gathers and reduce-scatters run inside the
+    shard group; each reduced gradient shard is then summed across replicas by an all-reduce in
+    the replicate group and divided by the total number of ranks, which makes the update DDP's
+    average over every rank. Parameters are DTensors with placements (Replicate(), Shard(0)).
+    hybrid_mode="secondary" (hpZ): parameters are sharded over every rank of the mesh (a 1-D
+    mesh over the flattened group, so DTensors, checkpoints and state dicts are those of plain
+    sharding over all ranks); after a unit's forward all-gather each rank keeps the parts that
+    its inner group needs (1/inner of the unit), and the unit's backward all-gather runs inside
+    the inner group from those copies ([Note: secondary copy] in runtime.py). Gradients are
+    reduce-scattered over every rank.
+    """
+    if not isinstance(group, DeviceMesh) or group.ndim == 1:
+        if isinstance(group, DeviceMesh):
+            pg, mesh = group.get_group(), group
+        else:
+            pg = group if group is not None else dist.group.WORLD
+            assert pg is not None
+            mesh = DeviceMesh.from_group(pg, device.type)
+        return Groups(pg, None, None, mesh, pg)
+    if group.ndim != 2:
+        raise ValueError(
+            f"overlap.wrap: a {group.ndim}-D DeviceMesh was given; pass a 1-D mesh (shard) or a "
+            "2-D mesh (replicate, shard), e.g. init_device_mesh('cpu', (2, 2))"
+        )
+    ranks = group.mesh.flatten().tolist()
+    everyone = dist.new_group(ranks=sorted(ranks))  # collective over the default group, as wrap is
+    if hybrid_mode == "replicate":
+        replicate = group.get_group(0) if group.size(0) > 1 else None
+        return Groups(group.get_group(1), replicate, None, group, everyone)
+    if ranks != sorted(ranks):
+        raise ValueError(
+            "overlap.wrap: hybrid_mode='secondary' needs a mesh laid out in rank order (as "
+            f"init_device_mesh makes it); got ranks {group.mesh.tolist()}"
+        )
+    flat_mesh = DeviceMesh.from_group(everyone, group.device_type)
+    secondary = group.get_group(1) if group.size(0) > 1 and group.size(1) > 1 else None
+    return Groups(everyone, None, secondary, flat_mesh, everyone)
+
+
+def shard_placements(mesh: DeviceMesh) -> list[Placement]:
+    """DTensor placements of a sharded parameter (and its gradient) on `mesh`."""
+    return [Replicate()] * (mesh.ndim - 1) + [Shard(0)]

@@ -1,0 +1,353 @@
+"""Reductions: a bucket's gradients copied into one rank-major buffer, reduce-scattered through the
+transport, and the reduced shard added into the sharded parameters' `.grad`.
+
+`Reductions` is the reduction half of the runtime (runtime.py holds the gathers and the
+dispatch); it is a base class of `Runtime` and uses its fields (units, transport, timer, stats,
+memory, codecs).
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from dataclasses import dataclass
+from collections.abc import Iterable
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from overlap import kernels
+from overlap.compression.feedback import FeedbackResidual, make_residual_format
+from overlap.observe.labels import phase as _phase
+from overlap.engine.schedule import Gather
+from overlap.engine.unit_tensors import UnitTensors
+from overlap.engine.units import CHUNK_ALIGN_NUMEL
+from overlap.observe.memory import nbytes
+from overlap.transport import collectives as comm
+from overlap.transport.fingerprint import TRAIL_MASK
+
+
+def flag_cols(num_flags: int) -> int:
+    """Columns the used flags take in each row of a reduction: `num_flags`, padded to the chunk
+    alignment so that the row stays a multiple of 16 elements ([Note: used flags])."""
+    return -(-num_flags // CHUNK_ALIGN_NUMEL) * CHUNK_ALIGN_NUMEL
+
+
+def _widest(dtypes: Iterable[torch.dtype]) -> torch.dtype:
+    """The dtype a bucket of units of `dtypes` is reduced in, without `reduce_dtype`: the widest
+    ([Note: one dtype per unit] in units.py). A bf16 or fp16 gradient summed in fp32 and rounded
+    once equals its sum in its own dtype at two ranks (the double rounding is innocuous: fp32 has
+    more than 2p+2 bits), so parity with DDP, which reduces each dtype's bucket on its own, holds."""
+    return functools.reduce(torch.promote_types, dtypes)
+
+
+@dataclass
+class PendingReduce:
+    """A bucket from its reduce-scatter to the end of backward ([Note: reduce buffers] in
+    schedule.py): first with its input alive (`result`), then released, with only the reduced
+    shard (`reduced`, 1/N of the input) and, under HSDP, its all-reduce across replicas."""
+
+    result: comm.CommResult | None  # the reduce-scatter while its input is alive
+    event: torch.cuda.Event | None  # CUDA: the reduce stream after the reduce-scatter and its sum
+    all_used: bool  # this rank produced a gradient for every trainable parameter of the bucket
+    input_bytes: int  # accounted bytes of the input buffers (released with `result`)
+    reduced: torch.Tensor | None = None  # [summed gradients | used counts]
+    averaged: bool = False  # the reduction's sum already divided its gradients ([Note: one pass for the sum])
+    all_reduce: comm.CommResult | None = None  # HSDP: the sum of `reduced` across replicas
+    all_reduce_event: torch.cuda.Event | None = None  # CUDA: the all-reduce stream after it
+
+
+class Reductions:
+    """The reduction verbs of `Runtime` (Reduce, ReleaseReduce, WaitReduce) and what they keep."""
+
+    def reduce(self, bucket: int, indices: tuple[int, ...], fused: Gather | None = None) -> None:
+        """Copy the bucket's unsharded gradients into one rank-major buffer; reduce-scatter it.
+        With `fused`, that unit's backward all-gather travels in the same all-to-all
+        ([Note: fused exchange] in transport/host.py).
+
+        [Note: used flags] After the gradient columns, each trainable parameter adds one column
+        holding 1 where this rank produced a gradient for it, else 0 (padded with zero columns
+        to a multiple of 16, `flag_cols`, so that every row stays aligned for the copy-in). Every row of that column
+        has the same value, so after the reduce-scatter each rank holds the number of ranks
+        that used the parameter. A parameter no rank used keeps `.grad` None, as DDP
+        (find_unused_parameters=True) leaves it, instead of getting zeros that an optimizer
+        with weight decay or momentum would act on. The flags tensor for a pattern is built
+        once and cached on the device; the counts are read back only when this rank left some
+        parameter of the bucket without gradient (otherwise every count is >= 1).
+        """
+        self.reduce_trail = hash((self.reduce_trail, indices)) & TRAIL_MASK  # [Note: reduction trail]
+        n = self.world_size
+        dtype = self.reduce_dtype or _widest(self.units[i].unsharded_flat.dtype for i in indices)
+        with _phase("reduce", f"bucket{bucket}"):
+            # One fused pass (kernels.copy_in): gradients cast to the reduce dtype, padded, a
+            # missing gradient as zeros, into the rank-major buffer ([Note: flat layout]).
+            srcs: list[torch.Tensor | None] = []
+            spans: list[int] = []  # per gradient, its padded span of each rank-major row
+            data_cols: list[int] = []  # per gradient, the columns of each row holding data
+            for index in indices:
+                unit = self.units[index]
+                if unit.grad_sums is None:
+                    for param in unit.grad_params:
+                        srcs.append(param.grad)
+                        param.grad = None
+                else:
+                    srcs += self._take_grads(unit)
+                spans += unit.grad_spans
+                data_cols += unit.grad_cols
+            used = tuple(g is not None for g in srcs)
+            flags = self._flags_for(used, dtype)
+            width_grads = sum(spans)
+            sizes = [n * span for span in spans]
+            if self.grad_codec is None:  # flags ride in the same buffer
+                srcs, sizes, data_cols = [*srcs, flags], [*sizes, n * flag_cols(len(used))], [*data_cols, len(used)]
+            reduce_cols = sum(sizes) // n
+            deferred = None  # a gather too large to ride along: issued right after, on its own
+            if fused is not None and not self.transport.fits_with(reduce_cols, fused.unit, dtype):
+                deferred, fused = fused, None
+            if fused is not None:  # the shard's columns, filled below
+                shard_send = self._fused_shard(fused.unit)
+                srcs, sizes, data_cols = [*srcs, None], [*sizes, n * shard_send.numel()], [*data_cols, 0]
+            total_cols = sum(sizes) // n
+            full = torch.empty(n, total_cols, dtype=dtype, device=self.device)
+            self._copy_in(indices, used, srcs, full, sizes, data_cols)
+            del srcs
+            if fused is not None:
+                full[:, reduce_cols:].copy_(shard_send.expand(n, shard_send.numel()))
+            transport = self.transport
+            transport.before_reduce()
+            span = self.timer.start("collective", "reduce", self._span_label(indices), transport.reduce_stream, nbytes(full))
+            # [Note: one pass for the sum] Through all-to-all, the received chunks are summed
+            # here, and the average (sum, then divide, as wait_reduce does otherwise) is taken in
+            # the same pass (kernels.sum_rows); not under HSDP, which divides after its all-reduce.
+            divide = comm.Divide(width_grads, n) if self.replicate_group is None and n > 1 else None
+            averaged = divide is not None and (fused is not None or (self.grad_codec is None and transport.reduce_divides))
+            with transport.on(transport.reduce_stream):
+                if fused is not None:
+                    result, gather = transport.reduce_scatter_and_gather(full, reduce_cols, divide)
+                elif self.grad_codec is None:
+                    result = transport.reduce_scatter(full, divide)
+                else:  # gradient rows contiguous for the encoder; flags exact, beside them
+                    residual = self._residual(indices, width_grads)
+                    result = transport.reduce_scatter_encoded(full, flags.view(n, -1), self.grad_codec, residual)
+                del full
+                # CUDA: the reduced shard and its event now, on the reduce stream ([Note: streams])
+                event, reduced = transport.reduce_issued(result, span)
+        input_bytes = nbytes(*result.inputs) + (nbytes(result.output) if result.finish is not None else 0)
+        gather_bytes = 0
+        if fused is not None:  # the shard's columns (sent and received) are the gather's buffers
+            gather_bytes = input_bytes * (total_cols - reduce_cols) // total_cols
+            input_bytes -= gather_bytes
+            self._fused_gather_issued(fused.unit, gather, gather_bytes)
+        self.memory.add("reduce_inputs", input_bytes)
+        pending = PendingReduce(result, event, all(used), input_bytes, averaged=averaged)
+        self._pending[bucket] = pending
+        self._pending_units[bucket] = indices
+        sent = result.inputs[0]
+        num_bytes = sent.numel() * sent.element_size() - gather_bytes // 2
+        self.stats.record_issue("reduce", num_bytes)
+        if reduced is not None:
+            self._reduced(bucket, indices, pending, reduced)
+        if deferred is not None:
+            self.gather(deferred.unit, deferred.for_backward)
+
+    # [Note: no_sync in reduce_dtype]
+    # Under no_sync, autograd sums each micro-batch's gradient into the unsharded parameter's
+    # `.grad`, in the parameter's dtype: with param_dtype=bf16 and reduce_dtype=fp32 every
+    # micro-batch's add would round to bf16 (8 bits of mantissa) before the fp32 reduction. So,
+    # as FSDP2 does, when a unit is freed after a backward that does not reduce, each gradient
+    # narrower than reduce_dtype moves into a sum in reduce_dtype (`UnitTensors.grad_sums`,
+    # upcast at the first, added into after), and `.grad` starts again from None; the backward
+    # that reduces adds its own gradient into that sum and copies the sum in. A backward that
+    # reduces right away (no accumulation) is unchanged: its gradients are cast in the copy-in.
+
+    def _keep_grads(self, unit: UnitTensors) -> None:
+        """Move the unit's gradients narrower than reduce_dtype into their sums ([Note: no_sync
+        in reduce_dtype])."""
+        dtype = self.reduce_dtype
+        assert dtype is not None
+        for slot, param in zip(unit.grad_slots, unit.grad_params):
+            grad = param.grad
+            if grad is None or grad.dtype.itemsize >= dtype.itemsize:
+                continue
+            if unit.grad_sums is None:  # per slot: the trainable ones may change in between
+                unit.grad_sums = [None] * len(unit.layout.slots)
+            total = unit.grad_sums[slot]
+            if total is None:
+                unit.grad_sums[slot] = grad.to(dtype)
+            else:
+                total.add_(grad)
+            param.grad = None
+
+    def _take_grads(self, unit: UnitTensors) -> list[torch.Tensor | None]:
+        """The unit's gradients to reduce: each one added into its sum where it has one."""
+        assert unit.grad_sums is not None
+        grads: list[torch.Tensor | None] = []
+        for slot, param in zip(unit.grad_slots, unit.grad_params):
+            grad, total = param.grad, unit.grad_sums[slot]
+            param.grad = None
+            if total is not None:
+                grad = total if grad is None else total.add_(grad)
+            grads.append(grad)
+        unit.grad_sums = None
+        return grads
+
+    def _fused_shard(self, index: int) -> torch.Tensor:
+        """What unit `index`'s fused backward all-gather sends: its shard, tagged when the tags
+        are on ([Note: collective fingerprints]), the tag written now ([Note: fused exchange] in transport/host.py)."""
+        unit = self.units[index]
+        tagged = self._tagged[index]
+        unit.gather_from_secondary = False
+        unit.gather_tag = None if tagged is None else self._tag(index, unit, True)
+        if tagged is None:
+            return unit.shard
+        slot = self._tag_slots[index]
+        assert slot is not None and unit.gather_tag is not None
+        slot.fill_(unit.gather_tag)
+        return tagged
+
+    def _fused_gather_issued(self, index: int, gather: comm.CommResult, gather_bytes: int) -> None:
+        """Unit `index`'s all-gather is in flight inside a reduction's all-to-all: from here on
+        it is waited, checked and copied out as any CPU all-gather (`wait_gather`)."""
+        unit = self.units[index]
+        unit.gather = gather
+        unit.gather_bytes = gather_bytes
+        self.memory.add("gather_buffers", gather_bytes)
+        self.stats.record_issue("gather", gather_bytes // 2)
+
+    def _copy_in(
+        self,
+        indices: tuple[int, ...],
+        used: tuple[bool, ...],
+        srcs: list[torch.Tensor | None],
+        full: torch.Tensor,
+        sizes: list[int],
+        data_cols: list[int],
+    ) -> None:
+        """kernels.copy_in, checked once per bucket layout and then bound ([Note: bound copies]
+        in kernels/copy.py)."""
+        if not all(s is None or s.is_contiguous() for s in srcs):
+            srcs = [s if s is None else s.contiguous() for s in srcs]
+        key = (indices, used, len(sizes), full.dtype, *(s.dtype for s in srcs if s is not None))
+        bound = self._bound_copy_in.get(key)
+        if bound is not None and bound[0] == sizes and bound[1] == data_cols:  # layouts may change
+            bound[2](srcs, full)
+            return
+        kernels.copy_in(srcs, full, sizes=sizes, data_cols=data_cols, num_rows=self.world_size)
+        fn = kernels.bind_copy_in(set(key[3:]), full.device, sizes, data_cols, self.world_size)
+        self._bound_copy_in[key] = (sizes, data_cols, fn)
+
+    def _flags_for(self, used: tuple[bool, ...], dtype: torch.dtype) -> torch.Tensor:
+        """The used-flag columns for every row ([Note: used flags]), cached on the device per
+        pattern: built from host data once, never again in steady state."""
+        key = (used, dtype)
+        flags = self._flags.get(key)
+        if flags is None:
+            flags = torch.tensor(used, dtype=dtype).repeat(self.world_size).to(self.device)
+            self._flags[key] = flags
+        return flags
+
+    def release_reduce(self, bucket: int) -> None:
+        """Done with the bucket's reduce-scatter input ([Note: reduce buffers] in schedule.py)."""
+        pending = self._pending[bucket]
+        if pending.result is None:
+            return
+        with _phase("release_reduce", f"bucket{bucket}"):
+            reduced = self.transport.release_reduce(pending.result, pending.event)  # host: now
+            pending.result = None
+            self.memory.sub("reduce_inputs", pending.input_bytes)
+        if reduced is not None:
+            self._reduced(bucket, self._pending_units[bucket], pending, reduced)
+
+    def _reduced(self, bucket: int, indices: tuple[int, ...], pending: PendingReduce, reduced: torch.Tensor) -> None:
+        """The bucket's reduced shard exists (or is enqueued): keep it; HSDP: sum it across
+        replicas ([Note: hybrid sharding] in groups.py), on CUDA on its own stream behind the
+        reduce-scatter's event, on CPU right away (in bucket order on every rank)."""
+        pending.reduced = reduced
+        self.memory.add("reduce_outputs", nbytes(reduced))
+        if self.replicate_group is None:
+            return
+        with _phase("all_reduce", f"bucket{bucket}"):
+            pending.all_reduce, pending.all_reduce_event = self.transport.all_reduce(
+                reduced, pending.event, self._span_label(indices)
+            )
+        self.stats.record_issue("all_reduce", nbytes(reduced))
+
+    def forget_residuals(self, unit: int) -> None:
+        """Drop the error-feedback residuals of every bucket holding `unit` (its gradient layout
+        changed: the residual's columns no longer match). They restart from zero."""
+        for indices in [k for k in self.residuals if unit in k]:
+            self.memory.sub("residuals", self.residuals.pop(indices).nbytes)
+
+    def _residual(self, indices: tuple[int, ...], width: int) -> FeedbackResidual | None:
+        """This bucket's error-feedback residual (zeros the first time), or None when off.
+
+        Keyed by the bucket's units: the schedule forms the same buckets every step. One loaded
+        from a checkpoint of another gradient layout restarts from zero, with a warning."""
+        if self.residual_dtype is None:
+            return None
+        assert self.grad_codec is not None, f"rank {self.rank}: error feedback without a gradient codec"
+        residual = self.residuals.get(indices)
+        if residual is not None and residual.numel != width:
+            warnings.warn(
+                f"overlap: the error-feedback residual of units {indices} has {residual.numel} "
+                f"columns, their gradients {width} (a checkpoint of another layout?): it restarts from zero",
+                stacklevel=2,
+            )
+            self.forget_residuals(indices[0])
+            residual = None
+        if residual is None:
+            fmt = make_residual_format(self.residual_dtype, self.grad_codec)
+            residual = FeedbackResidual.zeros(fmt, self.rank, self.world_size, width, self.device)
+            self.residuals[indices] = residual
+            self.memory.add("residuals", residual.nbytes)
+        return residual
+
+    def wait_reduce(self, bucket: int, indices: tuple[int, ...]) -> None:
+        pending = self._pending[bucket]
+        stall = self.timer.start("stall", "reduce", self._span_label(indices))
+        with _phase("wait_reduce", f"bucket{bucket}"):
+            self.release_reduce(bucket)
+            del self._pending[bucket]
+            del self._pending_units[bucket]
+            self.transport.finish_reduce(pending.event, pending.all_reduce, pending.all_reduce_event)
+        reduced = pending.reduced
+        assert reduced is not None, f"rank {self.rank}: bucket {bucket} has no reduced shard"
+        self.timer.stop(stall)
+        units = [self.units[i] for i in indices]
+        for unit in units:
+            self._drop_secondary(unit)  # [Note: secondary copy]
+            self._drop_encoded(unit)  # see _encoded_shard
+        grad_numel = sum(u.layout.grad_shard_numel for u in units)
+        self.memory.sub("reduce_outputs", nbytes(reduced))
+        with torch.no_grad():
+            grads = reduced[:grad_numel]
+            # [Note: used flags]: every count is >= 1 when this rank used every parameter; the
+            # host reads them (a device sync on CUDA) only when it did not.
+            num_flags = reduced.numel() - grad_numel
+            used = [1.0] * num_flags if pending.all_used else reduced[grad_numel:].tolist()
+            # Sum, then divide: at world size 2 this equals DDP's (g/2 + g/2) bitwise.
+            if self.world_size * self.num_replicas > 1 and not pending.averaged:
+                grads.div_(self.world_size * self.num_replicas)
+            offset = grads.storage_offset()
+            for unit in units:
+                num_trainable = len(unit.grad_locals)
+                self._accumulate(unit, grads, offset, used[:num_trainable])
+                used = used[num_trainable:]
+                offset += unit.layout.grad_shard_numel
+
+    def _accumulate(self, unit: UnitTensors, reduced: torch.Tensor, offset: int, used: list[float]) -> None:
+        """Add a unit's reduced gradient shard (at storage `offset` of `reduced`) into its sharded
+        parameters' `.grad`."""
+        for (param, grad_offset, shape, stride), num_users in zip(unit.grad_locals, used):
+            if num_users == 0:
+                continue  # [Note: used flags]
+            local = reduced.as_strided(shape, stride, offset + grad_offset)
+            if local.dtype != param.dtype:
+                local = local.to(param.dtype)
+            if param.grad is None:
+                # The parameter's own spec (mesh, placements, global shape and stride, dtype):
+                # the DTensor is built directly, without from_local's autograd function and
+                # argument checks (microseconds per parameter and step).
+                param.grad = DTensor(local, param._spec, requires_grad=False)  # type: ignore[call-arg]
+            else:
+                param.grad._local_tensor.add_(local)

@@ -1,0 +1,520 @@
+"""The wrapped model's state (`model._overlap_state`) and the hooks that turn module events into
+schedule events:
+
+    root forward pre-hook   -> Schedule.begin_forward        (root unit gathered, prefetch starts)
+    unit forward pre-hook   -> Schedule.pre_forward(u)       (wait for u, prefetch ahead)
+    unit forward hook       -> Schedule.post_forward(u)      (free u; pre-backward hooks on outputs)
+    root forward hook       -> Schedule.end_forward          (order check; backward prefetch)
+    output gradient hook    -> Schedule.pre_backward(u)      (wait for u, prefetch ahead)
+    post-accumulate-grad    -> Schedule.post_backward(u)     (when all of u's grads are in)
+    autograd end callback   -> Schedule.end_backward         (flush buckets, wait reductions)
+
+The schedule's actions go to the runtime (runtime.py), which carries them out through the
+transport chosen at wrap (overlap/transport/).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import weakref
+from datetime import timedelta
+from collections.abc import Iterable, Iterator
+from typing import Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.autograd import Variable
+from torch.autograd.graph import register_multi_grad_hook
+from torch.distributed.tensor import DTensor
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+
+from overlap.compression import make_grad_codec, make_param_codec
+from overlap.config import OverlapConfig
+from overlap.engine.groups import Groups
+from overlap.engine.replicated import ReplicatedParams  # ecosystem: scalar parameters
+from overlap.engine.runtime import Runtime
+from overlap.engine.schedule import Action, Phase, Schedule, ScheduleConfig, UnitState
+from overlap.engine.unit_tensors import UnitTensors
+from overlap.engine.units import with_trainable
+from overlap.observe.monitor import Monitor
+from overlap.observe.stats import StatsRecorder
+from overlap.observe.timing import make_timer
+from overlap.observe.trace import TraceRecorder, trace_dir_from
+from overlap.transport import make_transport
+
+
+class _GradReady:
+    """The post-accumulate-grad hook of a unit's unsharded parameter; holds the state weakly.
+
+    [Note: a wrapped model is collectable]
+    torch keeps a parameter's post-accumulate-grad hooks where the garbage collector cannot see
+    them (in C++), so a hook holding the state strongly closes a cycle the collector cannot
+    break: parameter -> hook -> state -> units -> parameter. A wrapped model then lived until
+    the process exited, whatever the user deleted: its flat buffers, shards, runtime and process
+    group references (a notebook or a tuner that wraps model after model grew by a model each
+    time). Held weakly, the state goes with the model. What a dropped model leaves for the
+    collector is collected at exit at the latest ([Note: quiet exit] in teardown.py).
+    """
+
+    __slots__ = ("_state", "_index")
+
+    def __init__(self, state: OverlapState, index: int) -> None:
+        self._state = weakref.ref(state)
+        self._index = index
+
+    def __call__(self, param: torch.Tensor) -> None:
+        state = self._state()
+        if state is not None:  # None: the model was dropped while its graph lived on
+            state._grad_ready(self._index, param)
+
+
+class OverlapState:
+    """Everything `wrap` attaches to a model (as `model._overlap_state`)."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        config: OverlapConfig,
+        groups: Groups,
+        units: list[UnitTensors],
+        root_units: tuple[int, ...],
+        hooked: list[HookedModules],
+    ) -> None:
+        self.config = config
+        group = self.group = groups.shard  # all-gathers and reduce-scatters run here
+        replicate_group = self.replicate_group = groups.replicate  # HSDP: reduced shards all-reduced here
+        self.mesh = groups.mesh
+        self.rank = dist.get_rank(group)  # rank within the shard group
+        self.world_size = dist.get_world_size(group)  # shard group size
+        self.num_replicas = 1 if replicate_group is None else dist.get_world_size(replicate_group)
+        self.replica_rank = 0 if replicate_group is None else dist.get_rank(replicate_group)
+        self.units = units
+        # The root's units: the first is the schedule's root; the others are its parameters of
+        # other dtypes ([Note: one dtype per unit] in units.py), gathered when the root's forward
+        # starts and kept until their backward, as the root is.
+        self.root_units = root_units
+        self.root_unit = root_units[0] if root_units else None
+        root_unit = self.root_unit
+        self.stats = StatsRecorder()
+        device = units[0].shard.device if units else torch.device("cpu")
+        gather_dtype = config.param_dtype
+        reduce_dtype = config.reduce_dtype or config.param_dtype
+        self.schedule = Schedule(
+            unit_bytes=[_held_bytes(u, gather_dtype) for u in units],
+            grad_bytes=[_grad_bytes(u, reduce_dtype) for u in units],
+            config=ScheduleConfig(
+                prefetch_depth=config.prefetch_depth,
+                max_inflight_bytes=config.max_inflight_allgather_bytes,
+                reshard_after_forward=config.reshard_after_forward,
+                bucket_bytes=config.reduce_scatter_bucket_bytes,
+                max_reduce_inputs=config.max_reduce_inputs,
+                keep_bytes=config.keep_for_backward_bytes,
+            ),
+            root=root_unit,
+        )
+        self.monitor = Monitor(
+            self.rank,
+            device,
+            metrics_file=config.metrics_file,
+            alert_exposed_comm_share=config.alert_exposed_comm_share,
+            alert_collective_slowdown=config.alert_collective_slowdown,
+            alert_step_gap_ms=config.alert_step_gap_ms,
+            alert_memory_bytes=config.alert_memory_bytes,
+        )
+        trace_dir = trace_dir_from(config.trace_dir)
+        self.trace = TraceRecorder(trace_dir, self.rank) if trace_dir is not None else None
+        # exact completion times only where they are read ([Note: completion callbacks cost latency])
+        self.timer = make_timer(
+            device, precise=trace_dir is not None or config.alert_collective_slowdown is not None
+        )
+        secondary_group = groups.secondary if config.reshard_after_forward else None
+        transport = make_transport(  # chosen once, from the device and the group's backend
+            group,
+            device,
+            self.timer,
+            None if config.collective_timeout_s is None else timedelta(seconds=config.collective_timeout_s),
+            reduce_impl=config.reduce_scatter_impl,
+            gather_impl=config.all_gather_impl,
+            replicate_group=replicate_group,
+            secondary_group=secondary_group,
+        )
+        self.runtime = Runtime(
+            units,
+            group,
+            self.rank,
+            self.world_size,
+            device,
+            gather_dtype,
+            reduce_dtype,
+            self.stats,
+            transport,
+            trace=self.trace,
+            timer=self.timer,
+            param_codec=None
+            if config.param_compression is None
+            else make_param_codec(config.param_compression, block_size=config.compression_block_size),
+            grad_codec=None
+            if config.grad_compression is None
+            else make_grad_codec(
+                config.grad_compression,
+                block_size=config.compression_block_size,
+                stochastic=config.stochastic_rounding,
+                generator=_rounding_generator(device, self.rank) if config.stochastic_rounding else None,
+            ),
+            residual_dtype=config.error_feedback_dtype if config.error_feedback else None,
+            replicate_group=replicate_group,
+            secondary_group=secondary_group,
+        )
+        self._num_trainable = [sum(p.requires_grad for p in u.unsharded_params) for u in units]
+        self._has_frozen = [not all(p.requires_grad for p in u.unsharded_params) for u in units]
+        self._reduce_dtype = reduce_dtype
+        self._hooked: set[int] = set()  # ids of unsharded parameters with a grad-ready hook
+        self._num_ready = [0] * len(units)
+        self._num_forwards = [0] * len(units)  # forwards this step that can report (b) below
+        self._num_done = [0] * len(units)
+        self._backward_queued = False
+        self._handles: list[Any] = []
+        # ecosystem: 0-dim parameters, whole on every rank ([Note: replicated parameters])
+        self.replicated = ReplicatedParams(model, groups.everyone, self.runtime.timeout, self.stats)
+        self._install_hooks(model, hooked)
+
+    # ------------------------------------------------------------------ hooks
+    def _install_hooks(self, model: nn.Module, hooked: list[HookedModules]) -> None:
+        self._handles.append(
+            model.register_forward_pre_hook(self._root_pre_forward, prepend=True, with_kwargs=True)
+        )
+        self._handles.append(model.register_forward_hook(self._root_post_forward))
+        for modules, indices in hooked:  # a module's units: one per dtype ([Note: one dtype per unit])
+            for position, module in enumerate(modules):
+                last = position == len(modules) - 1
+                self._handles.append(
+                    module.register_forward_pre_hook(
+                        functools.partial(self._unit_pre_forward, indices, position == 0),
+                        prepend=True,
+                    )
+                )
+                self._handles.append(
+                    module.register_forward_hook(
+                        functools.partial(self._unit_post_forward, indices, last)
+                    )
+                )
+        for index in range(len(self.units)):
+            self._hook_trainable(index)
+
+    def _hook_trainable(self, index: int) -> None:
+        for param in self.units[index].unsharded_params:
+            if param.requires_grad and id(param) not in self._hooked:
+                self._hooked.add(id(param))
+                param.register_post_accumulate_grad_hook(_GradReady(self, index))
+
+    # [Note: requires_grad after wrap]
+    # Fine-tuning schedules freeze and unfreeze parameters between steps (gradual unfreezing,
+    # frozen embeddings) through the parameters the user sees: the sharded ones. At the start
+    # of each step the flags are compared with each unit's layout; where they changed, the unit
+    # gets a new gradient layout: a frozen parameter gets no gradient, takes no column in the
+    # reduce-scatter and no gradient memory, exactly as one frozen at wrap (and as under DDP,
+    # whose find_unused_parameters leaves it without gradient); an unfrozen one gets them back.
+    # Ranks that changed different parameters raise at the next forward all-gather of the unit,
+    # whose tag carries its trainable pattern ([Note: collective fingerprints]), instead of
+    # exchanging gradient buffers of different sizes. Error-feedback residuals of the changed
+    # units restart from zero.
+    def _sync_requires_grad(self) -> None:
+        for index, unit in enumerate(self.units):
+            flags = tuple(p.requires_grad for p in unit.sharded_params)
+            if flags == tuple(s.requires_grad for s in unit.layout.slots):
+                continue
+            unit.set_layout(with_trainable(unit.layout, flags))
+            self._num_trainable[index] = sum(flags)
+            self._has_frozen[index] = not all(flags)
+            self._hook_trainable(index)
+            self.runtime.forget_residuals(index)
+            self.schedule.set_grad_bytes(index, _grad_bytes(unit, self._reduce_dtype))
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward accumulates gradients locally and reduces nothing inside (`overlap.no_sync`)."""
+        previous = self.schedule.sync_grads
+        self.schedule.sync_grads = False
+        try:
+            yield
+        finally:
+            self.schedule.sync_grads = previous
+
+    def _run(self, actions: list[Action]) -> None:
+        if actions:
+            self.runtime.run(actions)
+
+    # [Note: forward during backward]
+    # Activation checkpointing (torch.utils.checkpoint) runs a unit's forward again inside
+    # backward to recompute what it discarded. Those calls fire the forward hooks too; in the
+    # BACKWARD phase they only make sure the unit is gathered (as its pre-backward would) and
+    # never free it or register hooks, since its backward is about to use the parameters.
+
+    # [Note: hooks under torch.compile]
+    # A block compiled in place (`module.compile()`), or a unit inside a `torch.compile`d module
+    # (unit_policy naming the inner class), has its forward hooks called from a frame that
+    # dynamo traces. Traced, the schedule's Python state (unit states, cursors) becomes guards
+    # that change every call: a recompile per unit and step until dynamo's recompile limit.
+    # The forward hooks are therefore `torch.compiler.disable`d: dynamo breaks the graph around
+    # them and they run eagerly; the block's own forward is still compiled, once for all units.
+
+    @torch.compiler.disable
+    def _root_pre_forward(
+        self, module: nn.Module, args: tuple, kwargs: dict
+    ) -> tuple[tuple, dict] | None:
+        if self.schedule.phase is Phase.BACKWARD:
+            return None  # [Note: forward during backward]
+        if self.schedule.phase is Phase.IDLE:
+            self._sync_requires_grad()
+            self.stats.begin_step()
+            self.timer.begin_step()
+            self.runtime.begin_step()
+        self._run(self.schedule.begin_forward())
+        for index in self.root_units[1:]:  # kept like the root: never post_forward-ed
+            self._run(self.schedule.pre_forward(index))
+        dtype = self.config.param_dtype
+        if dtype is None:
+            return None
+
+        def cast(x: Any) -> Any:
+            if isinstance(x, torch.Tensor) and x.is_floating_point() and not isinstance(x, DTensor):
+                return x.to(dtype)
+            return x
+
+        return tree_map(cast, args), tree_map(cast, kwargs)
+
+    @torch.compiler.disable  # [Note: hooks under torch.compile]
+    def _root_post_forward(self, module: nn.Module, args: tuple, output: Any) -> None:
+        if self.schedule.phase is Phase.BACKWARD:
+            return
+        grad_enabled = torch.is_grad_enabled()
+        if grad_enabled:
+            self._on_backward_of(output, self.root_units)
+        first = self.schedule.forward_order is None
+        self._run(self.schedule.end_forward(grad_enabled))
+        if first:  # hpZ: a unit kept for backward needs no secondary copy, nor do the root's
+            for index in (*self.schedule.kept_units(), *self.root_units):
+                self.runtime.units[index].needs_secondary = False
+        if not grad_enabled:
+            self._finish_step()
+
+    @torch.compiler.disable  # [Note: hooks under torch.compile]
+    def _unit_pre_forward(self, indices: tuple[int, ...], first: bool, module: nn.Module, args: tuple) -> Any:
+        if self.schedule.phase is Phase.BACKWARD:
+            for index in indices:
+                self._run(self.schedule.pre_backward(index))  # [Note: forward during backward]
+            return None
+        for index in indices:
+            self._run(self.schedule.pre_forward(index))
+        if self.trace is not None and first:
+            self.trace.begin("compute", f"forward {self.units[indices[0]].layout.label}")
+        if first and torch.is_grad_enabled():
+            return self._on_backward_done(args, indices)
+        return None
+
+    @torch.compiler.disable  # [Note: hooks under torch.compile]
+    def _unit_post_forward(
+        self, indices: tuple[int, ...], last: bool, module: nn.Module, args: tuple, output: Any
+    ) -> None:
+        if self.schedule.phase is Phase.BACKWARD:
+            return
+        grad_enabled = torch.is_grad_enabled()
+        if grad_enabled:
+            self._on_backward_of(output, indices)
+        if last:
+            if self.trace is not None:
+                self.trace.end("compute", f"forward {self.units[indices[0]].layout.label}")
+            for index in indices:
+                self._run(self.schedule.post_forward(index, grad_enabled))
+
+    def _on_backward_of(self, output: Any, indices: tuple[int, ...]) -> None:
+        """Call `_pre_backward(indices)` when the first gradient w.r.t. `output` arrives."""
+        tensors = [
+            t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad
+        ]
+        if len(tensors) == 1:  # the common case: a plain tensor hook is several times cheaper
+            tensors[0].register_hook(functools.partial(self._pre_backward_hook, indices))
+        elif tensors:
+            register_multi_grad_hook(
+                tensors, functools.partial(self._pre_backward, indices), mode="any"
+            )
+
+    def _pre_backward_hook(self, indices: tuple[int, ...], grad: torch.Tensor) -> None:
+        self._pre_backward(indices, grad)  # returns None: the gradient is left as it is
+
+    # [Note: end of a unit's backward]
+    # A unit's backward is over when (a) every trainable parameter's gradient has been
+    # accumulated (post-accumulate-grad hooks, counted), or (b) the gradient w.r.t. its inputs
+    # has been computed, once for each forward it ran this step (`_BackwardDone` on its inputs).
+    # (b) covers units with frozen or unused parameters, whose count never completes. It is
+    # safe because autograd runs AccumulateGrad nodes before any other ready node (they carry
+    # the highest sequence number), so a parameter's gradient produced by the same node as the
+    # input gradient is already accumulated. A gradient that still arrives after its unit was
+    # reduced (a parameter used outside its unit's forward) raises instead of being lost.
+    # (a) is not used for a unit with frozen parameters whose inputs need a gradient: its
+    # backward may still need a frozen weight after the last trainable gradient is in (to pass
+    # the gradient on to its inputs, e.g. a frozen attention before a trainable feed-forward),
+    # so only (b) ends it. With no input needing a gradient, nothing after (a) reads a weight.
+
+    def _on_backward_done(self, args: tuple, indices: tuple[int, ...]) -> tuple | None:
+        if len(args) == 1 and isinstance(args[0], torch.Tensor):  # the most common case
+            if not args[0].requires_grad:
+                return None
+            for index in indices:
+                self._num_forwards[index] += 1
+            # An identity view whose backward node reports (b): a hook on the node is several
+            # times cheaper than an autograd.Function. The node runs when the gradient w.r.t.
+            # this use of the input is complete, exactly as _BackwardDone.backward would.
+            out = args[0].view_as(args[0])
+            out.grad_fn.register_prehook(functools.partial(self._input_grad_done, indices))
+            return (out,)
+        if all(isinstance(a, torch.Tensor) for a in args):  # the common case, without pytree
+            positions = [i for i, t in enumerate(args) if t.requires_grad]
+            if not positions:
+                return None
+            for index in indices:
+                self._num_forwards[index] += 1
+            outs = _BackwardDone.apply(self, indices, *(args[i] for i in positions))
+            new_args = list(args)
+            for i, t in zip(positions, outs):
+                new_args[i] = t
+            return tuple(new_args)
+        flat, spec = tree_flatten(args)
+        positions = [
+            i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad
+        ]
+        if not positions:
+            return None  # nothing flows back into this unit's inputs; (a) or end_backward
+        for index in indices:
+            self._num_forwards[index] += 1
+        outs = _BackwardDone.apply(self, indices, *(flat[i] for i in positions))
+        for i, t in zip(positions, outs):
+            flat[i] = t
+        return tree_unflatten(flat, spec)
+
+    def _pre_backward(self, indices: tuple[int, ...], grad: Any) -> None:
+        if not self._backward_queued:
+            self._backward_queued = True
+            self.schedule.begin_backward()
+            self.runtime.sync_grads = self.schedule.sync_grads  # [Note: no_sync in reduce_dtype]
+            Variable._execution_engine.queue_callback(self._end_backward)
+        for index in reversed(indices):  # in backward order: the prefetch starts after the last
+            self._run(self.schedule.pre_backward(index))
+            if self.trace is not None and index not in self.root_units:  # the root spans it all
+                self.trace.begin("compute", f"backward {self.units[index].layout.label}")
+
+    def _post_backward(self, index: int) -> None:
+        if self.trace is not None:
+            self.trace.end("compute", f"backward {self.units[index].layout.label}")
+        self._run(self.schedule.post_backward(index))
+
+    def _input_grad_done(self, indices: tuple[int, ...], grad_outputs: Any) -> None:
+        for index in indices:  # returns None: the gradient is left as it is
+            self._unit_backward_done(index)
+
+    def _unit_backward_done(self, index: int) -> None:
+        self._num_done[index] += 1
+        if self._num_done[index] == self._num_forwards[index]:
+            self._post_backward(index)
+
+    def _grad_ready(self, index: int, param: torch.Tensor) -> None:
+        if self.schedule.states[index] is not UnitState.UNSHARDED:
+            name = next(
+                s.fqn
+                for s, p in zip(self.units[index].layout.slots, self.units[index].unsharded_params)
+                if p is param
+            )
+            raise RuntimeError(
+                f"overlap: the gradient of {name!r} arrived after {self.units[index].layout.label} "
+                "finished its backward; a parameter must be used inside its unit's forward (or "
+                "choose a unit_policy that puts the module using it in the same unit)"
+            )
+        self._num_ready[index] += 1
+        if self._num_ready[index] == self._num_trainable[index] and not (
+            self._has_frozen[index] and self._num_forwards[index] > 0
+        ):
+            self._post_backward(index)
+
+    def _end_backward(self) -> None:
+        self._backward_queued = False
+        self._num_ready = [0] * len(self.units)
+        self._num_forwards = [0] * len(self.units)
+        self._num_done = [0] * len(self.units)
+        self._run(self.schedule.end_backward())
+        self.replicated.reduce(self.schedule.sync_grads)  # ecosystem: [Note: replicated parameters]
+        self._finish_step()
+        for codec in (self.runtime.param_codec, self.runtime.grad_codec):
+            if codec is not None:  # once per step; on CUDA a step late, without a sync
+                codec.raise_if_nonfinite()
+
+    def _finish_step(self) -> None:
+        self.runtime.check_fingerprints()
+        peak_units, peak_bytes = self.schedule.max_unsharded()
+        self.stats.record_unsharded(peak_units, peak_bytes)
+        self.stats.record_memory(self.runtime.memory.peak_total)
+        spans = self.timer.harvest()
+        self.stats.record_spans(spans)
+        if self.trace is not None:
+            self.trace.record_spans(spans)
+            self.trace.finish_step()
+        for stats in self.stats.finish(self.timer.oldest_open_step):
+            self.monitor.on_step(stats)
+
+
+def _rounding_generator(device: torch.device, rank: int) -> torch.Generator:
+    """Independent stochastic-rounding noise per rank (correlated noise would not average out)."""
+    return torch.Generator(device).manual_seed(0x5EED + rank)
+
+
+class _BackwardDone(torch.autograd.Function):
+    """Identity on a unit's inputs whose backward reports that the unit's backward is over."""
+
+    @staticmethod
+    def forward(ctx: Any, state: OverlapState, indices: tuple[int, ...], *tensors: torch.Tensor) -> Any:
+        ctx.state, ctx.indices = state, indices
+        return tuple(t.view_as(t) for t in tensors)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> Any:
+        for index in ctx.indices:
+            ctx.state._unit_backward_done(index)
+        return (None, None, *grads)
+
+
+def _held_bytes(unit: UnitTensors, gather_dtype: torch.dtype | None) -> int:
+    """Bytes a gathered unit holds, as the prefetch budget counts them: its unsharded storage
+    (the all-gather output is the same size, alive only until copy-out), plus the cast of its
+    shard into the gather dtype when there is one."""
+    cast = 0
+    if gather_dtype is not None and gather_dtype != unit.shard.dtype:
+        cast = unit.shard.numel() * torch.empty(0, dtype=gather_dtype).element_size()
+    return unit.unsharded_nbytes + cast
+
+
+def _grad_bytes(unit: UnitTensors, reduce_dtype: torch.dtype | None) -> int:
+    """Bytes the unit adds to a reduce-scatter bucket (0: nothing to reduce)."""
+    dtype = reduce_dtype or unit.unsharded_flat.dtype
+    numel = unit.layout.grad_shard_numel * unit.layout.world_size
+    return numel * torch.empty(0, dtype=dtype).element_size()
+
+
+class HookedModules(NamedTuple):
+    """Modules whose forward hooks drive units together: a unit's modules, or (a group of
+    modules with parameters of several dtypes) the units of each dtype ([Note: one dtype per
+    unit] in units.py)."""
+
+    modules: tuple[nn.Module, ...]  # in order: the first's pre-hook starts the units, the last's hook ends them
+    units: tuple[int, ...]  # their unit indices, in forward order
+
+
+def state_of(model: nn.Module) -> OverlapState:
+    state = getattr(model, "_overlap_state", None)
+    if state is None:
+        raise ValueError("this model is not wrapped with overlap.wrap")
+    return state
+
+
+def iter_units(model: nn.Module) -> Iterable[UnitTensors]:
+    return state_of(model).units

@@ -1,0 +1,43 @@
+"""Where a benchmark runs: torchrun's world, an emulated link, or a spawned local world."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from overlap.tools.bench.link import LinkSpec, run_linked_world
+from overlap.tools.launch import default_world, in_torchrun, init_from_env, run_local_world
+
+
+def run_bench(rank_fn: Callable[[int, int, Any], Any], cfg: Any) -> Any:
+    """`rank_fn(rank, world_size, cfg)` on every rank of the right world; its result on the
+    process holding rank 0 (None elsewhere), written to `cfg.json_path` (via `to_json()`) there.
+
+    `cfg` is a dataclass with `link`, `nproc` and `json_path` fields."""
+    if in_torchrun():
+        if cfg.link is not None:
+            print("WARNING: --link is ignored under torchrun (it applies to spawned local worlds)")
+        info = init_from_env()
+        try:
+            report = rank_fn(info.rank, info.world_size, cfg)
+        finally:
+            dist.destroy_process_group()
+    else:
+        nproc, backend = default_world()
+        nproc = cfg.nproc or nproc
+        if cfg.link is not None:
+            spec = LinkSpec.parse(cfg.link)
+            report = run_linked_world(rank_fn, nproc, replace(cfg, json_path=None), spec=spec)[0]
+        else:
+            report = run_local_world(rank_fn, nproc, cfg, backend=backend)[0]
+    if report is not None and cfg.json_path:
+        path = Path(cfg.json_path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(report.to_json(), indent=2) + "\n")
+        print(f"wrote {path}")
+    return report

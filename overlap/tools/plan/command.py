@@ -1,0 +1,148 @@
+"""`overlap plan`: what a model will do on a cluster before the cluster is spent on it.
+
+    overlap plan --model llama-8b --gpus 1024 --gpus-per-node 8 --link ndr400
+
+prints the predicted step time, tokens/s (per GPU and total), MFU, exposed communication, memory
+per GPU, the best config a small search on the simulator finds, and a scaling curve from 8 to
+4,096 GPUs (--png draws it). With --gpu-hour-price and --tokens it prices the whole run.
+
+Every prediction replays the runtime's own `Schedule` on the virtual clock of
+`overlap.tools.plan.simulate`; the inputs are stated in the output with their sources (model shapes,
+GPU datasheets, link presets, the achieved-TFLOPs assumption). Importable: `plan(PlanConfig(...))`
+or `plan(model="llama-8b", num_gpus=1024)` returns a `PlanResult`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from overlap.config import OverlapConfig
+from overlap.tools.plan.cost import LINKS, Link, calibrate_from_bench
+from overlap.tools.plan.estimate import Cluster, estimate
+from overlap.tools.plan.models import AC_POLICIES, DEFAULT_MFU, GPUS, MODELS, gpu_spec, load_model
+from overlap.tools.plan.render import format_report
+from overlap.tools.plan.result import PLAN_DEFAULT_CONFIG, PlanConfig, PlanResult, RunCost
+from overlap.tools.plan.scaling import plot_scaling, scaling_curve, scaling_gpu_counts
+from overlap.tools.plan.search import SearchSpace, search
+
+
+def resolve_link(name: str) -> Link:
+    """A link preset, or a Link fitted to an `overlap bench comm --json` file."""
+    if name in LINKS:
+        return LINKS[name]
+    if name.endswith(".json") and Path(name).is_file():
+        return calibrate_from_bench(name)
+    raise ValueError(
+        f"unknown link {name!r}; use a preset ({', '.join(LINKS)}) or an `overlap bench comm "
+        "--json` output file"
+    )
+
+
+def plan(request: PlanConfig | None = None, /, **overrides: Any) -> PlanResult:
+    """Plan `request` (or `PlanConfig(**overrides)`; both: the request with overrides applied)."""
+    started = time.perf_counter()
+    request = PlanConfig(**overrides) if request is None else replace(request, **overrides)
+    profile = load_model(request.model, request.seq_len, request.local_batch, request.ac)
+    cluster = Cluster(
+        num_gpus=request.num_gpus,
+        gpus_per_node=request.gpus_per_node,
+        gpu=gpu_spec(request.gpu),
+        intra=resolve_link(request.intra_link),
+        inter=resolve_link(request.link),
+        achieved_tflops=request.achieved_tflops,
+    )
+    config = PLAN_DEFAULT_CONFIG if request.config is None else request.config
+    notes: list[str] = []
+    if config.param_dtype is None:
+        notes.append("config has no param_dtype: planned with fp32 all-gathers (compute still at the bf16 rate)")
+    space = None
+    if request.search:
+        space = SearchSpace.with_codecs() if request.search_codecs else SearchSpace()
+    planned = estimate(profile, config, cluster)
+    found = search(profile, config, cluster, space) if space is not None else None
+    counts = scaling_gpu_counts(request.gpus_per_node, request.num_gpus, request.scaling_gpus) if request.scaling_gpus else []
+    best_config = found.best.config if found is not None else None
+    points = scaling_curve(profile, config, cluster, counts, space, start=best_config)
+    if not planned.fits:
+        notes.append("the planned config does not fit the GPU's memory (see memory per GPU)")
+    return PlanResult(request, profile, cluster, config, planned, found, points, time.perf_counter() - started, notes)
+
+
+def _token_count(text: str) -> float:
+    """'15e12', '15T', '2.5B', '300M' -> tokens."""
+    scale = {"K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12}
+    text = text.strip()
+    try:
+        if text and text[-1].upper() in scale:
+            return float(text[:-1]) * scale[text[-1].upper()]
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a token count: {text!r} (e.g. 15e12 or 15T)") from None
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    d = PlanConfig()
+    parser.add_argument("--model", default=d.model,
+                        help=f"preset ({', '.join(MODELS)}) or package.module:factory returning an nn.Module")
+    parser.add_argument("--gpus", type=int, default=d.num_gpus, help="GPUs in the run")
+    parser.add_argument("--gpus-per-node", type=int, default=d.gpus_per_node)
+    parser.add_argument("--link", default=d.link, help=f"inter-node link: {', '.join(LINKS)} or a bench comm JSON")
+    parser.add_argument("--intra-link", default=d.intra_link, help="link inside a node (default nvlink4)")
+    parser.add_argument("--gpu", default=d.gpu, help=f"GPU preset: {', '.join(GPUS)}")
+    parser.add_argument("--config", type=Path, default=None, help="OverlapConfig JSON to plan (default: bf16/fp32 mixed precision)")
+    parser.add_argument("--seq-len", type=int, default=None, help="sequence length (default: the model preset's)")
+    parser.add_argument("--local-batch", type=int, default=None, help="sequences per GPU per step (default: the preset's)")
+    parser.add_argument("--ac", choices=AC_POLICIES, default=None, help="activation checkpointing (default: the preset's)")
+    rate = parser.add_mutually_exclusive_group()
+    rate.add_argument("--mfu", type=float, default=None,
+                      help=f"achieved share of peak in the compute kernels (default {DEFAULT_MFU}: Llama 3 paper, Table 4)")
+    rate.add_argument("--tflops", type=float, default=None, help="achieved TFLOPs per GPU in the compute kernels")
+    parser.add_argument("--gpu-hour-price", type=float, default=None, help="price per GPU-hour (with --tokens)")
+    parser.add_argument("--tokens", type=_token_count, default=None, help="tokens of the whole run, e.g. 15T (with --gpu-hour-price)")
+    parser.add_argument("--png", type=Path, default=None, help="draw the scaling curve into this PNG")
+    parser.add_argument("--json", type=Path, default=None, help="write the numbers as JSON here")
+    parser.add_argument("--no-search", action="store_true", help="predict the given config only")
+    parser.add_argument("--search-codecs", action="store_true", help="also search the lossy codecs (int8/bf16 on the wire)")
+
+
+def request_from_args(args: argparse.Namespace) -> PlanConfig:
+    config = None
+    if args.config is not None:
+        if not args.config.is_file():
+            raise ValueError(f"--config {args.config}: no such file (an OverlapConfig JSON, see OverlapConfig.save)")
+        config = OverlapConfig.load(args.config)
+    return PlanConfig(
+        model=args.model, num_gpus=args.gpus, gpus_per_node=args.gpus_per_node, link=args.link,
+        intra_link=args.intra_link, gpu=args.gpu, config=config, seq_len=args.seq_len,
+        local_batch=args.local_batch, ac=args.ac, mfu=args.mfu, tflops=args.tflops,
+        gpu_hour_price=args.gpu_hour_price, tokens=args.tokens, search=not args.no_search,
+        search_codecs=args.search_codecs,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        result = plan(request_from_args(args))
+    except ValueError as e:
+        raise SystemExit(f"overlap plan: {e}") from None
+    print(format_report(result))
+    if args.png is not None:
+        try:
+            path = plot_scaling(result.scaling, args.png, f"overlap plan: {result.profile.name} on {result.cluster.gpu.name}, "
+                                f"{result.request.link} between nodes of {result.cluster.gpus_per_node}")
+        except ImportError:
+            print("no PNG: matplotlib is not installed (pip install -e '.[plot]')")
+            return 1
+        print(f"wrote {path}")
+    if args.json is not None:
+        args.json.write_text(json.dumps(result.to_dict(), indent=2) + "\n")
+        print(f"wrote {args.json}")
+    return 0
+
+
+__all__ = ["PLAN_DEFAULT_CONFIG", "PlanConfig", "PlanResult", "RunCost", "add_arguments", "plan", "run"]

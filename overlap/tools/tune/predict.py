@@ -1,0 +1,325 @@
+"""Pruning by the planner: profile the model once, predict every grid candidate's step, keep the
+most promising ones for measurement.
+
+[Note: codec bytes in the simulator]
+A codec shrinks what a collective puts on the wire, not the buffers: each unit goes to the
+simulator with its real unsharded bytes (the schedule's in-flight cap and buckets count those, as
+the runtime does) and the codec's wire bytes (`UnitCost.gather_wire_bytes` / `reduce_wire_bytes`,
+which set the ring times). Encoding and decoding time is not charged: it depends on whether the
+C++/Triton kernels are built, and it is the same share of every candidate with that codec. So
+every codec keeps its own best candidate through pruning, and measurement, not the model,
+decides between codecs.
+
+[Note: pruning]
+Measurement is the expensive part, so the planner picks what gets measured: `num_keep` distinct
+candidates (candidates with the same schedule signature are one), fastest predicted first. Where
+predictions tie (within TIE_TOLERANCE, common when compute hides all communication in the model
+but not on the machine), the next pick is the tied candidate that differs from every pick so far
+in the most fields, so measurement sees a spread of settings rather than the first few in grid
+order. Then the fastest candidate of every codec not yet represented joins, and the base config,
+so the tuner never prefers something over the default without measuring the default.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from overlap.compression import make_grad_codec, make_param_codec
+from overlap.config import OverlapConfig
+from overlap.tools.plan.cost import LINKS, Link, Topology, UnitCost
+from overlap.tools.plan.simulate import Prediction, simulate
+from overlap.tools.tune.space import Codec, unit_numels
+from overlap.engine.units import group_units
+
+StepFn = Callable[[nn.Module, torch.optim.Optimizer], Any]
+OptimizerFn = Callable[[Any], torch.optim.Optimizer]
+
+BACKWARD_FACTOR = 2.0
+"""Backward compute per unit as a multiple of its forward (2 N T vs 4 N T FLOPs of a dense unit)."""
+CPU_CONTENTION = 0.5
+"""Share of each second of gloo communication that a CPU rank's compute loses (gloo threads and
+kernel copies run on the same cores): (floor-compute||comm - floor-compute) / comm time of W1 on
+the 1 Gbit link in benchmarks/RESULTS.md is ~0.58. It shifts candidates that move the same bytes
+alike, so it only weighs codecs against each other."""
+TIE_TOLERANCE = 0.03
+"""Predictions closer than this (relative) are ties for pruning: the planner aims at 15% of a
+measured step (issue 6), so a few percent between two predictions say nothing about which
+candidate is faster (see [Note: pruning])."""
+EMULATED_LINK_ALPHA_S = 200e-6
+"""Per-step latency of a ring step over the emulated veth link (as overlap.tools.plan.cost's preset)."""
+EMULATED_LINK_EFFICIENCY = 0.94
+"""busbw / line rate measured for all_reduce on the emulated link (benchmarks/RESULTS.md)."""
+
+
+@dataclass(frozen=True)
+class UnitProfile:
+    """One unit module of the unmerged model: its size and forward time on this device."""
+
+    fqn: str
+    numel: int
+    forward_s: float
+
+
+@dataclass(frozen=True)
+class ModelProfile:
+    """The plain (unwrapped) model's step on this rank's device, split by unit."""
+
+    units: tuple[UnitProfile, ...]
+    root_numel: int
+    root_forward_s: float
+    """Forward time outside every unit (embeddings, head); 0 when the root holds no parameters."""
+    step_s: float
+    """One whole local step: forward, backward, optimizer."""
+    param_dtype: torch.dtype
+    device_type: str = "cpu"
+
+    @property
+    def forward_s(self) -> float:
+        return self.root_forward_s + sum(u.forward_s for u in self.units)
+
+    def optimizer_s(self, world_size: int) -> float:
+        """What the step spends beyond forward and backward, on a 1/world_size shard."""
+        return max(0.0, self.step_s - (1 + BACKWARD_FACTOR) * self.forward_s) / world_size
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def profile_model(
+    model: nn.Module,
+    step_fn: StepFn,
+    optimizer_fn: OptimizerFn,
+    unit_policy: Any,
+    num_steps: int = 2,
+) -> ModelProfile:
+    """Time `num_steps` local steps of the plain `model` (after one untimed step), forward per
+    unit module by hooks; medians over the steps. No communication: every rank profiles its own
+    copy at the same time, so the cores are as busy as they will be in training."""
+    numels = unit_numels(model, unit_policy)
+    modules = dict(model.named_modules())
+    device = next(model.parameters()).device
+    fwd: dict[str, list[float]] = {fqn: [] for fqn in [*numels, ""]}
+    started: dict[str, float] = {}
+    handles = []
+
+    def arm(fqn: str, module: nn.Module) -> None:
+        def pre(_m: nn.Module, _args: Any) -> None:
+            _sync(device)
+            started[fqn] = time.perf_counter()
+
+        def post(_m: nn.Module, _args: Any, _out: Any) -> None:
+            _sync(device)
+            fwd[fqn][-1] += time.perf_counter() - started.pop(fqn)
+
+        handles.append(module.register_forward_pre_hook(pre))
+        handles.append(module.register_forward_hook(post))
+
+    arm("", model)
+    for fqn in numels:
+        arm(fqn, modules[fqn])
+    opt = optimizer_fn(model.parameters())
+    steps: list[float] = []
+    try:
+        for i in range(num_steps + 1):
+            for times in fwd.values():
+                times.append(0.0)
+            _sync(device)
+            t0 = time.perf_counter()
+            step_fn(model, opt)
+            _sync(device)
+            steps.append(time.perf_counter() - t0)
+            if i == 0:  # warm-up: allocator, lazy init
+                steps.pop()
+                for times in fwd.values():
+                    times.pop()
+    finally:
+        for h in handles:
+            h.remove()
+
+    def median(xs: list[float]) -> float:
+        return sorted(xs)[len(xs) // 2]
+
+    units = tuple(UnitProfile(fqn, numels[fqn], median(fwd[fqn])) for fqn in numels)
+    total_numel = sum(p.numel() for p in model.parameters())
+    root_numel = total_numel - sum(numels.values())
+    root_fwd = max(0.0, median(fwd[""]) - sum(u.forward_s for u in units))
+    dtype = next(model.parameters()).dtype
+    return ModelProfile(units, root_numel, root_fwd, median(steps), dtype, device.type)
+
+
+def topology_for(world_size: int, backend: str, link: str | None) -> Topology:
+    """The planner's view of this world: the emulated link if there is one, gloo loopback for
+    other gloo worlds, NVLink within a node and NDR InfiniBand across nodes for NCCL."""
+    if link:
+        from overlap.tools.bench.link import LinkSpec
+
+        spec = LinkSpec.parse(link)
+        emulated = Link(
+            f"emulated:{spec}",
+            EMULATED_LINK_ALPHA_S + spec.delay_us * 1e-6,
+            spec.rate_gbps * EMULATED_LINK_EFFICIENCY,
+            "the --link emulation (tc tbf) at its line rate",
+        )
+        return Topology(world_size, world_size, emulated, emulated)
+    if "nccl" not in backend:
+        loopback = LINKS["gloo-loopback"]
+        return Topology(world_size, world_size, loopback, loopback)
+    per_node = torch.cuda.device_count() if torch.cuda.is_available() else world_size
+    return Topology(world_size, max(1, per_node), LINKS["nvlink4"], LINKS["ndr400"])
+
+
+@dataclass(frozen=True)
+class PlannedCandidate:
+    """One grid candidate as the planner sees it."""
+
+    index: int
+    step_s: float
+    peak_unsharded_bytes: int
+    signature: Hashable
+    """Equal for candidates the schedule cannot tell apart (same units, codec and actions)."""
+
+
+def predict(
+    profile: ModelProfile,
+    config: OverlapConfig,
+    world_size: int,
+    topo: Topology,
+    backend: str,
+    cpu_contention: float,
+) -> tuple[Prediction, Hashable]:
+    """The simulator's steady step for `config`, and a signature of the schedule it ran."""
+    fqns = [u.fqn for u in profile.units]
+    by_fqn = {u.fqn: u for u in profile.units}
+    groups = group_units(fqns, {u.fqn: u.numel for u in profile.units}, config.min_unit_numel)
+    gather_dtype = config.param_dtype or profile.param_dtype
+    reduce_dtype = config.reduce_dtype or config.param_dtype or profile.param_dtype
+    block = config.compression_block_size
+    param_codec = make_param_codec(config.param_compression, block_size=block)
+    grad_codec = make_grad_codec(config.grad_compression, block_size=block)
+
+    def cost(name: str, numel: int, forward_s: float) -> UnitCost:
+        return UnitCost(
+            name,
+            numel * gather_dtype.itemsize,
+            numel * reduce_dtype.itemsize,
+            forward_s,
+            BACKWARD_FACTOR * forward_s,
+            gather_wire_bytes=param_codec.wire_bytes(numel, gather_dtype),
+            reduce_wire_bytes=grad_codec.wire_bytes(numel, reduce_dtype),
+        )
+
+    units: list[UnitCost] = []
+    root = None
+    if profile.root_numel:
+        root = 0
+        units.append(cost("root", profile.root_numel, profile.root_forward_s))
+    for members in groups:
+        numel = sum(by_fqn[m].numel for m in members)
+        units.append(cost(members[0], numel, sum(by_fqn[m].forward_s for m in members)))
+    prediction = simulate(
+        units,
+        config,
+        topo,
+        backend="gloo" if "gloo" in backend else "nccl",
+        root=root,
+        optimizer_s=profile.optimizer_s(world_size),
+        cpu_contention=cpu_contention,
+        record=True,
+    )
+    codec = Codec(config.param_compression, config.grad_compression, config.error_feedback)
+    signature = (tuple(groups), codec, tuple(prediction.events))
+    return prediction, signature
+
+
+def plan_grid(
+    profile: ModelProfile,
+    grid: Sequence[OverlapConfig],
+    world_size: int,
+    topo: Topology,
+    backend: str,
+    cpu_contention: float,
+) -> list[PlannedCandidate]:
+    """Every grid candidate predicted, fastest first (ties: grid order)."""
+    planned = []
+    for i, config in enumerate(grid):
+        prediction, signature = predict(profile, config, world_size, topo, backend, cpu_contention)
+        planned.append(
+            PlannedCandidate(i, prediction.step_s, prediction.peak_unsharded_bytes, signature)
+        )
+    return sorted(planned, key=lambda c: (c.step_s, c.index))
+
+
+def _distance(a: tuple[Hashable, ...], b: tuple[Hashable, ...]) -> int:
+    return sum(x != y for x, y in zip(a, b, strict=True))
+
+
+def prune(
+    planned: Sequence[PlannedCandidate],
+    num_keep: int,
+    stratum: Callable[[int], Hashable],
+    features: Callable[[int], tuple[Hashable, ...]],
+    must_keep: int | None = None,
+    max_unsharded_bytes: int | None = None,
+) -> list[int]:
+    """Grid indices to measure, in predicted order (see [Note: pruning]).
+
+    `stratum(i)`: candidate i's codec; `features(i)`: its tuned field values; `must_keep`: the
+    base config's index. Candidates over `max_unsharded_bytes` (predicted peak) are dropped first.
+    """
+    if num_keep < 1:
+        raise ValueError(f"prune: num_keep must be >= 1, got {num_keep}")
+    seen: set[Hashable] = set()
+    remaining: list[PlannedCandidate] = []
+    for c in planned:
+        if max_unsharded_bytes is not None and c.peak_unsharded_bytes > max_unsharded_bytes:
+            continue
+        if c.signature not in seen:
+            seen.add(c.signature)
+            remaining.append(c)
+    if not remaining:
+        raise ValueError(
+            f"overlap.tune: every candidate's predicted peak of unsharded parameters exceeds "
+            f"max_unsharded_bytes={max_unsharded_bytes}; raise it or add smaller units / caps"
+        )
+    distinct = list(remaining)
+    keep: list[int] = []
+    while remaining and len(keep) < num_keep:
+        lead = remaining[0].step_s
+        front = [c for c in remaining if c.step_s <= lead * (1 + TIE_TOLERANCE)]
+
+        def spread(c: PlannedCandidate) -> int:
+            return min((_distance(features(c.index), features(k)) for k in keep), default=0)
+
+        pick = max(front, key=lambda c: (spread(c), -c.step_s, -c.index))
+        keep.append(pick.index)
+        remaining.remove(pick)
+    strata = {stratum(i) for i in keep}
+    for c in remaining:
+        if stratum(c.index) not in strata:
+            strata.add(stratum(c.index))
+            keep.append(c.index)
+    base = next((c for c in planned if c.index == must_keep), None)
+    if base is not None:  # the base config, or the distinct candidate with its schedule
+        stand_in = next((c for c in distinct if c.signature == base.signature), None)
+        if stand_in is not None and stand_in.index not in keep:
+            keep.append(stand_in.index)
+    order = {c.index: k for k, c in enumerate(planned)}
+    return sorted(keep, key=lambda i: order[i])
+
+
+def num_to_keep(grid_size: int, keep_fraction: float, max_candidates: int | None) -> int:
+    """ceil(keep_fraction x grid), at least 2 (a decision needs a comparison), at most
+    `max_candidates` and the grid."""
+    n = max(2, math.ceil(keep_fraction * grid_size))
+    if max_candidates is not None:
+        n = min(n, max_candidates)
+    return max(1, min(n, grid_size))

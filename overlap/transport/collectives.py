@@ -1,0 +1,533 @@
+"""Collectives as pure functions over a process group: no state, no schedule, no hooks.
+
+Each function issues one asynchronous collective and returns a typed result holding the output
+tensor, the handle to wait on, and every tensor the collective reads or writes (so the caller keeps
+them alive until the wait; see [Note: buffer lifetime] in engine/runtime.py).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import time
+from datetime import timedelta
+from collections.abc import Callable
+from typing import Any, Literal, NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from overlap import kernels
+from overlap.compression import Codec
+from overlap.compression.feedback import FeedbackResidual
+from overlap.transport.fingerprint import TAG_BYTES, TAG_NUMEL, write_tag
+
+# torch 2.13 deprecates all_gather_into_tensor / reduce_scatter_tensor in favour of the
+# *_single names (a FutureWarning on every call); torch 2.11 has only the old names.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+_all_to_all = dist.all_to_all_single
+
+
+@functools.cache
+def _force_collectives() -> bool:
+    """`OVERLAP_FORCE_COLLECTIVES=1`: issue real collectives at world size 1 too, instead of the
+    local copies below. For checks on one GPU (benchmarks/gpu_check.py): a single GPU cannot host
+    two NCCL ranks, so this is the only way to run the library's own NCCL path there."""
+    return os.environ.get("OVERLAP_FORCE_COLLECTIVES", "") not in ("", "0")
+
+
+def runs_locally(world_size: int) -> bool:
+    """A collective over one rank is a local copy, unless forced (`_force_collectives`)."""
+    return world_size == 1 and not _force_collectives()
+
+
+_local = runs_locally
+
+
+class CommResult(NamedTuple):
+    output: torch.Tensor
+    work: Any  # dist.Work, or None when the collective ran synchronously (world size 1)
+    inputs: tuple[torch.Tensor, ...]  # kept alive until the wait
+    finish: Callable[[torch.Tensor], Any] | None = None  # applied to output by `wait` (a tensor; rows: all_gather_pair)
+
+
+GatherImpl = Literal["native", "all_to_all"]
+
+
+class RecvSlack(NamedTuple):
+    """Room an all-to-all leaves for a peer that sends more than expected ([Note: receive slack])."""
+
+    rank: int  # this rank's index in the group
+    floor_bytes: int  # each peer's part of the receive buffer holds at least this many bytes
+
+
+def _exchange(
+    send: torch.Tensor,
+    world_size: int,
+    group: dist.ProcessGroup,
+    slack: RecvSlack | None,
+    rank: int | None = None,
+) -> tuple[torch.Tensor, Any, list[int | None] | None]:
+    """All-to-all of `send` (world_size equal parts, part r to rank r). Returns (received, work,
+    starts): what rank r sent here is `received[starts[r] : starts[r] + part]`; starts is None
+    when `received` is simply rank-major (no slack needed, every part travelled), and
+    `starts[rank]` is None when this rank's own part stayed home (read it from `send`: `_rows`).
+
+    [Note: own part stays home]
+    An all-to-all sends each rank's own part to itself too: a copy of 1/world_size of the
+    buffer, made by the backend's thread, into a receive buffer that large (at two ranks, half
+    of a gradient bucket copied and held for nothing). With `rank` given and the own part at an
+    end of `send` (always at two ranks; the first and last rank otherwise), it is left out of
+    both splits and the reader takes it from `send` itself: the same values in the same rank
+    order, so sums stay bitwise as before. Ranks in the middle send theirs to themselves as
+    before; the splits only have to agree pairwise, so the two kinds mix in one collective.
+
+    [Note: receive slack]
+    gloo aborts the process (an uncaught `EnforceNotMet` in its own thread, no Python error)
+    when a message is larger than the buffer posted for it, and completes quietly when it is
+    smaller. Ranks whose steps diverge (a data-dependent branch on one rank) pair different
+    collectives; once small all-gathers and fused exchanges go through all-to-all too
+    ([Note: all-gather through all-to-all], [Note: fused exchange] in host.py), a larger
+    all-to-all of one rank can meet a smaller one of another. So each all-to-all posts at least
+    `floor_bytes` for every peer, the largest message the runtime's small exchanges can carry:
+    a mismatch then delivers the wrong bytes instead of aborting, and the tags of the gathers
+    ([Note: collective fingerprints]) or the collective timeout make every rank raise. The
+    parts for peers are then not back to back, hence `starts`. Messages above the floor (large
+    units) are not covered, as with any collective of mismatched sizes on gloo.
+    """
+    part = send.numel() // world_size
+    floor = 0 if slack is None else -(-slack.floor_bytes // send.element_size())
+    home = rank is not None and world_size > 1 and rank in (0, world_size - 1)
+    if (floor <= part and not home) or world_size == 1:
+        received = torch.empty_like(send)
+        return received, _all_to_all(received, send, group=group, async_op=True), None
+    me = slack.rank if slack is not None else rank
+    assert me is not None and (rank is None or rank == me), (rank, me)
+    # gloo: the own part exact (or absent), the peers' at least the floor
+    sizes = [(0 if home else part) if r == me else max(part, floor) for r in range(world_size)]
+    received = torch.empty(sum(sizes), dtype=send.dtype, device=send.device)
+    if home:  # [Note: own part stays home]
+        travel = send[part:] if me == 0 else send[: send.numel() - part]
+        splits = [0 if r == me else part for r in range(world_size)]
+    else:
+        travel, splits = send, [part] * world_size
+    work = _all_to_all(
+        received, travel, output_split_sizes=sizes, input_split_sizes=splits, group=group, async_op=True
+    )
+    starts: list[int | None] = [sum(sizes[:r]) for r in range(world_size)]
+    if home:
+        starts[me] = None
+    return received, work, starts
+
+
+def _rows(
+    received: torch.Tensor,
+    world_size: int,
+    part: int,
+    starts: list[int | None] | None,
+    send: torch.Tensor | None = None,
+) -> list[torch.Tensor]:
+    """What each rank sent, in rank order (see `_exchange`); a part that stayed home is read
+    from `send`, the flat buffer given to `_exchange`."""
+    if starts is None:
+        return list(received.view(world_size, part).unbind(0))
+    rows = []
+    for r, start in enumerate(starts):
+        if start is None:
+            assert send is not None, "the own part stayed home: pass the send buffer"
+            rows.append(send.view(-1)[r * part : (r + 1) * part])
+        else:
+            rows.append(received[start : start + part])
+    return rows
+
+
+def all_gather_flat(
+    shard: torch.Tensor,
+    group: dist.ProcessGroup,
+    world_size: int,
+    dtype: torch.dtype,
+    tag: int | None = None,
+    tag_slot: torch.Tensor | None = None,
+    impl: GatherImpl = "native",
+    slack: RecvSlack | None = None,
+) -> CommResult:
+    """Gather every rank's flat `shard` into one rank-major (world_size * numel) tensor.
+
+    The shard is cast to `dtype` first (mixed precision: the wire and the compute use it). With
+    `tag`, the last `fingerprint.TAG_NUMEL` elements of `shard` are not data: the tag is written
+    there (after the cast) and every rank receives every rank's ([Note: collective fingerprints]).
+    `tag_slot`: the caller's `fingerprint.tag_view` of `shard`'s tag, used when there is no cast.
+
+    [Note: all-gather through all-to-all]
+    "native" calls the backend's all-gather. "all_to_all" sends a copy of the shard to every
+    rank through all-to-all: the same (n-1)/n of the bytes on the wire and the same rank-major
+    output, one more unit-sized send buffer while it runs. gloo's all-gather costs more CPU per
+    call than its all-to-all (measured at two ranks, 8 KiB shards: 364 against 306 µs a call,
+    251 against 185 µs of the process's CPU; at 4 MiB the two are even and the copy moves to
+    the calling thread), so "auto" picks all_to_all on gloo for units of up to
+    `backend.ALL_TO_ALL_GATHER_MAX_BYTES` gathered, where the fixed cost of a collective
+    dominates and the send copies stay small. An all-to-all gather can also travel in the same
+    all-to-all as a gradient reduction (`reduce_scatter_and_gather`).
+    """
+    send = _send_of(shard, dtype, tag, tag_slot)
+    out = torch.empty(world_size * send.numel(), dtype=dtype, device=send.device)
+    if _local(world_size):
+        out.copy_(send)
+        return CommResult(out, None, (send,))
+    if impl == "all_to_all":  # `slack`: see [Note: receive slack]
+        copies = out  # the send copies; a fresh buffer receives
+        copies.view(world_size, -1).copy_(send.expand(world_size, send.numel()))
+        received, work, starts = _exchange(copies, world_size, group, slack)
+        if starts is None:
+            return CommResult(received, work, (copies,))
+        numel = send.numel()
+        return CommResult(received, work, (copies,), lambda buf: torch.cat(_rows(buf, world_size, numel, starts)))
+    work = _all_gather(out, send, group=group, async_op=True)
+    return CommResult(out, work, (send,))
+
+
+def _send_of(shard: torch.Tensor, dtype: torch.dtype, tag: int | None, tag_slot: torch.Tensor | None) -> torch.Tensor:
+    """What a gather of `shard` sends: cast to `dtype`, the tag written (`all_gather_flat`)."""
+    send = shard if shard.dtype == dtype else shard.to(dtype)
+    if tag is not None:
+        if tag_slot is not None and send is shard:
+            tag_slot.fill_(tag)
+        else:
+            write_tag(send, send.numel() - TAG_NUMEL, tag)
+    return send
+
+
+def all_gather_pair(
+    shard: torch.Tensor,
+    group: dist.ProcessGroup,
+    rank: int,
+    dtype: torch.dtype,
+    tag: int | None = None,
+    tag_slot: torch.Tensor | None = None,
+    slack: RecvSlack | None = None,
+) -> CommResult:
+    """`all_gather_flat` over two ranks, without the copy of this rank's own shard: `wait`
+    returns the two rows in rank order, this rank's being what it sent, the peer's what it
+    received; `shard`, `tag` and `tag_slot` as there.
+
+    [Note: gather of a pair]
+    A backend's all-gather copies each rank's own input into its output, and at two ranks that
+    is half of every gathered unit (W1: 48 MiB a step, in gloo's thread). Through all-to-all the
+    own part need not travel ([Note: own part stays home]): one message to the peer, one from
+    it, the same bytes on the wire; the copy-out that follows every CPU gather reads the own row
+    from the send buffer (`kernels.bind_copy_out` with `rows`), so the rows are never concatenated.
+    The receive buffer has `slack`'s room, as every all-to-all ([Note: receive slack]).
+    """
+    send = _send_of(shard, dtype, tag, tag_slot)
+    n = send.numel()
+    peer = 1 - rank
+    floor = 0 if slack is None else -(-slack.floor_bytes // send.element_size())
+    received = torch.empty(max(n, floor), dtype=dtype, device=send.device)
+    out_sizes, in_sizes = [0, 0], [0, 0]
+    out_sizes[peer], in_sizes[peer] = received.numel(), n
+    work = _all_to_all(
+        received, send, output_split_sizes=out_sizes, input_split_sizes=in_sizes, group=group, async_op=True
+    )
+
+    def rows(buf: torch.Tensor) -> list[torch.Tensor]:
+        return [send, buf[:n]] if rank == 0 else [buf[:n], send]
+
+    return CommResult(received, work, (send,), rows)  # type: ignore[arg-type]
+
+
+def all_gather_secondary(
+    secondary: torch.Tensor, group: dist.ProcessGroup, num_outer: int
+) -> CommResult:
+    """hpZ: all-gather the inner group's secondary copies back into the rank-major order of a
+    gather over every rank. Inner rank i holds the parts of global ranks o * inner + i for
+    o = 0..num_outer-1 ([Note: secondary copy] in engine/runtime.py); `wait` reorders (inner, outer)
+    into (outer, inner)."""
+    inner = dist.get_world_size(group)
+    result = all_gather_flat(secondary, group, inner, secondary.dtype)
+
+    def finish(out: torch.Tensor) -> torch.Tensor:
+        return out.view(inner, num_outer, -1).transpose(0, 1).reshape(-1)
+
+    return result._replace(finish=finish)
+
+
+ReduceImpl = Literal["native", "all_to_all"]
+
+
+def reduce_scatter_flat(
+    full: torch.Tensor,
+    group: dist.ProcessGroup,
+    world_size: int,
+    impl: ReduceImpl = "native",
+    slack: RecvSlack | None = None,
+    divide: Divide | None = None,
+) -> CommResult:
+    """Sum the rank-major `full` (world_size * n) over ranks; this rank keeps its n-element chunk.
+    `divide`: through all-to-all, the sum's first `divide.numel` elements are divided by
+    `divide.divisor` in the same pass (`kernels.sum_rows`); natively they are not (the caller
+    divides; `divides(impl, world_size)` says which).
+
+    [Note: reduce-scatter through all-to-all]
+    "native" calls the backend's reduce-scatter. "all_to_all" sends chunk r to rank r and sums
+    the world_size received chunks here, in rank order: the same (n-1)/n of the bytes on the
+    wire as a ring reduce-scatter. gloo's own reduce-scatter puts twice that on the wire
+    (measured: 1.0x the buffer per rank against 0.5x for all-to-all at 2 ranks), so "auto"
+    picks all_to_all for gloo; NCCL's is a true ring and stays native. At two ranks the sum is
+    a + b either way, so results stay bitwise equal to DDP.
+    """
+    n = full.numel() // world_size
+    if _local(world_size):
+        out = torch.empty(n, dtype=full.dtype, device=full.device)
+        out.copy_(full)
+        return CommResult(out, None, (full,))
+    if impl == "all_to_all":  # `slack`: see [Note: receive slack]; [Note: own part stays home]
+        received, work, starts = _exchange(full, world_size, group, slack, _rank(group, slack))
+        return CommResult(received, work, (full,), _sum_rows(world_size, n, n, starts, full, divide))
+    out = torch.empty(n, dtype=full.dtype, device=full.device)
+    work = _reduce_scatter(out, full, op=dist.ReduceOp.SUM, group=group, async_op=True)
+    return CommResult(out, work, (full,))
+
+
+def reduce_scatter_and_gather(
+    rows: torch.Tensor,
+    reduce_cols: int,
+    group: dist.ProcessGroup,
+    slack: RecvSlack | None = None,
+    divide: Divide | None = None,
+) -> tuple[CommResult, CommResult]:
+    """One all-to-all for a gradient reduction and an all-gather ([Note: fused exchange] in
+    host.py). `rows` is (world_size, reduce_cols + g): row r holds the gradient chunk for
+    rank r in its first `reduce_cols` columns, this rank's shard (g elements) in the rest.
+
+    Returns (reduce, gather), sharing one work: `wait` on the first gives the sum of the
+    received gradient chunks in rank order (as `reduce_scatter_flat` with "all_to_all"), on the
+    second every rank's shard, rank-major (as `all_gather_flat`)."""
+    world_size, part = rows.shape
+    send = rows.view(-1)
+    received, work, starts = _exchange(send, world_size, group, slack, _rank(group, slack))
+
+    def gathered(buf: torch.Tensor) -> torch.Tensor:
+        return torch.cat([row[reduce_cols:] for row in _rows(buf, world_size, part, starts, send)])
+
+    reduce = CommResult(received, work, (rows,), _sum_rows(world_size, reduce_cols, part, starts, send, divide))
+    return reduce, CommResult(received, work, (rows,), gathered)
+
+
+def all_reduce_flat(tensor: torch.Tensor, group: dist.ProcessGroup) -> CommResult:
+    """Sum `tensor` in place over `group` (HSDP: a reduced gradient shard across replicas)."""
+    work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=True)
+    return CommResult(tensor, work, (tensor,))
+
+
+def _rank(group: dist.ProcessGroup, slack: RecvSlack | None) -> int:
+    return slack.rank if slack is not None else dist.get_rank(group)
+
+
+class Divide(NamedTuple):
+    """Divide the first `numel` elements of a reduction's sum by `divisor` (the average)."""
+
+    numel: int
+    divisor: int
+
+
+def divides(impl: ReduceImpl, world_size: int) -> bool:
+    """Whether `reduce_scatter_flat` applies its `divide` (through all-to-all, over ranks)."""
+    return impl == "all_to_all" and not _local(world_size)
+
+
+def _sum_rows(
+    world_size: int,
+    n: int,
+    part: int,
+    starts: list[int | None] | None,
+    send: torch.Tensor,
+    divide: Divide | None = None,
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Sum the first `n` elements of what each rank sent (`part` each, see `_exchange`; `send`
+    the flat buffer given to it), in rank order (as a ring would add them), then `divide`."""
+
+    def finish(received: torch.Tensor) -> torch.Tensor:
+        chunks = [row[:n] for row in _rows(received, world_size, part, starts, send)]
+        if world_size == 1:
+            return chunks[0]
+        if divide is None:
+            return kernels.sum_rows(chunks)
+        return kernels.sum_rows(chunks, divide.numel, divide.divisor)
+
+    return finish
+
+
+def encode_shard(shard: torch.Tensor, codec: Codec, tag_room: bool = False) -> torch.Tensor:
+    """The wire bytes of `shard` under `codec`, as `all_gather_encoded` sends them; with
+    `tag_room`, padded to 8 bytes and followed by `TAG_BYTES` for the tag ([Note: collective
+    fingerprints])."""
+    wire = codec.to_bytes(codec.encode(shard))
+    if not tag_room:
+        return wire
+    out = torch.zeros(_round8(wire.numel()) + TAG_BYTES, dtype=torch.uint8, device=wire.device)
+    out[: wire.numel()].copy_(wire)
+    return out
+
+
+def all_gather_encoded(
+    send: torch.Tensor,
+    numel: int,
+    group: dist.ProcessGroup,
+    world_size: int,
+    dtype: torch.dtype,
+    codec: Codec,
+    shard_dtype: torch.dtype = torch.float32,
+    tag: int | None = None,
+) -> CommResult:
+    """All-gather through `codec`: `send` is this rank's shard of `numel` elements encoded by
+    `encode_shard`; every rank's bytes are gathered and each part decoded into a rank-major
+    `dtype` tensor by `wait`. The fp32 master shard is untouched; only the wire copy is
+    compressed (this rank decodes its own part too, so every rank computes with the same
+    values). With `tag`, `send` has `encode_shard`'s tag room and the tag is written into its
+    last `TAG_BYTES`; each rank's row of the output then ends in that rank's tag
+    (`fingerprint.byte_tags`)."""
+    wire = codec.wire_bytes(numel, shard_dtype)
+    row = send.numel()
+    if tag is not None:
+        assert row == _round8(wire) + TAG_BYTES, (row, wire)
+        send[row - TAG_BYTES :].view(torch.int64).fill_(tag)
+    else:
+        assert row == wire, (row, wire)
+    received = torch.empty(world_size * row, dtype=torch.uint8, device=send.device)
+    work = None
+    if _local(world_size):
+        received.copy_(send)
+    else:
+        work = _all_gather(received, send, group=group, async_op=True)
+
+    def finish(buf: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(world_size * numel, dtype=dtype, device=buf.device)
+        for r in range(world_size):
+            part = codec.from_bytes(buf[r * row : r * row + wire], numel, shard_dtype)
+            codec.decode_into(part, out[r * numel : (r + 1) * numel])
+        return out
+
+    return CommResult(received, work, (send,), finish)
+
+
+def reduce_scatter_encoded(
+    grads: torch.Tensor,
+    tail: torch.Tensor,
+    group: dist.ProcessGroup,
+    world_size: int,
+    codec: Codec,
+    residual: FeedbackResidual | None = None,
+    slack: RecvSlack | None = None,
+) -> CommResult:
+    """Reduce-scatter the rank-major `grads` (world_size, n) through `codec`: row r is encoded
+    (with error feedback from `residual`'s row for rank r when given) and sent to rank r by
+    all-to-all; `wait` decodes the world_size received rows and sums them in fp32, in rank order.
+
+    This rank's own row never crosses the wire, so it is not encoded: `wait` adds it exactly,
+    and the residual has no row for it ([Note: error feedback residual] in feedback.py). That
+    is both cheaper (1/world_size of the codec work, half of it at two ranks) and more accurate
+    than sending it to itself through the codec.
+
+    `tail` (world_size, k) rides along uncompressed and is summed exactly (the used-flag columns
+    of runtime.reduce). The result is [sum of grads row | sum of tail row], in grads' dtype.
+    """
+    n, k = grads.shape[1], tail.shape[1]
+    dtype = grads.dtype
+    # Each row: [tail | codes and scales], both parts padded to 8 bytes so that every view of
+    # the received bytes (fp32 scales, the tail's dtype) is aligned.
+    tail_bytes = k * tail.element_size()
+    tail_span = _round8(tail_bytes)
+    wire = codec.wire_bytes(n, dtype)
+    step = tail_span + _round8(wire)
+    send = torch.empty(world_size * step, dtype=torch.uint8, device=grads.device)
+    padding = send.view(world_size, step)
+    padding[:, tail_bytes:tail_span].zero_()  # the bytes no reader looks at, zeros all the same
+    padding[:, tail_span + wire :].zero_()
+    me = dist.get_rank(group) if world_size > 1 else 0
+    own = grads[me]
+    assert residual is None or (residual.rank, residual.world_size) == (me, world_size), (
+        f"rank {me}: the residual belongs to rank {residual.rank} of {residual.world_size}"
+    )
+    for r in range(world_size):
+        if r == me:
+            continue
+        enc = codec.encode(grads[r]) if residual is None else residual.encode(codec, grads[r], r)
+        row = send[r * step : (r + 1) * step]
+        row[tail_span : tail_span + wire].copy_(codec.to_bytes(enc))
+    for r in range(world_size):
+        send[r * step : r * step + tail_bytes].copy_(tail[r].contiguous().view(torch.uint8))
+    work, starts = None, None
+    if _local(world_size):
+        received = send.clone()
+    else:  # `slack`: see [Note: receive slack]; [Note: own part stays home]
+        received, work, starts = _exchange(send, world_size, group, slack, me)
+
+    def finish(buf: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros(n + k, dtype=torch.float32, device=buf.device)
+        for r, row in enumerate(_rows(buf, world_size, step, starts, send)):
+            if r == me:
+                out[:n] += own  # exact, in its place in the rank order
+            else:
+                codec.decode_accumulate(codec.from_bytes(row[tail_span : tail_span + wire], n, dtype), out[:n])
+            out[n:] += row[:tail_bytes].view(tail.dtype).float()
+        return out.to(dtype)
+
+    return CommResult(received, work, (send, own, tail), finish)  # tail: read by the send copy
+
+
+def _round8(num_bytes: int) -> int:
+    return (num_bytes + 7) // 8 * 8
+
+
+class CollectiveError(RuntimeError):
+    """A collective failed or timed out: a peer rank died, is stuck, or issued another collective.
+
+    [Note: collective failures]
+    The backend's own error ("Connection closed by peer", "Timed out waiting ...") names neither
+    the collective nor the setting that bounds the wait. `wait` turns it into this error (the
+    backend's error chained as the cause); `Runtime.run` adds the rank and the unit or bucket.
+    Every rank that takes part in the failed collective raises within the timeout, none hangs.
+    """
+
+
+def wait(result: CommResult, timeout: timedelta | None = None) -> torch.Tensor:
+    """Block until `result` is done (CPU) or enqueue the wait on the current stream (CUDA).
+
+    Raises `CollectiveError` when the collective fails or does not finish within `timeout`
+    (None: the process group's timeout)."""
+    if result.work is not None:
+        t0 = time.monotonic()
+        try:
+            if timeout is None:
+                result.work.wait()
+            else:
+                result.work.wait(timeout)
+        except RuntimeError as e:
+            limit = (
+                "the process group's timeout"
+                if timeout is None
+                else f"collective_timeout_s={timeout.total_seconds():g}"
+            )
+            raise CollectiveError(
+                f"failed after {time.monotonic() - t0:.1f}s ({limit}): a peer rank died, is stuck "
+                "or issued a different collective; the other ranks raise too, so look for the "
+                f"first rank that failed in their logs. Backend error: {type(e).__name__}: {e}"
+            ) from e
+    if result.finish is not None:
+        return result.finish(result.output)
+    return result.output
+
+
+def all_gather_int(
+    value: int, group: dist.ProcessGroup, device: torch.device, timeout: timedelta | None = None
+) -> list[int]:
+    """Every rank's `value` (an int64), in rank order. Blocking; for checks, not the hot path."""
+    world_size = dist.get_world_size(group)
+    if _local(world_size):
+        return [value]
+    send = torch.tensor([value], dtype=torch.int64, device=device)
+    out = torch.empty(world_size, dtype=torch.int64, device=device)
+    wait(CommResult(out, _all_gather(out, send, group=group, async_op=True), (send,)), timeout)
+    return out.tolist()

@@ -1,0 +1,132 @@
+"""The CUDA transport: comm streams and events around the backend's native collectives (NCCL).
+
+[Note: streams]
+CUDA: `gather_stream` runs all-gathers and their copy-out; `reduce_stream` runs reduce-scatters
+and the decode/sum of what they received; `all_reduce_stream` (HSDP only) runs the sums across
+replicas, so that an inter-node all-reduce never holds up the next bucket's reduce-scatter
+(FSDP2 does the same). They are separate so that a reduce-scatter never queues behind a
+prefetched all-gather in the same stream. All are created with high priority so their small copy
+kernels are not starved by compute. Each begins its work by waiting on the
+compute stream at issue time, and the unsharded storage is (re)allocated on the compute stream, so
+a block the compute stream freed is never written by a comm stream before compute is done with it.
+CPU (gloo): collectives run on gloo's worker threads (async work handles); the training thread
+does the copies when it waits (transport/host.py).
+
+Everything after a collective is enqueued at issue, behind it on its comm stream: `wait` on a
+stream-ordered backend only makes the current stream wait ([Note: NCCL is not gloo] in
+backend.py), so copy-out, the tag check and the sum of a reduction follow it without the CPU
+waiting, and the compute stream later waits on the event recorded after them. This is the shape
+of FSDP2's `_fsdp_collectives.py`, except that copy-out runs on the gather stream, so its buffers'
+last user is their own allocation stream ([Note: buffer lifetime] in engine/runtime.py).
+
+Gathers are the backend's all-gather: the all-to-all gathers, the receive slack, the fused
+exchange and the gather of a pair are gloo's (transport/host.py), and
+`all_gather_impl="all_to_all"` raises at wrap.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from overlap.observe.memory import nbytes
+from overlap.transport import backend
+from overlap.transport import collectives as comm
+from overlap.transport.base import GatherDone, Transport
+from overlap.transport.fingerprint import FingerprintCheck, byte_tags
+
+
+class StreamTransport(Transport):
+    """CUDA tensors: collectives and the work after them on comm streams, ordered by events."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # [Note: streams]
+        self.gather_stream = torch.cuda.Stream(self.device, priority=-1)
+        self.reduce_stream = torch.cuda.Stream(self.device, priority=-1)
+        if self.replicate_group is not None:
+            self.all_reduce_stream = torch.cuda.Stream(self.device, priority=-1)
+
+    @classmethod
+    def check_settings(cls, semantics: backend.CommSemantics, gather_impl: str) -> None:
+        if gather_impl == "all_to_all":  # its receive slack would hang NCCL (review 2, finding 5)
+            raise ValueError(
+                f"overlap.wrap: all_gather_impl='all_to_all' is a gloo mechanism; {semantics.device_type} "
+                f"tensors over {semantics.backend} gather with the backend's all-gather: pass "
+                "all_gather_impl='auto' or 'native'"
+            )
+
+    def _compute(self) -> torch.cuda.Stream:
+        return torch.cuda.current_stream(self.device)
+
+    # ------------------------------------------------------------------ gathers
+    def before_gather(self, alloc: Any) -> None:
+        assert self.gather_stream is not None
+        self.gather_stream.wait_stream(self._compute())
+        alloc()  # on the compute stream, see [Note: streams]
+
+    def all_gather(
+        self, index: int, send: torch.Tensor, dtype: torch.dtype, tag: int | None, tag_slot: torch.Tensor | None
+    ) -> comm.CommResult:
+        return comm.all_gather_flat(send, self.group, self.world_size, dtype, tag, tag_slot, "native", None)
+
+    def gather_issued(self, unit: Any, span: Any, done: GatherDone) -> None:
+        # the gather stream waits, not the CPU; then copy-out and the tag check, on the device
+        gathered = self.wait(unit.gather)
+        self.timer.stop(span, self.gather_stream)
+        # Later gather-stream allocations are ordered after this copy-out, so `done` drops the
+        # buffers now: an in-flight prefetch holds the unsharded storage only, not 2x
+        # ([Note: buffer lifetime] in engine/runtime.py).
+        done(unit, gathered)
+        assert self.gather_stream is not None
+        unit.gather_event = self.gather_stream.record_event()
+
+    def wait_gather(self, unit: Any, done: GatherDone) -> None:
+        self._compute().wait_event(unit.gather_event)
+        unit.gather_event = None
+
+    def check_tag(
+        self, fingerprints: FingerprintCheck, unit: Any, gathered: Any, received: torch.Tensor, what: str, compressed: bool
+    ) -> None:
+        """On the device, reported a step late (`FingerprintCheck.check_pending`). A compressed
+        gather's tags end its byte rows (`received`, before decoding)."""
+        if compressed:
+            fingerprints.check_values(byte_tags(received, self.world_size), unit.gather_tag, what)
+        else:
+            fingerprints.check(gathered, self.world_size, unit.gather_tag, what)
+
+    # ------------------------------------------------------------------ reductions
+    def before_reduce(self) -> None:
+        assert self.reduce_stream is not None
+        self.reduce_stream.wait_stream(self._compute())
+
+    def reduce_issued(self, result: comm.CommResult, span: Any) -> tuple[torch.cuda.Event | None, torch.Tensor | None]:
+        # The reduce stream waits and sums (once: the tensor is kept, [Note: streams]).
+        assert self.reduce_stream is not None
+        reduced = self.wait(result)
+        self.timer.stop(span, self.reduce_stream)
+        return self.reduce_stream.record_event(), reduced
+
+    def release_reduce(self, result: comm.CommResult, event: torch.cuda.Event | None) -> torch.Tensor | None:
+        # compute may reuse the input once the reduce-scatter is done
+        self._compute().wait_event(event)
+        return None
+
+    def all_reduce(
+        self, reduced: torch.Tensor, after: torch.cuda.Event | None, label: str
+    ) -> tuple[comm.CommResult, torch.cuda.Event | None]:
+        assert self.replicate_group is not None and self.all_reduce_stream is not None and after is not None
+        stream = self.all_reduce_stream
+        stream.wait_event(after)
+        with torch.cuda.stream(stream):
+            span = self.timer.start("collective", "all_reduce", label, stream, nbytes(reduced))
+            result = comm.all_reduce_flat(reduced, self.replicate_group)
+            self.wait(result)  # the all-reduce stream waits, in order ([Note: streams])
+            self.timer.stop(span, stream)
+            return result, stream.record_event()
+
+    def finish_reduce(
+        self, event: torch.cuda.Event | None, all_reduce: comm.CommResult | None, all_reduce_event: torch.cuda.Event | None
+    ) -> None:
+        self._compute().wait_event(all_reduce_event if all_reduce is not None else event)
