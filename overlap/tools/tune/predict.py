@@ -46,7 +46,7 @@ BACKWARD_FACTOR = 2.0
 CPU_CONTENTION = 0.5
 """Share of each second of gloo communication that a CPU rank's compute loses (gloo threads and
 kernel copies run on the same cores): (floor-compute||comm - floor-compute) / comm time of W1 on
-the 1 Gbit link in benchmarks/RESULTS.md is ~0.58. It shifts candidates that move the same bytes
+the 1 Gbit link is ~0.58 (`git show 30b489c:benchmarks/RESULTS.md`, the diary's W1 1 Gbit tables). It shifts candidates that move the same bytes
 alike, so it only weighs codecs against each other."""
 TIE_TOLERANCE = 0.03
 """Predictions closer than this (relative) are ties for pruning: the planner aims at 15% of a
