@@ -15,6 +15,8 @@ python3 -c "import torch, overlap; print('torch', torch.__version__, '| overlap'
 # Build the C++ CPU kernels once up front (JIT, cached); the kernel tests then fail rather than
 # skip if the build breaks.
 export OVERLAP_REQUIRE_EXT=1
+# Triton came with the `triton` extra above: its tests fail, not skip, if it is missing.
+export OVERLAP_REQUIRE_TRITON=1
 python3 -c "from overlap.kernels import cpu; assert cpu.load_extension(), 'C++ kernels did not build'"
 # The CUDA kernels are kept free of torch headers so the machine's nvcc can compile-check them.
 if command -v nvcc >/dev/null; then

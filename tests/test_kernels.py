@@ -9,7 +9,6 @@ the CUDA sources compiled by nvcc as a check.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import shutil
 import subprocess
@@ -18,6 +17,7 @@ import warnings
 from pathlib import Path
 
 import pytest
+from harness import triton_or_skip
 import torch
 
 from overlap.kernels import (
@@ -289,8 +289,7 @@ def test_triton_interpreter_matches_reference():
 
     Runs in a fresh interpreter: triton decides interpreter-or-GPU when `triton` is first
     imported, and other tests in this process may have imported it already."""
-    if importlib.util.find_spec("triton") is None:
-        pytest.skip("triton is not installed (extra `triton`: pip install -e '.[triton]'; CI installs it)")
+    triton_or_skip()
     script = ROOT / "tests" / "triton_interpreter_check.py"
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": _pythonpath()}
     result = subprocess.run(

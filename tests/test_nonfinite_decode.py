@@ -9,13 +9,12 @@ the scale is given the GPU's bits here: the interpreter then propagates them as 
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
 from pathlib import Path
 
-import pytest
+from harness import triton_or_skip
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -43,8 +42,7 @@ print("checked")
 
 
 def test_nan_block_decodes_to_nan_in_bf16():
-    if importlib.util.find_spec("triton") is None:
-        pytest.skip("triton is not installed (extra `triton`)")
+    triton_or_skip()
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
     result = subprocess.run(
