@@ -52,7 +52,7 @@ def resolve_groups(
             f"overlap.wrap: a {group.ndim}-D DeviceMesh was given; pass a 1-D mesh (shard) or a "
             "2-D mesh (replicate, shard), e.g. init_device_mesh('cpu', (2, 2))"
         )
-    ranks = group.mesh.flatten().tolist()
+    ranks = group.mesh.flatten().tolist()  # once, at wrap: the mesh tensor lives on the CPU
     everyone = dist.new_group(ranks=sorted(ranks))  # collective over the default group, as wrap is
     if hybrid_mode == "replicate":
         replicate = group.get_group(0) if group.size(0) > 1 else None

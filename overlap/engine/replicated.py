@@ -126,7 +126,7 @@ class ReplicatedParams:
         return flags
 
     def _wait(self, result: comm.CommResult) -> None:
-        """See [Note: collective failures] in transport/collectives.py."""
+        """See [Note: collective failures] in transport/results.py."""
         try:
             comm.wait(result, self.timeout)
         except comm.CollectiveError as e:

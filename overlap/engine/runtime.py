@@ -147,7 +147,7 @@ class Runtime(Reductions):
                         skip = k + 1
                         continue
                 verbs[type(action)](action)
-            except comm.CollectiveError as e:  # [Note: collective failures] in transport/collectives.py
+            except comm.CollectiveError as e:  # [Note: collective failures] in transport/results.py
                 raise comm.CollectiveError(f"overlap: rank {self.rank}: the {self._describe(action)} {e}") from e
 
     def _fused_gather(self, reduce: Reduce, following: Action) -> Gather | None:

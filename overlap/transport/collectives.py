@@ -7,12 +7,9 @@ them alive until the wait; see [Note: buffer lifetime] in engine/runtime.py).
 
 from __future__ import annotations
 
-import functools
-import os
-import time
 from datetime import timedelta
 from collections.abc import Callable
-from typing import Any, Literal, NamedTuple
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -21,6 +18,14 @@ from overlap import kernels
 from overlap.compression import Codec
 from overlap.compression.feedback import FeedbackResidual
 from overlap.transport.fingerprint import TAG_BYTES, TAG_NUMEL, write_tag
+from overlap.transport.results import (  # re-exported: callers use collectives' one namespace
+    CollectiveError,  # noqa: F401
+    CommResult,
+    Divide,
+    RecvSlack,
+    runs_locally,
+    wait,
+)
 
 # torch 2.13 deprecates all_gather_into_tensor / reduce_scatter_tensor in favour of the
 # *_single names (a FutureWarning on every call); torch 2.11 has only the old names.
@@ -28,39 +33,10 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 _all_to_all = dist.all_to_all_single
-
-
-@functools.cache
-def _force_collectives() -> bool:
-    """`OVERLAP_FORCE_COLLECTIVES=1`: issue real collectives at world size 1 too, instead of the
-    local copies below. For checks on one GPU (benchmarks/gpu_check.py): a single GPU cannot host
-    two NCCL ranks, so this is the only way to run the library's own NCCL path there."""
-    return os.environ.get("OVERLAP_FORCE_COLLECTIVES", "") not in ("", "0")
-
-
-def runs_locally(world_size: int) -> bool:
-    """A collective over one rank is a local copy, unless forced (`_force_collectives`)."""
-    return world_size == 1 and not _force_collectives()
-
-
 _local = runs_locally
 
 
-class CommResult(NamedTuple):
-    output: torch.Tensor
-    work: Any  # dist.Work, or None when the collective ran synchronously (world size 1)
-    inputs: tuple[torch.Tensor, ...]  # kept alive until the wait
-    finish: Callable[[torch.Tensor], Any] | None = None  # applied to output by `wait` (a tensor; rows: all_gather_pair)
-
-
 GatherImpl = Literal["native", "all_to_all"]
-
-
-class RecvSlack(NamedTuple):
-    """Room an all-to-all leaves for a peer that sends more than expected ([Note: receive slack])."""
-
-    rank: int  # this rank's index in the group
-    floor_bytes: int  # each peer's part of the receive buffer holds at least this many bytes
 
 
 def _exchange(
@@ -325,13 +301,6 @@ def _rank(group: dist.ProcessGroup, slack: RecvSlack | None) -> int:
     return slack.rank if slack is not None else dist.get_rank(group)
 
 
-class Divide(NamedTuple):
-    """Divide the first `numel` elements of a reduction's sum by `divisor` (the average)."""
-
-    numel: int
-    divisor: int
-
-
 def divides(impl: ReduceImpl, world_size: int) -> bool:
     """Whether `reduce_scatter_flat` applies its `divide` (through all-to-all, over ranks)."""
     return impl == "all_to_all" and not _local(world_size)
@@ -479,45 +448,6 @@ def reduce_scatter_encoded(
 
 def _round8(num_bytes: int) -> int:
     return (num_bytes + 7) // 8 * 8
-
-
-class CollectiveError(RuntimeError):
-    """A collective failed or timed out: a peer rank died, is stuck, or issued another collective.
-
-    [Note: collective failures]
-    The backend's own error ("Connection closed by peer", "Timed out waiting ...") names neither
-    the collective nor the setting that bounds the wait. `wait` turns it into this error (the
-    backend's error chained as the cause); `Runtime.run` adds the rank and the unit or bucket.
-    Every rank that takes part in the failed collective raises within the timeout, none hangs.
-    """
-
-
-def wait(result: CommResult, timeout: timedelta | None = None) -> torch.Tensor:
-    """Block until `result` is done (CPU) or enqueue the wait on the current stream (CUDA).
-
-    Raises `CollectiveError` when the collective fails or does not finish within `timeout`
-    (None: the process group's timeout)."""
-    if result.work is not None:
-        t0 = time.monotonic()
-        try:
-            if timeout is None:
-                result.work.wait()
-            else:
-                result.work.wait(timeout)
-        except RuntimeError as e:
-            limit = (
-                "the process group's timeout"
-                if timeout is None
-                else f"collective_timeout_s={timeout.total_seconds():g}"
-            )
-            raise CollectiveError(
-                f"failed after {time.monotonic() - t0:.1f}s ({limit}): a peer rank died, is stuck "
-                "or issued a different collective; the other ranks raise too, so look for the "
-                f"first rank that failed in their logs. Backend error: {type(e).__name__}: {e}"
-            ) from e
-    if result.finish is not None:
-        return result.finish(result.output)
-    return result.output
 
 
 def all_gather_int(
