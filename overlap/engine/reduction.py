@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor
 from overlap import kernels
 from overlap.compression.feedback import FeedbackResidual, make_residual_format
 from overlap.observe.labels import phase as _phase
-from overlap.engine.schedule import Gather
+from overlap.engine.actions import Gather
 from overlap.engine.unit_tensors import UnitTensors
 from overlap.engine.units import CHUNK_ALIGN_NUMEL
 from overlap.observe.memory import nbytes

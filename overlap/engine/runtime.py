@@ -34,7 +34,7 @@ from overlap.compression import Codec
 from overlap.compression.feedback import FeedbackResidual
 from overlap import kernels
 from overlap.engine.reduction import PendingReduce, Reductions, _widest, flag_cols
-from overlap.engine.schedule import (
+from overlap.engine.actions import (
     Action,
     CheckOrder,
     Free,

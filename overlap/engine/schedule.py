@@ -65,6 +65,12 @@ import enum
 import hashlib
 from dataclasses import dataclass, field
 
+# The actions are re-exported: the schedule's vocabulary (the planner and tests import them here).
+from overlap.engine.actions import Action, CheckOrder, Free, Gather, ReleaseReduce, Reduce, UnitActions, WaitGather, WaitReduce
+
+__all__ = ["Action", "CheckOrder", "Free", "Gather", "ReleaseReduce", "Reduce", "WaitGather", "WaitReduce"]
+__all__ += ["LEGAL_TRANSITIONS", "Phase", "Schedule", "ScheduleConfig", "UnitState", "order_hash"]
+
 
 class UnitState(enum.Enum):
     SHARDED = "sharded"  # only the 1/N shard exists; the unsharded buffer holds 0 bytes
@@ -94,66 +100,6 @@ class Phase(enum.Enum):
     IDLE = "idle"  # between steps: every unit SHARDED, no collective in flight
     FORWARD = "forward"
     BACKWARD = "backward"
-
-
-# Actions. The runtime carries them out in the order given. Frozen dataclasses (not NamedTuples,
-# which compare equal to any tuple of the same values: Gather(0) == Free(0)).
-@dataclass(frozen=True)
-class Gather:
-    unit: int
-    for_backward: bool = False  # issued from the end of forward on: the unit's backward needs it
-
-
-@dataclass(frozen=True)
-class WaitGather:
-    unit: int
-
-
-@dataclass(frozen=True)
-class Free:
-    unit: int
-
-
-@dataclass(frozen=True)
-class Reduce:
-    bucket: int
-    units: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class ReleaseReduce:
-    """Finish with a bucket's reduce-scatter input before another bucket allocates one
-    ([Note: reduce buffers]); its reduced shard stays pending until `WaitReduce`."""
-
-    bucket: int
-    units: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class WaitReduce:
-    bucket: int
-    units: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class CheckOrder:
-    what: str  # "forward" or "backward"
-    order_hash: int
-    order: tuple[int, ...]
-
-
-Action = Gather | WaitGather | Free | Reduce | ReleaseReduce | WaitReduce | CheckOrder
-
-
-class _UnitActions:
-    """Every per-unit action, made once: the hooks run several times per unit and step, and
-    the runtime only reads actions (they are frozen), so the schedule hands out these."""
-
-    def __init__(self, num_units: int) -> None:
-        units = range(num_units)
-        self.gather = ([Gather(u, False) for u in units], [Gather(u, True) for u in units])
-        self.wait = [WaitGather(u) for u in units]
-        self.free = [Free(u) for u in units]
 
 
 @dataclass(frozen=True)
@@ -214,7 +160,7 @@ class Schedule:
 
     def __post_init__(self) -> None:
         self.states = [UnitState.SHARDED] * len(self.unit_bytes)
-        self._actions = _UnitActions(len(self.unit_bytes))
+        self._actions = UnitActions(len(self.unit_bytes))
 
     # ---------------------------------------------------------------- queries
     @property

@@ -102,8 +102,8 @@ class OverlapState:
         gather_dtype = config.param_dtype
         reduce_dtype = config.reduce_dtype or config.param_dtype
         self.schedule = Schedule(
-            unit_bytes=[_held_bytes(u, gather_dtype) for u in units],
-            grad_bytes=[_grad_bytes(u, reduce_dtype) for u in units],
+            unit_bytes=[u.held_bytes(gather_dtype) for u in units],
+            grad_bytes=[u.grad_bytes(reduce_dtype) for u in units],
             config=ScheduleConfig(
                 prefetch_depth=config.prefetch_depth,
                 max_inflight_bytes=config.max_inflight_allgather_bytes,
@@ -230,7 +230,7 @@ class OverlapState:
             self._has_frozen[index] = not all(flags)
             self._hook_trainable(index)
             self.runtime.forget_residuals(index)
-            self.schedule.set_grad_bytes(index, _grad_bytes(unit, self._reduce_dtype))
+            self.schedule.set_grad_bytes(index, unit.grad_bytes(self._reduce_dtype))
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -481,23 +481,6 @@ class _BackwardDone(torch.autograd.Function):
         for index in ctx.indices:
             ctx.state._unit_backward_done(index)
         return (None, None, *grads)
-
-
-def _held_bytes(unit: UnitTensors, gather_dtype: torch.dtype | None) -> int:
-    """Bytes a gathered unit holds, as the prefetch budget counts them: its unsharded storage
-    (the all-gather output is the same size, alive only until copy-out), plus the cast of its
-    shard into the gather dtype when there is one."""
-    cast = 0
-    if gather_dtype is not None and gather_dtype != unit.shard.dtype:
-        cast = unit.shard.numel() * torch.empty(0, dtype=gather_dtype).element_size()
-    return unit.unsharded_nbytes + cast
-
-
-def _grad_bytes(unit: UnitTensors, reduce_dtype: torch.dtype | None) -> int:
-    """Bytes the unit adds to a reduce-scatter bucket (0: nothing to reduce)."""
-    dtype = reduce_dtype or unit.unsharded_flat.dtype
-    numel = unit.layout.grad_shard_numel * unit.layout.world_size
-    return numel * torch.empty(0, dtype=dtype).element_size()
 
 
 class HookedModules(NamedTuple):

@@ -94,6 +94,20 @@ class UnitTensors:
     def unsharded_nbytes(self) -> int:
         return self.unsharded_flat.numel() * self.unsharded_flat.element_size()
 
+    def held_bytes(self, gather_dtype: torch.dtype | None) -> int:
+        """Bytes the unit holds while gathered, as the prefetch budget counts them: its unsharded
+        storage (the all-gather output is the same size, alive only until copy-out), plus the
+        cast of its shard into the gather dtype when there is one."""
+        cast = 0
+        if gather_dtype is not None and gather_dtype != self.shard.dtype:
+            cast = self.shard.numel() * gather_dtype.itemsize
+        return self.unsharded_nbytes + cast
+
+    def grad_bytes(self, reduce_dtype: torch.dtype | None) -> int:
+        """Bytes the unit adds to a reduce-scatter bucket (0: nothing to reduce)."""
+        dtype = reduce_dtype or self.unsharded_flat.dtype
+        return self.layout.grad_shard_numel * self.layout.world_size * dtype.itemsize
+
     def alias_shard(self) -> None:
         """Make the unsharded parameters views of the shard ([Note: aliased units])."""
         params = []
