@@ -91,6 +91,37 @@ def test_first_step_checks_every_collective():
     assert not any(isinstance(a, CheckOrder) for a in sequential_step(s, 3))
 
 
+def _forward_only(s: Schedule, n: int) -> list:
+    out = s.begin_forward()
+    for u in range(n):
+        out += s.pre_forward(u) + s.post_forward(u, False)
+    return out + s.end_forward(False)
+
+
+def test_order_checks_stop_per_phase():
+    """[Note: collective order]: an evaluation before training, and leading no_sync
+    micro-batches, pay each phase's checks once; the checks of a phase not yet seen stay."""
+    s = make(3)
+    first_eval = _forward_only(s, 3)
+    assert sum(isinstance(a, CheckOrder) for a in first_eval) == 3 + 1  # each gather + the order
+    assert not any(isinstance(a, CheckOrder) for a in _forward_only(s, 3))  # evaluation: checked
+    s.sync_grads = False
+    accumulate = sequential_step(s, 3)
+    forward_end = next(i for i, a in enumerate(accumulate) if isinstance(a, Gather) and a.for_backward)
+    assert not any(isinstance(a, CheckOrder) for a in accumulate[: forward_end - 1])  # forward: checked
+    backward_gathers = [a for a in accumulate if isinstance(a, Gather) and a.for_backward]
+    assert backward_gathers and all(  # the first backward's gathers are checked
+        isinstance(accumulate[accumulate.index(g) - 1], CheckOrder) for g in backward_gathers
+    )
+    assert not any(isinstance(a, CheckOrder) for a in sequential_step(s, 3))  # second no_sync: none
+    s.sync_grads = True
+    synced = sequential_step(s, 3)
+    checks = [a for a in synced if isinstance(a, CheckOrder)]
+    # only the reductions (and the backward order) are still unchecked
+    assert [c.what for c in checks] == ["reduce"] * 3 + ["backward"], checks
+    assert not any(isinstance(a, CheckOrder) for a in sequential_step(s, 3))
+
+
 def test_zero2_gathers_once_and_buckets_by_bytes():
     s = make(4, depth=0, reshard=False, bucket=400)
     sequential_step(s, 4)

@@ -44,9 +44,12 @@ Units kept for backward wait outside this budget ([Note: units kept for backward
 
 [Note: collective order]
 Every rank must issue the same collectives in the same order. Gathers follow the unit order
-recorded on the first step. Until the first forward (and the first backward) has completed, every
-gather (and reduction) is preceded by a `CheckOrder`: a tiny all-gather of what this rank is about
-to exchange. Checks pair with checks on every rank, so a rank whose model runs differently raises
+recorded on the first step. Until the first forward has completed, every forward gather is
+preceded by a `CheckOrder`: a tiny all-gather of what this rank is about to exchange (a host
+round trip, a device sync on CUDA). Gathers for backward are checked until the first backward has
+completed (one under no_sync counts), reductions until the first backward that reduces. Each
+phase stops on its own: an evaluation before training, an inference-only job or leading no_sync
+micro-batches pay the checks once, not on every gather. Checks pair with checks on every rank, so a rank whose model runs differently raises
 a ValueError on all ranks at the first divergent collective, instead of exchanging the wrong
 units (or, with gloo, aborting on a size mismatch). After that the recorded orders are trusted
 and the checks cost nothing. Units whose parameters got no gradient are reduced all the same, in
@@ -141,7 +144,8 @@ class Schedule:
     _seen_forward: list[int] = field(init=False, default_factory=list)
     _seen_backward: list[int] = field(init=False, default_factory=list)
     _forward_checked: bool = field(init=False, default=False)
-    _backward_checked: bool = field(init=False, default=False)
+    _backward_checked: bool = field(init=False, default=False)  # reductions checked
+    _backward_gathers_checked: bool = field(init=False, default=False)
     _cursor: int = field(init=False, default=-1)  # position of the computing unit in the order
     _gathering_for_backward: bool = field(init=False, default=False)  # after end_forward
     _started_backward: set[int] = field(init=False, default_factory=set)
@@ -219,7 +223,8 @@ class Schedule:
 
     def _gather(self, unit: int, out: list[Action]) -> None:
         self._move(unit, UnitState.GATHERING)
-        if not (self._forward_checked and self._backward_checked):
+        checked = self._backward_gathers_checked if self._gathering_for_backward else self._forward_checked
+        if not checked:  # [Note: collective order]
             key = ("gather", unit)
             out.append(CheckOrder("gather", order_hash(key), (unit,)))
         out.append(self._actions.gather[self._gathering_for_backward][unit])
@@ -484,6 +489,7 @@ class Schedule:
         self._in_flight = []
         self._inputs_alive = []
         assert not self.held_units(), f"units still unsharded after backward: {self.held_units()}"
+        self._backward_gathers_checked = True
         if not self._backward_checked and self.sync_grads:
             self._backward_checked = True
             self.backward_order = tuple(self._seen_backward)
