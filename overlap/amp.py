@@ -21,10 +21,11 @@ Usage (fp32 master shards and optimizer state, fp16 all-gather, compute and grad
         scaler.update()                       # the same new scale on every rank
         opt.zero_grad()
 
-Gradients are reduce-scattered in `reduce_dtype`, which defaults to `param_dtype`: the sum over
-ranks of scaled fp16 gradients can overflow where no single rank's gradient did. The scaler
-catches that as any other overflow (skip, halve the scale); `reduce_dtype=torch.float32` avoids
-it at twice the reduce-scatter bytes. bfloat16 has fp32's exponent range and needs no scaler.
+Gradients are reduce-scattered in `reduce_dtype`, which defaults to `param_dtype`. So that the
+sum over N ranks of scaled fp16 gradients does not overflow where no single rank's gradient did,
+each is divided by a power of two near sqrt(N) before the sum and the sum by the rest after, as
+FSDP2 does ([Note: dividing the sum] in engine/reduction.py); an overflow left is caught as any
+other (skip, halve the scale). bfloat16 has fp32's exponent range and needs no scaler.
 
 [Note: found-inf across ranks]
 `unscale_` unscales every gradient's local shard in place (one fused check-and-unscale per

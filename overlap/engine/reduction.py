@@ -9,6 +9,7 @@ memory, codecs).
 from __future__ import annotations
 
 import functools
+import math
 import warnings
 from dataclasses import dataclass
 from collections.abc import Iterable
@@ -41,6 +42,32 @@ def _widest(dtypes: Iterable[torch.dtype]) -> torch.dtype:
     return functools.reduce(torch.promote_types, dtypes)
 
 
+def gradient_divisors(ranks: int, dtype: torch.dtype, native_average: bool) -> tuple[float, float, bool]:
+    """(pre, post, native): how the sum of `ranks` gradients of `dtype` becomes their mean.
+
+    [Note: dividing the sum]
+    DDP and FSDP2 average gradients over ranks. Three ways, by what the backend and dtype allow:
+    - native: the collectives average themselves (`ReduceOp.AVG`, NCCL, fp32 and bf16), as FSDP2
+      does: no pass of ours. NCCL averages a float as the sum of each input times 1/N, which
+      at a power-of-two N is the sum of g/N exactly: DDP's pre-divided sum.
+    - fp16 (any backend): the sum of N gradients GradScaler scaled up to 2^16 overflows fp16's
+      65504 where no single one did. Each input is divided by `pre` before the sum (a power of
+      two near sqrt(N): exact) and the sum by `post` = N / pre after, so neither the inputs nor
+      the sum leave the range. At two ranks pre = 2, post = 1: DDP's g/2 + g/2 bitwise.
+    - otherwise (gloo, fp32/bf16): the sum, divided by N once (in the all-to-all's summing pass
+      where there is one, [Note: one pass for the sum]); at two ranks (a + b) / 2 equals DDP's
+      a/2 + b/2 bitwise, a division by two being exact.
+    """
+    if ranks <= 1:
+        return 1.0, 1.0, False
+    if dtype == torch.float16:
+        pre = float(2 ** math.ceil(math.log2(ranks) / 2))
+        return pre, ranks / pre, False
+    if native_average:
+        return 1.0, 1.0, True
+    return 1.0, float(ranks), False
+
+
 @dataclass
 class PendingReduce:
     """A bucket from its reduce-scatter to the end of backward ([Note: reduce buffers] in
@@ -53,6 +80,8 @@ class PendingReduce:
     input_bytes: int  # accounted bytes of the input buffers (released with `result`)
     reduced: torch.Tensor | None = None  # [summed gradients | used counts]
     averaged: bool = False  # the reduction's sum already divided its gradients ([Note: one pass for the sum])
+    post: float = 1.0  # what wait_reduce divides the sum by, unless averaged ([Note: dividing the sum])
+    native: bool = False  # the collectives average themselves (ReduceOp.AVG): the HSDP all-reduce too
     all_reduce: comm.CommResult | None = None  # HSDP: the sum of `reduced` across replicas
     all_reduce_event: torch.cuda.Event | None = None  # CUDA: the all-reduce stream after it
 
@@ -111,21 +140,26 @@ class Reductions:
             full = torch.empty(n, total_cols, dtype=dtype, device=self.device)
             self._copy_in(indices, used, srcs, full, sizes, data_cols)
             del srcs
+            transport = self.transport
+            native_ok = self.grad_codec is None and fused is None and transport.averages(dtype)
+            pre, post, native = gradient_divisors(n * self.num_replicas, dtype, native_ok)
+            if pre != 1:  # fp16: [Note: dividing the sum]; the used flags stay > 0 (1/pre, exact)
+                full[:, :reduce_cols].div_(pre)
             if fused is not None:
                 full[:, reduce_cols:].copy_(shard_send.expand(n, shard_send.numel()))
-            transport = self.transport
             transport.before_reduce()
             span = self.timer.start("collective", "reduce", self._span_label(indices), transport.reduce_stream, nbytes(full))
             # [Note: one pass for the sum] Through all-to-all, the received chunks are summed
             # here, and the average (sum, then divide, as wait_reduce does otherwise) is taken in
             # the same pass (kernels.sum_rows); not under HSDP, which divides after its all-reduce.
-            divide = comm.Divide(width_grads, n) if self.replicate_group is None and n > 1 else None
-            averaged = divide is not None and (fused is not None or (self.grad_codec is None and transport.reduce_divides))
+            divide = comm.Divide(width_grads, post) if self.replicate_group is None and post != 1 else None
+            host_divides = divide is not None and (fused is not None or (self.grad_codec is None and transport.reduce_divides))
+            averaged = native or post == 1 or host_divides
             with transport.on(transport.reduce_stream):
                 if fused is not None:
                     result, gather = transport.reduce_scatter_and_gather(full, reduce_cols, divide)
                 elif self.grad_codec is None:
-                    result = transport.reduce_scatter(full, divide)
+                    result = transport.reduce_scatter(full, divide, native)
                 else:  # gradient rows contiguous for the encoder; flags exact, beside them
                     residual = self._residual(indices, width_grads)
                     result = transport.reduce_scatter_encoded(full, flags.view(n, -1), self.grad_codec, residual)
@@ -139,7 +173,7 @@ class Reductions:
             input_bytes -= gather_bytes
             self._fused_gather_issued(fused.unit, gather, gather_bytes)
         self.memory.add("reduce_inputs", input_bytes)
-        pending = PendingReduce(result, event, all(used), input_bytes, averaged=averaged)
+        pending = PendingReduce(result, event, all(used), input_bytes, averaged=averaged, post=post, native=native)
         self._pending[bucket] = pending
         self._pending_units[bucket] = indices
         sent = result.inputs[0]
@@ -268,7 +302,7 @@ class Reductions:
             return
         with _phase("all_reduce", f"bucket{bucket}"):
             pending.all_reduce, pending.all_reduce_event = self.transport.all_reduce(
-                reduced, pending.event, self._span_label(indices)
+                reduced, pending.event, self._span_label(indices), pending.native
             )
         self.stats.record_issue("all_reduce", nbytes(reduced))
 
@@ -325,9 +359,8 @@ class Reductions:
             # host reads them (a device sync on CUDA) only when it did not.
             num_flags = reduced.numel() - grad_numel
             used = [1.0] * num_flags if pending.all_used else reduced[grad_numel:].tolist()
-            # Sum, then divide: at world size 2 this equals DDP's (g/2 + g/2) bitwise.
-            if self.world_size * self.num_replicas > 1 and not pending.averaged:
-                grads.div_(self.world_size * self.num_replicas)
+            if not pending.averaged:  # [Note: dividing the sum]
+                grads.div_(pending.post)
             offset = grads.storage_offset()
             for unit in units:
                 num_trainable = len(unit.grad_locals)

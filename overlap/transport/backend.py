@@ -68,6 +68,12 @@ class CommSemantics:
     wait, futures complete at enqueue, host-side timing of a collective means nothing."""
 
     @property
+    def native_average(self) -> bool:
+        """The backend's reduce-scatter and all-reduce take `ReduceOp.AVG` (NCCL does; gloo
+        raises on it): a floating-point mean without a divide pass of our own."""
+        return self.backend == "nccl" and self.device_type != "cpu"
+
+    @property
     def wait_timeout_blocks_host(self) -> bool:
         """`Work.wait(timeout)` would block the CPU until the collective finishes: never pass one."""
         return self.stream_ordered

@@ -168,13 +168,18 @@ class Transport:
         """Whether `reduce_scatter` applies its `divide` itself ([Note: one pass for the sum])."""
         return comm.divides(self.reduce_impl, self.world_size)
 
+    def averages(self, dtype: torch.dtype) -> bool:
+        """Whether `reduce_scatter` and `all_reduce` can return the mean of `dtype` gradients
+        themselves (`average=True`, [Note: dividing the sum] in engine/reduction.py). None do by default."""
+        return False
+
     def before_reduce(self) -> None:
         """Before a reduction is issued. Each transport."""
         raise NotImplementedError
 
-    def reduce_scatter(self, full: torch.Tensor, divide: comm.Divide | None) -> comm.CommResult:
+    def reduce_scatter(self, full: torch.Tensor, divide: comm.Divide | None, average: bool = False) -> comm.CommResult:
         """Reduce-scatter the rank-major `full` (collectives.reduce_scatter_flat)."""
-        return comm.reduce_scatter_flat(full.view(-1), self.group, self.world_size, self.reduce_impl, None, divide)
+        return comm.reduce_scatter_flat(full.view(-1), self.group, self.world_size, self.reduce_impl, None, divide, average)
 
     def reduce_scatter_encoded(
         self, full: torch.Tensor, flags: torch.Tensor, codec: Codec, residual: FeedbackResidual | None
@@ -192,9 +197,10 @@ class Transport:
         raise NotImplementedError
 
     def all_reduce(
-        self, reduced: torch.Tensor, after: torch.cuda.Event | None, label: str
+        self, reduced: torch.Tensor, after: torch.cuda.Event | None, label: str, average: bool = False
     ) -> tuple[comm.CommResult, torch.cuda.Event | None]:
-        """HSDP: sum a reduced shard across replicas ([Note: hybrid sharding]). Each transport."""
+        """HSDP: sum (`average`: average) a reduced shard across replicas ([Note: hybrid sharding]).
+        Each transport."""
         raise NotImplementedError
 
     def finish_reduce(

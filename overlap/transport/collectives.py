@@ -239,11 +239,13 @@ def reduce_scatter_flat(
     impl: ReduceImpl = "native",
     slack: RecvSlack | None = None,
     divide: Divide | None = None,
+    average: bool = False,
 ) -> CommResult:
     """Sum the rank-major `full` (world_size * n) over ranks; this rank keeps its n-element chunk.
     `divide`: through all-to-all, the sum's first `divide.numel` elements are divided by
     `divide.divisor` in the same pass (`kernels.sum_rows`); natively they are not (the caller
-    divides; `divides(impl, world_size)` says which).
+    divides; `divides(impl, world_size)` says which). `average`: natively, the backend's
+    `ReduceOp.AVG` (every element, NCCL only: `CommSemantics.native_average`).
 
     [Note: reduce-scatter through all-to-all]
     "native" calls the backend's reduce-scatter. "all_to_all" sends chunk r to rank r and sums
@@ -262,7 +264,8 @@ def reduce_scatter_flat(
         received, work, starts = _exchange(full, world_size, group, slack, _rank(group, slack))
         return CommResult(received, work, (full,), _sum_rows(world_size, n, n, starts, full, divide))
     out = torch.empty(n, dtype=full.dtype, device=full.device)
-    work = _reduce_scatter(out, full, op=dist.ReduceOp.SUM, group=group, async_op=True)
+    op = dist.ReduceOp.AVG if average else dist.ReduceOp.SUM
+    work = _reduce_scatter(out, full, op=op, group=group, async_op=True)
     return CommResult(out, work, (full,))
 
 
@@ -291,9 +294,11 @@ def reduce_scatter_and_gather(
     return reduce, CommResult(received, work, (rows,), gathered)
 
 
-def all_reduce_flat(tensor: torch.Tensor, group: dist.ProcessGroup) -> CommResult:
-    """Sum `tensor` in place over `group` (HSDP: a reduced gradient shard across replicas)."""
-    work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=True)
+def all_reduce_flat(tensor: torch.Tensor, group: dist.ProcessGroup, average: bool = False) -> CommResult:
+    """Sum (`average`: the backend's mean, NCCL only) `tensor` in place over `group` (HSDP: a
+    reduced gradient shard across replicas)."""
+    op = dist.ReduceOp.AVG if average else dist.ReduceOp.SUM
+    work = dist.all_reduce(tensor, op=op, group=group, async_op=True)
     return CommResult(tensor, work, (tensor,))
 
 

@@ -191,7 +191,8 @@ class HostTransport(Transport):
     def before_reduce(self) -> None:
         pass
 
-    def reduce_scatter(self, full: torch.Tensor, divide: comm.Divide | None) -> comm.CommResult:
+    def reduce_scatter(self, full: torch.Tensor, divide: comm.Divide | None, average: bool = False) -> comm.CommResult:
+        assert not average, "gloo has no ReduceOp.AVG: the host transport divides (averages() is False)"
         return comm.reduce_scatter_flat(full.view(-1), self.group, self.world_size, self.reduce_impl, self.slack, divide)
 
     def reduce_scatter_encoded(
@@ -210,9 +211,9 @@ class HostTransport(Transport):
         return reduced
 
     def all_reduce(
-        self, reduced: torch.Tensor, after: torch.cuda.Event | None, label: str
+        self, reduced: torch.Tensor, after: torch.cuda.Event | None, label: str, average: bool = False
     ) -> tuple[comm.CommResult, torch.cuda.Event | None]:
-        assert self.replicate_group is not None
+        assert self.replicate_group is not None and not average
         span = self.timer.start("collective", "all_reduce", label, None, reduced.numel() * reduced.element_size())
         result = comm.all_reduce_flat(reduced, self.replicate_group)
         self.timer.stop(span, work=result.work)

@@ -97,6 +97,11 @@ class StreamTransport(Transport):
             fingerprints.check(gathered, self.world_size, unit.gather_tag, what)
 
     # ------------------------------------------------------------------ reductions
+    def averages(self, dtype: torch.dtype) -> bool:
+        # fp16 is pre- and post-divided instead ([Note: dividing the sum] in engine/reduction.py)
+        native = self.semantics.native_average and self.reduce_impl == "native"
+        return native and dtype in (torch.float32, torch.bfloat16)
+
     def before_reduce(self) -> None:
         assert self.reduce_stream is not None
         self.reduce_stream.wait_stream(self._compute())
@@ -114,14 +119,14 @@ class StreamTransport(Transport):
         return None
 
     def all_reduce(
-        self, reduced: torch.Tensor, after: torch.cuda.Event | None, label: str
+        self, reduced: torch.Tensor, after: torch.cuda.Event | None, label: str, average: bool = False
     ) -> tuple[comm.CommResult, torch.cuda.Event | None]:
         assert self.replicate_group is not None and self.all_reduce_stream is not None and after is not None
         stream = self.all_reduce_stream
         stream.wait_event(after)
         with torch.cuda.stream(stream):
             span = self.timer.start("collective", "all_reduce", label, stream, nbytes(reduced))
-            result = comm.all_reduce_flat(reduced, self.replicate_group)
+            result = comm.all_reduce_flat(reduced, self.replicate_group, average)
             self.wait(result)  # the all-reduce stream waits, in order ([Note: streams])
             self.timer.stop(span, stream)
             return result, stream.record_event()
