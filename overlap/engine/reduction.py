@@ -296,6 +296,8 @@ class Reductions:
         """The bucket's reduced shard exists (or is enqueued): keep it; HSDP: sum it across
         replicas ([Note: hybrid sharding] in groups.py), on CUDA on its own stream behind the
         reduce-scatter's event, on CPU right away (in bucket order on every rank)."""
+        if self.replicate_group is None:  # HSDP: after its all-reduce, in wait_reduce
+            reduced = self._finish_shard(indices, pending, reduced)
         pending.reduced = reduced
         self.memory.add("reduce_outputs", nbytes(reduced))
         if self.replicate_group is None:
@@ -305,6 +307,28 @@ class Reductions:
                 reduced, pending.event, self._span_label(indices), pending.native
             )
         self.stats.record_issue("all_reduce", nbytes(reduced))
+
+    def _finish_shard(self, indices: tuple[int, ...], pending: PendingReduce, reduced: torch.Tensor) -> torch.Tensor:
+        """Divide the reduced gradients ([Note: dividing the sum]) and cast them to the sharded
+        parameters' dtype, once per bucket, where the reduction ran (on CUDA the reduce stream,
+        behind the reduce-scatter), so that the end of backward is left only the `.grad`
+        DTensors to make. The used counts ride along (small integers: exact in any dtype)."""
+        dtypes = {param.dtype for i in indices for param, *_ in self.units[i].grad_locals}
+        cast = dtypes.pop() if len(dtypes) == 1 else None  # mixed: per parameter, in _accumulate
+        if cast == reduced.dtype:
+            cast = None
+        if pending.averaged and cast is None:
+            return reduced
+        grad_numel = sum(self.units[i].layout.grad_shard_numel for i in indices)
+
+        def finish() -> torch.Tensor:
+            if not pending.averaged:
+                reduced[:grad_numel].div_(pending.post)
+            return reduced if cast is None else reduced.to(cast)
+
+        reduced, pending.event = self.transport.after_reduction(finish, pending.event)
+        pending.averaged = True
+        return reduced
 
     def forget_residuals(self, unit: int) -> None:
         """Drop the error-feedback residuals of every bucket holding `unit` (its gradient layout

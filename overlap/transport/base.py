@@ -168,6 +168,11 @@ class Transport:
         """Whether `reduce_scatter` applies its `divide` itself ([Note: one pass for the sum])."""
         return comm.divides(self.reduce_impl, self.world_size)
 
+    def after_reduction(self, fn: Callable[[], torch.Tensor], after: torch.cuda.Event | None) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        """Run `fn` (the work on a reduced shard: its division, its cast) behind `after`, where
+        reductions run: (its result, the event after it). Each transport."""
+        raise NotImplementedError
+
     def averages(self, dtype: torch.dtype) -> bool:
         """Whether `reduce_scatter` and `all_reduce` can return the mean of `dtype` gradients
         themselves (`average=True`, [Note: dividing the sum] in engine/reduction.py). None do by default."""

@@ -18,6 +18,7 @@ import ctypes
 import ctypes.util
 import functools
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -203,6 +204,9 @@ class HostTransport(Transport):
     def reduce_issued(self, result: comm.CommResult, span: Any) -> tuple[torch.cuda.Event | None, torch.Tensor | None]:
         self.timer.stop(span, work=result.work)
         return None, None
+
+    def after_reduction(self, fn: Callable[[], torch.Tensor], after: torch.cuda.Event | None) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        return fn(), None  # the training thread, now
 
     def release_reduce(self, result: comm.CommResult, event: torch.cuda.Event | None) -> torch.Tensor | None:
         # wait for the work; sum (or decode) what all-to-all received

@@ -26,6 +26,7 @@ exchange and the gather of a pair are gloo's (transport/host.py), and
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -112,6 +113,14 @@ class StreamTransport(Transport):
         reduced = self.wait(result)
         self.timer.stop(span, self.reduce_stream)
         return self.reduce_stream.record_event(), reduced
+
+    def after_reduction(self, fn: Callable[[], torch.Tensor], after: torch.cuda.Event | None) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        # on the reduce stream, behind the reduction (`after` was recorded on it); what `fn`
+        # allocates belongs to the reduce stream, as the reduced shard does ([Note: streams])
+        assert self.reduce_stream is not None
+        with torch.cuda.stream(self.reduce_stream):
+            out = fn()
+        return out, self.reduce_stream.record_event()
 
     def release_reduce(self, result: comm.CommResult, event: torch.cuda.Event | None) -> torch.Tensor | None:
         # compute may reuse the input once the reduce-scatter is done
