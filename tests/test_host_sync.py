@@ -226,3 +226,34 @@ def test_backend_semantics_decided_per_device(backend_string, device, blocks, im
 def test_backend_without_device_type_is_an_error():
     with pytest.raises(ValueError, match="none for cuda"):
         backend.backend_for("cpu:gloo", "cuda")
+
+
+def test_host_read_of_a_cpu_tensor_reads_at_values():
+    """A reduction's used counts on the CPU are read when wanted, after the waits since (an HSDP
+    all-reduce in flight on a gloo thread at the time of the read's creation)."""
+    from overlap.transport.readback import HostRead
+
+    counts = torch.zeros(3)
+    read = HostRead(counts)
+    counts.add_(2)  # what the all-reduce adds later
+    assert read.values() == [2.0, 2.0, 2.0]
+
+
+def test_used_flag_patterns_are_bounded():
+    """Review 2, finding 6c: MoE routing makes a new used pattern most steps; the device cache
+    keeps the most recently used FLAG_PATTERNS, each uploaded once while it is kept."""
+    from collections import OrderedDict
+    from types import SimpleNamespace
+
+    from overlap.engine.reduction import FLAG_PATTERNS, Reductions
+
+    fake = SimpleNamespace(_flags=OrderedDict(), world_size=2, device=torch.device("cpu"))
+    patterns = [tuple(b == "1" for b in f"{i:08b}") for i in range(FLAG_PATTERNS + 10)]
+    first = Reductions._flags_for(fake, patterns[0], torch.float32)
+    assert first.tolist() == [0.0] * 16  # pattern 0 (none used), one row per rank
+    for pattern in patterns[1:]:
+        Reductions._flags_for(fake, pattern, torch.float32)
+        Reductions._flags_for(fake, patterns[0], torch.float32)  # kept: recently used
+    assert len(fake._flags) == FLAG_PATTERNS
+    assert Reductions._flags_for(fake, patterns[0], torch.float32) is first  # never re-uploaded
+    assert (patterns[1], torch.float32) not in fake._flags  # the least recently used went

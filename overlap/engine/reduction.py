@@ -26,6 +26,11 @@ from overlap.engine.units import CHUNK_ALIGN_NUMEL
 from overlap.observe.memory import nbytes
 from overlap.transport import collectives as comm
 from overlap.transport.fingerprint import TRAIL_MASK
+from overlap.transport.readback import HostRead
+
+
+FLAG_PATTERNS = 64
+"""Used-flag patterns kept on the device per runtime (least recently used dropped first)."""
 
 
 def flag_cols(num_flags: int) -> int:
@@ -82,6 +87,7 @@ class PendingReduce:
     averaged: bool = False  # the reduction's sum already divided its gradients ([Note: one pass for the sum])
     post: float = 1.0  # what wait_reduce divides the sum by, unless averaged ([Note: dividing the sum])
     native: bool = False  # the collectives average themselves (ReduceOp.AVG): the HSDP all-reduce too
+    counts: HostRead | None = None  # the used counts, read back when this rank left a gradient out
     all_reduce: comm.CommResult | None = None  # HSDP: the sum of `reduced` across replicas
     all_reduce_event: torch.cuda.Event | None = None  # CUDA: the all-reduce stream after it
 
@@ -102,7 +108,9 @@ class Reductions:
         (find_unused_parameters=True) leaves it, instead of getting zeros that an optimizer
         with weight decay or momentum would act on. The flags tensor for a pattern is built
         once and cached on the device; the counts are read back only when this rank left some
-        parameter of the bucket without gradient (otherwise every count is >= 1).
+        parameter of the bucket without gradient (otherwise every count is >= 1), through a
+        pinned copy enqueued behind the reduction (`HostRead`): the end of backward waits for
+        that copy's event, not for the device.
         """
         self.reduce_trail = hash((self.reduce_trail, indices)) & TRAIL_MASK  # [Note: reduction trail]
         n = self.world_size
@@ -272,12 +280,22 @@ class Reductions:
 
     def _flags_for(self, used: tuple[bool, ...], dtype: torch.dtype) -> torch.Tensor:
         """The used-flag columns for every row ([Note: used flags]), cached on the device per
-        pattern: built from host data once, never again in steady state."""
+        pattern: built from host data once, never again in steady state. On CUDA the upload is
+        a non-blocking copy from pinned memory (no host sync); the cache keeps the
+        `FLAG_PATTERNS` most recently used patterns (MoE routing makes new ones every step)."""
         key = (used, dtype)
         flags = self._flags.get(key)
         if flags is None:
-            flags = torch.tensor(used, dtype=dtype).repeat(self.world_size).to(self.device)
+            host = torch.tensor(used, dtype=dtype).repeat(self.world_size)
+            if self.device.type == "cuda":
+                flags = host.pin_memory().to(self.device, non_blocking=True)
+            else:
+                flags = host.to(self.device)
             self._flags[key] = flags
+            while len(self._flags) > FLAG_PATTERNS:
+                self._flags.popitem(last=False)
+        else:
+            self._flags.move_to_end(key)
         return flags
 
     def release_reduce(self, bucket: int) -> None:
@@ -300,13 +318,16 @@ class Reductions:
             reduced = self._finish_shard(indices, pending, reduced)
         pending.reduced = reduced
         self.memory.add("reduce_outputs", nbytes(reduced))
-        if self.replicate_group is None:
-            return
-        with _phase("all_reduce", f"bucket{bucket}"):
-            pending.all_reduce, pending.all_reduce_event = self.transport.all_reduce(
-                reduced, pending.event, self._span_label(indices), pending.native
-            )
-        self.stats.record_issue("all_reduce", nbytes(reduced))
+        if self.replicate_group is not None:
+            with _phase("all_reduce", f"bucket{bucket}"):
+                pending.all_reduce, pending.all_reduce_event = self.transport.all_reduce(
+                    reduced, pending.event, self._span_label(indices), pending.native
+                )
+            self.stats.record_issue("all_reduce", nbytes(reduced))
+        if not pending.all_used:  # [Note: used flags]: read back behind the reduction, not at its wait
+            grad_numel = sum(self.units[i].layout.grad_shard_numel for i in indices)
+            stream = self.transport.all_reduce_stream if self.replicate_group is not None else self.transport.reduce_stream
+            pending.counts = HostRead(reduced[grad_numel:], stream)
 
     def _finish_shard(self, indices: tuple[int, ...], pending: PendingReduce, reduced: torch.Tensor) -> torch.Tensor:
         """Divide the reduced gradients ([Note: dividing the sum]) and cast them to the sharded
@@ -380,9 +401,9 @@ class Reductions:
         with torch.no_grad():
             grads = reduced[:grad_numel]
             # [Note: used flags]: every count is >= 1 when this rank used every parameter; the
-            # host reads them (a device sync on CUDA) only when it did not.
+            # host reads them only when it did not, from a copy enqueued behind the reduction.
             num_flags = reduced.numel() - grad_numel
-            used = [1.0] * num_flags if pending.all_used else reduced[grad_numel:].tolist()
+            used = [1.0] * num_flags if pending.counts is None else pending.counts.values()
             if not pending.averaged:  # [Note: dividing the sum]
                 grads.div_(pending.post)
             offset = grads.storage_offset()

@@ -23,6 +23,7 @@ tests/test_host_sync.py records every such call made from library code and expec
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -83,7 +84,7 @@ class Runtime(Reductions):
     step: int = field(init=False, default=0)  # steps begun on this rank, in the tags
     reduce_trail: int = field(init=False, default=0)  # the reductions since the last roll: [Note: reduction trail]
     last_trail: int = field(init=False, default=0)  # those of the last step that reduced, in the tags
-    _flags: dict[tuple[tuple[bool, ...], torch.dtype], torch.Tensor] = field(init=False, default_factory=dict)
+    _flags: OrderedDict[tuple[tuple[bool, ...], torch.dtype], torch.Tensor] = field(init=False, default_factory=OrderedDict)
     _labels: dict[tuple[int, ...], str] = field(init=False, default_factory=dict)  # _span_label's
     _bound_copy_in: dict[tuple, Any] = field(init=False, default_factory=dict)  # by bucket layout
     sync_grads: bool = field(init=False, default=True)  # this backward reduces (not under no_sync)
