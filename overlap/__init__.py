@@ -14,6 +14,7 @@ from overlap.api import (
     memory_stats,
     no_sync,
     step_stats,
+    tuned_config,
 )
 from overlap.amp import ShardedGradScaler
 from overlap.transport.fingerprint import CollectiveMismatchError
@@ -34,6 +35,7 @@ __all__ = [
     "memory_stats",
     "no_sync",
     "step_stats",
+    "tuned_config",
     "wrap",
 ]
 __version__ = "0.1.0"

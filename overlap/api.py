@@ -11,6 +11,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
+from overlap.config import OverlapConfig
 from overlap.observe.memory import MemoryStats
 from overlap.state_dict import full_state_dict, load_full_state_dict
 from overlap.observe.stats import StepStats
@@ -78,3 +79,10 @@ def memory_stats(model: nn.Module, reset_peak: bool = False) -> MemoryStats:
     if reset_peak:
         account.reset_peak()
     return stats
+
+
+def tuned_config(model: nn.Module) -> OverlapConfig:
+    """The model's OverlapConfig with the schedule knobs in force now: with `autotune`, what the
+    tuner chose so far (autotune off, to reuse: `.save(path)`); without, the config given to wrap."""
+    state = state_of(model)
+    return state.config if state.autotuner is None else state.autotuner.tuned_config()

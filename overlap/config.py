@@ -216,6 +216,28 @@ class OverlapConfig:
     its own values, and ranks seeded differently silently train a mix of initializations. See
     [Note: sync from the source] in sync.py."""
 
+    autotune: bool = False
+    """Tune the schedule's knobs while training: `prefetch_depth`, `max_inflight_allgather_bytes`
+    (when set), `reduce_scatter_bucket_bytes` (not with `grad_compression`),
+    `keep_for_backward_bytes` and `max_reduce_inputs` move, one at a time, toward a faster step,
+    measured on every rank, within `autotune_memory_bytes`; every rank takes the same decision at
+    the same step, and the numbers do not change (the knobs decide when collectives run, not what
+    they carry). It settles after a few dozen steps, then looks again every 50 steps and
+    searches again when the step drifts by more than 10%. The configured values are where it
+    starts. `overlap.tuned_config(model)` is the result. See [Note: autotune] in
+    engine/autotune_policy.py. Off by default (README "Tuning": when it pays)."""
+
+    autotune_memory_bytes: int | None = None
+    """With `autotune`: a setting whose library memory peak (`overlap.memory_stats`) exceeds this
+    is never kept. None: what the library holds at wrap plus half the device's free memory (CPU:
+    half the available RAM, shared by the local ranks)."""
+
+    autotune_dir: str | None = None
+    """With `autotune`: rank 0 writes `autotune.json` (each decision, and per step the knobs and
+    times; `overlap report DIR` draws it) and `tuned_config.json` (this config with the best knobs
+    so far, autotune off) here at each decision. None: `trace_dir` when set, else nothing is written (the
+    decisions are still logged, logger "overlap.autotune")."""
+
     def __post_init__(self) -> None:
         policy = self.unit_policy
         if isinstance(policy, (set, list, tuple)):
@@ -293,6 +315,11 @@ class OverlapConfig:
             raise ValueError("error_feedback=True needs a grad_compression codec")
         if not isinstance(self.sync_module_states, bool):
             raise ValueError(f"sync_module_states must be True or False, got {self.sync_module_states!r}")
+        if not isinstance(self.autotune, bool):
+            raise ValueError(f"autotune must be True or False, got {self.autotune!r}")
+        cap = self.autotune_memory_bytes
+        if cap is not None and (not isinstance(cap, int) or isinstance(cap, bool) or cap <= 0):
+            raise ValueError(f"autotune_memory_bytes must be None or an int > 0, got {cap!r}")
 
     def replace(self, **overrides: Any) -> OverlapConfig:
         """A copy with `overrides` applied; unknown names raise `TypeError`."""

@@ -5,6 +5,7 @@ every rank is about to exchange the same thing ([Note: collective order] in sche
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 
@@ -66,3 +67,8 @@ class UnitActions:
         self.gather = ([Gather(u, False) for u in units], [Gather(u, True) for u in units])
         self.wait = [WaitGather(u) for u in units]
         self.free = [Free(u) for u in units]
+
+
+def order_hash(order: tuple[int, ...]) -> int:
+    digest = hashlib.blake2b(repr(order).encode(), digest_size=7).digest()
+    return int.from_bytes(digest, "little")  # < 2**56: fits an int64 tensor

@@ -65,14 +65,10 @@ gradients are reduced, as FSDP2's backward reshards, and the next step gathers a
 from __future__ import annotations
 
 import enum
-import hashlib
 from dataclasses import dataclass, field
 
 # The actions are re-exported: the schedule's vocabulary (the planner and tests import them here).
-from overlap.engine.actions import Action, CheckOrder, Free, Gather, ReleaseReduce, Reduce, UnitActions, WaitGather, WaitReduce
-
-__all__ = ["Action", "CheckOrder", "Free", "Gather", "ReleaseReduce", "Reduce", "WaitGather", "WaitReduce"]
-__all__ += ["LEGAL_TRANSITIONS", "Phase", "Schedule", "ScheduleConfig", "UnitState", "order_hash"]
+from overlap.engine.actions import Action, CheckOrder, Free, Gather, ReleaseReduce, Reduce, UnitActions, WaitGather, WaitReduce, order_hash  # noqa: F401
 
 
 class UnitState(enum.Enum):
@@ -115,11 +111,6 @@ class ScheduleConfig:
     bucket_bytes: int
     max_reduce_inputs: int = 1
     keep_bytes: int = 0  # OverlapConfig.keep_for_backward_bytes: [Note: units kept for backward]
-
-
-def order_hash(order: tuple[int, ...]) -> int:
-    digest = hashlib.blake2b(repr(order).encode(), digest_size=7).digest()
-    return int.from_bytes(digest, "little")  # < 2**56: fits an int64 tensor
 
 
 @dataclass
@@ -316,16 +307,18 @@ class Schedule:
         self._prefetch(self._predicted_forward(), out)
         return out
 
-    def _choose_kept(self) -> frozenset[int]:
-        """The units kept from their forward to their backward ([Note: units kept for backward])."""
+    def choose_kept(self, config: ScheduleConfig | None = None) -> frozenset[int]:
+        """The units kept from their forward to their backward under `config` (default: the
+        schedule's own) ([Note: units kept for backward])."""
+        config = config or self.config
         order = [u for u in self.forward_order or () if u != self.root]
         if not order:
             return frozenset()
         kept, total = {order[-1]}, self.unit_bytes[order[-1]]
-        if self.config.max_inflight_bytes is None:
+        if config.max_inflight_bytes is None:
             for unit in reversed(order[:-1]):
                 total += self.unit_bytes[unit]
-                if total > self.config.keep_bytes:
+                if total > config.keep_bytes:
                     break
                 kept.add(unit)
         return frozenset(kept)
@@ -335,7 +328,7 @@ class Schedule:
         out: list[Action] = []
         if self.forward_order is None:
             self.forward_order = tuple(self._seen_forward)
-            self._kept = self._choose_kept()
+            self._kept = self.choose_kept()
         if not self._forward_checked:
             self._forward_checked = True
             out.append(CheckOrder("forward", order_hash(self.forward_order), self.forward_order))
@@ -359,6 +352,17 @@ class Schedule:
                 self._move(unit, UnitState.SHARDED)
                 out.append(self._actions.free[unit])
         return out
+
+    def retune(self, config: ScheduleConfig) -> None:
+        """New knobs, between steps (engine/autotune.py): they change when collectives are
+        issued and what is held, never what they carry ([Note: autotune])."""
+        assert self.phase is Phase.IDLE, f"retune in phase {self.phase}"
+        self.config = config
+        self._kept = self.choose_kept()
+
+    def backward_units(self) -> tuple[int, ...]:
+        """The units in the order their gradients are expected (the first step: predicted)."""
+        return self._predicted_backward()
 
     def set_grad_bytes(self, unit: int, num_bytes: int) -> None:
         """The unit's trainable parameters changed between steps: new bucket sizes. (Ranks that

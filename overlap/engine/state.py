@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import weakref
 from datetime import timedelta
 from collections.abc import Iterable, Iterator
 from typing import Any, NamedTuple
@@ -32,6 +31,8 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from overlap.compression import make_grad_codec, make_param_codec
 from overlap.config import OverlapConfig
+from overlap.engine.autograd_hooks import BackwardDone, GradReady
+from overlap.engine.autotune import AutoTuner
 from overlap.engine.groups import Groups
 from overlap.engine.replicated import ReplicatedParams  # ecosystem: scalar parameters
 from overlap.engine.runtime import Runtime
@@ -43,31 +44,6 @@ from overlap.observe.stats import StatsRecorder
 from overlap.observe.timing import make_timer
 from overlap.observe.trace import TraceRecorder, trace_dir_from
 from overlap.transport import make_transport
-
-
-class _GradReady:
-    """The post-accumulate-grad hook of a unit's unsharded parameter; holds the state weakly.
-
-    [Note: a wrapped model is collectable]
-    torch keeps a parameter's post-accumulate-grad hooks where the garbage collector cannot see
-    them (in C++), so a hook holding the state strongly closes a cycle the collector cannot
-    break: parameter -> hook -> state -> units -> parameter. A wrapped model then lived until
-    the process exited, whatever the user deleted: its flat buffers, shards, runtime and process
-    group references (a notebook or a tuner that wraps model after model grew by a model each
-    time). Held weakly, the state goes with the model. What a dropped model leaves for the
-    collector is collected at exit at the latest ([Note: quiet exit] in teardown.py).
-    """
-
-    __slots__ = ("_state", "_index")
-
-    def __init__(self, state: OverlapState, index: int) -> None:
-        self._state = weakref.ref(state)
-        self._index = index
-
-    def __call__(self, param: torch.Tensor) -> None:
-        state = self._state()
-        if state is not None:  # None: the model was dropped while its graph lived on
-            state._grad_ready(self._index, param)
 
 
 class OverlapState:
@@ -178,6 +154,10 @@ class OverlapState:
         self._handles: list[Any] = []
         # ecosystem: 0-dim parameters, whole on every rank ([Note: replicated parameters])
         self.replicated = ReplicatedParams(model, groups.everyone, self.runtime.timeout, self.stats)
+        self.autotuner = None if not config.autotune else AutoTuner(
+            self.schedule, self.stats, config, groups.everyone, device, self.runtime.timeout,
+            self.runtime.memory.total, tune_buckets=config.grad_compression is None,
+        )
         self._install_hooks(model, hooked)
 
     # ------------------------------------------------------------------ hooks
@@ -207,7 +187,7 @@ class OverlapState:
         for param in self.units[index].unsharded_params:
             if param.requires_grad and id(param) not in self._hooked:
                 self._hooked.add(id(param))
-                param.register_post_accumulate_grad_hook(_GradReady(self, index))
+                param.register_post_accumulate_grad_hook(GradReady(self, index))
 
     # [Note: requires_grad after wrap]
     # Fine-tuning schedules freeze and unfreeze parameters between steps (gradual unfreezing,
@@ -347,7 +327,7 @@ class OverlapState:
     # [Note: end of a unit's backward]
     # A unit's backward is over when (a) every trainable parameter's gradient has been
     # accumulated (post-accumulate-grad hooks, counted), or (b) the gradient w.r.t. its inputs
-    # has been computed, once for each forward it ran this step (`_BackwardDone` on its inputs).
+    # has been computed, once for each forward it ran this step (`BackwardDone` on its inputs).
     # (b) covers units with frozen or unused parameters, whose count never completes. It is
     # safe because autograd runs AccumulateGrad nodes before any other ready node (they carry
     # the highest sequence number), so a parameter's gradient produced by the same node as the
@@ -366,7 +346,7 @@ class OverlapState:
                 self._num_forwards[index] += 1
             # An identity view whose backward node reports (b): a hook on the node is several
             # times cheaper than an autograd.Function. The node runs when the gradient w.r.t.
-            # this use of the input is complete, exactly as _BackwardDone.backward would.
+            # this use of the input is complete, exactly as BackwardDone.backward would.
             out = args[0].view_as(args[0])
             out.grad_fn.register_prehook(functools.partial(self._input_grad_done, indices))
             return (out,)
@@ -376,7 +356,7 @@ class OverlapState:
                 return None
             for index in indices:
                 self._num_forwards[index] += 1
-            outs = _BackwardDone.apply(self, indices, *(args[i] for i in positions))
+            outs = BackwardDone.apply(self, indices, *(args[i] for i in positions))
             new_args = list(args)
             for i, t in zip(positions, outs):
                 new_args[i] = t
@@ -389,7 +369,7 @@ class OverlapState:
             return None  # nothing flows back into this unit's inputs; (a) or end_backward
         for index in indices:
             self._num_forwards[index] += 1
-        outs = _BackwardDone.apply(self, indices, *(flat[i] for i in positions))
+        outs = BackwardDone.apply(self, indices, *(flat[i] for i in positions))
         for i, t in zip(positions, outs):
             flat[i] = t
         return tree_unflatten(flat, spec)
@@ -444,12 +424,16 @@ class OverlapState:
         self._num_done = [0] * len(self.units)
         self._run(self.schedule.end_backward())
         self.replicated.reduce(self.schedule.sync_grads)  # ecosystem: [Note: replicated parameters]
-        self._finish_step()
+        step = self._finish_step()
+        if self.autotuner is not None and self.schedule.sync_grads:  # [Note: autotune]
+            self.autotuner.end_training_step(step)
         for codec in (self.runtime.param_codec, self.runtime.grad_codec):
             if codec is not None:  # once per step; on CUDA a step late, without a sync
                 codec.raise_if_nonfinite()
 
-    def _finish_step(self) -> None:
+    def _finish_step(self) -> int:
+        """Close the step's statistics; returns its StatsRecorder step."""
+        step = self.stats.current.step
         self.runtime.check_fingerprints()
         peak_units, peak_bytes = self.schedule.max_unsharded()
         self.stats.record_unsharded(peak_units, peak_bytes)
@@ -459,28 +443,17 @@ class OverlapState:
         if self.trace is not None:
             self.trace.record_spans(spans)
             self.trace.finish_step()
-        for stats in self.stats.finish(self.timer.oldest_open_step):
+        published = self.stats.finish(self.timer.oldest_open_step)
+        for stats in published:
             self.monitor.on_step(stats)
+        if self.autotuner is not None:
+            self.autotuner.observe(published)
+        return step
 
 
 def _rounding_generator(device: torch.device, rank: int) -> torch.Generator:
     """Independent stochastic-rounding noise per rank (correlated noise would not average out)."""
     return torch.Generator(device).manual_seed(0x5EED + rank)
-
-
-class _BackwardDone(torch.autograd.Function):
-    """Identity on a unit's inputs whose backward reports that the unit's backward is over."""
-
-    @staticmethod
-    def forward(ctx: Any, state: OverlapState, indices: tuple[int, ...], *tensors: torch.Tensor) -> Any:
-        ctx.state, ctx.indices = state, indices
-        return tuple(t.view_as(t) for t in tensors)
-
-    @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor) -> Any:
-        for index in ctx.indices:
-            ctx.state._unit_backward_done(index)
-        return (None, None, *grads)
 
 
 class HookedModules(NamedTuple):

@@ -20,7 +20,7 @@ to the end of the process (true of any DTensor program, FSDP2 included).
 
 So at exit, while the interpreter is still whole (an `atexit` hook, registered by `wrap`), two
 things happen: garbage is collected (a wrapped model that was dropped lets go of its buffers:
-[Note: a wrapped model is collectable] in state.py), and the main thread gives up the
+[Note: a wrapped model is collectable] in autograd_hooks.py), and the main thread gives up the
 GIL in short sleeps until no other thread of the process has been runnable for two polls in a
 row: a worker waiting for the GIL gets it during a sleep and finishes; one waiting for a core
 shows as runnable and is waited for. The wait is bounded (`EXIT_WAIT_S`): a thread that stays

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from overlap.observe import tuning
 from overlap.observe.trace import LANES
 
 COMPUTE, GATHER, REDUCE, WAIT = (LANES.index(n) for n in ("compute", "all-gather", "reduce-scatter", "wait"))
@@ -196,20 +197,34 @@ def plot_timeline(events: list[dict[str, Any]], step: int, path: Path) -> Path:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("traces", nargs="+", type=Path, help="trace folder(s) or trace_rank*.json files")
+    parser.add_argument(
+        "traces", nargs="+", type=Path,
+        help="trace folder(s) or trace_rank*.json files; a folder's autotune.json (OverlapConfig.autotune) is reported too",
+    )
     parser.add_argument("--step", type=int, default=None, help="step to report (default: the last complete one)")
-    parser.add_argument("--png", type=Path, default=None, help="write the timeline PNG here")
+    parser.add_argument(
+        "--png", type=Path, default=None,
+        help="write the timeline PNG here (and the tuning picture beside it, *_autotune.png)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
-    events = load_events(args.traces)
-    summaries = summarize(events, args.step)
-    print(format_summary(summaries))
-    if args.png is not None:
-        try:
-            path = plot_timeline(events, summaries[0].step, args.png)
-        except ImportError:
-            print("no PNG: matplotlib is not installed (pip install -e '.[plot]')")
-            return 1
-        print(f"wrote {path}")
+    tunings = tuning.find(args.traces)
+    has_traces = any(p.is_file() and p.name != tuning.FILE or p.is_dir() and any(p.glob("trace_rank*.json")) for p in args.traces)
+    try:
+        if has_traces or not tunings:
+            events = load_events(args.traces)
+            summaries = summarize(events, args.step)
+            print(format_summary(summaries))
+            if args.png is not None:
+                print(f"wrote {plot_timeline(events, summaries[0].step, args.png)}")
+        for i, found in enumerate(tunings):
+            data = tuning.load(found)
+            print(tuning.format_decisions(data))
+            if args.png is not None:
+                suffix = "_autotune" if len(tunings) == 1 else f"_autotune{i}"
+                print(f"wrote {tuning.plot(data, args.png.with_name(args.png.stem + suffix + '.png'))}")
+    except ImportError:
+        print("no PNG: matplotlib is not installed (pip install -e '.[plot]')")
+        return 1
     return 0

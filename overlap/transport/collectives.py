@@ -466,3 +466,17 @@ def all_gather_int(
     out = torch.empty(world_size, dtype=torch.int64, device=device)
     wait(CommResult(out, _all_gather(out, send, group=group, async_op=True), (send,)), timeout)
     return out.tolist()
+
+
+def all_gather_floats(
+    values: list[float], group: dist.ProcessGroup, device: torch.device, timeout: timedelta | None = None
+) -> list[list[float]]:
+    """Every rank's `values` (float64, the same count on every rank), in rank order. Blocking;
+    for decisions taken every few steps (engine/autotune.py), not the hot path."""
+    world_size = dist.get_world_size(group)
+    if _local(world_size):
+        return [list(values)]
+    send = torch.tensor(values, dtype=torch.float64, device=device)
+    out = torch.empty(world_size * len(values), dtype=torch.float64, device=device)
+    wait(CommResult(out, _all_gather(out, send, group=group, async_op=True), (send,)), timeout)
+    return out.view(world_size, len(values)).tolist()

@@ -1,0 +1,221 @@
+"""Self-tuning while training (`OverlapConfig.autotune`): feeds the policy (autotune_policy.py) the
+measurements of every rank at its decision steps and sets the knobs it decides on the schedule,
+between steps. [Note: autotune] in autotune_policy.py says what moves and why the numbers do not.
+
+At a decision step each rank contributes its own StepStats of the trial's steps (step time,
+exposed all-gather and reduce-scatter waits, library memory peak) to one all-gather of a few
+floats over every rank of the model; every rank then holds the same values and runs the same
+policy on them, so all take the same decision at the same step without a broadcast. Steps are
+the training steps (a backward that reduced): evaluation forwards and no_sync micro-batches are
+not counted. On CUDA a step's StepStats are final a few steps late (events are read without
+waiting: StatsRecorder.max_lag_steps), so a decision comes that many steps after its trial; the
+trial's knobs keep running meanwhile.
+
+Each decision is logged (logger "overlap.autotune", rank 0). With `autotune_dir` (or
+`trace_dir`), rank 0 writes there at each decision `autotune.json` (decisions and per-step knobs
+and times, for `overlap report`) and `tuned_config.json` (the OverlapConfig with the best knobs
+so far, autotune off, to reuse).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+from dataclasses import asdict, replace
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from overlap.config import OverlapConfig
+from overlap.engine.autotune_policy import TRIAL, Decision, Knobs, Measurement, Mode, TunePolicy
+from overlap.engine.schedule import Schedule, ScheduleConfig
+from overlap.observe.stats import StatsRecorder, StepStats
+from overlap.transport import collectives as comm
+
+log = logging.getLogger("overlap.autotune")
+
+_FIELDS = 4  # per step: step_ms, exposed gather, exposed reduce, memory peak
+
+
+def knobs_of(config: ScheduleConfig) -> Knobs:
+    return Knobs(config.prefetch_depth, config.max_inflight_bytes, config.bucket_bytes, config.keep_bytes, config.max_reduce_inputs)
+
+
+def with_knobs(config: OverlapConfig, knobs: Knobs) -> OverlapConfig:
+    """`config` with `knobs` set, autotune off: the configuration to reuse."""
+    return config.replace(
+        prefetch_depth=knobs.prefetch_depth,
+        max_inflight_allgather_bytes=knobs.max_inflight_bytes,
+        reduce_scatter_bucket_bytes=knobs.bucket_bytes,
+        keep_for_backward_bytes=knobs.keep_bytes,
+        max_reduce_inputs=knobs.max_reduce_inputs,
+        autotune=False,
+    )
+
+
+def default_memory_cap(device: torch.device, library_bytes: int) -> int:
+    """What the library's buffers may grow to when no cap is given: what they hold now plus half
+    the memory free on the device (CPU: half the available RAM, shared by the local ranks)."""
+    if device.type == "cuda":
+        free = torch.cuda.mem_get_info(device)[0]
+    else:
+        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        free //= max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    return library_bytes + free // 2
+
+
+class AutoTuner:
+    """Drives a `TunePolicy` from one wrapped model's step statistics."""
+
+    def __init__(
+        self,
+        schedule: Schedule,
+        stats: StatsRecorder,
+        config: OverlapConfig,
+        group: dist.ProcessGroup,
+        device: torch.device,
+        timeout: timedelta | None,
+        library_bytes: int,
+        tune_buckets: bool,
+    ) -> None:
+        self.schedule, self.stats, self.config = schedule, stats, config
+        self.group, self.device, self.timeout = group, device, timeout
+        self.rank = dist.get_rank(group)
+        self.lag = stats.max_lag_steps if device.type == "cuda" else 0
+        cap = config.autotune_memory_bytes or default_memory_cap(device, library_bytes)
+        self.policy = TunePolicy(knobs_of(schedule.config), cap, self._signature, tune_buckets)
+        self._stats_step: dict[int, int] = {}  # training step -> StatsRecorder step
+        self._knobs_at: dict[int, Knobs] = {}  # training step -> knobs it ran with
+        self._published: dict[int, StepStats] = {}  # StatsRecorder step -> its stats
+        self.history: list[dict[str, Any]] = []  # rank-local, per training step, for the report
+        self.steps = 0  # training steps done
+        self._recorded = 0  # training steps in `history`
+        folder = config.autotune_dir or config.trace_dir
+        self.folder = Path(folder) if folder and self.rank == 0 else None
+        self._logged = 0
+
+    # ------------------------------------------------------------ what a setting does
+    def _signature(self, knobs: Knobs) -> tuple:
+        """What `knobs` make the schedule do: settings that form the same buckets and keep the
+        same units behave the same, and are measured once."""
+        s = self.schedule
+        config = self._schedule_config(knobs)
+        kept = s.choose_kept(config) if s.forward_order is not None else None
+        buckets, size = [], 0
+        for unit in s.backward_units():
+            if s.grad_bytes[unit] == 0:
+                continue
+            size += s.grad_bytes[unit]
+            if size >= knobs.bucket_bytes:
+                buckets.append(unit)
+                size = 0
+        return (knobs.prefetch_depth, knobs.max_inflight_bytes, tuple(buckets), kept, knobs.max_reduce_inputs)
+
+    def _schedule_config(self, knobs: Knobs) -> ScheduleConfig:
+        return replace(
+            self.schedule.config,
+            prefetch_depth=knobs.prefetch_depth,
+            max_inflight_bytes=knobs.max_inflight_bytes,
+            bucket_bytes=knobs.bucket_bytes,
+            keep_bytes=knobs.keep_bytes,
+            max_reduce_inputs=knobs.max_reduce_inputs,
+        )
+
+    # ------------------------------------------------------------ events
+    def observe(self, published: list[StepStats]) -> None:
+        """StepStats the recorder published this step (possibly of earlier steps)."""
+        for stats in published:
+            self._published[stats.step] = stats
+        self._catch_up()
+
+    def _catch_up(self) -> None:
+        """History rows for the training steps whose StepStats are in (CUDA: some steps late)."""
+        while self._recorded < self.steps:
+            stats = self._published.get(self._stats_step.get(self._recorded, -1))
+            if stats is None:
+                return
+            self.history.append({
+                "step": self._recorded, "step_ms": stats.step_ms, "gather_wait_ms": stats.allgather_wait_ms,
+                "reduce_wait_ms": stats.reduce_wait_ms, "memory_peak_bytes": stats.memory_peak_bytes,
+                **asdict(self._knobs_at[self._recorded]),
+            })
+            self._recorded += 1
+
+    def end_training_step(self, stats_step: int) -> None:
+        """A training step ended (the schedule is idle): decide if one is due, and apply it."""
+        t = self.steps
+        self.steps += 1
+        self._stats_step[t] = stats_step
+        self._knobs_at[t] = self.policy.current
+        self._catch_up()
+        policy = self.policy
+        if policy.mode is Mode.SETTLED:
+            due = policy.recheck_window(t - self.lag)
+            if due is None:
+                return
+            knobs = policy.recheck(t, self._exchange(due))
+        else:
+            first, end = policy.window()
+            if t != end - 1 + self.lag:
+                return
+            knobs = policy.decide(t, self._exchange((first, end)))
+        self.schedule.retune(self._schedule_config(knobs))
+        self._report()
+        self._forget(t)
+
+    def _exchange(self, window: tuple[int, int]) -> list[Measurement]:
+        """Every rank's StepStats of the window's training steps, one all-gather; per step the
+        slowest rank's time, the largest exposed waits and memory peak."""
+        local: list[float] = []
+        for t in range(*window):
+            stats = self._published.get(self._stats_step.get(t, -1))
+            if stats is None:
+                local += [math.nan] * _FIELDS
+            else:
+                local += [stats.step_ms, stats.allgather_wait_ms, stats.reduce_wait_ms, float(stats.memory_peak_bytes)]
+        rows = comm.all_gather_floats(local, self.group, self.device, self.timeout)
+        trial = []
+        for i in range(len(local) // _FIELDS):
+            per_rank = [row[i * _FIELDS : (i + 1) * _FIELDS] for row in rows]
+            seen = [r for r in per_rank if not math.isnan(r[0])]
+            if seen:
+                trial.append(Measurement(*(max(r[f] for r in seen) for f in range(3)), int(max(r[3] for r in seen))))
+        return trial or [Measurement(math.inf, 0.0, 0.0, 0)]
+
+    def _forget(self, t: int) -> None:
+        oldest = min(t - TRIAL - self.lag - 1, self._recorded)  # nothing before this is read again
+        for old in [k for k in self._stats_step if k < oldest]:
+            self._published.pop(self._stats_step.pop(old), None)
+            self._knobs_at.pop(old, None)
+
+    # ------------------------------------------------------------ what is told
+    def tuned_config(self) -> OverlapConfig:
+        """The config with the best knobs measured so far (the settled ones once settled)."""
+        return with_knobs(self.config, self.policy.best)
+
+    def _report(self) -> None:
+        new: list[Decision] = self.policy.decisions[self._logged :]
+        self._logged = len(self.policy.decisions)
+        if self.rank != 0:
+            return
+        for d in new:
+            log.info("overlap autotune, step %d: %s %s", d.step, d.action, d.reason)
+        if self.folder is None:
+            return
+        self.folder.mkdir(parents=True, exist_ok=True)
+        data = {
+            "decisions": [asdict(d) for d in self.policy.decisions],
+            "history": self.history,
+            "settled": self.policy.mode is Mode.SETTLED,
+            "knobs": asdict(self.policy.current),
+        }
+        (self.folder / "autotune.json").write_text(json.dumps(data, indent=1, default=str))
+        try:
+            self.tuned_config().save(self.folder / "tuned_config.json")  # the best so far, then the settled
+        except ValueError as e:  # a unit_policy of classes or a callable has no JSON form
+            log.warning("overlap autotune: tuned_config.json not written: %s", e)

@@ -1,0 +1,255 @@
+"""The self-tuning policy (`OverlapConfig.autotune`): which schedule knobs to try next, and whether a
+trial is kept. Pure: no tensors, no process groups, no clocks. Every rank runs one with the same
+inputs (the measurements of every rank, gathered), so every rank takes the same decision at the
+same step; `engine/autotune.py` feeds it and applies what it decides.
+
+[Note: autotune]
+The knobs are the schedule's (`Knobs`): prefetch depth, the cap on gathered bytes, the
+reduce-scatter bucket size, the bytes kept from forward to backward and the reduce-scatter
+inputs alive at once. None of them changes a number the model computes: they decide when a
+collective is issued and how long a buffer lives, never what is summed or in which order (a
+reduce-scatter sums each element over the ranks in rank order whatever the bucket around it;
+the gathered parameters are the same bytes whenever they arrive). So a tuned run is bitwise the
+run that had its final knobs from the start (tests/test_autotune.py). The bucket size is not
+moved under a gradient codec: its blocks and error-feedback residuals follow the buckets.
+
+The search is a coordinate descent from the configured knobs, one move at a time:
+
+    WARMUP steps (first step's checks and allocations) -> a window of the configured knobs
+    for each knob, each move (up, then down): a window of the move, then one of the best knobs;
+        keep the move when its step is at least HYSTERESIS faster than the best's windows just
+        before and after it, and the library's memory peak stays under the cap; a kept move is
+        tried again in the same direction, else reverted
+    a pass over every knob without a kept move -> settled
+
+A window is SETTLE steps under its knobs (not measured: the first step after a change allocates
+differently) and TRIAL measured steps; its score is the median over those steps of the slowest
+rank's step time (the slowest rank sets everyone's pace). A move is compared with the best knobs
+measured on both sides of it, not with a score from minutes ago: on a shared machine the step
+drifts while the search runs, and the drift must not decide (how RESULTS.md measures too). Settled, the policy looks
+again every RECHECK steps (one small collective, nothing per step) and searches again from the
+settled knobs when the step has moved by more than DRIFT from the settled score (a slower link,
+a longer sequence); within DRIFT it stays (hysteresis).
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import statistics
+from collections.abc import Callable, Hashable, Iterator
+from dataclasses import dataclass, replace
+
+WARMUP = 3
+SETTLE = 1
+TRIAL = 4
+HYSTERESIS = 0.02
+RECHECK = 50
+DRIFT = 0.10
+MAX_PREFETCH_DEPTH = 4
+MAX_REDUCE_INPUTS = 3
+
+
+@dataclass(frozen=True)
+class Knobs:
+    """The schedule settings the tuner moves (the OverlapConfig field of each in comments)."""
+
+    prefetch_depth: int  # prefetch_depth
+    max_inflight_bytes: int | None  # max_inflight_allgather_bytes
+    bucket_bytes: int  # reduce_scatter_bucket_bytes
+    keep_bytes: int  # keep_for_backward_bytes
+    max_reduce_inputs: int  # max_reduce_inputs
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """One trial step as every rank saw it: the slowest rank's step time, the most exposed
+    all-gather and reduce-scatter wait of any rank, and the highest library memory peak."""
+
+    step_ms: float
+    gather_wait_ms: float
+    reduce_wait_ms: float
+    memory_peak_bytes: int
+
+
+@dataclass(frozen=True)
+class Decision:
+    """One decision, with its reason, as logged."""
+
+    step: int
+    knob: str
+    old: object
+    new: object
+    action: str  # "try", "keep", "revert", "settle", "retune"
+    reason: str
+
+
+class Mode(enum.Enum):
+    WARMUP = "warmup"
+    TRIAL = "trial"
+    SETTLED = "settled"
+
+
+def score(trial: list[Measurement]) -> float:
+    return statistics.median(m.step_ms for m in trial)
+
+
+class TunePolicy:
+    """Decides the knobs step by step; see [Note: autotune].
+
+    `signature(knobs)` names what a setting does (the units kept, the buckets formed, ...): a
+    move whose signature was already measured, or equals the current one, is skipped.
+    `moves(knobs)` yields (knob name, new knobs) in the order to try them."""
+
+    def __init__(
+        self,
+        start: Knobs,
+        memory_cap: int | None,
+        signature: Callable[[Knobs], Hashable],
+        tune_buckets: bool = True,
+    ) -> None:
+        self.best = self.current = start
+        self.best_score = math.inf
+        self.memory_cap = memory_cap
+        self.signature = signature
+        self.tune_buckets = tune_buckets
+        self.mode = Mode.WARMUP
+        self.decisions: list[Decision] = []
+        self._trial_start = WARMUP  # step at which the current trial's measured steps begin
+        self._pending: Iterator[tuple[str, Knobs]] | None = None
+        self._knob: str | None = None
+        self._tried: set[Hashable] = set()
+        self._kept_this_pass = False
+        self._trying = start  # the knobs of the trial under way
+        self._candidate: tuple[float, int, str] | None = None  # its score, peak, exposed: measured, not yet compared
+        self._reference = math.inf  # the best knobs' latest score
+
+    # ------------------------------------------------------------ when
+    def window(self) -> tuple[int, int] | None:
+        """The steps [first, end) whose measurements the next decision needs (None: settled and
+        not due for a look yet: `recheck_window`)."""
+        if self.mode is Mode.SETTLED:
+            return None
+        return self._trial_start, self._trial_start + TRIAL
+
+    def recheck_window(self, step: int) -> tuple[int, int] | None:
+        """Settled: every RECHECK steps, the last TRIAL steps."""
+        since = step + 1 - self._trial_start  # steps run since it settled
+        if self.mode is not Mode.SETTLED or since < RECHECK or since % RECHECK:
+            return None
+        return step - TRIAL + 1, step + 1
+
+    # ------------------------------------------------------------ what
+    def moves(self, knobs: Knobs) -> Iterator[tuple[str, Knobs]]:
+        """Each knob's moves from `knobs`, up before down."""
+        depth = knobs.prefetch_depth
+        if depth < MAX_PREFETCH_DEPTH:
+            yield "prefetch_depth", replace(knobs, prefetch_depth=depth + 1)
+        if depth > 0:
+            yield "prefetch_depth", replace(knobs, prefetch_depth=depth - 1)
+        if knobs.max_inflight_bytes is not None:  # a cap the user set: never lifted, only moved
+            yield "max_inflight_bytes", replace(knobs, max_inflight_bytes=knobs.max_inflight_bytes * 2)
+            yield "max_inflight_bytes", replace(knobs, max_inflight_bytes=max(1, knobs.max_inflight_bytes // 2))
+        if self.tune_buckets:
+            bucket = knobs.bucket_bytes
+            yield "bucket_bytes", replace(knobs, bucket_bytes=max(2 * bucket, 1 << 20))
+            if bucket:
+                yield "bucket_bytes", replace(knobs, bucket_bytes=bucket // 2 if bucket >= 2 << 20 else 0)
+        if knobs.max_inflight_bytes is None:  # the cap turns keeping off ([Note: units kept for backward])
+            yield "keep_bytes", replace(knobs, keep_bytes=max(2 * knobs.keep_bytes, 1 << 20))
+            if knobs.keep_bytes:
+                yield "keep_bytes", replace(knobs, keep_bytes=knobs.keep_bytes // 2)
+        inputs = knobs.max_reduce_inputs
+        if inputs < MAX_REDUCE_INPUTS:
+            yield "max_reduce_inputs", replace(knobs, max_reduce_inputs=inputs + 1)
+        if inputs > 1:
+            yield "max_reduce_inputs", replace(knobs, max_reduce_inputs=inputs - 1)
+
+    def _next_trial(self, step: int) -> Knobs:
+        """The next untried move from the best knobs; settles when a pass kept nothing."""
+        while True:
+            if self._pending is None:
+                self._pending = self.moves(self.best)
+            for knob, knobs in self._pending:
+                key = self.signature(knobs)
+                if key in self._tried:
+                    continue
+                self._tried.add(key)
+                self._knob = knob
+                return self._start(step, knob, knobs, "try", f"{knob}: {getattr(self.best, knob)} -> {getattr(knobs, knob)}")
+            if not self._kept_this_pass:
+                self.mode = Mode.SETTLED
+                self._trial_start = step + 1
+                self._log(step, "-", None, None, "settle", f"no move faster by {HYSTERESIS:.0%}: {self.best}, step {self.best_score:.2f} ms")
+                self.current = self.best
+                return self.best
+            self._pending, self._kept_this_pass = None, False  # another pass from the new best
+
+    def _start(self, step: int, knob: str, knobs: Knobs, action: str, reason: str) -> Knobs:
+        self._log(step, knob, getattr(self.current, knob, None), getattr(knobs, knob, None), action, reason)
+        self.current = self._trying = knobs
+        self._trial_start = step + 1 + SETTLE
+        return knobs
+
+    def _log(self, step: int, knob: str, old: object, new: object, action: str, reason: str) -> None:
+        self.decisions.append(Decision(step, knob, old, new, action, reason))
+
+    def decide(self, step: int, trial: list[Measurement]) -> Knobs:
+        """The measurements of the window (`window()`), one per step; returns the knobs to run
+        from the next step on. Called at the same step on every rank with the same values."""
+        assert self.mode is not Mode.SETTLED
+        value = score(trial)
+        if self.mode is Mode.WARMUP:
+            self.mode = Mode.TRIAL
+            self.best_score = self._reference = value
+            self._tried.add(self.signature(self.best))
+            self._log(step, "-", None, None, "baseline", f"{self.best}: step {value:.2f} ms")
+            return self._next_trial(step)
+        if self._candidate is None:  # the candidate's window: now the best again, beside it
+            self._candidate = (value, max(m.memory_peak_bytes for m in trial), _exposed(trial))
+            self.current = self.best
+            self._trial_start = step + 1 + SETTLE
+            return self.best
+        (value, peak, exposed), self._candidate = self._candidate, None
+        after = score(trial)
+        reference = (self._reference + after) / 2  # the best, measured before and after it
+        self._reference = after
+        knob = self._knob or "-"
+        candidate = self._trying
+        over = self.memory_cap is not None and peak > self.memory_cap
+        versus = f"step {value:.2f} ms vs {reference:.2f} ms ({value / reference - 1:+.1%}); {exposed}"
+        if value < reference * (1 - HYSTERESIS) and not over:
+            self._log(step, knob, getattr(self.best, knob), getattr(candidate, knob), "keep", versus)
+            self.best, self.best_score, self._reference = candidate, value, value
+            self._kept_this_pass = True
+            self._pending = _same_first(self.moves(self.best), knob)  # the same direction again first
+        else:
+            why = f"memory peak {peak} B over the cap {self.memory_cap} B" if over else f"{versus}: not {HYSTERESIS:.0%} faster"
+            self._log(step, knob, getattr(candidate, knob), getattr(self.best, knob), "revert", why)
+            self.best_score = reference
+        return self._next_trial(step)
+
+    def recheck(self, step: int, trial: list[Measurement]) -> Knobs:
+        """Settled: search again if the step moved by more than DRIFT from the settled score."""
+        value = score(trial)
+        if abs(value / self.best_score - 1) <= DRIFT:
+            return self.current
+        self._log(step, "-", None, None, "retune", f"step {value:.2f} ms vs settled {self.best_score:.2f} ms: searching again")
+        self.mode = Mode.WARMUP
+        self._pending, self._tried, self._kept_this_pass, self._candidate = None, set(), False, None
+        self._trial_start = step + 1
+        return self.current
+
+
+def _exposed(trial: list[Measurement]) -> str:
+    gather = statistics.median(m.gather_wait_ms for m in trial)
+    reduce = statistics.median(m.reduce_wait_ms for m in trial)
+    return f"exposed gather {gather:.2f} ms, reduce {reduce:.2f} ms"
+
+
+def _same_first(moves: Iterator[tuple[str, Knobs]], knob: str) -> Iterator[tuple[str, Knobs]]:
+    """`moves` with those of `knob` first (after a kept move, the same direction is tried again;
+    the opposite one returns to a measured signature and is skipped)."""
+    listed = list(moves)
+    yield from (m for m in listed if m[0] == knob)
+    yield from (m for m in listed if m[0] != knob)

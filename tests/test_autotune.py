@@ -1,0 +1,166 @@
+"""Self-tuning while training ([Note: autotune] in overlap/engine/autotune_policy.py).
+
+The policy alone, on a synthetic step-time landscape (no ranks): it finds the fastest setting by
+coordinate moves, keeps the defaults where they are best, respects the memory cap and the
+hysteresis, and searches again when the step drifts. Then two ranks training: every rank takes
+the same decisions, and the tuned run is bitwise the run with its final knobs set from the start.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+
+import pytest
+import torch
+
+import overlap
+from harness import World
+from models import batch, loss_of, tiny_lm
+from overlap.engine.autotune_policy import (
+    HYSTERESIS,
+    RECHECK,
+    Knobs,
+    Measurement,
+    Mode,
+    TunePolicy,
+    WARMUP,
+)
+
+DEFAULTS = Knobs(prefetch_depth=1, max_inflight_bytes=None, bucket_bytes=0, keep_bytes=128 << 20, max_reduce_inputs=1)
+
+
+def drive(policy: TunePolicy, step_ms, steps: int = 400, memory=lambda k: 0, drift_at=None) -> list[Knobs]:
+    """Run `steps` training steps of a model whose step time under knobs k is `step_ms(k)`:
+    the policy's windows and decisions exactly as engine/autotune.py drives them (CPU: no lag)."""
+    knobs_at: list[Knobs] = []
+    for t in range(steps):
+        knobs_at.append(policy.current)
+        scale = 1.5 if drift_at is not None and t >= drift_at else 1.0
+
+        def measured(first: int, end: int) -> list[Measurement]:
+            return [Measurement(step_ms(knobs_at[s]) * scale, 0.0, 0.0, memory(knobs_at[s])) for s in range(first, end)]
+
+        if policy.mode is Mode.SETTLED:
+            window = policy.recheck_window(t)
+            if window is not None:
+                policy.recheck(t, measured(*window))
+        else:
+            first, end = policy.window()
+            if t == end - 1:
+                policy.decide(t, measured(first, end))
+    return knobs_at
+
+
+def signature(k: Knobs):
+    return (k.prefetch_depth, k.max_inflight_bytes, k.bucket_bytes, min(k.keep_bytes, 256 << 20), k.max_reduce_inputs)
+
+
+def landscape(k: Knobs) -> float:
+    """Fastest at prefetch depth 3 and a 4 MiB bucket; the rest does not matter."""
+    bucket_mib = max(k.bucket_bytes, 1 << 19) / (1 << 20)
+    return 100.0 + 8.0 * abs(k.prefetch_depth - 3) + 6.0 * abs(math.log2(bucket_mib / 4))
+
+
+def test_policy_finds_the_fastest_setting_and_settles():
+    policy = TunePolicy(DEFAULTS, None, signature)
+    knobs_at = drive(policy, landscape)
+    assert policy.mode is Mode.SETTLED
+    assert (policy.best.prefetch_depth, policy.best.bucket_bytes) == (3, 4 << 20), policy.best
+    settled_at = next(d.step for d in policy.decisions if d.action == "settle")
+    assert settled_at < 200, settled_at  # five kept moves and the failed ones, 10 steps each
+    assert all(k == policy.best for k in knobs_at[settled_at + 1 :])  # no trial once settled
+    assert all(d.reason for d in policy.decisions)  # each decision says why
+
+
+def test_policy_keeps_the_defaults_where_they_are_best():
+    policy = TunePolicy(DEFAULTS, None, signature)
+    drive(policy, lambda k: 100.0 + 10 * (k != DEFAULTS))
+    assert policy.mode is Mode.SETTLED and policy.current == DEFAULTS
+    assert not [d for d in policy.decisions if d.action == "keep"]
+
+
+def test_policy_hysteresis_ignores_small_gains():
+    policy = TunePolicy(DEFAULTS, None, signature)
+    gain = HYSTERESIS / 2
+    drive(policy, lambda k: 100.0 * (1 - gain) if k.prefetch_depth == 2 else 100.0)
+    assert policy.current == DEFAULTS
+
+
+def test_policy_never_keeps_a_setting_over_the_memory_cap():
+    policy = TunePolicy(DEFAULTS, 1000, signature)
+    # deeper prefetch is faster but holds more than the cap
+    drive(policy, lambda k: 100.0 - 10 * k.prefetch_depth, memory=lambda k: 600 * k.prefetch_depth)
+    assert policy.current.prefetch_depth == 1
+    assert any("over the cap" in d.reason for d in policy.decisions)
+
+
+def test_policy_searches_again_when_the_step_drifts():
+    policy = TunePolicy(DEFAULTS, None, signature)
+    drive(policy, landscape, steps=400, drift_at=250)
+    retunes = [d for d in policy.decisions if d.action == "retune"]
+    assert len(retunes) == 1 and retunes[0].step >= 250, policy.decisions
+    assert policy.mode is Mode.SETTLED  # and settled again
+    quiet = TunePolicy(DEFAULTS, None, signature)
+    drive(quiet, landscape, steps=WARMUP + 4 * RECHECK)
+    assert not [d for d in quiet.decisions if d.action == "retune"]  # no drift, no search
+
+
+STEPS = 60
+
+
+def train(rank: int, world: int, autotune: bool, config_json: str | None = None, folder: str | None = None) -> dict:
+    torch.manual_seed(0)
+    if config_json:
+        config = overlap.OverlapConfig(**json.loads(config_json))
+    else:
+        config = overlap.OverlapConfig(autotune=autotune, autotune_dir=folder)
+    model = overlap.wrap(tiny_lm(), config=config)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses, params = [], []
+    for step in range(STEPS):
+        loss = loss_of(model(batch(model, rank, step)))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+        params.append([p.detach().to_local().clone() for p in model.parameters()])
+        if step % 3 == 2:  # evaluation forwards between steps are not training steps
+            with torch.no_grad():
+                model(batch(model, rank, step))
+    state = model._overlap_state
+    out = {"losses": losses, "params": params}
+    if state.autotuner is not None:
+        out["decisions"] = [(d.step, d.action, d.knob, d.new) for d in state.autotuner.policy.decisions]
+        out["knobs_seen"] = len({tuple(h.items())[5:] for h in state.autotuner.history})
+        out["config"] = json.dumps(overlap.tuned_config(model).to_dict())
+    return out
+
+
+def test_tuned_run_is_bitwise_the_run_with_its_final_knobs(tmp_path, capsys):
+    world = World(2)
+    try:
+        tuned = world.run(train, autotune=True, folder=str(tmp_path))
+        assert tuned[0]["decisions"] == tuned[1]["decisions"]  # the same decision at the same step
+        assert [a for _, a, _, _ in tuned[0]["decisions"]][0] == "baseline"
+        assert tuned[0]["knobs_seen"] > 1  # it did move the knobs during the run
+        final = json.loads(tuned[0]["config"])
+        assert final["autotune"] is False
+        plain = world.run(train, autotune=False, config_json=tuned[0]["config"])
+        for rank in range(2):
+            assert tuned[rank]["losses"] == plain[rank]["losses"], f"rank {rank}"
+            for step, (a, b) in enumerate(zip(tuned[rank]["params"], plain[rank]["params"])):
+                assert all(torch.equal(x, y) for x, y in zip(a, b)), f"rank {rank} step {step}"
+    finally:
+        world.close()
+    # what it wrote: the config to reuse, and the decisions `overlap report` prints and draws
+    assert overlap.OverlapConfig.load(tmp_path / "tuned_config.json") == overlap.OverlapConfig(**final)
+    from overlap.observe import report
+
+    parser = argparse.ArgumentParser()
+    report.add_arguments(parser)
+    assert report.run(parser.parse_args([str(tmp_path), "--png", str(tmp_path / "r.png")])) == 0
+    printed = capsys.readouterr().out
+    assert "baseline" in printed and ("keep" in printed or "revert" in printed), printed
+    assert (tmp_path / "r_autotune.png").stat().st_size > 10_000
