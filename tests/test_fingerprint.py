@@ -9,6 +9,8 @@ in test_divergence.py.
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -35,7 +37,7 @@ class _FakeEvent:
     """A CUDA event whose completion the test sets; counts its waits."""
 
     complete = True
-    made: list["_FakeEvent"] = []
+    made: ClassVar[list[_FakeEvent]] = []
 
     def __init__(self) -> None:
         self.stream = None
@@ -165,7 +167,7 @@ def test_pieces_larger_than_a_slab():
 
 
 class _CountOps(TorchDispatchMode):
-    VIEWS = {"view", "slice", "select", "alias", "_unsafe_view", "as_strided", "detach", "expand"}
+    VIEWS: ClassVar[set[str]] = {"view", "slice", "select", "alias", "_unsafe_view", "as_strided", "detach", "expand"}
 
     def __init__(self) -> None:
         super().__init__()
