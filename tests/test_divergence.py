@@ -260,7 +260,7 @@ def deferred_tags_at_save(rank: int, world: int, root: str, freeze: bool) -> str
 
 def test_final_step_deferred_tags_raise_at_save_on_every_rank(world2, tmp_path):
     messages = world2.run(deferred_tags_at_save, root=str(tmp_path / "bad"), freeze=True, timeout_s=240)
-    _assert_diverged(messages, ("signature", "read back a step later", "found by overlap.checkpoint.save"))
+    _assert_diverged(messages, ("signature", "compared after its step", "found by overlap.checkpoint.save"))
     assert not (tmp_path / "bad").exists()
     assert world2.run(deferred_tags_at_save, root=str(tmp_path / "good"), freeze=False, timeout_s=240) == ["no error"] * 2
     assert [p.name for p in (tmp_path / "good").iterdir()] == ["step_000002"]

@@ -17,8 +17,9 @@ rank receives every rank's tag in the same collective, without a collective of i
 - CUDA: no comparison on the device. Right after copy-out (on the gather stream, behind it)
   the received tags (copy-out's tag destination, `world_size x TAG_NUMEL` elements) go to the
   host in one non-blocking copy into a pinned slab ([Note: deferred tag check]), and the host
-  compares them with the tag it sent once the copy is known complete, at the next check
-  (`check_pending`, once per step): the error comes a step late. `check_pending(wait=True)`
+  compares them with the tag it sent once the copy is known complete (`check_pending`, at the
+  end of each backward): the error comes at the end of the step, or a step later, without a
+  sync, on every rank (every rank received every tag). `check_pending(wait=True)`
   reads everything at once, at one sync: checkpoint.save, the state-dict export and exit do
   ([Note: final checks] in engine/deferred.py).
 
@@ -190,12 +191,14 @@ class HostTags:
 # next unit's copy-out (review 2, finding 8). Instead each check issues one non-blocking copy of
 # the received tag rows (`world_size` rows, each beginning with an 8-byte tag) into a pinned
 # slab, on the stream that ran copy-out, and remembers the tag this rank sent. Once per step,
-# `check_pending` closes the step's checks with one event per stream that issued copies, and
-# compares on the host every earlier batch whose events have completed (`Event.query()`, no
-# wait); a batch still in flight is compared at the next check. So the host reads tags that are
-# complete, without a sync: a mismatch is reported a step late (two where the host runs that far
-# ahead), never missed. Slabs are reused once read; more than `MAX_BATCHES_IN_FLIGHT` unread
-# batches (a host running far ahead) make the oldest one wait, which bounds the pinned memory.
+# `check_pending` (at the end of each backward) closes the step's checks with one event per
+# stream that issued copies, then compares on the host, oldest first, every closed batch whose
+# events have completed (`Event.query()`, no wait) and stops at the first still in flight, to
+# be compared at the next check. So the host reads only tags that have arrived, without a sync:
+# a mismatch is reported at the end of its step if the device is done by then, else at the end
+# of a later one (usually the next), and never missed. Slabs are reused once read; more than
+# `MAX_BATCHES_IN_FLIGHT` unread batches (a host far ahead of its device) make the oldest one
+# wait, which bounds the pinned memory.
 # `wait=True` reads everything now, at one sync, for the final checks ([Note: final checks] in
 # engine/deferred.py).
 
@@ -314,8 +317,9 @@ class FingerprintCheck:
         return piece
 
     def check_pending(self, wait: bool = False) -> None:
-        """Once per step: close this step's deferred checks and compare every earlier batch whose
-        copies are complete (without waiting); with `wait`, wait for all and compare them now.
+        """Once per step: close this step's deferred checks and compare, oldest first, every
+        batch whose copies are complete (without waiting); with `wait`, wait for all and compare
+        them now.
         Raises CollectiveMismatchError for the first mismatch found. Nothing to do for host
         checks (compared at once)."""
         if self._open:
@@ -342,7 +346,7 @@ class FingerprintCheck:
         for check in batch.checks:
             values = row_tags(check.host, check.world_size)
             if error is None and any(v != check.mine for v in values):
-                error = mismatch_message(values, check.mine, self.rank, f"{check.what} (read back a step later)")
+                error = mismatch_message(values, check.mine, self.rank, f"{check.what} (compared after its step)")
         for slab in batch.slabs:
             slab.used = 0
             self._free.append(slab)
