@@ -220,26 +220,24 @@ class _EventNeverDone:
         pass
 
 
-def deferred_tags_at_save(rank: int, world: int, root: str, freeze: bool) -> str:
-    """The CUDA transport's tag check on the CPU: every gather's tags go through
-    `FingerprintCheck.defer` with events that never complete unless waited for (the host ran
-    ahead of the device), so only `check_pending(wait=True)` can see the final step's tags.
-    `freeze`: rank 1 freezes a block's attention before the final step (its tags' signature
-    differs, the collectives' sizes do not)."""
+def deferred_tags_at_save(rank: int, world: int, root: str, freeze: bool, config: dict) -> str:
+    """The CUDA transport's tag check (`StreamTransport.check_tag`) on the CPU: every gather's
+    tags go through `FingerprintCheck.defer` with events that never complete unless waited for
+    (the host ran ahead of the device), so only `check_pending(wait=True)` can see the final
+    step's tags. `freeze`: rank 1 freezes a block's attention before the final step (its tags'
+    signature differs, the collectives' sizes do not)."""
     import overlap
     from overlap.transport import fingerprint
     from overlap.transport.host import HostTransport
-
-    def defer(self, fingerprints, unit, gathered, received, what, compressed):
-        fingerprints.defer(unit.tag_out, self.world_size, unit.gather_tag, what)
+    from overlap.transport.streams import StreamTransport
 
     saved = HostTransport.check_tag, fingerprint._current_stream, torch.cuda.Event
     stream = _StreamStandIn()
-    HostTransport.check_tag = defer
+    HostTransport.check_tag = StreamTransport.check_tag
     fingerprint._current_stream = lambda device: stream
     torch.cuda.Event = _EventNeverDone
     try:
-        model = overlap.wrap(encoder_stack(layers=3, dim=16), collective_timeout_s=60)
+        model = overlap.wrap(encoder_stack(layers=3, dim=16), collective_timeout_s=60, **config)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         _train_step(model, batch(model, rank, 0))
         opt.step()
@@ -258,11 +256,13 @@ def deferred_tags_at_save(rank: int, world: int, root: str, freeze: bool) -> str
         HostTransport.check_tag, fingerprint._current_stream, torch.cuda.Event = saved
 
 
-def test_final_step_deferred_tags_raise_at_save_on_every_rank(world2, tmp_path):
-    messages = world2.run(deferred_tags_at_save, root=str(tmp_path / "bad"), freeze=True, timeout_s=240)
+@pytest.mark.parametrize("config", [{}, {"param_compression": "int8"}], ids=["plain", "int8_weights"])
+def test_final_step_deferred_tags_raise_at_save_on_every_rank(world2, tmp_path, config):
+    messages = world2.run(deferred_tags_at_save, root=str(tmp_path / "bad"), freeze=True, config=config, timeout_s=240)
     _assert_diverged(messages, ("signature", "compared after its step", "found by overlap.checkpoint.save"))
     assert not (tmp_path / "bad").exists()
-    assert world2.run(deferred_tags_at_save, root=str(tmp_path / "good"), freeze=False, timeout_s=240) == ["no error"] * 2
+    good = world2.run(deferred_tags_at_save, root=str(tmp_path / "good"), freeze=False, config=config, timeout_s=240)
+    assert good == ["no error"] * 2
     assert [p.name for p in (tmp_path / "good").iterdir()] == ["step_000002"]
 
 
