@@ -209,3 +209,19 @@ def test_host_check_still_raises_at_once():
     shard[:, -TAG_NUMEL:] = _trailers([mine, mine, mine, _tag(1, 1)]).view(WORLD, TAG_NUMEL)
     with pytest.raises(CollectiveMismatchError, match="rank 3: step 1 forward of unit 1"):
         check.check(shard.view(-1), WORLD, mine, "all-gather of unit 0")
+
+
+def test_events_recorded_on_the_streams_that_copied(monkeypatch, fake_cuda):
+    """Review 2, finding 13: the event that says a copy is done is recorded on the stream the
+    copy ran on (the gather stream of the tags' device), not on the current device's stream.
+    Copies from two streams: one event on each, both complete before the batch is read."""
+    other = _FakeStream()
+    check = FingerprintCheck(0, torch.device("cpu"))
+    mine = _tag(1, 0)
+    check.defer(_trailers([mine] * WORLD), WORLD, mine, "all-gather of unit 0")
+    monkeypatch.setattr(fingerprint, "_current_stream", lambda device: other)
+    check.defer(_trailers([mine] * WORLD), WORLD, mine, "all-gather of unit 1")
+    check.defer(_trailers([mine] * WORLD), WORLD, mine, "all-gather of unit 2")
+    check.check_pending()
+    assert [e.stream for e in _FakeEvent.made] == [fake_cuda, other]
+    assert check.num_unread == 0
