@@ -234,3 +234,33 @@ def test_the_last_steps_deferred_checks_are_logged_at_exit(tmp_path):
     assert proc.stdout.split() == ["script", "done"], proc.stdout
     assert "overlap: rank 0: at exit, the last step's deferred checks: overlap: rank 0: the ranks' collectives diverged" in proc.stderr, proc.stderr
     assert "rank 1: step 2 backward of unit 0" in proc.stderr, proc.stderr
+
+
+class _Busy:
+    """A CUDA stream stand-in whose work never finishes (a collective hung behind it)."""
+
+    def record_event(self):
+        return self
+
+    def query(self) -> bool:
+        return False
+
+
+def test_exit_does_not_wait_forever_on_a_hung_device(monkeypatch):
+    """At exit the deferred checks are read only once the comm streams are done, polled for a
+    bounded time: a hung collective must not turn the exit into a hang."""
+    from types import SimpleNamespace
+
+    from overlap.engine import deferred
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _Busy())
+
+    def never(wait: bool = False) -> None:
+        raise AssertionError("read while the device was busy")
+
+    transport = SimpleNamespace(gather_stream=_Busy(), reduce_stream=None, all_reduce_stream=None)
+    fingerprints = SimpleNamespace(check_pending=never)
+    runtime = SimpleNamespace(transport=transport, device=torch.device("cpu"), fingerprints=fingerprints,
+                              param_codec=None, grad_codec=None)  # fmt: skip
+    (message,) = deferred.report_at_exit([SimpleNamespace(rank=3, runtime=runtime)], timeout_s=0)
+    assert message == "overlap: rank 3: at exit, the last step's deferred checks: not read: the device did not finish the last step within 0 s"

@@ -17,13 +17,18 @@ each rank's verdict travel in one small all-gather, so every rank raises, the ra
 problem with its detail and the others naming that rank, and none goes on into the save alone.
 At exit no collective can be relied on (the process group may be gone): `report_at_exit` reads
 the local checks (tags and codec counts) and logs what it finds; on the CPU both were read in
-their own step already, so it only finds what a CUDA run's last step left.
+their own step already, so it only finds what a CUDA run's last step left. It first lets the
+comm streams finish, for at most `EXIT_DEVICE_WAIT_S`: a process leaving after a hung collective
+would otherwise wait forever on an event behind it; then it says it could not read them.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from typing import TYPE_CHECKING
+
+import torch
 
 from overlap.transport import collectives as comm
 from overlap.transport.fingerprint import TRAIL_MASK, CollectiveMismatchError
@@ -33,6 +38,9 @@ if TYPE_CHECKING:
 
 _TAGS_BIT = 1 << 32  # this rank's deferred tag check found a mismatch
 _NONFINITE_BIT = 1 << 33  # a codec of this rank met Inf/NaN
+
+EXIT_DEVICE_WAIT_S = 30.0
+"""At exit, the longest `report_at_exit` waits for the device to finish the last step's work."""
 
 logger = logging.getLogger("overlap")
 
@@ -94,13 +102,32 @@ def check_deferred(state: OverlapState, where: str) -> None:
             )
 
 
-def report_at_exit(states: list[OverlapState]) -> list[str]:
+def _device_done(state: OverlapState, timeout_s: float, poll_s: float = 0.01) -> bool:
+    """Whether the work queued on the transport's streams (and the current one) finishes within
+    `timeout_s`: polled through events, never a wait that could hang. True on the host."""
+    transport = state.runtime.transport
+    streams = [s for s in (transport.gather_stream, transport.reduce_stream, transport.all_reduce_stream) if s]
+    if not streams:
+        return True
+    events = [s.record_event() for s in (*streams, torch.cuda.current_stream(state.runtime.device))]
+    deadline = time.monotonic() + timeout_s
+    while not all(e.query() for e in events):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(poll_s)
+    return True
+
+
+def report_at_exit(states: list[OverlapState], timeout_s: float = EXIT_DEVICE_WAIT_S) -> list[str]:
     """Read the local deferred checks of `states` at exit and log what they found (no
     collective: [Note: final checks]). Returns the messages logged."""
     found = []
     for state in states:
         try:
-            problems = [e for e in _read_local(state) if e is not None]
+            if _device_done(state, timeout_s):
+                problems = [e for e in _read_local(state) if e is not None]
+            else:
+                problems = [f"not read: the device did not finish the last step within {timeout_s:g} s"]
         except Exception as e:  # noqa: BLE001  (a device already torn down: say so, exit anyway)
             problems = [e]
         for problem in problems:
