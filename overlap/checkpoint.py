@@ -74,6 +74,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 
 from overlap.compression.feedback import FeedbackResidual, make_residual_format
+from overlap.engine.deferred import check_deferred
 from overlap.engine.state import OverlapState, state_of
 
 try:  # NumPy is optional; its generator state is saved when it is importable
@@ -127,10 +128,13 @@ def save(
     checkpoint of the same step is replaced. `rank_extra` is this rank's own (picklable) state,
     returned to the same rank by `load` (see [Note: what a checkpoint holds]). Returns the
     checkpoint folder. A failed write raises DCP's `CheckpointException` (a `BaseException`) on
-    every rank."""
+    every rank. Before anything is written, the checks the last step left unread run on every
+    rank ([Note: final checks] in engine/deferred.py): ranks that diverged, or a codec that met
+    Inf/NaN, raise here on every rank instead of being saved silently."""
     state = state_of(model)
     if not isinstance(step, int) or step < 0:
         raise ValueError(f"overlap.checkpoint.save: step must be an int >= 0, got {step!r}")
+    check_deferred(state, "overlap.checkpoint.save")
     group = _dcp_group(state)
     rank = dist.get_rank(group)
     root = Path(root)

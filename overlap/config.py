@@ -143,7 +143,12 @@ class OverlapConfig:
     collective_timeout_s: float | None = None
     """Seconds a wait on an all-gather or reduce-scatter may take before it raises (a dead or
     stuck rank becomes an error instead of a hang). None: the process group's own timeout
-    (`init_process_group(timeout=...)`)."""
+    (`init_process_group(timeout=...)`). On a stream-ordered backend (CUDA tensors over NCCL)
+    it does not bound the training collectives, and `wrap` warns when it is set: a wait with a
+    timeout there blocks the CPU until the collective is done, which would cancel every overlap.
+    A hang there ends in NCCL's watchdog abort after `init_process_group(timeout=...)`, the
+    setting to use. It still bounds the blocking waits of wrap's rank-0 sync and of the full
+    state dict's export and load."""
 
     trace_dir: str | None = None
     """Write a Chrome/Perfetto trace of the last few steps (one `trace_rank{r}.json` per rank)

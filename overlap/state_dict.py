@@ -19,6 +19,7 @@ from torch.distributed.tensor import DTensor
 
 from overlap import kernels
 from overlap.transport import collectives as comm
+from overlap.engine.deferred import check_deferred
 from overlap.engine.init import ScratchBuffer
 from overlap.engine.unit_tensors import UnitTensors
 from overlap.engine.sync import (
@@ -39,8 +40,10 @@ def full_state_dict(model: nn.Module, rank0_only: bool = True) -> dict[str, torc
 
     With `rank0_only`, each unit's shards are gathered to rank 0 (one collective per unit; on a
     2-D mesh only row 0 takes part, the replicas hold the same values) and ranks other than 0
-    get an empty dict. Without it, every rank all-gathers every parameter."""
+    get an empty dict. Without it, every rank all-gathers every parameter. The checks the last
+    step left unread run first, on every rank ([Note: final checks] in engine/deferred.py)."""
     state = state_of(model)
+    check_deferred(state, "overlap.full_state_dict")
     own = model.state_dict()
     if not rank0_only:
         return {

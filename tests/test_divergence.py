@@ -155,3 +155,139 @@ def test_same_skip_on_every_rank_raises_nothing(world2):
 def test_no_false_alarm_and_no_extra_collective(world2, config):
     gathers = world2.run(same_phases_agree, config=config, timeout_s=240)
     assert gathers[0] == gathers[1] > 0
+
+
+# Review 2, finding 14: what the last step left unread is read by checkpoint.save and
+# full_state_dict, on every rank ([Note: final checks] in engine/deferred.py).
+
+
+def _export(model: nn.Module, where: str, root: str) -> None:
+    import overlap
+
+    if where == "save":
+        overlap.checkpoint.save(root, model, step=2)
+    else:
+        overlap.full_state_dict(model)
+
+
+def skip_in_the_final_step(rank: int, world: int, where: str, root: str, skip_on: tuple[int, ...]) -> str:
+    """Every unit kept for backward: the final step's backward is reductions only, so nothing
+    but the reduction trail can see that one rank skipped a unit ([Note: reduction trail])."""
+    import overlap
+
+    model = overlap.wrap(Skippy(), collective_timeout_s=30)
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(rank))
+    _train_step(model, x)
+    _train_step(model, x, skip=1 if rank in skip_on else None)  # the final step
+    try:
+        _export(model, where, f"{root}/rank{rank}" if where == "export" else root)
+    except overlap.CollectiveMismatchError as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.parametrize("where", ["save", "export"])
+def test_final_step_divergence_raises_at_save_on_every_rank(world2, tmp_path, where):
+    messages = world2.run(skip_in_the_final_step, where=where, root=str(tmp_path), skip_on=(1,), timeout_s=240)
+    caller = "overlap.checkpoint.save" if where == "save" else "overlap.full_state_dict"
+    for rank, message in enumerate(messages):
+        assert message.startswith(f"overlap: rank {rank}: {caller}: the ranks reduced the gradients"), message
+        assert "reduction trails by rank" in message, message
+    assert not list(tmp_path.iterdir()), "nothing is written once the ranks diverged"
+
+
+def test_final_step_same_skip_saves(world2, tmp_path):
+    assert world2.run(skip_in_the_final_step, where="save", root=str(tmp_path), skip_on=(0, 1), timeout_s=240) == [
+        "no error"
+    ] * 2
+    assert [p.name for p in tmp_path.iterdir()] == ["step_000002"]
+
+
+class _StreamStandIn:
+    pass
+
+
+class _EventNeverDone:
+    """Stands in for a CUDA event whose copy the device has not reached: only a wait reads it."""
+
+    def record(self, stream: object) -> None:
+        pass
+
+    def query(self) -> bool:
+        return False
+
+    def synchronize(self) -> None:
+        pass
+
+
+def deferred_tags_at_save(rank: int, world: int, root: str, freeze: bool, config: dict) -> str:
+    """The CUDA transport's tag check (`StreamTransport.check_tag`) on the CPU: every gather's
+    tags go through `FingerprintCheck.defer` with events that never complete unless waited for
+    (the host ran ahead of the device), so only `check_pending(wait=True)` can see the final
+    step's tags. `freeze`: rank 1 freezes a block's attention before the final step (its tags'
+    signature differs, the collectives' sizes do not)."""
+    import overlap
+    from overlap.transport import fingerprint
+    from overlap.transport.host import HostTransport
+    from overlap.transport.streams import StreamTransport
+
+    saved = HostTransport.check_tag, fingerprint._current_stream, torch.cuda.Event
+    stream = _StreamStandIn()
+    HostTransport.check_tag = StreamTransport.check_tag
+    fingerprint._current_stream = lambda device: stream
+    torch.cuda.Event = _EventNeverDone
+    try:
+        model = overlap.wrap(encoder_stack(layers=3, dim=16), collective_timeout_s=60, **config)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        _train_step(model, batch(model, rank, 0))
+        opt.step()
+        if freeze and rank == 1:
+            for p in model[1].self_attn.parameters():
+                p.requires_grad_(False)
+        _train_step(model, batch(model, rank, 1))  # the final step: no error during it
+        fingerprints = model._overlap_state.runtime.fingerprints
+        assert fingerprints.num_unread > 0, "the final step's tags are still in flight"
+        try:
+            overlap.checkpoint.save(root, model, opt, step=2)
+        except overlap.CollectiveMismatchError as e:
+            return str(e)
+        return "no error"
+    finally:
+        HostTransport.check_tag, fingerprint._current_stream, torch.cuda.Event = saved
+
+
+@pytest.mark.parametrize("config", [{}, {"param_compression": "int8"}], ids=["plain", "int8_weights"])
+def test_final_step_deferred_tags_raise_at_save_on_every_rank(world2, tmp_path, config):
+    messages = world2.run(deferred_tags_at_save, root=str(tmp_path / "bad"), freeze=True, config=config, timeout_s=240)
+    _assert_diverged(messages, ("signature", "compared after its step", "found by overlap.checkpoint.save"))
+    assert not (tmp_path / "bad").exists()
+    good = world2.run(deferred_tags_at_save, root=str(tmp_path / "good"), freeze=False, config=config, timeout_s=240)
+    assert good == ["no error"] * 2
+    assert [p.name for p in (tmp_path / "good").iterdir()] == ["step_000002"]
+
+
+def nonfinite_in_the_final_step(rank: int, world: int, root: str) -> str:
+    """int8 gradients; rank 1's final-step gradients are NaN. The codec's in-step check stands in
+    for CUDA's, which reads a step late (the final step's counts are read only with wait=True)."""
+    import overlap
+
+    model = overlap.wrap(encoder_stack(layers=3, dim=16), collective_timeout_s=60, grad_compression="int8")
+    codec = model._overlap_state.runtime.grad_codec
+    check = codec.raise_if_nonfinite
+    codec.raise_if_nonfinite = lambda *, wait=False: check(wait=True) if wait else None
+    _train_step(model, batch(model, rank, 0))
+    loss = loss_of(model(batch(model, rank, 1)))
+    (loss * (float("nan") if rank == 1 else 1.0)).backward()  # the final step
+    try:
+        overlap.checkpoint.save(root, model, step=2)
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def test_final_step_nonfinite_raises_at_save_on_every_rank(world2, tmp_path):
+    messages = world2.run(nonfinite_in_the_final_step, root=str(tmp_path), timeout_s=240)
+    assert messages[0].startswith("overlap: rank 0: overlap.checkpoint.save: rank(s) [1] encoded Inf or NaN"), messages[0]
+    assert messages[1].startswith("overlap: rank 1: overlap.checkpoint.save: overlap.compression."), messages[1]
+    assert "Inf or NaN" in messages[1], messages[1]
+    assert not list(tmp_path.iterdir())

@@ -139,8 +139,9 @@ ONCE_PER_STEP = {
 # Branches that run only for tensors in host memory (decided by the device type), so a CUDA host
 # never makes these calls: recorded here only because this test runs on the CPU.
 CPU_ONLY = {
-    # the all-gather tags compared on the host; on CUDA the comparison stays on the device and is
-    # read once per step, a step late ([Note: collective fingerprints] in fingerprint.py)
+    # the all-gather tags compared on the host (the fallback that reads a gathered buffer); on
+    # CUDA they reach the host by one non-blocking copy to pinned memory and are compared a step
+    # late, after an event query ([Note: deferred tag check] in fingerprint.py)
     "overlap/transport/fingerprint.py": "Tensor.tolist",
 }
 RECORDED_STEPS = 3

@@ -197,3 +197,70 @@ def test_tuner_trials_release_the_models_they_let_go(world2):
     # [Note: a wrapped model is collectable] every released model stayed in memory
     for counts in world2.run(_tuner_trials_release_their_models):
         assert counts == [0, 0, 0, 3, 1, 0], counts
+
+
+_EXIT_CHECK_SCRIPT = """
+import torch, torch.distributed as dist
+import overlap
+from overlap.transport import fingerprint
+class NeverDone:  # a CUDA event the host ran ahead of: only a wait reads its copy
+    def record(self, stream): pass
+    def query(self): return False
+    def synchronize(self): pass
+fingerprint._current_stream = lambda device: "stream"
+torch.cuda.Event = NeverDone
+dist.init_process_group("gloo", init_method="file://{store}", rank=0, world_size=1)
+model = overlap.wrap(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)))
+model(torch.randn(2, 4)).sum().backward()
+# the tags of the run's last all-gather, on their way to the host as on CUDA: one rank's differ
+mine = fingerprint.Tag(1, 2, 0, 0).pack()
+tags = torch.tensor([mine, 0] * 2 + [mine + 1, 0] * 2, dtype=torch.int64)
+model._overlap_state.runtime.fingerprints.defer(tags, 2, mine, "all-gather of unit 0")
+model._overlap_state.runtime.fingerprints.check_pending()  # the step's end: not complete yet
+print("script done", flush=True)
+"""
+
+
+def test_the_last_steps_deferred_checks_are_logged_at_exit(tmp_path):
+    """Review 2, finding 14: a run that ends without a checkpoint still hears of its last step
+    ([Note: final checks] in deferred.py). Logged, not raised: the process group may be gone."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "exit.py"
+    script.write_text(_EXIT_CHECK_SCRIPT.format(store=tmp_path / "store"))
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split() == ["script", "done"], proc.stdout
+    assert "overlap: rank 0: at exit, the last step's deferred checks: overlap: rank 0: the ranks' collectives diverged" in proc.stderr, proc.stderr
+    assert "rank 1: step 2 backward of unit 0" in proc.stderr, proc.stderr
+
+
+class _Busy:
+    """A CUDA stream stand-in whose work never finishes (a collective hung behind it)."""
+
+    def record_event(self):
+        return self
+
+    def query(self) -> bool:
+        return False
+
+
+def test_exit_does_not_wait_forever_on_a_hung_device(monkeypatch):
+    """At exit the deferred checks are read only once the comm streams are done, polled for a
+    bounded time: a hung collective must not turn the exit into a hang."""
+    from types import SimpleNamespace
+
+    from overlap.engine import deferred
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _Busy())
+
+    def never(wait: bool = False) -> None:
+        raise AssertionError("read while the device was busy")
+
+    transport = SimpleNamespace(gather_stream=_Busy(), reduce_stream=None, all_reduce_stream=None)
+    fingerprints = SimpleNamespace(check_pending=never)
+    runtime = SimpleNamespace(transport=transport, device=torch.device("cpu"), fingerprints=fingerprints,
+                              param_codec=None, grad_codec=None)  # fmt: skip
+    (message,) = deferred.report_at_exit([SimpleNamespace(rank=3, runtime=runtime)], timeout_s=0)
+    assert message == "overlap: rank 3: at exit, the last step's deferred checks: not read: the device did not finish the last step within 0 s"

@@ -6,7 +6,7 @@ from a group or mesh), `checks` (every rank wraps the same model and config), `s
 parameters to flat shards), `units` (the flat layout), `unit_tensors` (a unit's tensors),
 `init` and `sync` (deferred init; rank 0's values to every rank), `schedule` (the state
 machine), `runtime` and `reduction` (carry out its actions through a transport),
-`fingerprint` and `guard` (cross-rank and optimizer checks), `local_step`, `replicated`,
-`step_hooks`, `teardown`. It imports `overlap.transport`, `overlap.observe`,
+`guard` (optimizer checks), `deferred` (the checks a step reports late, read before a
+checkpoint, an export or exit), `local_step`, `replicated`, `step_hooks`, `teardown`. It imports `overlap.transport`, `overlap.observe`,
 `overlap.compression` and `overlap.kernels`; nothing below it imports the engine.
 """

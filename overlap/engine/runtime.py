@@ -224,15 +224,15 @@ class Runtime(Reductions):
 
     def _check_tag(self, unit: UnitTensors, gathered: torch.Tensor, received: torch.Tensor) -> None:
         """Compare the gathered tags with this rank's ([Note: collective fingerprints]), after
-        copy-out: on CUDA on the device (reported a step late), on the CPU on the host."""
+        copy-out: on the CPU on the host, at once; on CUDA from a pinned copy, a step late."""
         if unit.gather_tag is None:
             return
         what = f"all-gather of {unit.layout.label}"
         self.transport.check_tag(self.fingerprints, unit, gathered, received, what, self.param_codec is not None)
 
     def check_fingerprints(self) -> None:
-        """Once per step: CUDA reports a step late what the device compared ([Note: collective
-        fingerprints]); on CPU every all-gather was checked at its wait."""
+        """Once per step: CUDA compares the tags copied to the host once the copies are done, a
+        step late ([Note: deferred tag check]); on CPU every all-gather was checked at its wait."""
         self.fingerprints.check_pending()
 
     def _drop_gather(self, unit: UnitTensors) -> None:

@@ -25,6 +25,10 @@ GIL in short sleeps until no other thread of the process has been runnable for t
 row: a worker waiting for the GIL gets it during a sleep and finishes; one waiting for a core
 shows as runnable and is waited for. The wait is bounded (`EXIT_WAIT_S`): a thread that stays
 busy (a spinning BLAS pool, a collective still in flight) delays exit by at most that.
+
+Before both, the checks that the last step of each wrapped model still alive left unread are
+read and logged ([Note: final checks] in deferred.py): a CUDA run that ends without a
+checkpoint would otherwise never hear of a divergence or a NaN block in its last step.
 """
 
 from __future__ import annotations
@@ -35,7 +39,14 @@ import gc
 import os
 import threading
 import time
+import weakref
 from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from overlap.engine.deferred import report_at_exit
+
+if TYPE_CHECKING:
+    from overlap.engine.state import OverlapState
 
 EXIT_WAIT_S = 2.0
 """The longest `quiet_exit` waits for the process's other threads to go idle."""
@@ -44,6 +55,10 @@ POLL_S = 0.005
 """Between two looks at the threads, the main thread sleeps this long without the GIL."""
 
 _TASKS = "/proc/self/task"
+
+_WATCHED: weakref.WeakSet[OverlapState] = weakref.WeakSet()
+"""The wrapped models' states whose deferred checks are read at exit (weakly: a dropped model
+is collectable, [Note: a wrapped model is collectable] in state.py)."""
 
 
 def runnable_threads() -> list[int]:
@@ -87,9 +102,17 @@ def wait_threads_idle(
 
 
 def quiet_exit() -> None:
-    """What runs at exit ([Note: quiet exit]): collect garbage, then let other threads finish."""
+    """What runs at exit ([Note: quiet exit]): read the last step's deferred checks, collect
+    garbage, then let other threads finish."""
+    report_at_exit(list(_WATCHED))
     gc.collect()
     wait_threads_idle()
+
+
+def watch(state: OverlapState) -> None:
+    """Read `state`'s deferred checks at exit, and leave the process quietly; `wrap` calls it."""
+    _WATCHED.add(state)
+    register()
 
 
 @functools.cache

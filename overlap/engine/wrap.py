@@ -167,7 +167,7 @@ def wrap(
         if buffers:
             broadcast_tensors(source, buffers)
     state = OverlapState(model, config, pgs, units, root_units, hooked)
-    teardown.register()  # [Note: quiet exit]
+    teardown.watch(state)  # [Note: quiet exit], [Note: final checks] in deferred.py
     model._overlap_state = state
     register_sharded(p for unit in units for p in unit.sharded_params)  # [Note: local optimizer step]
     as_overlap_module(model)  # ecosystem: model.no_sync(), .unshard(), ... (overlap/engine/module.py)

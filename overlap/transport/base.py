@@ -22,6 +22,7 @@ methods marked "each transport", and is chosen in `make_transport`.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, NamedTuple
@@ -34,6 +35,26 @@ from overlap.compression.feedback import FeedbackResidual
 from overlap.transport import backend
 from overlap.transport import collectives as comm
 from overlap.transport.fingerprint import FingerprintCheck
+
+
+def honoured_timeout(semantics: backend.CommSemantics, timeout: timedelta | None) -> timedelta | None:
+    """The timeout the transport's waits pass on (`backend.wait_timeout`); warns, once per wrap,
+    when `OverlapConfig.collective_timeout_s` is set where it cannot be honoured. [Note: NCCL is
+    not gloo]: on NCCL a timeout would make every wait block the CPU, so its hangs are bounded by
+    the process group's timeout and its watchdog instead (review 2, finding 15)."""
+    honoured = backend.wait_timeout(semantics, timeout)
+    if timeout is not None and honoured is None:
+        warnings.warn(
+            f"overlap.wrap: collective_timeout_s={timeout.total_seconds():g} does not bound the "
+            f"training all-gathers and reduce-scatters of {semantics.device_type} tensors over "
+            f"{semantics.backend}: a wait with a timeout there would block the CPU on every "
+            "collective. A hung collective ends in the process group's watchdog abort instead, "
+            "after the timeout given to torch.distributed.init_process_group(timeout=...) (10 "
+            "minutes by default for NCCL): set that one. collective_timeout_s still bounds the "
+            "blocking waits of wrap's rank-0 sync and of the full state dict's export and load.",
+            stacklevel=2,
+        )
+    return honoured
 
 
 class UnitWire(NamedTuple):
@@ -76,9 +97,7 @@ class Transport:
         self.device = device
         self.semantics = semantics
         self.timer = timer  # observe/timing.py: spans from events (CUDA) or work handles (host)
-        # [Note: NCCL is not gloo]: on NCCL a timeout would make every wait block the CPU; its
-        # hangs are bounded by the process group's timeout and its watchdog instead.
-        self.timeout = backend.wait_timeout(semantics, timeout)
+        self.timeout = honoured_timeout(semantics, timeout)
         self.reduce_impl: comm.ReduceImpl = (
             reduce_impl if reduce_impl != "auto" else semantics.auto_reduce_impl()  # type: ignore[assignment]
         )  # [Note: reduce-scatter through all-to-all] in collectives.py

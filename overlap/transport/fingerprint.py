@@ -14,9 +14,14 @@ rank receives every rank's tag in the same collective, without a collective of i
 - CPU: the tags are compared on the host right after the wait (read in place from copy-out's
   tag destination through a ctypes view, `HostTags`: no torch op per check); on a mismatch every rank raises
   `CollectiveMismatchError` in the same collective, naming each rank's step, phase and unit.
-- CUDA: the comparison runs on the device (a mismatch count and the last mismatching tags), and
-  the count is read once per step a step late through pinned memory, without a sync; the error
-  then comes one step late. `check_pending(wait=True)` reads at once, at one sync.
+- CUDA: no comparison on the device. Right after copy-out (on the gather stream, behind it)
+  the received tags (copy-out's tag destination, `world_size x TAG_NUMEL` elements) go to the
+  host in one non-blocking copy into a pinned slab ([Note: deferred tag check]), and the host
+  compares them with the tag it sent once the copy is known complete (`check_pending`, at the
+  end of each backward): the error comes at the end of the step, or a step later, without a
+  sync, on every rank (every rank received every tag). `check_pending(wait=True)`
+  reads everything at once, at one sync: checkpoint.save, the state-dict export and exit do
+  ([Note: final checks] in engine/deferred.py).
 
 Compressed all-gathers carry the same tag in the last `TAG_BYTES` of each rank's byte row
 (`comm.encode_shard` leaves the room, `byte_tags` reads it).
@@ -45,7 +50,9 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+from collections import deque
 from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import torch
 
@@ -116,10 +123,9 @@ def received_tags(gathered: torch.Tensor, world_size: int) -> torch.Tensor:
 
 
 def byte_tags(received: torch.Tensor, world_size: int) -> torch.Tensor:
-    """Every rank's int64 tag from a tagged compressed all-gather's uint8 output, shape
-    (world_size,): each rank's row ends in its tag (`comm.all_gather_encoded`)."""
-    rows = received.view(world_size, -1)[:, -TAG_BYTES:].contiguous()
-    return rows.view(torch.int64).view(-1)
+    """Every rank's tag bytes in a tagged compressed all-gather's uint8 output: a (world_size,
+    TAG_BYTES) view, no copy (each rank's row ends in its tag: `comm.all_gather_encoded`)."""
+    return received.view(world_size, -1)[:, -TAG_BYTES:]
 
 
 def host_byte_tags(received: torch.Tensor, world_size: int) -> list[int]:
@@ -178,17 +184,97 @@ class HostTags:
         return [self._ptr[r * self._stride] for r in range(self._world_size)]
 
 
+# [Note: deferred tag check]
+# On CUDA the tags arrive in device memory, on the gather stream, and the host must not wait for
+# them ([Note: no host sync in the hot path] in engine/runtime.py). Comparing on the device cost
+# about 11 small kernels per all-gather on the gather stream, between the collective and the
+# next unit's copy-out (review 2, finding 8). Instead each check issues one non-blocking copy of
+# the received tag rows (`world_size` rows, each beginning with an 8-byte tag) into a pinned
+# slab, on the stream that ran copy-out, and remembers the tag this rank sent. Once per step,
+# `check_pending` (at the end of each backward) closes the step's checks with one event per
+# stream that issued copies, then compares on the host, oldest first, every closed batch whose
+# events have completed (`Event.query()`, no wait) and stops at the first still in flight, to
+# be compared at the next check. So the host reads only tags that have arrived, without a sync:
+# a mismatch is reported at the end of its step if the device is done by then, else at the end
+# of a later one (usually the next), and never missed. Slabs are reused once read; more than
+# `MAX_BATCHES_IN_FLIGHT` unread batches (a host far ahead of its device) make the oldest one
+# wait, which bounds the pinned memory.
+# `wait=True` reads everything now, at one sync, for the final checks ([Note: final checks] in
+# engine/deferred.py).
+
+MAX_BATCHES_IN_FLIGHT = 4
+"""Steps of tag copies that may be unread before `check_pending` waits for the oldest."""
+
+SLAB_BYTES = 64 * 1024
+"""Pinned bytes per slab: a step of tag copies (world_size x TAG_NUMEL elements per all-gather)."""
+
+
+def row_tags(host: torch.Tensor, world_size: int) -> list[int]:
+    """The tag at the start of each of the `world_size` equal rows of the host bytes `host`,
+    read in place (a ctypes view: no torch op)."""
+    row_bytes = host.numel() * host.element_size() // world_size
+    assert host.device.type == "cpu" and host.is_contiguous() and row_bytes % 8 == 0
+    assert host.data_ptr() % 8 == 0
+    words = ctypes.cast(host.data_ptr(), ctypes.POINTER(ctypes.c_int64))
+    stride = row_bytes // 8
+    return [words[r * stride] for r in range(world_size)]
+
+
+def _pinned(nbytes: int, device: torch.device) -> torch.Tensor:
+    """Host bytes a non-blocking copy from `device` may land in: pinned for CUDA."""
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
+
+
+def _current_stream(device: torch.device) -> Any:
+    """The stream a copy from `device` is issued on; None for host tensors (complete at once)."""
+    return torch.cuda.current_stream(device) if device.type == "cuda" else None
+
+
+class _Slab:
+    """Pinned bytes handed out in 8-byte aligned pieces; all given back at once."""
+
+    def __init__(self, nbytes: int, device: torch.device) -> None:
+        self.buffer = _pinned(nbytes, device)
+        self.used = 0
+
+    def take(self, nbytes: int) -> torch.Tensor | None:
+        start = -(-self.used // 8) * 8
+        if start + nbytes > self.buffer.numel():
+            return None
+        self.used = start + nbytes
+        return self.buffer[start : start + nbytes]
+
+
+class _Deferred(NamedTuple):
+    """One all-gather's tags on their way to the host."""
+
+    host: torch.Tensor  # uint8 bytes in a slab: world_size rows, each beginning with a tag
+    world_size: int
+    mine: int  # the tag this rank sent
+    what: str
+
+
+class _Batch(NamedTuple):
+    """A step's deferred checks and the events that say their copies are done."""
+
+    checks: list[_Deferred]
+    slabs: list[_Slab]
+    done: list[Any]  # torch.cuda.Event per stream that issued copies (none for host tensors)
+
+
 class FingerprintCheck:
-    """Compares the gathered tags with this rank's ([Note: collective fingerprints])."""
+    """Compares the gathered tags with this rank's ([Note: collective fingerprints]): at once on
+    the host (`check_host`, `check`), or a step late from pinned copies (`defer`,
+    `check_pending`: [Note: deferred tag check])."""
 
     def __init__(self, rank: int, device: torch.device) -> None:
         self.rank = rank
         self.device = device
-        self._on_device = device.type == "cuda"
-        self._count: torch.Tensor | None = None  # CUDA: mismatches seen since the last poll
-        self._last: torch.Tensor | None = None  # CUDA: the last mismatching tags
-        self._expected: torch.Tensor | None = None  # CUDA: the tag this rank sent with them
-        self._in_flight: tuple[torch.Tensor, torch.cuda.Event] | None = None
+        self._open: list[_Deferred] = []  # deferred since the last check_pending
+        self._open_slabs: list[_Slab] = []
+        self._streams: dict[Any, Any] = {}  # the streams that issued them (keys = values)
+        self._batches: deque[_Batch] = deque()  # closed, not yet read, oldest first
+        self._free: list[_Slab] = []
 
     def check_host(self, tags: HostTags | list[int], mine: int, what: str) -> None:
         """CPU: compare the tags `tags` reads (or holds) with `mine`, now."""
@@ -198,49 +284,71 @@ class FingerprintCheck:
                 raise CollectiveMismatchError(mismatch_message(values, mine, self.rank, what))
 
     def check(self, gathered: torch.Tensor, world_size: int, mine: int, what: str) -> None:
-        """Compare the tags of a tagged all-gather's output with `mine` (CPU: now; CUDA: on the
-        current stream, reported by `check_pending`)."""
-        self.check_values(received_tags(gathered, world_size), mine, what)
+        """CPU: compare the tags of a tagged all-gather's output with `mine`, now."""
+        assert gathered.device.type == "cpu", "device tags are checked through `defer`"
+        self.check_host(received_tags(gathered, world_size).tolist(), mine, what)
 
-    def check_values(self, values: torch.Tensor, mine: int, what: str) -> None:
-        """As `check`, for the (world_size,) int64 tags already taken out of the output."""
-        if not self._on_device:
-            host = values.tolist()  # CPU tensors only (this branch never runs on CUDA): no device to wait for
-            if any(v != mine for v in host):
-                raise CollectiveMismatchError(mismatch_message(host, mine, self.rank, what))
-            return
-        bad = (values != mine).any()
-        if self._count is None:
-            self._count = torch.zeros((), dtype=torch.int64, device=self.device)
-            self._last = torch.zeros_like(values)
-            self._expected = torch.zeros((), dtype=torch.int64, device=self.device)
-        assert self._last is not None and self._expected is not None
-        self._count.add_(bad.to(torch.int64))
-        if self._last.shape != values.shape:
-            self._last = torch.zeros_like(values)
-        self._last.copy_(torch.where(bad, values, self._last))
-        self._expected.copy_(torch.where(bad, torch.full_like(self._expected, mine), self._expected))
+    @property
+    def num_unread(self) -> int:
+        """Deferred checks not compared yet."""
+        return len(self._open) + sum(len(b.checks) for b in self._batches)
+
+    def defer(self, tags: torch.Tensor, world_size: int, mine: int, what: str) -> None:
+        """Send `tags` (`world_size` equal rows of bytes, each beginning with a tag; device
+        memory) to the host in one non-blocking copy on the current stream, to be compared with
+        `mine` by a later `check_pending` ([Note: deferred tag check])."""
+        raw = tags.view(torch.uint8)  # the bits: a tag may look like a NaN
+        host = self._take(raw.numel(), raw.device)
+        host = host.view(raw.shape) if raw.dim() > 1 else host
+        host.copy_(raw, non_blocking=True)  # the one device op of a check
+        stream = _current_stream(raw.device)  # review 2, finding 13: the stream that copied
+        if stream is not None:
+            self._streams.setdefault(stream, stream)
+        self._open.append(_Deferred(host, world_size, mine, what))
+
+    def _take(self, nbytes: int, device: torch.device) -> torch.Tensor:
+        piece = self._open_slabs[-1].take(nbytes) if self._open_slabs else None
+        if piece is None:
+            slab = self._free.pop() if self._free and self._free[-1].buffer.numel() >= nbytes else None
+            slab = slab or _Slab(max(SLAB_BYTES, nbytes), device)
+            self._open_slabs.append(slab)
+            piece = slab.take(nbytes)
+            assert piece is not None
+        return piece
 
     def check_pending(self, wait: bool = False) -> None:
-        """CUDA: raise for mismatches the previous call sent to the host (a step late, no sync);
-        send this step's. CPU: nothing to do (checked at once)."""
-        if self._count is None:
-            return
-        assert self._last is not None and self._expected is not None
-        ready = self._in_flight
-        host = torch.empty(self._last.numel() + 2, dtype=torch.int64, pin_memory=True)
-        packed = torch.cat([self._count.view(1), self._expected.view(1), self._last])
-        host.copy_(packed, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
-        self._count.zero_()
-        self._in_flight = (host, event)
-        if wait:
-            ready = self._in_flight
-        if ready is None:
-            return
-        values, done = ready
-        done.synchronize()  # recorded a step ago: long complete
-        if int(values[0]) > 0:
-            seen = values[2:].tolist()  # pinned host copy recorded a step ago; only on a mismatch
-            raise CollectiveMismatchError(mismatch_message(seen, int(values[1]), self.rank, "all-gather a step ago"))
+        """Once per step: close this step's deferred checks and compare, oldest first, every
+        batch whose copies are complete (without waiting); with `wait`, wait for all and compare
+        them now.
+        Raises CollectiveMismatchError for the first mismatch found. Nothing to do for host
+        checks (compared at once)."""
+        if self._open:
+            done = []
+            for stream in self._streams.values():
+                event = torch.cuda.Event()
+                event.record(stream)
+                done.append(event)
+            self._batches.append(_Batch(self._open, self._open_slabs, done))
+            self._open, self._open_slabs, self._streams = [], [], {}
+        while self._batches:
+            batch = self._batches[0]
+            if wait or len(self._batches) > MAX_BATCHES_IN_FLIGHT:
+                for event in batch.done:
+                    event.synchronize()  # final checks, or a host far ahead of the device
+            elif not all(event.query() for event in batch.done):
+                return  # still in flight: compared at the next check
+            self._batches.popleft()
+            self._read(batch)
+
+    def _read(self, batch: _Batch) -> None:
+        """Compare a batch whose copies are complete; its slabs are free again."""
+        error = None
+        for check in batch.checks:
+            values = row_tags(check.host, check.world_size)
+            if error is None and any(v != check.mine for v in values):
+                error = mismatch_message(values, check.mine, self.rank, f"{check.what} (compared after its step)")
+        for slab in batch.slabs:
+            slab.used = 0
+            self._free.append(slab)
+        if error is not None:
+            raise CollectiveMismatchError(error)

@@ -59,6 +59,9 @@ class CollectiveError(RuntimeError):
     the collective nor the setting that bounds the wait. `wait` turns it into this error (the
     backend's error chained as the cause); `Runtime.run` adds the rank and the unit or bucket.
     Every rank that takes part in the failed collective raises within the timeout, none hangs.
+    On a stream-ordered backend (NCCL) the training collectives are waited on without a timeout
+    ([Note: NCCL is not gloo] in backend.py): a hang there ends in the watchdog's abort after
+    the process group's timeout, not in this error (`wrap` warns when collective_timeout_s is set).
     """
 
 

@@ -14,7 +14,7 @@ does the copies when it waits (transport/host.py).
 
 Everything after a collective is enqueued at issue, behind it on its comm stream: `wait` on a
 stream-ordered backend only makes the current stream wait ([Note: NCCL is not gloo] in
-backend.py), so copy-out, the tag check and the sum of a reduction follow it without the CPU
+backend.py), so copy-out, the tag copy and the sum of a reduction follow it without the CPU
 waiting, and the compute stream later waits on the event recorded after them. This is the shape
 of FSDP2's `_fsdp_collectives.py`, except that copy-out runs on the gather stream, so its buffers'
 last user is their own allocation stream ([Note: buffer lifetime] in engine/runtime.py).
@@ -73,7 +73,7 @@ class StreamTransport(Transport):
         return comm.all_gather_flat(send, self.group, self.world_size, dtype, tag, tag_slot, "native", None)
 
     def gather_issued(self, unit: Any, span: Any, done: GatherDone) -> None:
-        # the gather stream waits, not the CPU; then copy-out and the tag check, on the device
+        # the gather stream waits, not the CPU; then copy-out and the tag copy to the host, on the device
         gathered = self.wait(unit.gather)
         self.timer.stop(span, self.gather_stream)
         # Later gather-stream allocations are ordered after this copy-out, so `done` drops the
@@ -90,12 +90,12 @@ class StreamTransport(Transport):
     def check_tag(
         self, fingerprints: FingerprintCheck, unit: Any, gathered: Any, received: torch.Tensor, what: str, compressed: bool
     ) -> None:
-        """On the device, reported a step late (`FingerprintCheck.check_pending`). A compressed
-        gather's tags end its byte rows (`received`, before decoding)."""
-        if compressed:
-            fingerprints.check_values(byte_tags(received, self.world_size), unit.gather_tag, what)
-        else:
-            fingerprints.check(gathered, self.world_size, unit.gather_tag, what)
+        """One non-blocking copy of the received tags to pinned memory, on the gather stream
+        behind copy-out; compared on the host a step later ([Note: deferred tag check] in
+        fingerprint.py). Uncompressed: copy-out's tag destination (`unit.tag_out`, world_size
+        rows of TAG_NUMEL elements); compressed: the end of each byte row of `received`."""
+        tags = byte_tags(received, self.world_size) if compressed else unit.tag_out
+        fingerprints.defer(tags, self.world_size, unit.gather_tag, what)
 
     # ------------------------------------------------------------------ reductions
     def averages(self, dtype: torch.dtype) -> bool:
