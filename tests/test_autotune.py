@@ -12,7 +12,6 @@ import argparse
 import json
 import math
 
-import pytest
 import torch
 
 import overlap
