@@ -816,14 +816,7 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    # Linked ranks unpickle `validate_rank` by module name: run as the module `plan_validate`,
-    # importable in spawned ranks (sys.path) and in linked ones (fresh interpreters: PYTHONPATH).
-    here = str(Path(__file__).resolve().parent)
-    root = str(Path(__file__).resolve().parent.parent)
-    sys.path[:0] = [here, root]
-    os.environ["PYTHONPATH"] = os.pathsep.join(
-        [here, root, *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
-    )
-    import plan_validate
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from entry import run_as_module  # ranks import this script by module name
 
-    sys.exit(plan_validate.main())
+    sys.exit(run_as_module(__file__))

@@ -31,7 +31,6 @@ import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass, field, replace
-from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
@@ -266,14 +265,7 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    # The ranks unpickle `eval_rank` by module name: run as the module `tune_eval`, importable in
-    # spawned ranks (they inherit sys.path) and in linked ranks (fresh interpreters: PYTHONPATH).
-    here = str(Path(__file__).resolve().parent)
-    root = str(Path(__file__).resolve().parent.parent)  # the checkout's `overlap`
-    sys.path[:0] = [here, root]
-    os.environ["PYTHONPATH"] = os.pathsep.join(
-        [here, root, *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
-    )
-    import tune_eval
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from entry import run_as_module  # ranks import this script by module name
 
-    sys.exit(tune_eval.main())
+    sys.exit(run_as_module(__file__))
