@@ -13,12 +13,17 @@ sharded model out of the box is the same three things, handled in each module:
   the optimizer must hold the wrapped model's shards (`check_optimizer`).
 - It saves state from rank 0 only (a pickled optimizer state dict): the shards of the other
   ranks would be lost, so checkpoints go through `overlap.checkpoint` (DCP, every rank writes
-  its own rows) and whole-model exports through `overlap.full_state_dict`.
+  its own rows) and whole-model exports through `overlap.full_state_dict` (export.py).
+And one thing the user can get wrong: on CPU, launched by torchrun without the framework's CPU
+switch, each framework sees a world of one process (no data sharding, no averaging of its own)
+while `overlap.wrap` shards over the whole process group. `check_process_count` refuses that.
+Checkpoints the framework wrote under DDP resume through resume.py.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 
@@ -44,4 +49,19 @@ def check_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module, where: s
         )
 
 
-__all__ = ["check_optimizer", "is_wrapped"]
+def check_process_count(num_processes: int, where: str, switch: str) -> None:
+    """Raise (on every rank: each compares two numbers every rank sees alike, no collective) when
+    the framework runs `num_processes` processes and the default process group holds another
+    number: the framework would neither shard the data nor reduce anything over the ranks that
+    `overlap.wrap` shards the model over. `switch` names the framework's setting that fixes it."""
+    if not dist.is_initialized() or dist.get_world_size() == num_processes:
+        return
+    raise ValueError(
+        f"{where}: the framework runs {num_processes} process(es), the process group "
+        f"{dist.get_world_size()}: each rank would train on its own data as a world of "
+        f"{num_processes} while overlap.wrap shards over all {dist.get_world_size()}. On CPU, "
+        f"set {switch}; elsewhere, launch every rank through the framework (torchrun, as for DDP)"
+    )
+
+
+__all__ = ["check_optimizer", "check_process_count", "is_wrapped"]

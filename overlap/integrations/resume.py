@@ -1,0 +1,83 @@
+"""Resuming a sharded model's optimizer from a checkpoint that a framework wrote under DDP.
+
+[Note: a DDP optimizer state dict]
+Under DDP a framework saves `optimizer.state_dict()` of an optimizer over whole parameters (the
+HF Trainer's `optimizer.pt`, Lightning's `optimizer_states`): full tensors, each parameter's state
+keyed by its position in the param groups. `Optimizer.load_state_dict` maps those positions onto
+the resumed optimizer's, which therefore must be built the same way (same groups, same order):
+DDP's own assumption, and the Trainer's. `load_full_optimizer_state_dict` makes the same mapping
+for the sharded optimizer: position i becomes the name of the resumed optimizer's parameter at
+position i, every state tensor is checked against that parameter's full shape, and
+`set_optimizer_state_dict(full_state_dict=True)` keeps each rank's rows of every tensor (and the
+hyperparameters of each group, the learning rate the scheduler set included). Every rank reads
+the file, as under DDP (memory-mapped); the ranks agree that every one of them read and matched it
+before any rank loads, so a missing file or a mismatch raises on every rank, naming the rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+
+def load_full_optimizer_state_dict(
+    model: nn.Module, optimizer: torch.optim.Optimizer, read: Callable[[], dict[str, Any]], where: str
+) -> None:
+    """Load the full, position-keyed state dict that `read()` returns (on every rank) into the
+    optimizer of the wrapped `model` (see [Note: a DDP optimizer state dict]). Collective."""
+    named: dict[str, Any] | None = None
+    error: str | None = None
+    try:
+        named = _by_name(read(), model, optimizer)
+    except Exception as e:  # any failure to read or match: every rank must hear of it
+        error = f"{type(e).__name__}: {e}"
+    errors: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    failed = [(rank, e) for rank, e in enumerate(errors) if e is not None]
+    if failed:
+        rank, first = failed[0]
+        raise ValueError(f"{where}: cannot load the optimizer state (on rank {rank}: {first})")
+    assert named is not None, f"rank {dist.get_rank()}: no error and no state"
+    set_optimizer_state_dict(model, optimizer, named, options=StateDictOptions(full_state_dict=True))
+
+
+def _by_name(saved: dict[str, Any], model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """`saved` (position-keyed) re-keyed by the names of `optimizer`'s parameters at those positions."""
+    names = {id(p): name for name, p in model.named_parameters()}
+    groups, saved_groups = optimizer.param_groups, saved["param_groups"]
+    sizes = [len(g["params"]) for g in groups]
+    saved_sizes = [len(g["params"]) for g in saved_groups]
+    if sizes != saved_sizes:
+        raise ValueError(
+            f"the saved optimizer has param groups of {saved_sizes} parameters, this one {sizes}: "
+            "build the optimizer as the saved run did (same groups, same order)"
+        )
+    state: dict[str, Any] = {}
+    param_groups: list[dict[str, Any]] = []
+    for group, saved_group in zip(groups, saved_groups):
+        fqns = []
+        for param, position in zip(group["params"], saved_group["params"]):
+            name = names.get(id(param))
+            if name is None:
+                raise ValueError("the optimizer holds a parameter that is not the model's")
+            entry = saved["state"].get(position)
+            if entry is not None:
+                for key, value in entry.items():
+                    if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape != param.shape:
+                        raise ValueError(
+                            f"the saved state {key!r} of parameter {position} has shape {tuple(value.shape)}, "
+                            f"the parameter at that position ({name}) {tuple(param.shape)}: build the "
+                            "optimizer as the saved run did (same groups, same order)"
+                        )
+                state[name] = entry
+            fqns.append(name)
+        param_groups.append({**{k: v for k, v in saved_group.items() if k != "params"}, "params": fqns})
+    return {"state": state, "param_groups": param_groups}
+
+
+__all__ = ["load_full_optimizer_state_dict"]
