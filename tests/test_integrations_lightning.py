@@ -9,12 +9,18 @@ finds an externally launched world (LightningEnvironment) and the process group 
   strategy. Its ModelCheckpoint after epoch 1 (a DCP folder: every rank's shards) resumes with
   `fit(ckpt_path=...)`: epoch 2 gives bitwise the losses and final parameters of the
   uninterrupted run (the AdamW moments of both ranks' shards and the scheduler came back). The
-  same from a one-file checkpoint (`save_distributed_checkpoint=False`: gathered on rank 0).
-- Fabric: `OverlapFabricStrategy` with `fabric.no_backward_sync` accumulation, 3 steps, equal
-  bitwise to Fabric's DDP; `fabric.save` / `fabric.load` into a freshly built model and
-  optimizer reproduce the next step bitwise.
+  same from a one-file checkpoint (`save_distributed_checkpoint=False`: gathered on rank 0), and
+  from the checkpoint Lightning's DDP strategy wrote after its epoch 1 (one file, the optimizer
+  state keyed by position): epoch 2 gives bitwise DDP's losses and final parameters.
+- Fabric: `OverlapFabricStrategy` with `fabric.no_backward_sync` accumulation and a StepLR
+  scheduler, 3 steps, equal bitwise to Fabric's DDP; `fabric.save` / `fabric.load` into a
+  freshly built model, optimizer and scheduler restore the scheduler in place (the same object,
+  its step count and learning rate as saved, as under `strategy="ddp"`) and reproduce the next
+  two steps' losses and the parameters bitwise.
 - A LightningModule whose `configure_model` leaves a trainable parameter outside every wrapped
-  module is refused at setup, on every rank (nothing would average its gradient).
+  module is refused at setup, on every rank (nothing would average its gradient); so is a
+  Trainer or Fabric with `devices=1` in a world of 2 launched processes (each rank would train
+  alone on all the data while `overlap.wrap` shards over both).
 """
 
 from __future__ import annotations
@@ -123,7 +129,7 @@ def fit(
     if mode == "ddp":
         lit.head.requires_grad_(False)
     callbacks = []
-    if mode == "overlap" and resume is None and not full:
+    if resume is None and not full:
         callbacks.append(L.pytorch.callbacks.ModelCheckpoint(dirpath=out, save_top_k=-1, every_n_epochs=1))
     strategy = "ddp" if mode == "ddp" else overlap_lightning.OverlapStrategy(save_distributed_checkpoint=not full)
     trainer = L.Trainer(
@@ -138,15 +144,22 @@ def fit(
     return {"losses": lit.losses, "sync_flags": lit.sync_flags, "params": {k: v.clone() for k, v in full.items()}}
 
 
-def refused(rank: int, world: int, *, out: str) -> str:
+def refused(rank: int, world: int, *, out: str, what: str) -> str:
+    """The error for `what`: "unwrapped" (a trainable head outside the wrap), "trainer_devices" /
+    "fabric_devices" (devices=1 in a world of `world` processes); or "no error"."""
     torchrun_env(rank, world)
-    trainer = L.Trainer(
-        accelerator="cpu", devices=world, strategy=overlap_lightning.OverlapStrategy(), max_steps=1,
-        logger=False, enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
-        default_root_dir=out,
-    )
+    devices = 1 if what.endswith("devices") else world
     try:
-        trainer.fit(LitNet(wrap="net_only"), data())
+        if what == "fabric_devices":
+            fabric = L.Fabric(accelerator="cpu", devices=devices, strategy=overlap_lightning.OverlapFabricStrategy())
+            fabric.launch()
+            return "no error"
+        trainer = L.Trainer(
+            accelerator="cpu", devices=devices, strategy=overlap_lightning.OverlapStrategy(), max_steps=1,
+            logger=False, enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+            default_root_dir=out,
+        )
+        trainer.fit(LitNet(wrap="net_only" if what == "unwrapped" else "net"), data())
     except ValueError as e:
         return str(e)
     return "no error"
@@ -158,13 +171,15 @@ def fabric_run(rank: int, world: int, *, mode: str, out: str) -> dict:
     fabric = L.Fabric(accelerator="cpu", devices=world, strategy=strategy)
     fabric.launch()
 
-    def build() -> tuple[Any, Any]:
+    def build() -> tuple[Any, Any, Any]:
         torch.manual_seed(0)
         net = Net()
         if mode == "ddp":
-            return fabric.setup(net, torch.optim.AdamW(net.parameters(), lr=1e-2))
-        net = fabric.setup_module(net)
-        return net, fabric.setup_optimizers(torch.optim.AdamW(net.parameters(), lr=1e-2))
+            model, optimizer = fabric.setup(net, torch.optim.AdamW(net.parameters(), lr=1e-2))
+        else:
+            model = fabric.setup_module(net)
+            optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-2))
+        return model, optimizer, torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
 
     def step(model: Any, optimizer: Any, i: int, record: dict) -> None:
         for micro in range(2):
@@ -178,28 +193,36 @@ def fabric_run(rank: int, world: int, *, mode: str, out: str) -> dict:
             record["losses"].append(loss.item())
         optimizer.step()
         optimizer.zero_grad()
+        record["lrs"].append(optimizer.param_groups[0]["lr"])
 
-    model, optimizer = build()
-    record: dict = {"losses": [], "sync_flags": []}
+    model, optimizer, scheduler = build()
+    record: dict = {"losses": [], "sync_flags": [], "lrs": []}
     for i in range(3):
         step(model, optimizer, i, record)
+        scheduler.step()
     if mode == "ddp":
         return record
     path = os.path.join(out, "fabric_ckpt")
-    fabric.save(path, {"model": model, "optimizer": optimizer, "step": 3})
-    after: dict = {"losses": [], "sync_flags": []}
-    step(model, optimizer, 3, after)
+    fabric.save(path, {"model": model, "optimizer": optimizer, "scheduler": scheduler, "step": 3})
+    after: dict = {"losses": [], "sync_flags": [], "lrs": []}
+    for i in (3, 4):
+        step(model, optimizer, i, after)
+        scheduler.step()
     expected = overlap.full_state_dict(model.module)
 
-    model, optimizer = build()  # fresh, different values until loaded: train one step first
-    step(model, optimizer, 7, {"losses": [], "sync_flags": []})
-    state = {"model": model, "optimizer": optimizer, "step": 0}
+    model, optimizer, scheduler = build()  # fresh, different values until loaded: train one step first
+    step(model, optimizer, 7, {"losses": [], "sync_flags": [], "lrs": []})
+    scheduler.step()
+    state = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "step": 0}
     fabric.load(path, state)
-    again: dict = {"losses": [], "sync_flags": []}
-    step(model, optimizer, 3, again)
+    record["scheduler_in_place"] = (state["scheduler"] is scheduler, scheduler.last_epoch)
+    again: dict = {"losses": [], "sync_flags": [], "lrs": []}
+    for i in (3, 4):
+        step(model, optimizer, i, again)
+        scheduler.step()
     reloaded = overlap.full_state_dict(model.module)
     record["resumed_step"] = state["step"]
-    record["next_loss_equal"] = again["losses"] == after["losses"]
+    record["next_steps_equal"] = (again["losses"], again["lrs"]) == (after["losses"], after["lrs"])
     record["params_equal"] = [k for k in expected if not torch.equal(expected[k], reloaded[k])] == []
     return record
 
@@ -237,17 +260,34 @@ def test_trainer_matches_ddp_and_resumes(world2, tmp_path):
         assert from_file[rank]["losses"] == ours[rank]["losses"][4:], rank
     assert [k for k in full if not torch.equal(full[k], from_file[0]["params"][k])] == []
 
+    # the checkpoint Lightning's DDP strategy wrote after epoch 1: resumed as DDP's own epoch 2
+    ddp_first = tmp_path / "ddp" / checkpoints[0]
+    assert ddp_first.is_file()
+    from_ddp = world2.run(
+        fit, timeout_s=TIMEOUT_S, mode="overlap", out=str(tmp_path / "from_ddp"), epochs=2, resume=str(ddp_first)
+    )
+    for rank in range(2):
+        assert from_ddp[rank]["losses"] == ddp[rank]["losses"][4:], rank
+    assert [k for k in ref if not torch.equal(ref[k], from_ddp[0]["params"][k])] == []
+
 
 def test_fabric_matches_ddp_and_checkpoints(world2, tmp_path):
     ddp = world2.run(fabric_run, timeout_s=TIMEOUT_S, mode="ddp", out=str(tmp_path))
     ours = world2.run(fabric_run, timeout_s=TIMEOUT_S, mode="overlap", out=str(tmp_path))
     for rank in range(2):
         assert ours[rank]["losses"] == ddp[rank]["losses"], rank
+        assert ours[rank]["lrs"] == ddp[rank]["lrs"] == [1e-2, 5e-3, 2.5e-3], rank
         assert ours[rank]["sync_flags"] == [False, True] * 3
         assert ours[rank]["resumed_step"] == 3
-        assert ours[rank]["next_loss_equal"] and ours[rank]["params_equal"], rank
+        assert ours[rank]["scheduler_in_place"] == (True, 3), rank
+        assert ours[rank]["next_steps_equal"] and ours[rank]["params_equal"], rank
 
 
-def test_unwrapped_trainable_parameter_is_refused(world2, tmp_path):
-    for error in world2.run(refused, timeout_s=TIMEOUT_S, out=str(tmp_path)):
+def test_unwrapped_parameter_and_wrong_device_count_are_refused(world2, tmp_path):
+    for error in world2.run(refused, timeout_s=TIMEOUT_S, out=str(tmp_path), what="unwrapped"):
         assert "not inside a module wrapped by overlap.wrap (head.weight, head.bias)" in error, error
+    for what in ("trainer_devices", "fabric_devices"):
+        strategy = "OverlapStrategy" if what == "trainer_devices" else "OverlapFabricStrategy"
+        for error in world2.run(refused, timeout_s=TIMEOUT_S, out=str(tmp_path), what=what):
+            assert error.startswith(f"{strategy}: the framework runs 1 process(es), the process group 2"), error
+            assert "devices=<processes per node>" in error, error
