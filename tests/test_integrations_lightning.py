@@ -9,6 +9,9 @@ finds an externally launched world (LightningEnvironment) and the process group 
   strategy. Its ModelCheckpoint after epoch 1 (a DCP folder: every rank's shards) resumes with
   `fit(ckpt_path=...)`: epoch 2 gives bitwise the losses and final parameters of the
   uninterrupted run (the AdamW moments of both ranks' shards and the scheduler came back). The
+  final DCP checkpoint, converted to one file by torch's `dcp_to_torch_save`, loads strictly into
+  an unwrapped LightningModule with bitwise the trained parameters; so does a one-file
+  `trainer.save_checkpoint(path, weights_only=True)` (which holds no optimizer state). The
   same from a one-file checkpoint (`save_distributed_checkpoint=False`: gathered on rank 0), and
   from the checkpoint Lightning's DDP strategy wrote after its epoch 1 (one file, the optimizer
   state keyed by position): epoch 2 gives bitwise DDP's losses and final parameters.
@@ -140,6 +143,7 @@ def fit(
     trainer.fit(lit, data(), ckpt_path=resume)
     if full and resume is None:
         trainer.save_checkpoint(os.path.join(out, "full.ckpt"))
+        trainer.save_checkpoint(os.path.join(out, "weights.ckpt"), weights_only=True)
     full = overlap.full_state_dict(lit.net) if mode == "overlap" else lit.net.state_dict()
     return {"losses": lit.losses, "sync_flags": lit.sync_flags, "params": {k: v.clone() for k, v in full.items()}}
 
@@ -227,6 +231,15 @@ def fabric_run(rank: int, world: int, *, mode: str, out: str) -> dict:
     return record
 
 
+def assert_plain_loads(state_dict: dict, expected: dict) -> None:
+    """`state_dict` (a LitNet's, whole) loads strictly into an unwrapped LitNet, whose `net` then
+    holds bitwise `expected`."""
+    plain = LitNet(wrap=None)
+    plain.load_state_dict(state_dict, strict=True)
+    got = plain.net.state_dict()
+    assert got.keys() == expected.keys() and [k for k in got if not torch.equal(got[k], expected[k])] == []
+
+
 def test_trainer_matches_ddp_and_resumes(world2, tmp_path):
     ddp = world2.run(fit, timeout_s=TIMEOUT_S, mode="ddp", out=str(tmp_path / "ddp"), epochs=2)
     ours = world2.run(fit, timeout_s=TIMEOUT_S, mode="overlap", out=str(tmp_path / "ours"), epochs=2)
@@ -249,9 +262,19 @@ def test_trainer_matches_ddp_and_resumes(world2, tmp_path):
         assert resumed[rank]["losses"] == ours[rank]["losses"][4:], rank
     assert [k for k in full if not torch.equal(full[k], resumed[0]["params"][k])] == []
 
-    # save_distributed_checkpoint=False: one file, the full model and optimizer state from rank 0
-    world2.run(fit, timeout_s=TIMEOUT_S, mode="overlap", out=str(tmp_path / "full"), epochs=1, full=True)
+    # exports a plain LightningModule loads: the DCP folder converted by torch's dcp_to_torch_save
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(tmp_path / "ours" / checkpoints[1], tmp_path / "export.pt")
+    assert_plain_loads(torch.load(tmp_path / "export.pt", weights_only=True)["state_dict"], full)
+
+    # save_distributed_checkpoint=False: one file, the full model and optimizer state from rank 0;
+    # with weights_only=True the model alone, which a plain LightningModule loads
+    one_epoch = world2.run(fit, timeout_s=TIMEOUT_S, mode="overlap", out=str(tmp_path / "full"), epochs=1, full=True)
     assert (tmp_path / "full" / "full.ckpt").is_file()
+    weights = torch.load(tmp_path / "full" / "weights.ckpt", weights_only=True)
+    assert "optimizer_states" not in weights
+    assert_plain_loads(weights["state_dict"], one_epoch[0]["params"])
     from_file = world2.run(
         fit, timeout_s=TIMEOUT_S, mode="overlap", out=str(tmp_path / "full"), epochs=2,
         resume=str(tmp_path / "full" / "full.ckpt"), full=True,
