@@ -16,10 +16,12 @@ finds an externally launched world (LightningEnvironment) and the process group 
   from the checkpoint Lightning's DDP strategy wrote after its epoch 1 (one file, the optimizer
   state keyed by position): epoch 2 gives bitwise DDP's losses and final parameters.
 - Fabric: `OverlapFabricStrategy` with `fabric.no_backward_sync` accumulation and a StepLR
-  scheduler, 3 steps, equal bitwise to Fabric's DDP; `fabric.save` / `fabric.load` into a
-  freshly built model, optimizer and scheduler restore the scheduler in place (the same object,
-  its step count and learning rate as saved, as under `strategy="ddp"`) and reproduce the next
-  two steps' losses and the parameters bitwise.
+  scheduler, 5 steps, equal bitwise to Fabric's DDP; `fabric.save` after step 3, then
+  `fabric.load` into a freshly built model, optimizer and scheduler, from our checkpoint (a DCP
+  folder) and from the one Fabric's DDP saved (one file, the optimizer state keyed by position):
+  each restores the scheduler in place (the same object, its step count, as under
+  `strategy="ddp"`) and reproduces steps 4 and 5 (losses, learning rates) and DDP's final
+  parameters bitwise.
 - A LightningModule whose `configure_model` leaves a trainable parameter outside every wrapped
   module is refused at setup, on every rank (nothing would average its gradient); so is a
   Trainer or Fabric with `devices=1` in a world of 2 launched processes (each rank would train
@@ -199,35 +201,44 @@ def fabric_run(rank: int, world: int, *, mode: str, out: str) -> dict:
         optimizer.zero_grad()
         record["lrs"].append(optimizer.param_groups[0]["lr"])
 
+    def fresh() -> dict:
+        return {"losses": [], "sync_flags": [], "lrs": []}
+
+    def full_params(model: Any) -> dict[str, torch.Tensor]:
+        if mode == "ddp":
+            return {k: v.clone() for k, v in model.module.state_dict().items()}
+        return overlap.full_state_dict(model.module)  # {} on rank 1
+
+    def resume_from(path: str) -> dict:
+        """A fresh model, optimizer and scheduler (trained one step, to differ), loaded from
+        `path`, then steps 3 and 4."""
+        model, optimizer, scheduler = build()
+        step(model, optimizer, 7, fresh())
+        scheduler.step()
+        state = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "step": 0}
+        fabric.load(path, state)
+        record = {**fresh(), "step": state["step"], "in_place": (state["scheduler"] is scheduler, scheduler.last_epoch)}
+        for i in (3, 4):
+            step(model, optimizer, i, record)
+            scheduler.step()
+        return {**record, "params": full_params(model)}
+
     model, optimizer, scheduler = build()
-    record: dict = {"losses": [], "sync_flags": [], "lrs": []}
+    record = fresh()
     for i in range(3):
         step(model, optimizer, i, record)
         scheduler.step()
-    if mode == "ddp":
-        return record
-    path = os.path.join(out, "fabric_ckpt")
+    # DDP: one file, the optimizer state keyed by position; overlap: a DCP folder
+    path = os.path.join(out, f"fabric_{mode}")
     fabric.save(path, {"model": model, "optimizer": optimizer, "scheduler": scheduler, "step": 3})
-    after: dict = {"losses": [], "sync_flags": [], "lrs": []}
+    record["after"] = fresh()
     for i in (3, 4):
-        step(model, optimizer, i, after)
+        step(model, optimizer, i, record["after"])
         scheduler.step()
-    expected = overlap.full_state_dict(model.module)
-
-    model, optimizer, scheduler = build()  # fresh, different values until loaded: train one step first
-    step(model, optimizer, 7, {"losses": [], "sync_flags": [], "lrs": []})
-    scheduler.step()
-    state = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "step": 0}
-    fabric.load(path, state)
-    record["scheduler_in_place"] = (state["scheduler"] is scheduler, scheduler.last_epoch)
-    again: dict = {"losses": [], "sync_flags": [], "lrs": []}
-    for i in (3, 4):
-        step(model, optimizer, i, again)
-        scheduler.step()
-    reloaded = overlap.full_state_dict(model.module)
-    record["resumed_step"] = state["step"]
-    record["next_steps_equal"] = (again["losses"], again["lrs"]) == (after["losses"], after["lrs"])
-    record["params_equal"] = [k for k in expected if not torch.equal(expected[k], reloaded[k])] == []
+    record["after"]["params"] = full_params(model)
+    if mode == "overlap":
+        record["resumed"] = resume_from(path)
+        record["from_ddp"] = resume_from(os.path.join(out, "fabric_ddp"))
     return record
 
 
@@ -301,9 +312,14 @@ def test_fabric_matches_ddp_and_checkpoints(world2, tmp_path):
         assert ours[rank]["losses"] == ddp[rank]["losses"], rank
         assert ours[rank]["lrs"] == ddp[rank]["lrs"] == [1e-2, 5e-3, 2.5e-3], rank
         assert ours[rank]["sync_flags"] == [False, True] * 3
-        assert ours[rank]["resumed_step"] == 3
-        assert ours[rank]["scheduler_in_place"] == (True, 3), rank
-        assert ours[rank]["next_steps_equal"] and ours[rank]["params_equal"], rank
+        for source in ("resumed", "from_ddp"):  # our DCP folder, DDP's one file
+            resumed, want = ours[rank][source], ours[rank]["after"]
+            assert resumed["step"] == 3 and resumed["in_place"] == (True, 3), (rank, source)
+            assert (resumed["losses"], resumed["lrs"]) == (want["losses"], want["lrs"]), (rank, source)
+        assert ours[rank]["after"]["losses"] == ddp[rank]["after"]["losses"], rank
+    want = ddp[0]["after"]["params"]
+    for got in (ours[0]["after"]["params"], ours[0]["resumed"]["params"], ours[0]["from_ddp"]["params"]):
+        assert got.keys() == want.keys() and [k for k in want if not torch.equal(got[k], want[k])] == []
 
 
 def test_unwrapped_parameter_and_wrong_device_count_are_refused(world2, tmp_path):
