@@ -13,6 +13,9 @@ The ranks are the harness's spawned world with torchrun's environment variables 
   scheduler: epoch 2 gives bitwise the losses and final parameters of the uninterrupted run (the
   AdamW moments of both ranks' shards came back, and `accelerator.step`, and an object registered
   with `accelerator.register_for_checkpointing`, in place).
+- `load_state` of the folder `accelerator.save_state` wrote in the DDP run after epoch 1: epoch 2
+  has DDP's learning rates and first micro-batch losses bitwise, and its later losses and final
+  parameters within `reordered_rtol` (the clip); the registered object is restored.
 - Exports after training: `accelerator.save_model(model, dir)` writes the whole trained model
   (safetensors, bitwise the gathered parameters); `accelerator.get_state_dict(model)` is the whole
   model on rank 0 and {} on rank 1. With a tiny Hugging Face Llama:
@@ -107,6 +110,7 @@ def epoch(accelerator: Any, model: Any, optimizer: Any, data: Any, scheduler: An
             scheduler.step()
             optimizer.zero_grad()
         record["losses"].append(loss.item())
+        record["lrs"].append(scheduler.get_last_lr()[0])
 
 
 def params(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -119,13 +123,15 @@ def params(model: nn.Module) -> dict[str, torch.Tensor]:
 def run(rank: int, world: int, *, mode: str, root: str) -> dict:
     torchrun_env(rank, world)
     accelerator, model, optimizer, data, scheduler = setup(mode)
-    record: dict = {"losses": [], "sync_flags": [], "wrapper": type(model).__name__}
+    record: dict = {"losses": [], "lrs": [], "sync_flags": [], "wrapper": type(model).__name__}
     epoch(accelerator, model, optimizer, data, scheduler, record)
+    counter = Counter()
+    counter.count = 7
+    accelerator.register_for_checkpointing(counter)
     if mode == "overlap":
-        counter = Counter()
-        counter.count = 7
-        accelerator.register_for_checkpointing(counter)
         overlap_accelerate.save_state(accelerator, root, model, optimizer, scheduler, step=2, extra={"epoch": 1})
+    else:  # accelerate's own folder: model.safetensors, optimizer.bin (keyed by position), ...
+        accelerator.save_state(root)
     epoch(accelerator, model, optimizer, data, scheduler, record)
     record["params"] = params(model)
     if mode == "overlap":  # exports of the trained model, every rank calling
@@ -142,7 +148,7 @@ def resume(rank: int, world: int, *, root: str) -> dict:
     counter = Counter()
     accelerator.register_for_checkpointing(counter)
     info = overlap_accelerate.load_state(accelerator, root, model, optimizer, scheduler)
-    record: dict = {"losses": [], "sync_flags": [], "info": (info["step"], info["extra"]), "counter": counter.count}
+    record: dict = {"losses": [], "lrs": [], "sync_flags": [], "info": (info["step"], info["extra"]), "counter": counter.count}
     epoch(accelerator, model, optimizer, data, scheduler, record)
     record["params"] = params(model)
     return record
@@ -209,7 +215,7 @@ def accelerate_save_state(rank: int, world: int, *, root: str) -> list[str]:
 
 
 def test_matches_ddp_and_resumes(world2, tmp_path):
-    ddp = world2.run(run, timeout_s=TIMEOUT_S, mode="ddp", root=str(tmp_path / "unused"))
+    ddp = world2.run(run, timeout_s=TIMEOUT_S, mode="ddp", root=str(tmp_path / "ddp"))
     ours = world2.run(run, timeout_s=TIMEOUT_S, mode="overlap", root=str(tmp_path / "ckpt"))
     assert [r["wrapper"] for r in ddp] == ["DistributedDataParallel"] * 2
     assert [r["wrapper"] for r in ours] == ["Sequential"] * 2  # not put inside DDP
@@ -228,6 +234,17 @@ def test_matches_ddp_and_resumes(world2, tmp_path):
         assert resumed[rank]["counter"] == 7, rank  # the registered object, in place
         assert resumed[rank]["losses"] == ours[rank]["losses"][4:], rank
     assert [k for k in full if not torch.equal(full[k], resumed[0]["params"][k])] == []
+
+    # accelerate's DDP save_state folder, resumed as DDP's epoch 2: the learning rates and the
+    # first micro-batch losses equal, the rest within the clip's tolerance
+    from_ddp = world2.run(resume, timeout_s=TIMEOUT_S, root=str(tmp_path / "ddp"))
+    for rank in range(2):
+        got, want = from_ddp[rank], ddp[rank]
+        assert got["info"] == (None, None) and got["counter"] == 7, rank
+        assert got["lrs"] == want["lrs"][4:], (rank, got["lrs"], want["lrs"])
+        assert got["losses"][:2] == want["losses"][4:6], rank
+        assert losses_within(got["losses"], want["losses"][4:], rtol), (rank, got["losses"], want["losses"])
+    assert not reordered_mismatches(from_ddp[0]["params"], ref, rtol)
 
     # exports: the whole trained model on rank 0, nothing on rank 1
     from safetensors.torch import load_file

@@ -39,6 +39,13 @@ exports] in export.py), which `accelerator.save_model` calls as well, and makes 
 model's `save_pretrained` gather when it is given no state dict: all three write the whole model
 from rank 0, every rank taking part in the gather, so call them on every rank.
 
+A folder that `accelerator.save_state` wrote under DDP (`model.safetensors`, `optimizer.bin`,
+`scheduler.bin`, `random_states_<rank>.pkl`, `custom_checkpoint_<i>.pkl`) is read by `load_state`
+here as accelerate reads it: the weights on rank 0, scattered; the full optimizer state dict into
+the shards ([Note: a DDP optimizer state dict] in resume.py); the scheduler, the random
+generators, `accelerator.step`, the data samplers' state and the registered objects by
+accelerate's own `load_accelerator_state` / `load_custom_state`. One written under FSDP is refused.
+
 On CPU, `Accelerator()` without `cpu=True` under torchrun runs each rank as a world of one
 process: `prepare` refuses it (`check_process_count`).
 """
@@ -51,14 +58,25 @@ from typing import Any
 
 import accelerate
 import torch
+from accelerate.checkpointing import load_accelerator_state, load_custom_state
 import torch.nn as nn
 from torch.utils.weak import WeakIdKeyDictionary
 
 from overlap import checkpoint
 from overlap.integrations import check_optimizer, check_process_count, is_wrapped
 from overlap.integrations.export import gather_on_save_pretrained, gathered_state_dict
+from overlap.integrations.resume import (
+    PICKLED_WEIGHTS,
+    SAFE_WEIGHTS,
+    load_full_optimizer_state_dict,
+    load_full_weights,
+    read_pickled,
+)
 
 _hooked: WeakIdKeyDictionary = WeakIdKeyDictionary()  # accelerators whose save/load are guarded
+_DDP_OPTIMIZER = "optimizer.bin"  # accelerate's names in a save_state folder
+_DDP_SCHEDULER = "scheduler.bin"
+_FSDP_MODEL = "pytorch_model_fsdp"
 
 
 def prepare(accelerator: accelerate.Accelerator, model: nn.Module, *objects: Any) -> tuple[Any, ...]:
@@ -125,7 +143,19 @@ def load_state(
     holding it: the latest is taken) into the wrapped model, optimizer and scheduler, in place,
     at any world size. Restores `accelerator.step` and, in place, the objects registered with
     `accelerator.register_for_checkpointing` (as many as were saved, in the same order). Returns
-    `overlap.checkpoint.load`'s dict, with `extra` the `extra` given to `save_state`."""
+    `overlap.checkpoint.load`'s dict, with `extra` the `extra` given to `save_state`.
+
+    `input_dir` may also be a folder that `accelerator.save_state` wrote under DDP (see the module
+    note); then `step`, `extra`, `world_size` and `rank_extra` are None."""
+    folder = Path(input_dir)
+    if any(folder.glob(f"{_FSDP_MODEL}*")):  # every rank sees the same folder: every rank raises
+        raise ValueError(
+            f"overlap.integrations.accelerate.load_state: {folder} was saved under FSDP, which this "
+            f"integration does not read; merge its weights (accelerate merge-weights {folder}/"
+            f"{_FSDP_MODEL}_0 <dir>) and load them with overlap.load_full_state_dict, with a new optimizer"
+        )
+    if (folder / SAFE_WEIGHTS).is_file() or (folder / PICKLED_WEIGHTS).is_file():
+        return _load_ddp_state(accelerator, folder, model, optimizer, scheduler)
     info = checkpoint.load(input_dir, model, _inner(optimizer, "optimizer"), scheduler=_inner(scheduler, "scheduler"))
     saved = info["extra"]
     registered = saved.get("registered", [])  # a checkpoint of an earlier release has none
@@ -140,6 +170,32 @@ def load_state(
         obj.load_state_dict(state)
     accelerator.step = saved["accelerate_step"]
     return {**info, "extra": saved["user"]}
+
+
+def _load_ddp_state(
+    accelerator: accelerate.Accelerator, folder: Path, model: nn.Module, optimizer: Any | None, scheduler: Any | None
+) -> dict[str, Any]:
+    """`accelerator.load_state(folder)` of a DDP save, into the wrapped model (see the module note)."""
+    where = f"overlap.integrations.accelerate.load_state({folder})"
+    load_full_weights(model, folder, where)
+    if optimizer is not None:
+        load_full_optimizer_state_dict(model, _inner(optimizer, "optimizer"), folder / _DDP_OPTIMIZER, where)
+    if scheduler is not None:
+        _inner(scheduler, "scheduler").load_state_dict(read_pickled(folder / _DDP_SCHEDULER))
+    override = load_accelerator_state(
+        str(folder), [], [], [], accelerator._dataloaders, accelerator.process_index
+    )
+    registered = sorted(folder.glob("custom_checkpoint_*.pkl"))
+    if len(registered) != len(accelerator._custom_objects):  # the same on every rank
+        raise ValueError(
+            f"{where}: the folder holds {len(registered)} object(s) registered with "
+            f"accelerator.register_for_checkpointing, this accelerator has {len(accelerator._custom_objects)}"
+        )
+    for index, obj in enumerate(accelerator._custom_objects):
+        load_custom_state(obj, str(folder), index)
+    accelerator.step = override.get("step", accelerator.step)
+    restored = (folder / f"random_states_{accelerator.process_index}.pkl").is_file()
+    return {"step": None, "extra": None, "world_size": None, "rank_extra": None, "rank_restored": restored}
 
 
 def _inner(obj: Any | None, attr: str) -> Any | None:

@@ -52,12 +52,10 @@ from __future__ import annotations
 
 import inspect
 import warnings
-from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import transformers
 from transformers.trainer_pt_utils import reissue_pt_warnings
@@ -67,11 +65,9 @@ from overlap import checkpoint
 from overlap.config import OverlapConfig
 from overlap.integrations import check_optimizer, check_process_count, is_wrapped
 from overlap.integrations.export import gather_on_save_pretrained
-from overlap.integrations.resume import load_full_optimizer_state_dict
+from overlap.integrations.resume import load_full_optimizer_state_dict, load_full_weights, read_pickled
 
 OVERLAP_DIR = "overlap"  # inside each checkpoint-N folder: the DCP checkpoint root
-_SAFE_WEIGHTS = "model.safetensors"
-_SAFE_INDEX = "model.safetensors.index.json"
 _DDP_OPTIMIZER = "optimizer.pt"  # transformers' OPTIMIZER_NAME, SCHEDULER_NAME, OPTIMIZER_NAME_BIN
 _DDP_SCHEDULER = "scheduler.pt"
 _FSDP_OPTIMIZER = "optimizer"  # FSDP's optimizer.bin, or folders optimizer_0, ...
@@ -195,11 +191,11 @@ class OverlapTrainer(transformers.Trainer):
         # the Trainer's own rule: both files or neither (save_only_model: the weights were loaded)
         if (folder / _DDP_OPTIMIZER).is_file() and (folder / _DDP_SCHEDULER).is_file():
             load_full_optimizer_state_dict(
-                self.model, _unwrap(self.optimizer), partial(_torch_load, folder / _DDP_OPTIMIZER),
+                self.model, _unwrap(self.optimizer), folder / _DDP_OPTIMIZER,
                 f"OverlapTrainer: resuming from {folder / _DDP_OPTIMIZER}",
             )
             with warnings.catch_warnings(record=True) as caught:
-                self.lr_scheduler.load_state_dict(_torch_load(folder / _DDP_SCHEDULER))
+                self.lr_scheduler.load_state_dict(read_pickled(folder / _DDP_SCHEDULER))
             reissue_pt_warnings(caught)
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
@@ -220,20 +216,7 @@ class OverlapTrainer(transformers.Trainer):
         if checkpoint.latest(root) is not None:
             checkpoint.load(root, self.model, restore_rng=False)
             return
-        full, error = None, [None]
-        if dist.get_rank() == 0:
-            try:
-                full = _read_full_weights(Path(folder))
-            except (OSError, ValueError) as e:  # every rank must hear of it, or they would wait
-                error[0] = f"{type(e).__name__}: {e}"
-        dist.broadcast_object_list(error, src=0)
-        if error[0] is not None:
-            raise ValueError(f"OverlapTrainer: cannot load the weights of {folder} (on rank 0: {error[0]})")
-        if full is not None:
-            missing = sorted(set(self.model.state_dict()) - set(full))
-            if missing:  # tied weights are saved once: the Trainer loads with strict=False too
-                warnings.warn(f"OverlapTrainer: {folder} has no weights for {missing}", stacklevel=2)
-        overlap.load_full_state_dict(self.model, full, strict=False)
+        load_full_weights(self.model, Path(folder), f"OverlapTrainer: {folder} (holds no {OVERLAP_DIR}/ either)")
 
 
 def _same_device(a: torch.device, b: torch.device) -> bool:
@@ -250,10 +233,6 @@ def _unwrap(optimizer: Any) -> torch.optim.Optimizer:
     return getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer
 
 
-def _torch_load(path: Path) -> Any:
-    return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-
-
 def _refuse_fsdp(folder: Path) -> None:
     """Raise on every rank (each sees the same folder) for an FSDP Trainer's optimizer state."""
     found = sorted(p.name for p in folder.glob(f"{_FSDP_OPTIMIZER}*") if p.name != _DDP_OPTIMIZER)
@@ -264,25 +243,6 @@ def _refuse_fsdp(folder: Path) -> None:
             f"(accelerate merge-weights {folder}/pytorch_model_fsdp_0 <dir>) and train from <dir> "
             "with a new optimizer; to resume exactly, resume the run under FSDP"
         )
-
-
-def _read_full_weights(folder: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    if (folder / _SAFE_WEIGHTS).is_file():
-        return load_file(folder / _SAFE_WEIGHTS)
-    if (folder / _SAFE_INDEX).is_file():
-        import json
-
-        files = sorted(set(json.loads((folder / _SAFE_INDEX).read_text())["weight_map"].values()))
-        full: dict[str, torch.Tensor] = {}
-        for name in files:
-            full.update(load_file(folder / name))
-        return full
-    raise ValueError(
-        f"{folder} holds neither an overlap checkpoint ({OVERLAP_DIR}/) nor {_SAFE_WEIGHTS}: "
-        "pass a checkpoint folder written by a Trainer"
-    )
 
 
 __all__ = ["OVERLAP_DIR", "OverlapTrainer"]

@@ -1,4 +1,5 @@
-"""Resuming a sharded model's optimizer from a checkpoint that a framework wrote under DDP.
+"""Resuming a sharded model from a checkpoint that a framework wrote under DDP: its whole weights
+(`load_full_weights`) and its optimizer (`load_full_optimizer_state_dict`).
 
 [Note: a DDP optimizer state dict]
 Under DDP a framework saves `optimizer.state_dict()` of an optimizer over whole parameters (the
@@ -16,7 +17,9 @@ before any rank loads, so a missing file or a mismatch raises on every rank, nam
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import json
+import warnings
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -24,16 +27,63 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
+import overlap
 
-def load_full_optimizer_state_dict(
-    model: nn.Module, optimizer: torch.optim.Optimizer, read: Callable[[], dict[str, Any]], where: str
-) -> None:
-    """Load the full, position-keyed state dict that `read()` returns (on every rank) into the
-    optimizer of the wrapped `model` (see [Note: a DDP optimizer state dict]). Collective."""
+SAFE_WEIGHTS = "model.safetensors"  # what save_pretrained / accelerate's save_state write
+SAFE_INDEX = "model.safetensors.index.json"
+PICKLED_WEIGHTS = "pytorch_model.bin"  # either with safe_serialization=False
+
+
+def load_full_weights(model: nn.Module, folder: Path, where: str) -> None:
+    """The weights file(s) of `folder` (`read_full_weights`), read on rank 0 and scattered into the
+    wrapped `model` by `overlap.load_full_state_dict`; a key the file lacks is kept, with a
+    warning (a tied weight is saved once: the HF Trainer loads with strict=False too). A file
+    that rank 0 cannot read raises on every rank. Collective."""
+    full, error = None, [None]
+    if dist.get_rank() == 0:
+        try:
+            full = read_full_weights(folder)
+        except Exception as e:  # every rank must hear of it, or they would wait
+            error[0] = f"{type(e).__name__}: {e}"
+    dist.broadcast_object_list(error, src=0)
+    if error[0] is not None:
+        raise ValueError(f"{where}: cannot load the weights (on rank 0: {error[0]})")
+    if full is not None:
+        missing = sorted(set(model.state_dict()) - set(full))
+        if missing:
+            warnings.warn(f"{where}: no weights for {missing}", stacklevel=2)
+    overlap.load_full_state_dict(model, full, strict=False)
+
+
+def read_full_weights(folder: Path) -> dict[str, torch.Tensor]:
+    """The whole state dict in `folder`: `model.safetensors`, its sharded index, or `pytorch_model.bin`."""
+    from safetensors.torch import load_file
+
+    if (folder / SAFE_WEIGHTS).is_file():
+        return load_file(folder / SAFE_WEIGHTS)
+    if (folder / SAFE_INDEX).is_file():
+        files = sorted(set(json.loads((folder / SAFE_INDEX).read_text())["weight_map"].values()))
+        full: dict[str, torch.Tensor] = {}
+        for name in files:
+            full.update(load_file(folder / name))
+        return full
+    if (folder / PICKLED_WEIGHTS).is_file():
+        return torch.load(folder / PICKLED_WEIGHTS, map_location="cpu", weights_only=True)
+    raise FileNotFoundError(f"{folder} holds none of {SAFE_WEIGHTS}, {SAFE_INDEX}, {PICKLED_WEIGHTS}")
+
+
+def read_pickled(path: Path) -> Any:
+    """A state dict a framework saved with `torch.save` (tensors and plain values only)."""
+    return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+
+
+def load_full_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, path: Path, where: str) -> None:
+    """Load the full, position-keyed optimizer state dict saved at `path` (read on every rank)
+    into the optimizer of the wrapped `model` ([Note: a DDP optimizer state dict]). Collective."""
     named: dict[str, Any] | None = None
     error: str | None = None
     try:
-        named = _by_name(read(), model, optimizer)
+        named = _by_name(read_pickled(path), model, optimizer)
     except Exception as e:  # any failure to read or match: every rank must hear of it
         error = f"{type(e).__name__}: {e}"
     errors: list[str | None] = [None] * dist.get_world_size()
@@ -80,4 +130,4 @@ def _by_name(saved: dict[str, Any], model: nn.Module, optimizer: torch.optim.Opt
     return {"state": state, "param_groups": param_groups}
 
 
-__all__ = ["load_full_optimizer_state_dict"]
+__all__ = ["load_full_optimizer_state_dict", "load_full_weights", "read_full_weights", "read_pickled"]
