@@ -275,5 +275,5 @@ def test_accelerator_save_state_and_missing_cpu_switch_are_refused(world2, tmp_p
         assert "overlap.integrations.accelerate.save_state(" in errors[0]
         assert "overlap.integrations.accelerate.load_state(" in errors[1]
     for error in world2.run(no_cpu_switch, timeout_s=TIMEOUT_S):
-        assert "the framework runs 1 process(es), the process group 2" in error, error
+        assert "the framework runs 1 process(es), the launched world 2" in error, error
         assert "Accelerator(cpu=True)" in error, error

@@ -261,5 +261,5 @@ def test_stale_optimizer_meta_model_and_missing_cpu_switch_are_refused(world2, t
     for error in world2.run(refused, timeout_s=TIMEOUT_S, out=str(tmp_path), what="meta"):
         assert "the model is on the meta device" in error, error
     for error in world2.run(refused, timeout_s=TIMEOUT_S, out=str(tmp_path), what="no_use_cpu"):
-        assert "the framework runs 1 process(es), the process group 2" in error, error
+        assert "the framework runs 1 process(es), the launched world 2" in error, error
         assert "TrainingArguments(use_cpu=True)" in error, error

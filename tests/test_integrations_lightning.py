@@ -328,5 +328,5 @@ def test_unwrapped_parameter_and_wrong_device_count_are_refused(world2, tmp_path
     for what in ("trainer_devices", "fabric_devices"):
         strategy = "OverlapStrategy" if what == "trainer_devices" else "OverlapFabricStrategy"
         for error in world2.run(refused, timeout_s=TIMEOUT_S, out=str(tmp_path), what=what):
-            assert error.startswith(f"{strategy}: the framework runs 1 process(es), the process group 2"), error
+            assert error.startswith(f"{strategy}: the framework runs 1 process(es), the launched world 2"), error
             assert "devices=<processes per node>" in error, error

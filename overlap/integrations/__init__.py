@@ -22,6 +22,8 @@ Checkpoints the framework wrote under DDP resume through resume.py.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -51,16 +53,18 @@ def check_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module, where: s
 
 def check_process_count(num_processes: int, where: str, switch: str) -> None:
     """Raise (on every rank: each compares two numbers every rank sees alike, no collective) when
-    the framework runs `num_processes` processes and the default process group holds another
-    number: the framework would neither shard the data nor reduce anything over the ranks that
+    the framework runs `num_processes` processes and the default process group (or, before there
+    is one, the launcher's WORLD_SIZE) holds another number: the framework would neither shard the data nor reduce anything over the ranks that
     `overlap.wrap` shards the model over. `switch` names the framework's setting that fixes it."""
-    if not dist.is_initialized() or dist.get_world_size() == num_processes:
+    # before the group exists: the launcher's count (torchrun's WORLD_SIZE), which the group will have
+    launched = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", num_processes))
+    if launched == num_processes:
         return
     raise ValueError(
-        f"{where}: the framework runs {num_processes} process(es), the process group "
-        f"{dist.get_world_size()}: each rank would train on its own data as a world of "
-        f"{num_processes} while overlap.wrap shards over all {dist.get_world_size()}. On CPU, "
-        f"set {switch}; elsewhere, launch every rank through the framework (torchrun, as for DDP)"
+        f"{where}: the framework runs {num_processes} process(es), the launched world "
+        f"{launched}: each rank would train on its own data as a world of {num_processes} while "
+        f"overlap.wrap shards over all {launched}. On CPU, set {switch}; elsewhere, launch every "
+        "rank through the framework (torchrun, as for DDP)"
     )
 
 

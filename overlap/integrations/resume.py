@@ -94,6 +94,12 @@ def load_full_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Opti
         raise ValueError(f"{where}: cannot load the optimizer state (on rank {rank}: {first})")
     assert named is not None, f"rank {dist.get_rank()}: no error and no state"
     set_optimizer_state_dict(model, optimizer, named, options=StateDictOptions(full_state_dict=True))
+    # set_optimizer_state_dict first creates every parameter's state by a step with lr 0; a
+    # parameter without saved state has none after Optimizer.load_state_dict, and must not start
+    # with a step count of 1 here
+    for name, param in model.named_parameters():
+        if name not in named["state"]:
+            optimizer.state.pop(param, None)
 
 
 def _by_name(saved: dict[str, Any], model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
