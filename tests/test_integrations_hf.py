@@ -22,7 +22,8 @@ process group already initialized, as under torchrun. `use_cpu=True`: accelerate
   resume equal (the scheduler came back), the first resumed step's micro-batch losses equal bitwise
   (the weights came back), and every later loss, the final parameters and the final AdamW state
   (moments and step counts of both ranks' shards) within `reordered_rtol` of the DDP resume's
-  (clipping). An optimizer state dict that does not match the model is refused on every rank.
+  (clipping). A parameter whose saved optimizer state is missing starts without one, as under
+  DDP. An optimizer state dict that does not match the model is refused on every rank.
 - A checkpoint without the sharded state or an optimizer (`save_only_model=True`) resumes from
   its `model.safetensors` alone, as under DDP: the next step's micro-batch losses (computed before
   its update) equal the uninterrupted run's bitwise.
@@ -241,6 +242,20 @@ def test_trainer_matches_ddp_saves_and_resumes(world2, tmp_path):
         assert "cannot load the optimizer state (on rank 0: ValueError: the saved optimizer has param groups" in error, error
     for error in world2.run(refused, timeout_s=TIMEOUT_S, out=str(tmp_path / "r"), what="resume", resume=str(fsdp)):
         assert "holds an FSDP Trainer's optimizer state (optimizer.bin)" in error, error
+
+    # a parameter without saved optimizer state starts without one, as under DDP (its first step
+    # is AdamW's step 1), not with the step count of set_optimizer_state_dict's lr-0 step
+    partial = tmp_path / "partial"
+    shutil.copytree(ddp_ckpt, partial)
+    saved = torch.load(partial / "optimizer.pt", weights_only=True)
+    del saved["state"][0]
+    torch.save(saved, partial / "optimizer.pt")
+    one_step = {"timeout_s": TIMEOUT_S, "resume": str(partial), "max_steps": SAVE_EVERY + 1}
+    ddp_partial = world2.run(run, mode="ddp", out=str(tmp_path / "ddp_partial"), **one_step)
+    ours_partial = world2.run(run, mode="overlap", out=str(tmp_path / "ours_partial"), **one_step)
+    want, got = ddp_partial[0]["optimizer"], ours_partial[0]["optimizer"]
+    assert sorted(v.item() for k, v in want.items() if k.endswith(".step"))[0] == 1  # the one without
+    assert not reordered_mismatches(got, want, resumed_rtol)
 
     # the same checkpoint without overlap/: the weights come from model.safetensors, the optimizer
     # starts afresh (save_only_model, as under DDP); step 3's micro-batch losses (both before its

@@ -93,10 +93,11 @@ def load_full_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Opti
         rank, first = failed[0]
         raise ValueError(f"{where}: cannot load the optimizer state (on rank {rank}: {first})")
     assert named is not None, f"rank {dist.get_rank()}: no error and no state"
-    set_optimizer_state_dict(model, optimizer, named, options=StateDictOptions(full_state_dict=True))
-    # set_optimizer_state_dict first creates every parameter's state by a step with lr 0; a
-    # parameter without saved state has none after Optimizer.load_state_dict, and must not start
-    # with a step count of 1 here
+    # strict=False: a parameter may have no saved state (no gradient yet when it was saved);
+    # _by_name has checked the groups. set_optimizer_state_dict first creates every parameter's
+    # state by a step with lr 0; a parameter without saved state has none after
+    # Optimizer.load_state_dict, and must not start with a step count of 1 here
+    set_optimizer_state_dict(model, optimizer, named, options=StateDictOptions(full_state_dict=True, strict=False))
     for name, param in model.named_parameters():
         if name not in named["state"]:
             optimizer.state.pop(param, None)
