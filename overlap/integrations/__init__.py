@@ -4,7 +4,12 @@
     overlap.integrations.lightning   OverlapStrategy (Trainer), OverlapFabricStrategy (Fabric)
     overlap.integrations.accelerate  prepare / save_state / load_state around an `Accelerator`
 
-Each module imports its framework at import time; this package imports none of them, so
+and two modules shared by them, which import no framework:
+
+    overlap.integrations.export      whole-model exports through the frameworks' own save calls
+    overlap.integrations.resume      a DDP run's weights file and optimizer state dict into the shards
+
+Each framework module imports its framework at import time; this package imports none of them, so
 `import overlap` works without any framework installed. What every framework gets wrong with a
 sharded model out of the box is the same three things, handled in each module:
 - It wraps the model in DDP (accelerate, Trainer) or expects FSDP's own classes (Lightning's
@@ -17,7 +22,6 @@ sharded model out of the box is the same three things, handled in each module:
 And one thing the user can get wrong: on CPU, launched by torchrun without the framework's CPU
 switch, each framework sees a world of one process (no data sharding, no averaging of its own)
 while `overlap.wrap` shards over the whole process group. `check_process_count` refuses that.
-Checkpoints the framework wrote under DDP resume through resume.py.
 """
 
 from __future__ import annotations

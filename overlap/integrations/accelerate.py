@@ -58,8 +58,8 @@ from typing import Any
 
 import accelerate
 import torch
-from accelerate.checkpointing import load_accelerator_state, load_custom_state
 import torch.nn as nn
+from accelerate.checkpointing import load_accelerator_state, load_custom_state
 from torch.utils.weak import WeakIdKeyDictionary
 
 from overlap import checkpoint
