@@ -58,8 +58,9 @@ def check_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module, where: s
 def check_process_count(num_processes: int, where: str, switch: str) -> None:
     """Raise (on every rank: each compares two numbers every rank sees alike, no collective) when
     the framework runs `num_processes` processes and the default process group (or, before there
-    is one, the launcher's WORLD_SIZE) holds another number: the framework would neither shard the data nor reduce anything over the ranks that
-    `overlap.wrap` shards the model over. `switch` names the framework's setting that fixes it."""
+    is one, the launcher's WORLD_SIZE) holds another number: the framework would neither shard
+    the data nor reduce anything over the ranks that `overlap.wrap` shards the model over.
+    `switch` names the framework's setting that fixes it."""
     # before the group exists: the launcher's count (torchrun's WORLD_SIZE), which the group will have
     launched = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", num_processes))
     if launched == num_processes:

@@ -68,7 +68,7 @@ from overlap.integrations.export import gather_on_save_pretrained
 from overlap.integrations.resume import load_full_optimizer_state_dict, load_full_weights, read_pickled
 
 OVERLAP_DIR = "overlap"  # inside each checkpoint-N folder: the DCP checkpoint root
-_DDP_OPTIMIZER = "optimizer.pt"  # transformers' OPTIMIZER_NAME, SCHEDULER_NAME, OPTIMIZER_NAME_BIN
+_DDP_OPTIMIZER = "optimizer.pt"  # transformers' OPTIMIZER_NAME and SCHEDULER_NAME
 _DDP_SCHEDULER = "scheduler.pt"
 _FSDP_OPTIMIZER = "optimizer"  # FSDP's optimizer.bin, or folders optimizer_0, ...
 

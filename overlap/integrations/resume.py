@@ -3,14 +3,16 @@
 
 [Note: a DDP optimizer state dict]
 Under DDP a framework saves `optimizer.state_dict()` of an optimizer over whole parameters (the
-HF Trainer's `optimizer.pt`, Lightning's `optimizer_states`): full tensors, each parameter's state
-keyed by its position in the param groups. `Optimizer.load_state_dict` maps those positions onto
+HF Trainer's `optimizer.pt`, accelerate's `optimizer.bin`; Lightning re-keys its own
+`optimizer_states` by name): full tensors, each parameter's state keyed by its position in the
+param groups. `Optimizer.load_state_dict` maps those positions onto
 the resumed optimizer's, which therefore must be built the same way (same groups, same order):
 DDP's own assumption, and the Trainer's. `load_full_optimizer_state_dict` makes the same mapping
 for the sharded optimizer: position i becomes the name of the resumed optimizer's parameter at
 position i, every state tensor is checked against that parameter's full shape, and
 `set_optimizer_state_dict(full_state_dict=True)` keeps each rank's rows of every tensor (and the
-hyperparameters of each group, the learning rate the scheduler set included). Every rank reads
+hyperparameters of each group, the learning rate the scheduler set included); a parameter
+without saved state is left without state, as `Optimizer.load_state_dict` leaves it. Every rank reads
 the file, as under DDP (memory-mapped); the ranks agree that every one of them read and matched it
 before any rank loads, so a missing file or a mismatch raises on every rank, naming the rank.
 """
