@@ -14,7 +14,8 @@ finds an externally launched world (LightningEnvironment) and the process group 
   `trainer.save_checkpoint(path, weights_only=True)` (which holds no optimizer state). The
   same from a one-file checkpoint (`save_distributed_checkpoint=False`: gathered on rank 0), and
   from the checkpoint Lightning's DDP strategy wrote after its epoch 1 (one file, the optimizer
-  state keyed by position): epoch 2 gives bitwise DDP's losses and final parameters.
+  state keyed by position): epoch 2 gives bitwise DDP's losses and final parameters. At one rank,
+  our 2-rank checkpoint resumes (resharded) bitwise as Lightning's DDP resumes its own on one rank.
 - Fabric: `OverlapFabricStrategy` with `fabric.no_backward_sync` accumulation and a StepLR
   scheduler, 5 steps, equal bitwise to Fabric's DDP; `fabric.save` after step 3, then
   `fabric.load` into a freshly built model, optimizer and scheduler, from our checkpoint (a DCP
@@ -42,13 +43,20 @@ L = pytest.importorskip(
 )
 
 import overlap  # noqa: E402
-from harness import rank_threads  # noqa: E402
+from harness import World, rank_threads  # noqa: E402
 from overlap.integrations import is_wrapped  # noqa: E402
 from overlap.integrations import lightning as overlap_lightning  # noqa: E402
 
 TIMEOUT_S = 300  # a fit is a few seconds; generous for a loaded machine
 BATCH = 2
 SAMPLES = 16  # 2 ranks x 4 batches of 2: one epoch is 2 optimizer steps of 2 micro-batches
+
+
+@pytest.fixture(scope="module")
+def world1():
+    world = World(1)
+    yield world
+    world.close()
 
 
 def torchrun_env(rank: int, world: int) -> None:
@@ -251,7 +259,7 @@ def assert_plain_loads(state_dict: dict, expected: dict) -> None:
     assert got.keys() == expected.keys() and [k for k in got if not torch.equal(got[k], expected[k])] == []
 
 
-def test_trainer_matches_ddp_and_resumes(world2, tmp_path):
+def test_trainer_matches_ddp_and_resumes(world2, world1, tmp_path):
     ddp = world2.run(fit, timeout_s=TIMEOUT_S, mode="ddp", out=str(tmp_path / "ddp"), epochs=2)
     ours = world2.run(fit, timeout_s=TIMEOUT_S, mode="overlap", out=str(tmp_path / "ours"), epochs=2)
     for rank in range(2):  # 2 epochs x 2 steps x 2 micro-batches
@@ -303,6 +311,14 @@ def test_trainer_matches_ddp_and_resumes(world2, tmp_path):
     for rank in range(2):
         assert from_ddp[rank]["losses"] == ddp[rank]["losses"][4:], rank
     assert [k for k in ref if not torch.equal(ref[k], from_ddp[0]["params"][k])] == []
+
+    # at another number of ranks: one rank resumes our 2-rank checkpoint (DCP reshards it) as
+    # Lightning's DDP on one rank resumes its own
+    one_ddp = world1.run(fit, timeout_s=TIMEOUT_S, mode="ddp", out=str(tmp_path / "one_ddp"), epochs=2, resume=str(ddp_first))
+    one_ours = world1.run(fit, timeout_s=TIMEOUT_S, mode="overlap", out=str(tmp_path / "one"), epochs=2, resume=str(first))
+    assert len(one_ours[0]["losses"]) == 8 and one_ours[0]["losses"] == one_ddp[0]["losses"]
+    want = one_ddp[0]["params"]
+    assert [k for k in want if not torch.equal(want[k], one_ours[0]["params"][k])] == []
 
 
 def test_fabric_matches_ddp_and_checkpoints(world2, tmp_path):
