@@ -4,7 +4,12 @@
     overlap.integrations.lightning   OverlapStrategy (Trainer), OverlapFabricStrategy (Fabric)
     overlap.integrations.accelerate  prepare / save_state / load_state around an `Accelerator`
 
-Each module imports its framework at import time; this package imports none of them, so
+and two modules shared by them, which import no framework:
+
+    overlap.integrations.export      whole-model exports through the frameworks' own save calls
+    overlap.integrations.resume      a DDP run's weights file and optimizer state dict into the shards
+
+Each framework module imports its framework at import time; this package imports none of them, so
 `import overlap` works without any framework installed. What every framework gets wrong with a
 sharded model out of the box is the same three things, handled in each module:
 - It wraps the model in DDP (accelerate, Trainer) or expects FSDP's own classes (Lightning's
@@ -13,12 +18,18 @@ sharded model out of the box is the same three things, handled in each module:
   the optimizer must hold the wrapped model's shards (`check_optimizer`).
 - It saves state from rank 0 only (a pickled optimizer state dict): the shards of the other
   ranks would be lost, so checkpoints go through `overlap.checkpoint` (DCP, every rank writes
-  its own rows) and whole-model exports through `overlap.full_state_dict`.
+  its own rows) and whole-model exports through `overlap.full_state_dict` (export.py).
+And one thing the user can get wrong: on CPU, launched by torchrun without the framework's CPU
+switch, each framework sees a world of one process (no data sharding, no averaging of its own)
+while `overlap.wrap` shards over the whole process group. `check_process_count` refuses that.
 """
 
 from __future__ import annotations
 
+import os
+
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 
@@ -44,4 +55,22 @@ def check_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module, where: s
         )
 
 
-__all__ = ["check_optimizer", "is_wrapped"]
+def check_process_count(num_processes: int, where: str, switch: str) -> None:
+    """Raise (on every rank: each compares two numbers every rank sees alike, no collective) when
+    the framework runs `num_processes` processes and the default process group (or, before there
+    is one, the launcher's WORLD_SIZE) holds another number: the framework would neither shard
+    the data nor reduce anything over the ranks that `overlap.wrap` shards the model over.
+    `switch` names the framework's setting that fixes it."""
+    # before the group exists: the launcher's count (torchrun's WORLD_SIZE), which the group will have
+    launched = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", num_processes))
+    if launched == num_processes:
+        return
+    raise ValueError(
+        f"{where}: the framework runs {num_processes} process(es), the launched world "
+        f"{launched}: each rank would train on its own data as a world of {num_processes} while "
+        f"overlap.wrap shards over all {launched}. On CPU, set {switch}; elsewhere, launch every "
+        "rank through the framework (torchrun, as for DDP)"
+    )
+
+
+__all__ = ["check_optimizer", "check_process_count", "is_wrapped"]

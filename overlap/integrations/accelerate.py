@@ -27,8 +27,27 @@ write the model's DTensor shards to safetensors. `prepare` therefore registers s
 pre-hooks that refuse `accelerator.save_state` / `load_state` for a wrapped model on every rank,
 naming `save_state` / `load_state` here: `overlap.checkpoint` (DCP, each rank writes its own
 rows) for the model, optimizer, scheduler and each rank's random generators, plus the
-accelerator's micro-batch counter. Other registered objects and an fp16 GradScaler are not
-saved by it (bf16 needs no scaler).
+accelerator's micro-batch counter and the objects registered with
+`accelerator.register_for_checkpointing` (their `state_dict()` on rank 0, as accelerate saves
+them; restored in place, in registration order). An fp16 GradScaler and the data loaders'
+positions are not saved by it (bf16 needs no scaler; resume the data from `extra`).
+
+Exports: `accelerator.get_state_dict(model)` returns DDP's `model.state_dict()`, DTensor shards
+here. `prepare` replaces the accelerator's `get_state_dict` (an instance attribute; accelerate
+has no hook for it) by one that gathers the whole model for a wrapped model ([Note: gathered
+exports] in export.py), which `accelerator.save_model` calls as well, and makes the wrapped
+model's `save_pretrained` gather when it is given no state dict: all three write the whole model
+from rank 0, every rank taking part in the gather, so call them on every rank.
+
+A folder that `accelerator.save_state` wrote under DDP (`model.safetensors`, `optimizer.bin`,
+`scheduler.bin`, `random_states_<rank>.pkl`, `custom_checkpoint_<i>.pkl`) is read by `load_state`
+here as accelerate reads it: the weights on rank 0, scattered; the full optimizer state dict into
+the shards ([Note: a DDP optimizer state dict] in resume.py); the scheduler, the random
+generators, `accelerator.step`, the data samplers' state and the registered objects by
+accelerate's own `load_accelerator_state` / `load_custom_state`. One written under FSDP is refused.
+
+On CPU, `Accelerator()` without `cpu=True` under torchrun runs each rank as a world of one
+process: `prepare` refuses it (`check_process_count`).
 """
 
 from __future__ import annotations
@@ -40,12 +59,24 @@ from typing import Any
 import accelerate
 import torch
 import torch.nn as nn
+from accelerate.checkpointing import load_accelerator_state, load_custom_state
 from torch.utils.weak import WeakIdKeyDictionary
 
 from overlap import checkpoint
-from overlap.integrations import check_optimizer, is_wrapped
+from overlap.integrations import check_optimizer, check_process_count, is_wrapped
+from overlap.integrations.export import gather_on_save_pretrained, gathered_state_dict
+from overlap.integrations.resume import (
+    PICKLED_WEIGHTS,
+    SAFE_WEIGHTS,
+    load_full_optimizer_state_dict,
+    load_full_weights,
+    read_pickled,
+)
 
 _hooked: WeakIdKeyDictionary = WeakIdKeyDictionary()  # accelerators whose save/load are guarded
+_DDP_OPTIMIZER = "optimizer.bin"  # accelerate's names in a save_state folder
+_DDP_SCHEDULER = "scheduler.bin"
+_FSDP_MODEL = "pytorch_model_fsdp"
 
 
 def prepare(accelerator: accelerate.Accelerator, model: nn.Module, *objects: Any) -> tuple[Any, ...]:
@@ -58,6 +89,7 @@ def prepare(accelerator: accelerate.Accelerator, model: nn.Module, *objects: Any
             "overlap.integrations.accelerate.prepare: the model is not wrapped; call "
             "model = overlap.wrap(model) first (then build the optimizer from it)"
         )
+    check_process_count(accelerator.num_processes, "overlap.integrations.accelerate.prepare", "Accelerator(cpu=True)")
     for obj in objects:
         if isinstance(obj, nn.Module):
             raise ValueError(
@@ -67,7 +99,8 @@ def prepare(accelerator: accelerate.Accelerator, model: nn.Module, *objects: Any
         if isinstance(obj, torch.optim.Optimizer):
             check_optimizer(obj, model, "overlap.integrations.accelerate.prepare")
     model = accelerator.prepare_model(model, device_placement=False, evaluation_mode=True)
-    _guard_save_load(accelerator)
+    _hook(accelerator)
+    gather_on_save_pretrained(model)
     if not objects:
         return (model,)
     prepared = accelerator.prepare(*objects)
@@ -86,14 +119,16 @@ def save_state(
 ) -> Path:
     """Save a checkpoint as `output_dir/step_<step>` through `overlap.checkpoint.save` (every
     rank calls it): the wrapped model, the optimizer and scheduler (prepared or not), every
-    rank's random generators, `accelerator.step` and `extra`. Returns the checkpoint folder."""
+    rank's random generators, `accelerator.step`, the objects registered with
+    `accelerator.register_for_checkpointing` and `extra`. Returns the checkpoint folder."""
+    registered = [obj.state_dict() for obj in accelerator._custom_objects]  # accelerate's own list
     return checkpoint.save(
         output_dir,
         model,
         _inner(optimizer, "optimizer"),
         step=step,
         scheduler=_inner(scheduler, "scheduler"),
-        extra={"accelerate_step": accelerator.step, "user": extra},
+        extra={"accelerate_step": accelerator.step, "registered": registered, "user": extra},
     )
 
 
@@ -106,12 +141,61 @@ def load_state(
 ) -> dict[str, Any]:
     """Load a checkpoint written by `save_state` (`input_dir` is a checkpoint folder or the root
     holding it: the latest is taken) into the wrapped model, optimizer and scheduler, in place,
-    at any world size. Restores `accelerator.step`. Returns `overlap.checkpoint.load`'s dict, with
-    `extra` the `extra` given to `save_state`."""
+    at any world size. Restores `accelerator.step` and, in place, the objects registered with
+    `accelerator.register_for_checkpointing` (as many as were saved, in the same order). Returns
+    `overlap.checkpoint.load`'s dict, with `extra` the `extra` given to `save_state`.
+
+    `input_dir` may also be a folder that `accelerator.save_state` wrote under DDP (see the module
+    note); then `step`, `extra`, `world_size` and `rank_extra` are None."""
+    folder = Path(input_dir)
+    if any(folder.glob(f"{_FSDP_MODEL}*")):  # every rank sees the same folder: every rank raises
+        raise ValueError(
+            f"overlap.integrations.accelerate.load_state: {folder} was saved under FSDP, which this "
+            f"integration does not read; merge its weights (accelerate merge-weights {folder}/"
+            f"{_FSDP_MODEL}_0 <dir>) and load them with overlap.load_full_state_dict, with a new optimizer"
+        )
+    if (folder / SAFE_WEIGHTS).is_file() or (folder / PICKLED_WEIGHTS).is_file():
+        return _load_ddp_state(accelerator, folder, model, optimizer, scheduler)
     info = checkpoint.load(input_dir, model, _inner(optimizer, "optimizer"), scheduler=_inner(scheduler, "scheduler"))
     saved = info["extra"]
+    registered = saved.get("registered", [])  # a checkpoint of an earlier release has none
+    objects = accelerator._custom_objects
+    if len(registered) != len(objects):  # the same on every rank: every rank raises
+        raise ValueError(
+            f"overlap.integrations.accelerate.load_state: the checkpoint holds {len(registered)} object(s) "
+            f"registered with accelerator.register_for_checkpointing, this accelerator has {len(objects)}; "
+            "register the same objects, in the same order, before load_state"
+        )
+    for obj, state in zip(objects, registered):
+        obj.load_state_dict(state)
     accelerator.step = saved["accelerate_step"]
     return {**info, "extra": saved["user"]}
+
+
+def _load_ddp_state(
+    accelerator: accelerate.Accelerator, folder: Path, model: nn.Module, optimizer: Any | None, scheduler: Any | None
+) -> dict[str, Any]:
+    """`accelerator.load_state(folder)` of a DDP save, into the wrapped model (see the module note)."""
+    where = f"overlap.integrations.accelerate.load_state({folder})"
+    load_full_weights(model, folder, where)
+    if optimizer is not None:
+        load_full_optimizer_state_dict(model, _inner(optimizer, "optimizer"), folder / _DDP_OPTIMIZER, where)
+    if scheduler is not None:
+        _inner(scheduler, "scheduler").load_state_dict(read_pickled(folder / _DDP_SCHEDULER))
+    override = load_accelerator_state(
+        str(folder), [], [], [], accelerator._dataloaders, accelerator.process_index
+    )
+    registered = sorted(folder.glob("custom_checkpoint_*.pkl"))
+    if len(registered) != len(accelerator._custom_objects):  # the same on every rank
+        raise ValueError(
+            f"{where}: the folder holds {len(registered)} object(s) registered with "
+            f"accelerator.register_for_checkpointing, this accelerator has {len(accelerator._custom_objects)}"
+        )
+    for index, obj in enumerate(accelerator._custom_objects):
+        load_custom_state(obj, str(folder), index)
+    accelerator.step = override.get("step", accelerator.step)
+    restored = (folder / f"random_states_{accelerator.process_index}.pkl").is_file()
+    return {"step": None, "extra": None, "world_size": None, "rank_extra": None, "rank_restored": restored}
 
 
 def _inner(obj: Any | None, attr: str) -> Any | None:
@@ -119,11 +203,21 @@ def _inner(obj: Any | None, attr: str) -> Any | None:
     return getattr(obj, attr, obj) if obj is not None else None
 
 
-def _guard_save_load(accelerator: accelerate.Accelerator) -> None:
+def _hook(accelerator: accelerate.Accelerator) -> None:
+    """Refuse accelerate's save_state / load_state and gather in get_state_dict (module note)."""
     if accelerator in _hooked:
         return
     accelerator.register_save_state_pre_hook(_refuse_save)
     accelerator.register_load_state_pre_hook(_refuse_load)
+    original = accelerator.get_state_dict
+
+    def get_state_dict(model: nn.Module, unwrap: bool = True) -> dict[str, Any]:
+        inner = accelerator.unwrap_model(model) if unwrap else model
+        if not is_wrapped(inner):
+            return original(model, unwrap=unwrap)
+        return gathered_state_dict(inner, every_rank=accelerator.project_configuration.save_on_each_node)
+
+    accelerator.get_state_dict = get_state_dict  # type: ignore[method-assign]
     _hooked[accelerator] = True
 
 

@@ -24,7 +24,11 @@ What the Trainer does by default, and what changes here:
 - Checkpoints pickle `optimizer.state_dict()` on rank 0 only, which would lose every other rank's
   optimizer shard. `_save_optimizer_and_scheduler` writes `<checkpoint>/overlap/step_N` with
   `overlap.checkpoint.save` (model, optimizer and scheduler; every rank writes its rows) instead,
-  and `_load_optimizer_and_scheduler` restores all three from it.
+  and `_load_optimizer_and_scheduler` restores all three from it. A checkpoint a DDP Trainer
+  wrote (`optimizer.pt` and `scheduler.pt`, no `overlap/`) resumes as under DDP: the full optimizer
+  state dict is loaded into the shards ([Note: a DDP optimizer state dict] in resume.py) and the
+  scheduler's state into the scheduler. One an FSDP Trainer wrote (`optimizer_0/`,
+  `optimizer.bin`) is refused on every rank, naming the supported route.
 - On resume and at `load_best_model_at_end` it loads `model.safetensors` with
   `model.load_state_dict`, which cannot write full tensors into shards. The model comes from the
   overlap checkpoint when there is one (exact: the shards as saved; on resume it is loaded with
@@ -34,6 +38,10 @@ What the Trainer does by default, and what changes here:
   shards by copies the engine never reads (`torch.device("cpu:0")` is not the shards' "cpu", so
   DTensor.to copies). The model is moved before the wrap instead; `_move_model_to_device` checks
   that it is there and moves nothing.
+- `model.save_pretrained(dir)` after training reads `model.state_dict()` too: the constructor
+  makes the wrapped model's own `save_pretrained` gather ([Note: gathered exports] in export.py).
+- Launched by torchrun on CPU without `use_cpu=True`, the Trainer sees a world of one process:
+  refused at construction (`check_process_count`).
 The six methods are private to `transformers.Trainer` (the seams DeepSpeed, FSDP and SageMaker
 use inside it); `OverlapTrainer` checks at construction that each still exists with the
 parameters used here, so a release that renames one fails there, naming it, not mid-run.
@@ -48,18 +56,21 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import transformers
+from transformers.trainer_pt_utils import reissue_pt_warnings
 
 import overlap
 from overlap import checkpoint
 from overlap.config import OverlapConfig
-from overlap.integrations import check_optimizer, is_wrapped
+from overlap.integrations import check_optimizer, check_process_count, is_wrapped
+from overlap.integrations.export import gather_on_save_pretrained
+from overlap.integrations.resume import load_full_optimizer_state_dict, load_full_weights, read_pickled
 
 OVERLAP_DIR = "overlap"  # inside each checkpoint-N folder: the DCP checkpoint root
-_SAFE_WEIGHTS = "model.safetensors"
-_SAFE_INDEX = "model.safetensors.index.json"
+_DDP_OPTIMIZER = "optimizer.pt"  # transformers' OPTIMIZER_NAME and SCHEDULER_NAME
+_DDP_SCHEDULER = "scheduler.pt"
+_FSDP_OPTIMIZER = "optimizer"  # FSDP's optimizer.bin, or folders optimizer_0, ...
 
 # the private Trainer methods overridden below, with the parameters they are called with
 _SEAMS = {
@@ -113,6 +124,7 @@ class OverlapTrainer(transformers.Trainer):
         device = args.device  # initializes torch.distributed when launched distributed
         if device.type == "cpu":
             device = torch.device("cpu")  # accelerate says "cpu:0"; tensors say "cpu"
+        check_process_count(args.world_size, "OverlapTrainer", "TrainingArguments(use_cpu=True)")
         if is_wrapped(model):
             if overlap_config is not None:
                 raise ValueError(
@@ -134,6 +146,7 @@ class OverlapTrainer(transformers.Trainer):
             check_optimizer(self.optimizer, self.model, "OverlapTrainer(optimizers=...)")
         # no DDP around the sharded model: see [Note: Trainer seams]
         self.accelerator.prepare_model(self.model, device_placement=False, evaluation_mode=True)
+        gather_on_save_pretrained(self.model)
 
     def _move_model_to_device(self, model: nn.Module, device: torch.device) -> None:
         if not is_wrapped(model):  # not ours: the Trainer's behaviour
@@ -167,16 +180,28 @@ class OverlapTrainer(transformers.Trainer):
     def _load_optimizer_and_scheduler(self, checkpoint_dir: str | None) -> None:
         if checkpoint_dir is None:
             return
-        root = Path(checkpoint_dir) / OVERLAP_DIR
-        if checkpoint.latest(root) is None:  # saved with save_only_model: the weights were loaded
+        folder = Path(checkpoint_dir)
+        if checkpoint.latest(folder / OVERLAP_DIR) is not None:
+            checkpoint.load(
+                folder / OVERLAP_DIR, self.model, _unwrap(self.optimizer), scheduler=self.lr_scheduler,
+                restore_rng=False,
+            )
             return
-        checkpoint.load(
-            root, self.model, _unwrap(self.optimizer), scheduler=self.lr_scheduler, restore_rng=False
-        )
+        _refuse_fsdp(folder)
+        # the Trainer's own rule: both files or neither (save_only_model: the weights were loaded)
+        if (folder / _DDP_OPTIMIZER).is_file() and (folder / _DDP_SCHEDULER).is_file():
+            load_full_optimizer_state_dict(
+                self.model, _unwrap(self.optimizer), folder / _DDP_OPTIMIZER,
+                f"OverlapTrainer: resuming from {folder / _DDP_OPTIMIZER}",
+            )
+            with warnings.catch_warnings(record=True) as caught:
+                self.lr_scheduler.load_state_dict(read_pickled(folder / _DDP_SCHEDULER))
+            reissue_pt_warnings(caught)
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
         if checkpoint.latest(Path(resume_from_checkpoint) / OVERLAP_DIR) is not None:
             return  # _load_optimizer_and_scheduler loads the model with the optimizer
+        _refuse_fsdp(Path(resume_from_checkpoint))
         self._load_weights(resume_from_checkpoint)
 
     def _load_best_model(self) -> None:
@@ -191,20 +216,7 @@ class OverlapTrainer(transformers.Trainer):
         if checkpoint.latest(root) is not None:
             checkpoint.load(root, self.model, restore_rng=False)
             return
-        full, error = None, [None]
-        if dist.get_rank() == 0:
-            try:
-                full = _read_full_weights(Path(folder))
-            except (OSError, ValueError) as e:  # every rank must hear of it, or they would wait
-                error[0] = f"{type(e).__name__}: {e}"
-        dist.broadcast_object_list(error, src=0)
-        if error[0] is not None:
-            raise ValueError(f"OverlapTrainer: cannot load the weights of {folder} (on rank 0: {error[0]})")
-        if full is not None:
-            missing = sorted(set(self.model.state_dict()) - set(full))
-            if missing:  # tied weights are saved once: the Trainer loads with strict=False too
-                warnings.warn(f"OverlapTrainer: {folder} has no weights for {missing}", stacklevel=2)
-        overlap.load_full_state_dict(self.model, full, strict=False)
+        load_full_weights(self.model, Path(folder), f"OverlapTrainer: {folder} (holds no {OVERLAP_DIR}/ either)")
 
 
 def _same_device(a: torch.device, b: torch.device) -> bool:
@@ -221,23 +233,16 @@ def _unwrap(optimizer: Any) -> torch.optim.Optimizer:
     return getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer
 
 
-def _read_full_weights(folder: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    if (folder / _SAFE_WEIGHTS).is_file():
-        return load_file(folder / _SAFE_WEIGHTS)
-    if (folder / _SAFE_INDEX).is_file():
-        import json
-
-        files = sorted(set(json.loads((folder / _SAFE_INDEX).read_text())["weight_map"].values()))
-        full: dict[str, torch.Tensor] = {}
-        for name in files:
-            full.update(load_file(folder / name))
-        return full
-    raise ValueError(
-        f"{folder} holds neither an overlap checkpoint ({OVERLAP_DIR}/) nor {_SAFE_WEIGHTS}: "
-        "pass a checkpoint folder written by a Trainer"
-    )
+def _refuse_fsdp(folder: Path) -> None:
+    """Raise on every rank (each sees the same folder) for an FSDP Trainer's optimizer state."""
+    found = sorted(p.name for p in folder.glob(f"{_FSDP_OPTIMIZER}*") if p.name != _DDP_OPTIMIZER)
+    if found:
+        raise ValueError(
+            f"OverlapTrainer: {folder} holds an FSDP Trainer's optimizer state ({', '.join(found)}), "
+            "which this integration does not read. To continue from its weights, merge them "
+            f"(accelerate merge-weights {folder}/pytorch_model_fsdp_0 <dir>) and train from <dir> "
+            "with a new optimizer; to resume exactly, resume the run under FSDP"
+        )
 
 
 __all__ = ["OVERLAP_DIR", "OverlapTrainer"]

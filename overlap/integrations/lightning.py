@@ -28,7 +28,13 @@ which every rank writes its own rows of the model and optimizer state) with:
 - a check at setup that every trainable parameter is inside a wrapped module: this strategy
   wraps nothing in DDP, so a parameter outside would silently train apart on each rank;
 - no `.to(device)` of a wrapped module (it would copy the shards away from the buffers the
-  engine gathers): the Trainer's move skips them, and `wrap` moves the module first.
+  engine gathers): the Trainer's move skips them, and `wrap` moves the module first;
+- a check at setup that Lightning's process count (`devices` x `num_nodes`) is the process
+  group's size: on CPU with `devices` left at "auto" (1) inside a larger launched world, each
+  rank would train on its own data while `overlap.wrap` shards over all of them;
+- `fabric.load(path, state)` of a distributed checkpoint restores the stateful objects of `state`
+  (an LR scheduler) in place, as `strategy="ddp"` does: Lightning's ModelParallelStrategy puts the
+  saved state dict in their place instead.
 """
 
 from __future__ import annotations
@@ -43,12 +49,13 @@ import torch
 import torch.nn as nn
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies import ModelParallelStrategy as FabricModelParallelStrategy
+from lightning.fabric.utilities.types import _PATH, _Stateful
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch.distributed.device_mesh import DeviceMesh
 
 import overlap
 from overlap.config import OverlapConfig
-from overlap.integrations import check_optimizer, is_wrapped
+from overlap.integrations import check_optimizer, check_process_count, is_wrapped
 
 DATA_PARALLEL = "data_parallel"  # the mesh dimension Lightning's ModelParallelStrategy names
 
@@ -124,6 +131,17 @@ def _resolve_sizes(strategy: Any) -> None:
         strategy._data_parallel_size = strategy.num_nodes * strategy.num_processes
 
 
+def _check_world(strategy: Any) -> None:
+    """Before Lightning's setup_environment, which fails on a rank beyond `devices` (IndexError)
+    and would join a process group that is already there. A group Lightning starts itself has its
+    size; under torchrun Lightning compares `devices` with WORLD_SIZE itself."""
+    check_process_count(
+        strategy.num_nodes * strategy.num_processes,
+        type(strategy).__name__,
+        "devices=<processes per node> (and num_nodes) in Trainer / Fabric, as torchrun launched them",
+    )
+
+
 class OverlapStrategy(ModelParallelStrategy):
     """Lightning `Trainer` strategy for modules wrapped by `overlap.wrap` in `configure_model`
     (see the module docstring). Checkpoints: `save_distributed_checkpoint=True` (default) writes
@@ -149,6 +167,7 @@ class OverlapStrategy(ModelParallelStrategy):
 
     def setup_environment(self) -> None:
         _resolve_sizes(self)
+        _check_world(self)
         super().setup_environment()
 
     def setup(self, trainer: Any) -> None:
@@ -213,12 +232,37 @@ class OverlapFabricStrategy(FabricModelParallelStrategy):
 
     def setup_environment(self) -> None:
         _resolve_sizes(self)
+        _check_world(self)
         super().setup_environment()
 
     def setup_module(self, module: nn.Module) -> nn.Module:
         module = super().setup_module(module)
         check_all_wrapped(module, f"{type(self).__name__}.setup_module")
         return module
+
+    def load_checkpoint(
+        self,
+        path: _PATH,
+        state: nn.Module | torch.optim.Optimizer | dict[str, Any] | None = None,
+        strict: bool = True,
+        weights_only: bool | None = None,
+    ) -> dict[str, Any]:
+        """Lightning's load, then every stateful object of `state` that the distributed load
+        replaced by its saved state dict gets it through `load_state_dict`, in place."""
+        stateful = {}
+        if isinstance(state, dict):
+            stateful = {
+                key: obj
+                for key, obj in state.items()
+                if isinstance(obj, _Stateful) and not isinstance(obj, (nn.Module, torch.optim.Optimizer))
+            }
+        remaining = super().load_checkpoint(path, state, strict=strict, weights_only=weights_only)
+        assert isinstance(state, dict) or not stateful
+        for key, obj in stateful.items():
+            if state[key] is not obj:  # type: ignore[index]
+                obj.load_state_dict(state[key])  # type: ignore[index]
+                state[key] = obj  # type: ignore[index]
+        return remaining
 
 
 __all__ = [
