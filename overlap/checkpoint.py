@@ -68,6 +68,7 @@ import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_optimizer_state_dict,
     set_optimizer_state_dict,
 )
@@ -217,10 +218,18 @@ def load(
     model_state = model.state_dict()
     rank_key = f"rank{rank}"
     state_dict: dict[str, Any] = {"model": model_state, "meta": b"", "extra": b""}
+    stateless: list[str] = []  # parameters the checkpoint holds no optimizer state for
     if optimizer is not None and has("optim"):
         # on a fresh optimizer this creates the state by a step with lr 0 and zero gradients,
-        # which leaves the parameters as they are; the load below overwrites that state
-        state_dict["optim"] = get_optimizer_state_dict(model, optimizer)
+        # which leaves the parameters as they are; the load below overwrites that state. A
+        # parameter that had no state when saved (it never got a gradient: an unused expert,
+        # a layer frozen until then) keeps none, as Optimizer.load_state_dict leaves it under
+        # DDP: the lr-0 step's state would count a step (AdamW's bias correction) never taken.
+        optim_state = get_optimizer_state_dict(model, optimizer)
+        stateless = [fqn for fqn in optim_state["state"] if not has(f"optim.state.{fqn}")]
+        for fqn in stateless:
+            del optim_state["state"][fqn]
+        state_dict["optim"] = optim_state
     elif optimizer is not None:
         state_dict["optim_hyper"] = b""
     if scheduler is not None:
@@ -231,7 +240,12 @@ def load(
 
     _copy_into_model(model, state_dict["model"])
     if optimizer is not None and "optim" in state_dict:
-        set_optimizer_state_dict(model, optimizer, state_dict["optim"])
+        # strict=False only to let the stateless ones through; every other key was loaded above
+        options = StateDictOptions(strict=not stateless)
+        set_optimizer_state_dict(model, optimizer, state_dict["optim"], options=options)
+        params = dict(model.named_parameters())
+        for fqn in stateless:
+            optimizer.state.pop(params[fqn], None)
     elif optimizer is not None:  # saved without state: the optimizer starts afresh
         optimizer.load_state_dict(_unpickled(state_dict["optim_hyper"]))
     if scheduler is not None:

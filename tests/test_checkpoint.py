@@ -354,3 +354,55 @@ def test_torchrun_restart_resumes_from_latest_checkpoint(world2, tmp_path):
     resumed = {int(k): v for k, v in result["losses"].items()}
     start = int(result["resumed_from"].removeprefix("step_"))
     assert resumed == {k: v for k, v in reference["losses"].items() if k >= start}, (resumed, reference)
+
+
+class _LateLayer(torch.nn.Module):
+    """`b` is used from step 2 on: before, it has no gradient and AdamW keeps no state for it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, use_b: bool) -> torch.Tensor:
+        return self.b(self.a(x)) if use_b else self.a(x)
+
+
+def stateless_parameter_resume(rank: int, world: int, *, root: str) -> dict:
+    """Steps 0-1 without `b`, a checkpoint, steps 2-3 with it: resumed from the checkpoint into a
+    fresh model and optimizer against the run that went on. `b` has no optimizer state in the
+    checkpoint and gets none at load (DDP's behaviour), so its first AdamW step is step 1."""
+    import overlap
+
+    def build():
+        torch.manual_seed(0)
+        model = overlap.wrap(_LateLayer())
+        return model, torch.optim.AdamW(model.parameters(), lr=0.1)
+
+    def step(model, opt, i):
+        x = torch.full((2, 8), float(rank + i + 1))
+        model(x, use_b=i >= 2).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+    model, opt = build()
+    for i in range(2):
+        step(model, opt, i)
+    overlap.checkpoint.save(root, model, opt, step=2)
+    stateless = [n for n, p in model.named_parameters() if p not in opt.state]
+    resumed, ropt = build()
+    overlap.checkpoint.load(overlap.checkpoint.latest(root), resumed, ropt)
+    loaded_stateless = [n for n, p in resumed.named_parameters() if p not in ropt.state]
+    for i in range(2, 4):
+        step(model, opt, i)
+        step(resumed, ropt, i)
+    same = all(torch.equal(p.to_local(), q.to_local()) for p, q in zip(model.parameters(), resumed.parameters()))
+    steps = {n: ropt.state[p]["step"].item() for n, p in resumed.named_parameters()}
+    return {"stateless": stateless, "loaded_stateless": loaded_stateless, "same": same, "steps": steps}
+
+
+def test_resume_keeps_parameters_without_optimizer_state_stateless(world2, tmp_path):
+    for rank, r in enumerate(world2.run(stateless_parameter_resume, root=str(tmp_path))):
+        assert r["stateless"] == ["b.weight", "b.bias"], r
+        assert r["loaded_stateless"] == r["stateless"], f"rank {rank}: the load gave them state: {r}"
+        assert r["steps"] == {"a.weight": 4.0, "a.bias": 4.0, "b.weight": 2.0, "b.bias": 2.0}, r
+        assert r["same"], f"rank {rank}: the resumed run differs from the one that went on"
