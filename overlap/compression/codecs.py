@@ -22,9 +22,9 @@ buffer chunk-major for one uint8 all-to-all (reduce-scatter); concatenating each
 - Inf/NaN: a block holding Inf/NaN decodes to NaN across the whole block, so loss scalers and
   NaN checks downstream still see it. With `check_finite=True` (the default) quantizing codecs
   also count such blocks on the device, and `raise_if_nonfinite()`, which the runtime calls once
-  per step, raises ValueError for them: at once on CPU, a step late on CUDA, where it never
-  blocks the host ([Note: deferred finite check] in finite.py). `check_finite=False` skips the
-  count.
+  per step, raises ValueError for them on every rank at the same step: at once on CPU, two steps
+  late on CUDA, where it does not block the host ([Note: deferred finite check] and [Note:
+  collective finite check] in finite.py). `check_finite=False` skips the count.
 - Error feedback: with round-to-nearest, `decode(enc) + (x - decode(enc)) == x` exactly in fp32
   (the residual is always exactly representable: Sterbenz's lemma, since a nonzero code is within
   a factor of 2 of its input). `encode_with_feedback` below keeps that residual.
@@ -33,7 +33,7 @@ buffer chunk-major for one uint8 all-to-all (reduce-scatter); concatenating each
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import ClassVar, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 import torch
 
@@ -47,6 +47,7 @@ from overlap.kernels import (
 )
 from overlap.compression.finite import NonfiniteCounter
 from overlap.kernels.reference import CodeFormat
+from overlap.kernels.rows import Residual, decode_rows, decode_sum_rows, encode_rows
 
 _SCALE_BYTES = 4  # fp32 per block
 
@@ -68,9 +69,13 @@ class Codec(ABC):
     """Chunks whose numel is a multiple of this encode to independent, contiguous slices of one
     encoding of the whole tensor (codes and scales both split evenly): pad shards to it."""
 
+    nonfinite: NonfiniteCounter | None = None
+    """Where a codec that cannot carry Inf/NaN counts them ([Note: deferred finite check])."""
+
     @abstractmethod
-    def encode(self, x: torch.Tensor) -> Encoded:
-        """Encode `x` (read flat; any floating dtype)."""
+    def encode(self, x: torch.Tensor, *, count: bool = True) -> Encoded:
+        """Encode `x` (read flat; any floating dtype); `count=False`: leave its non-finite
+        blocks out of the count (a gather counts what it decodes instead)."""
 
     @abstractmethod
     def _decode_into(self, enc: Encoded, out: torch.Tensor, accumulate: bool) -> None:
@@ -93,9 +98,65 @@ class Codec(ABC):
 
     def raise_if_nonfinite(self, *, wait: bool = False) -> None:
         """Raise ValueError if encodes since the last check met Inf/NaN that this codec cannot
-        carry. Call once per step: on CUDA it reports the previous step's encodes without
-        blocking the host, or this step's with `wait=True` ([Note: deferred finite check] in
-        finite.py). Codecs that carry Inf/NaN (identity, bf16) have nothing to report."""
+        carry. Call once per step, on every rank: on CUDA it reports the counts of two checks
+        ago without blocking the host, or everything up to now with `wait=True` ([Note:
+        deferred finite check] in finite.py). Codecs that carry Inf/NaN (identity, bf16) have
+        nothing to report."""
+
+    def agree_nonfinite(self, total: torch.Tensor) -> None:
+        """Note the non-finite count of every rank, one element on the device, which
+        `reduce_scatter_encoded` appends to the reduced shard ([Note: collective finite check]
+        in finite.py); the next check reports it instead of this rank's own count."""
+        if self.nonfinite is not None:
+            self.nonfinite.agree(total)
+
+    # ------------------------------------------------------------------ many rows per call
+    # A collective's encode and decode of a bucket ([Note: rows per launch] in
+    # kernels/triton_kernels.py): `wire` is (rows, >= wire_bytes) uint8, each row [codes | scales]
+    # as `to_bytes` lays them out, usually a strided view of the collective's buffer. These
+    # defaults loop over the rows; blockwise codecs override them with one launch per call.
+
+    def encode_rows_into(
+        self,
+        rows: torch.Tensor,
+        wire: torch.Tensor,
+        skip: int | None = None,
+        residual: Any = None,
+        *,
+        count: bool = True,
+    ) -> None:
+        """Encode row r of `rows` (num_rows, n) into `wire[r]` for every r but `skip`, with
+        error feedback from `residual` (a `FeedbackResidual` whose rank is `skip`) if given."""
+        for r in range(rows.shape[0]):
+            if r == skip:
+                continue
+            enc = self.encode(rows[r], count=count) if residual is None else residual.encode(self, rows[r], r)
+            wire[r, : self.wire_bytes(enc.numel, rows.dtype)].copy_(self.to_bytes(enc))
+
+    def decode_rows_into(
+        self, wire: torch.Tensor, numel: int, dtype: torch.dtype, out: torch.Tensor, *, count: bool = True
+    ) -> torch.Tensor:
+        """Decode `wire[r]` (encoded from `numel` elements of `dtype`) into `out[r]` (rows,
+        numel), for every row; `count`: count their non-finite blocks. Returns `out`."""
+        for r in range(out.shape[0]):
+            self.decode_into(self.from_bytes(wire[r], numel, dtype), out[r])
+        return out
+
+    def decode_sum_rows(
+        self, wire: torch.Tensor, own: torch.Tensor, skip: int, num_rows: int, out: torch.Tensor
+    ) -> torch.Tensor:
+        """`out` = the sum in fp32, in rank order, of `num_rows` ranks' parts, cast once: rank
+        `skip` adds `own` (never encoded), every other rank the decode of its row of `wire`,
+        which holds a row per rank or one fewer, none for `skip`. Returns `out`."""
+        numel = own.numel()
+        gap = num_rows - wire.shape[0]
+        acc = torch.zeros(numel, dtype=torch.float32, device=own.device)
+        for rank in range(num_rows):
+            if rank == skip:
+                acc += own  # exact, in its place in the rank order
+            else:
+                self.decode_accumulate(self.from_bytes(wire[rank - (rank > skip) * gap], numel, own.dtype), acc)
+        return out.copy_(acc)
 
     def decode(self, enc: Encoded, dtype: torch.dtype | None = None) -> torch.Tensor:
         """A new flat tensor of `dtype` (default: the encoded tensor's dtype)."""
@@ -178,7 +239,7 @@ class IdentityCodec(Codec):
 
     name = "identity"
 
-    def encode(self, x: torch.Tensor) -> Encoded:
+    def encode(self, x: torch.Tensor, *, count: bool = True) -> Encoded:
         return Encoded(x.reshape(-1), None, x.numel(), x.dtype)
 
     def _decode_into(self, enc: Encoded, out: torch.Tensor, accumulate: bool) -> None:
@@ -196,7 +257,7 @@ class BF16Codec(Codec):
 
     name = "bf16"
 
-    def encode(self, x: torch.Tensor) -> Encoded:
+    def encode(self, x: torch.Tensor, *, count: bool = True) -> Encoded:
         return Encoded(x.reshape(-1).to(torch.bfloat16), None, x.numel(), x.dtype)
 
     def _decode_into(self, enc: Encoded, out: torch.Tensor, accumulate: bool) -> None:
@@ -237,13 +298,14 @@ class _BlockwiseCodec(Codec):
         self.stochastic = stochastic
         self.generator = generator
         self.check_finite = check_finite
-        self._nonfinite = NonfiniteCounter()
+        self.nonfinite = NonfiniteCounter() if check_finite else None
 
-    def encode(self, x: torch.Tensor) -> Encoded:
+    def encode(self, x: torch.Tensor, *, count: bool = True) -> Encoded:
         codes, scales = quantize_blockwise(
             x, self.bits, self.block_size, self.stochastic, self.generator, fmt=self.fmt
         )
-        return self._checked(Encoded(codes, scales, x.numel(), x.dtype))
+        enc = Encoded(codes, scales, x.numel(), x.dtype)
+        return self._checked(enc) if count else enc
 
     def encode_feedback(self, x: torch.Tensor, residual: torch.Tensor) -> Encoded:
         codes, scales = quantize_feedback_blockwise(
@@ -261,22 +323,91 @@ class _BlockwiseCodec(Codec):
 
     def _checked(self, enc: Encoded) -> Encoded:
         assert enc.scales is not None
-        if self.check_finite:
-            self._nonfinite.add(enc.scales)  # no host sync: read by raise_if_nonfinite
+        if self.nonfinite is not None:
+            self.nonfinite.add(enc.scales)  # no host sync: read by raise_if_nonfinite
         return enc
 
+    def _counter(self, device: torch.device, count: bool, num_rows: int, numel: int) -> torch.Tensor | None:
+        """The device count a kernel adds `num_rows` rows of `numel` elements into, or None."""
+        if not count or self.nonfinite is None:
+            return None
+        return self.nonfinite.counter(device, num_rows * num_blocks_for(numel, self.block_size), num_rows)
+
     def raise_if_nonfinite(self, *, wait: bool = False) -> None:
-        if not self.check_finite:
+        if self.nonfinite is None:
             return
-        bad, blocks, encodes = self._nonfinite.take(wait)
-        if bad:
+        report = self.nonfinite.take(wait)
+        if report.bad_blocks:
+            if report.all_ranks:  # [Note: collective finite check]
+                where = (f"{report.bad_blocks} blocks of {self.block_size}, counted over every rank (this "
+                         f"rank checked {report.num_blocks} blocks in {report.num_encodes} encodes; every "
+                         "rank raises this)")  # fmt: skip
+            else:
+                where = (f"{report.bad_blocks} of {report.num_blocks} blocks of {self.block_size} "
+                         f"({report.num_encodes} encodes checked)")  # fmt: skip
             raise ValueError(
-                f"overlap.compression.{type(self).__name__}: the input holds Inf or NaN in {bad} of "
-                f"{blocks} blocks of {self.block_size} ({encodes} encodes checked); quantized codes "
-                "cannot carry them, so those blocks were sent as NaN. Fix the overflow (lower the "
-                "learning rate, use a loss scaler) or build the codec with check_finite=False to "
-                "let such blocks pass through as NaN without this error."
+                f"overlap.compression.{type(self).__name__}: the input holds Inf or NaN in {where}; "
+                "quantized codes cannot carry them, so "
+                "those blocks were sent as NaN. Fix the overflow (lower the learning rate, use a loss "
+                "scaler) or build the codec with check_finite=False to let such blocks pass through "
+                "as NaN without this error."
             )
+
+    def _wire_views(self, wire: torch.Tensor, numel: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(codes, scales) views of `wire`'s rows for the row kernels, or None where the fp32
+        scales would not be 4-byte aligned (tiny int4 blocks)."""
+        n_codes, nb = code_numel(numel, self.bits, self.block_size), num_blocks_for(numel, self.block_size)
+        if wire.dim() != 2 or wire.stride(1) != 1 or wire.shape[1] < n_codes + _SCALE_BYTES * nb:
+            return None
+        codes = wire[:, :n_codes]
+        if self.bits == 8 and self.fmt == "int":
+            codes = codes.view(torch.int8)
+        try:
+            scales = wire[:, n_codes : n_codes + _SCALE_BYTES * nb].view(torch.float32)
+        except RuntimeError:  # misaligned for a float32 view
+            return None
+        return codes, scales
+
+    def encode_rows_into(
+        self,
+        rows: torch.Tensor,
+        wire: torch.Tensor,
+        skip: int | None = None,
+        residual: Any = None,
+        *,
+        count: bool = True,
+    ) -> None:
+        views = self._wire_views(wire, rows.shape[1])
+        fused: Residual | None = None if residual is None else residual.kernel_rows(self)
+        if views is None or (residual is not None and fused is None) or not rows.is_floating_point():
+            return super().encode_rows_into(rows, wire, skip, residual, count=count)
+        if residual is not None:
+            assert residual.rank == skip, (residual.rank, skip)
+        num_encoded = rows.shape[0] - (skip is not None)
+        counter = self._counter(rows.device, count or residual is not None, num_encoded, rows.shape[1])
+        encode_rows(rows, *views, self.bits, self.block_size, fmt=self.fmt, skip=skip, stochastic=self.stochastic,
+                    generator=self.generator, residual=fused, count=counter)  # fmt: skip
+
+    def decode_rows_into(
+        self, wire: torch.Tensor, numel: int, dtype: torch.dtype, out: torch.Tensor, *, count: bool = True
+    ) -> torch.Tensor:
+        views = self._wire_views(wire, numel)
+        if views is None:
+            super().decode_rows_into(wire, numel, dtype, out, count=count)
+            if count and self.nonfinite is not None:
+                for r in range(out.shape[0]):
+                    self.nonfinite.add(self.from_bytes(wire[r], numel, dtype).scales)  # type: ignore[arg-type]
+            return out
+        counter = self._counter(out.device, count, out.shape[0], numel)
+        return decode_rows(*views, self.bits, self.block_size, numel, out, fmt=self.fmt, count=counter)
+
+    def decode_sum_rows(
+        self, wire: torch.Tensor, own: torch.Tensor, skip: int, num_rows: int, out: torch.Tensor
+    ) -> torch.Tensor:
+        views = self._wire_views(wire, own.numel())
+        if views is None:
+            return super().decode_sum_rows(wire, own, skip, num_rows, out)
+        return decode_sum_rows(*views, own, skip, num_rows, self.bits, self.block_size, out, fmt=self.fmt)
 
     def _decode_into(self, enc: Encoded, out: torch.Tensor, accumulate: bool) -> None:
         assert enc.scales is not None, "blockwise codes travel with their scales"

@@ -4,8 +4,10 @@
 The residual lives on the sender, before the reduce-scatter: per bucket, one row per peer rank
 (the chunk that rank r receives from this rank), `world_size - 1` rows, because this rank's own
 chunk never crosses the wire, is never encoded and would always carry a zero residual (see
-`comm.reduce_scatter_encoded`). `FeedbackResidual` maps a peer rank to its row. How a row is
-stored is a `ResidualFormat`, chosen once by `OverlapConfig.error_feedback_dtype`:
+`comm.reduce_scatter_encoded`). All rows of a bucket are updated by one fused encode where the
+codec has one (`kernel_rows`, [Note: rows per launch] in kernels/triton_kernels.py).
+`FeedbackResidual` maps a peer rank to its row. How a row is stored is a `ResidualFormat`,
+chosen once by `OverlapConfig.error_feedback_dtype`:
 
 - float32 (`DenseResidual`): 4 bytes per element. With round-to-nearest,
   `decode(enc) + residual == x + old residual` exactly (see [Note: codec numerics] in codecs.py):
@@ -40,6 +42,7 @@ import torch
 
 from overlap.compression.codecs import Codec, Encoded, _BlockwiseCodec
 from overlap.kernels import code_numel, dequantize_blockwise, num_blocks_for, quantize_blockwise
+from overlap.kernels.rows import Residual
 
 RESIDUAL_DTYPES = (torch.float32, torch.bfloat16, torch.int8)
 """What `OverlapConfig.error_feedback_dtype` accepts (int8: blockwise gradient codecs only)."""
@@ -118,6 +121,11 @@ class ResidualFormat(ABC):
         """What identifies the format in a checkpoint (see `format_from_params`)."""
         return {"name": self.name}
 
+    def kernel_rows(self, tensors: tuple[torch.Tensor, ...], codec: Codec) -> Residual | None:
+        """The rows as the fused encode kernels take them (`kernels.rows.Residual`), or None
+        when `codec` cannot update them in its encode (the rows then go one by one)."""
+        return None
+
 
 @dataclass(frozen=True)
 class DenseResidual(ResidualFormat):
@@ -143,6 +151,9 @@ class DenseResidual(ResidualFormat):
 
     def params(self) -> dict[str, Any]:
         return {"name": self.name, "dtype": str(self.dtype).removeprefix("torch.")}
+
+    def kernel_rows(self, tensors: tuple[torch.Tensor, ...], codec: Codec) -> Residual | None:
+        return tensors[0] if isinstance(codec, _BlockwiseCodec) else None  # fp32 or bf16 rows
 
 
 @dataclass(frozen=True)
@@ -179,6 +190,11 @@ class Int8Residual(ResidualFormat):
 
     def params(self) -> dict[str, Any]:
         return {"name": self.name, "block_size": self.block_size}
+
+    def kernel_rows(self, tensors: tuple[torch.Tensor, ...], codec: Codec) -> Residual | None:
+        if isinstance(codec, _BlockwiseCodec) and codec.block_size == self.block_size:
+            return tensors[0], tensors[1]
+        return None
 
 
 def make_residual_format(dtype: torch.dtype, codec: Codec) -> ResidualFormat:
@@ -236,6 +252,11 @@ class FeedbackResidual:
                 f"FeedbackResidual.encode: the chunk has {x.numel()} elements, the residual {self.numel}"
             )
         return self.format.encode(codec, x, self._row(peer))
+
+    def kernel_rows(self, codec: Codec) -> Residual | None:
+        """Every peer's row at once, in rank order, for `codec.encode_rows_into`'s fused kernel
+        (None: encode row by row through `encode`)."""
+        return self.format.kernel_rows(self.tensors, codec)
 
     def restore(self, peer: int) -> torch.Tensor:
         """The residual of rank `peer`'s chunk as a new flat fp32 tensor (zeros for this rank)."""
