@@ -24,6 +24,12 @@ The dry run runs every part it can on the CPU: the Triton kernels under Triton's
 (the delays are `time.sleep`), the world-size-1 parts on gloo, the bandwidth rows at a tiny size.
 
 Parts, in order of what they prove per second:
+  compile    first, on the CPU: tests/test_triton_compile.py on this machine's Triton (the repo's
+             compile checks ran on another version; the environment records both torch's and
+             Triton's), split over COMPILE_PROCESSES processes: every kernel variant lowered to a
+             cubin for sm_90 and sm_80, the PTX checks (no fused multiply-add, no flush-to-zero,
+             16-byte vectors, the fused count's atomic). Bar: pytest passes in every process. Run
+             on a CUDA machine only (CI runs the file itself).
   numerics   every Triton kernel variant on the device against the torch reference on the CPU:
              quantize {int8, int4, fp8} x {nearest, stochastic (int)} x input {fp32, bf16, fp16};
              dequantize(-accumulate) x output {fp32, bf16, fp16}; error feedback (fp32 and int8
@@ -67,10 +73,6 @@ Parts, in order of what they prove per second:
              share of a device-to-device fp32 copy, the copies on the runtime's tagged layouts of
              a GPT block at world size 2 and 8; each row written as soon as it is measured. Bar:
              every Triton row at the largest size >= 0.8 of the copy. CPU: measured, no bar.
-  compile    tests/test_triton_compile.py on this machine's Triton (the repo's compile checks ran
-             on another version): the PTX checks (no fused multiply-add, 16-byte vectors); last,
-             since numerics already compiled every variant for real. Bar: pytest passes. CUDA
-             only (CI runs it on CPU).
 Peak memory against FSDP2 is no longer a part (at world size 1 it says little about sharding at
 scale): `overlap bench memory --device cuda` measures it.
 
@@ -602,17 +604,36 @@ def copy_job(kind: str, layout: UnitLayout, n: int, src: torch.dtype, dst: torch
 # parts: each returns (status, bar, measured)
 
 
+COMPILE_PROCESSES = 8  # tests/test_triton_compile.py split over this many processes (OVERLAP_COMPILE_SHARD)
+
+
 def part_compile(c: Check, budget_s: float) -> PartResult:
+    """tests/test_triton_compile.py on this machine's Triton, first: the repo's compile checks ran
+    on another version (review 2, #16). CPU only; the variants are split over processes."""
+    import triton
+
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, (str(REPO), os.environ.get("PYTHONPATH"))))
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_triton_compile.py"]
-    try:
-        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=max(5.0, budget_s - 3), check=False)
-        rc, out = proc.returncode, proc.stdout + proc.stderr
-    except subprocess.TimeoutExpired as e:
-        rc, out = None, f"timed out after {e.timeout:.0f} s\n" + (e.stdout or b"").decode(errors="replace")[-3000:]
-    measured = {"cmd": " ".join(cmd[1:]), "rc": rc, "tail": out[-3000:]}
-    return ("passed" if rc == 0 else "failed"), "tests/test_triton_compile.py passes on this Triton", measured
+    count = max(1, min(COMPILE_PROCESSES, (os.cpu_count() or 1)))
+    base = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_triton_compile.py"]
+    procs = []
+    for index in range(count):  # shard 0 also runs the file's other checks
+        cmd = base if index == 0 else [*base, "-k", "test_kernel_compiles"]
+        procs.append(subprocess.Popen(cmd, cwd=REPO, env={**env, "OVERLAP_COMPILE_SHARD": f"{index}/{count}"},
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))  # fmt: skip
+    deadline = time.monotonic() + max(5.0, budget_s - 3)
+    shards = []
+    for index, proc in enumerate(procs):
+        try:
+            out, _ = proc.communicate(timeout=max(0.1, deadline - time.monotonic()))
+            rc = proc.returncode
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, rc = f"timed out after {budget_s - 3:.0f} s\n" + (proc.communicate()[0] or ""), None
+        shards.append({"shard": f"{index}/{count}", "rc": rc, "tail": out[-1500:]})
+    measured = {"triton": triton.__version__, "cmd": " ".join(base[1:]), "processes": count, "shards": shards}
+    passed = all(s["rc"] == 0 for s in shards)
+    return ("passed" if passed else "failed"), "tests/test_triton_compile.py passes on this Triton", measured
 
 
 def part_numerics(c: Check, _budget_s: float) -> PartResult:
@@ -1368,6 +1389,7 @@ class Part:
 
 
 PARTS = [
+    Part("compile", part_compile, 20, cuda_only=True),  # first: this Triton compiles every variant (CPU only)
     Part("numerics", part_numerics, 55),  # a cold Triton cache: ~100 variants compile here
     Part("world2", part_world2, 35),
     Part("hsdp2x2", part_hsdp, 35),
@@ -1376,7 +1398,6 @@ PARTS = [
     Part("overlap", part_overlap, 18, cuda_only=True),
     Part("parity", part_parity, 10),
     Part("bandwidth", part_bandwidth, 35),
-    Part("compile", part_compile, 20, cuda_only=True),  # PTX checks; numerics compiled for real already
 ]
 """Budgets add up to TOTAL_BUDGET_S (240 s); a part never runs past what is left of it."""
 

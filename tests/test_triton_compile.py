@@ -142,6 +142,16 @@ def _copy_variants() -> list[Variant]:
 VARIANTS = _quantize_variants() + _dequantize_variants() + _copy_variants()
 
 
+def _shard(variants: list[Variant]) -> list[Variant]:
+    """`OVERLAP_COMPILE_SHARD=i/n`: every n-th variant from the i-th, so that n processes
+    compile them all at once (benchmarks/gpu_check.py's first part, on the device's Triton)."""
+    spec = os.environ.get("OVERLAP_COMPILE_SHARD", "")
+    if not spec:
+        return variants
+    index, count = (int(v) for v in spec.split("/"))
+    return variants[index::count]
+
+
 def compile_ptx(variant: Variant, arch: int, options: dict[str, Any] = LAUNCH_OPTIONS) -> str:
     """PTX of `variant` for sm_`arch`, after lowering all the way to a cubin. Pointers are
     specialized as 16-byte aligned, as Triton's launcher does for tensors from torch."""
@@ -159,7 +169,7 @@ def _supported(variant: Variant, arch: int) -> bool:
     return not variant.fp8 or divmod(arch, 10) >= FP8_MIN_CAPABILITY
 
 
-@pytest.mark.parametrize("variant", VARIANTS, ids=[v.name for v in VARIANTS])
+@pytest.mark.parametrize("variant", _shard(VARIANTS), ids=[v.name for v in _shard(VARIANTS)])
 def test_kernel_compiles(variant: Variant) -> None:
     for arch in ARCHS:
         if not _supported(variant, arch):
