@@ -70,7 +70,9 @@ Parts, in order of what they prove per second:
              +-lr for gradients near 0, so rounding flips signs), deterministic algorithms, math
              SDPA. Bar: bitwise; else the worst tensor by name.
   bandwidth  GB/s of every Triton kernel (and the torch reference) at 8M and 64M elements as a
-             share of a device-to-device fp32 copy, the copies on the runtime's tagged layouts of
+             share of a device-to-device fp32 copy, a compressed reduce-scatter's codec work on
+             one 8-rank bucket (one launch each against the per-row launches of before), the
+             copies on the runtime's tagged layouts of
              a GPT block at world size 2 and 8; each row written as soon as it is measured. Bar:
              every Triton row at the largest size >= 0.8 of the copy. CPU: measured, no bar.
 Peak memory against FSDP2 is no longer a part (at world size 1 it says little about sharding at
@@ -167,6 +169,7 @@ from overlap.engine.reduction import Reductions as _Reductions
 from overlap.engine.reduction import flag_cols  # the padded used-flag columns of a reduction row
 from overlap.engine.runtime import Runtime as _Runtime
 from overlap.engine.units import CHUNK_ALIGN_NUMEL, ParamInfo, UnitLayout, make_layout
+from overlap.kernels.rows import decode_sum_rows, encode_rows, encode_rows_loop
 from overlap.kernels.triton_copy import (  # which copy variant a layout gets
     _plan,
     _segments,
@@ -1314,6 +1317,7 @@ class Bandwidth:
             self.attempt(f"quantize {fname}", numel, lambda b=bits, f=fmt, k=block: self.quantize(src, b, f, k))
             self.attempt(f"dequant_acc {fname}", numel, lambda b=bits, f=fmt, k=block: self.dequantize(src, b, f, k))
         self.attempt("feedback int8", numel, lambda: self.feedback(src))
+        self.attempt("bucket int8 ws=8", numel, lambda: self.bucket(src))
         for n in (2, 8):
             layout = block_layout(numel, n)
             for kind, s, d in (("out", FP32, FP32), ("out", BF16, BF16), ("in", BF16, FP32), ("in", FP32, FP32)):
@@ -1346,6 +1350,34 @@ class Bandwidth:
             name = select_backend(self.dev, 256, backend)  # type: ignore[arg-type]
             fn = functools.partial(quantize_feedback_blockwise, src, residual, 8, 256, backend=backend)
             self.add("feedback int8", numel, numel, name, fn, moved)
+
+    def bucket(self, src: torch.Tensor, ranks: int = 8, block: int = 256) -> None:
+        """A compressed reduce-scatter's codec work on one bucket ([Note: rows per launch]):
+        7 of 8 rows encoded with fp32 error feedback and counted, then 8 decode-summed. The fast
+        backend is one launch each; "loop" the per-row launches CUDA ran before."""
+        n = src.numel() // ranks // block * block
+        grads = src[: ranks * n].view(ranks, n)
+        residual = torch.zeros(ranks - 1, n, device=self.dev)
+        codes = torch.empty(ranks, n, dtype=torch.int8, device=self.dev)
+        scales = torch.empty(ranks, n // block, device=self.dev)
+        count = torch.zeros((), dtype=torch.int64, device=self.dev)
+        out = torch.empty(n, device=self.dev)
+        peer = (ranks - 1) * n
+        moved = peer * (12 + 1) + 2 * 4 * (peer // block) + peer + 4 * n + 4 * n  # encode, then decode-sum
+        for backend in (self.fast, "loop"):
+
+            def run(backend: str = backend) -> None:
+                if backend == "loop":  # a launch (or more) per row, as reduce_scatter_encoded did
+                    encode_rows_loop(grads, codes, scales, 8, block, skip=0, residual=residual, count=count)
+                    out.copy_(grads[0])
+                    for r in range(1, ranks):
+                        dequantize_blockwise(codes[r], scales[r], 8, block, n, out, True)
+                else:
+                    encode_rows(grads, codes, scales, 8, block, skip=0, residual=residual, count=count, backend=backend)  # type: ignore[arg-type]
+                    decode_sum_rows(codes, scales, grads[0], 0, ranks, 8, block, out, backend=backend)  # type: ignore[arg-type]
+
+            name = select_backend(self.dev, block, self.fast) if backend != "loop" else "loop"  # type: ignore[arg-type]
+            self.add("bucket int8 ws=8", src.numel(), ranks * n, name, run, moved)
 
     def copy(self, op: str, size: int, kind: str, layout: UnitLayout, n: int, s: torch.dtype, d: torch.dtype) -> None:
         job = copy_job(kind, layout, n, s, d, None, device=self.dev)
