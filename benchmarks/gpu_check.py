@@ -33,7 +33,8 @@ Parts, in order of what they prove per second:
   numerics   every Triton kernel variant on the device against the torch reference on the CPU:
              quantize {int8, int4, fp8} x {nearest, stochastic (int)} x input {fp32, bf16, fp16};
              dequantize(-accumulate) x output {fp32, bf16, fp16}; error feedback (fp32 and int8
-             residual); inputs with zero, denormal, NaN and +-Inf blocks and a partial last block;
+             residual); a bucket's rows in one launch (encode with each residual, the count,
+             the decode-sum); inputs with zero, denormal, NaN and +-Inf blocks and a partial last block;
              copy-out / copy-in on the runtime's own layouts at world size 1 (untagged), 2 and 8
              (tagged) for every pair of fp32/bf16/fp16, with which copy variant (aligned or not)
              each layout gets. Each case records bitwise (NaN payloads aside), the bits exactly,
@@ -169,6 +170,8 @@ from overlap.engine.reduction import Reductions as _Reductions
 from overlap.engine.reduction import flag_cols  # the padded used-flag columns of a reduction row
 from overlap.engine.runtime import Runtime as _Runtime
 from overlap.engine.units import CHUNK_ALIGN_NUMEL, ParamInfo, UnitLayout, make_layout
+from overlap.kernels import triton_kernels
+from overlap.kernels.reference import code_numel
 from overlap.kernels.rows import decode_sum_rows, encode_rows, encode_rows_loop
 from overlap.kernels.triton_copy import (  # which copy variant a layout gets
     _plan,
@@ -751,6 +754,39 @@ def part_numerics(c: Check, _budget_s: float) -> PartResult:
 
             case(f"feedback {fname} in={SHORT[dtype]} n={numel}", run_feedback)
             case(f"feedback_int8res {fname} in={SHORT[dtype]} n={numel}", run_int8res)
+        # [Note: rows per launch]: a bucket's rows in one launch (4 ranks, this rank 1) against the
+        # CPU loop of single-row ops that defines them; NaN and Inf blocks in the rows
+        rows_x = torch.stack([numerics_input(numel, block, FP32, gen, nonfinite=r == 2) for r in range(4)])
+        for mode in ("none", "fp32", "bf16", "int8") + (("sr",) if fmt == "int" else ()):
+
+            def run_rows(mode: str = mode, bits: int = bits, fmt: str = fmt, block: int = block,
+                         x: torch.Tensor = rows_x) -> dict[str, Any]:  # fmt: skip
+                numel, nb = x.shape[1], num_blocks_for(x.shape[1], block)
+                g = torch.Generator().manual_seed(11)
+                res: Any = None
+                if mode in ("fp32", "bf16"):
+                    res = (torch.randn(3, numel, generator=g) * 0.01).to(FP32 if mode == "fp32" else BF16)
+                elif mode == "int8":
+                    res = (torch.randint(-127, 128, (3, nb * block), generator=g, dtype=torch.int8), torch.rand(3, nb, generator=g) * 1e-3)
+                noise = torch.rand(3, nb * block, generator=g) if mode == "sr" else None
+                outs = []
+                for where in (dev, torch.device("cpu")):
+                    codes = torch.zeros(4, code_numel(numel, bits, block), dtype=torch.int8 if bits == 8 and fmt == "int" else torch.uint8, device=where)
+                    scales = torch.zeros(4, nb, device=where)
+                    count = torch.zeros((), dtype=torch.int64, device=where)
+                    r = None if res is None else (tuple(t.to(where, copy=True) for t in res) if isinstance(res, tuple) else res.to(where, copy=True))
+                    kw = {"fmt": fmt, "skip": 1, "noise": None if noise is None else noise.to(where), "residual": r, "count": count}
+                    if where == dev:
+                        triton_kernels.encode_rows(x.to(dev), codes, scales, bits, block, **kw)  # type: ignore[arg-type]
+                    else:
+                        encode_rows_loop(x, codes, scales, bits, block, backend="ref", **kw)  # type: ignore[arg-type]
+                    summed = decode_sum_rows(codes, scales, x[1].to(where), 1, 4, bits, block, torch.empty(numel, device=where),
+                                             fmt=fmt, backend="triton" if where == dev else "ref")  # type: ignore[arg-type]  # fmt: skip
+                    outs.append({"codes": codes, "scales": scales, "count": count.reshape(1).float(), "decode_sum": summed,
+                                 **({"residual": r} if isinstance(r, torch.Tensor) else {} if r is None else {"res_codes": r[0], "res_scales": r[1]})})  # fmt: skip
+                return {k: compare(outs[0][k], outs[1][k]) for k in outs[1]}
+
+            case(f"rows {fname} {mode} ws=4 n={numel}", run_rows)
 
     for n in (1, 2, 8):
         layout = numerics_layout(n)

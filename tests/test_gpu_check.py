@@ -90,7 +90,7 @@ def check_numerics(numerics: dict) -> None:
     assert numerics["status"] == "passed", numerics
     cases = numerics["measured"]["cases"]
     kinds = {name.split()[0] for name in cases}
-    assert kinds == {"quantize", "dequant", "dequant_acc", "feedback", "feedback_int8res", "copy_out", "copy_in"}
+    assert kinds == {"quantize", "dequant", "dequant_acc", "feedback", "feedback_int8res", "rows", "copy_out", "copy_in"}
     for ws in (1, 2, 8):  # the runtime's layouts, tagged from 2 ranks on
         assert f"copy_out ws={ws} bf16>f32" in cases and f"copy_in ws={ws} f16>bf16" in cases
     assert "tags" in cases["copy_out ws=2 f32>f32"] and "tags" not in cases["copy_out ws=1 f32>f32"]
