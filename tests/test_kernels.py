@@ -798,6 +798,32 @@ def test_fused_int8_residual_feedback_matches_the_composition(bits, fmt, dtype, 
         quantize_feedback_int8res_blockwise(torch.randn(100), torch.zeros(100, dtype=torch.int8), torch.zeros(1), 8, 64)
 
 
+@pytest.mark.parametrize("backend", ["ref", "cpp"])
+def test_feedback_leaves_no_residual_for_a_nonfinite_block(backend):
+    """[Note: error feedback residual]: a block holding Inf/NaN is sent as NaN and leaves a zero
+    residual (fp32 and int8 residual, every format), so the next step's encode of a clean
+    gradient is clean; the other blocks keep theirs. (Triton: tests/triton_interpreter_check.py
+    and the GPU tests compare it with these.)"""
+    from overlap.kernels import quantize_feedback_blockwise, quantize_feedback_int8res_blockwise
+
+    if backend == "cpp":
+        _cpp_or_skip()
+    block, numel = 64, 200
+    for bits, fmt in FORMATS:
+        x = torch.randn(numel)
+        x[70] = float("nan")
+        x[150] = float("inf")
+        r = torch.randn(numel) * 0.01
+        _, scales = quantize_feedback_blockwise(x, r, bits, block, fmt=fmt, backend=backend)
+        assert scales[1:3].isnan().all() and not scales[[0, 3]].isnan().any()
+        assert torch.equal(r[64:192], torch.zeros(128)) and torch.isfinite(r).all() and r[:64].abs().sum() > 0
+        _, clean = quantize_feedback_blockwise(torch.randn(numel), r, bits, block, fmt=fmt, backend=backend)
+        assert torch.isfinite(clean).all()
+        rc, rs = quantize_blockwise_ref(torch.randn(numel) * 0.01, 8, block)
+        quantize_feedback_int8res_blockwise(x, rc, rs, bits, block, fmt=fmt, backend=backend)
+        assert torch.isfinite(rs).all() and (rs[1:3] == 0).all() and (rc[64:192] == 0).all()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
 def test_sum_rows_matches_add_then_divide(dtype):
     """C++ sum_rows == torch.add left to right, then div_ of the gradient part, bitwise (every

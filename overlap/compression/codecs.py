@@ -27,7 +27,8 @@ buffer chunk-major for one uint8 all-to-all (reduce-scatter); concatenating each
   collective finite check] in finite.py). `check_finite=False` skips the count.
 - Error feedback: with round-to-nearest, `decode(enc) + (x - decode(enc)) == x` exactly in fp32
   (the residual is always exactly representable: Sterbenz's lemma, since a nonzero code is within
-  a factor of 2 of its input). `encode_with_feedback` below keeps that residual.
+  a factor of 2 of its input). `encode_with_feedback` below keeps that residual; a non-finite
+  element of it (a non-finite block, or a NaN carried by bf16) is kept as 0 instead.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ from overlap.kernels import (
     quantize_feedback_int8res_blockwise,
 )
 from overlap.compression.finite import NonfiniteCounter
+from overlap.kernels.quantize import finite_residual
 from overlap.kernels.reference import CodeFormat
 from overlap.kernels.rows import Residual, decode_rows, decode_sum_rows, encode_rows
 
@@ -93,7 +95,7 @@ class Codec(ABC):
         enc = self.encode(target)
         if enc.codes.data_ptr() == target.data_ptr():  # an encoding that aliases its input
             enc = enc._replace(codes=enc.codes.clone())
-        torch.sub(target, self.decode(enc, torch.float32), out=target)
+        finite_residual(torch.sub(target, self.decode(enc, torch.float32), out=target))
         return enc
 
     def raise_if_nonfinite(self, *, wait: bool = False) -> None:

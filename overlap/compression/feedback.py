@@ -24,6 +24,12 @@ chosen once by `OverlapConfig.error_feedback_dtype`:
   (rather than the codec's bound) costs no extra memory, is never looser and reuses the dispatched
   quantize kernels (C++ on CPU, Triton on CUDA).
 
+A non-finite block (Inf or NaN in the gradient, which the codec sends as NaN and reports,
+[Note: deferred finite check] in finite.py) leaves a zero residual, in every backend
+(`kernels.quantize.finite_residual`): what it dropped is unknown, and a NaN kept in the residual
+would come back in every later step, so that a step skipped after the error (a loss scaler's
+overflow, a caught ValueError) could never be followed by a clean one.
+
 With a lossy store (bf16, int8) the storage error e_t = stored - exact residual of step t is not
 fed back: over T steps, sum(decoded) == sum(gradients) - stored residual + sum_t e_t exactly,
 so the running sum drifts by at most sum_t |e_t| (int8: <= T * bound / 254 per element, a
@@ -42,6 +48,7 @@ import torch
 
 from overlap.compression.codecs import Codec, Encoded, _BlockwiseCodec
 from overlap.kernels import code_numel, dequantize_blockwise, num_blocks_for, quantize_blockwise
+from overlap.kernels.quantize import finite_residual
 from overlap.kernels.rows import Residual
 
 RESIDUAL_DTYPES = (torch.float32, torch.bfloat16, torch.int8)
@@ -80,7 +87,7 @@ def encode_with_feedback(
     # Never in place on `target`: it may be the caller's gradient (fp32 x, no residual), and the
     # identity codec's encoding is a view of it.
     enc = codec.encode(target)
-    dropped = target - codec.decode(enc, torch.float32)
+    dropped = finite_residual(target - codec.decode(enc, torch.float32))
     if residual is None:
         return enc, dropped
     residual.view(-1).copy_(dropped)

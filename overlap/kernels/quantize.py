@@ -207,8 +207,15 @@ def quantize_feedback_blockwise(
         target, bits, block, stochastic, generator, fmt=fmt, backend=chosen, noise=noise  # type: ignore[arg-type]
     )
     decoded = dequantize_blockwise(codes, scales, bits, block, x.numel(), fmt=fmt, backend=chosen)  # type: ignore[arg-type]
-    torch.sub(target, decoded, out=target)
+    finite_residual(torch.sub(target, decoded, out=target))
     return codes, scales
+
+
+def finite_residual(residual: torch.Tensor) -> torch.Tensor:
+    """Set the non-finite elements of an error-feedback residual to 0, in place: what a
+    non-finite block (or a NaN element, bf16) dropped is unknown, and a NaN kept would come back
+    in every later step ([Note: error feedback residual] in compression/feedback.py)."""
+    return residual.masked_fill_(~torch.isfinite(residual), 0.0)
 
 
 def quantize_feedback_int8res_blockwise(

@@ -15,6 +15,7 @@ from overlap.kernels.quantize import (
     Backend,
     _check_format,
     dequantize_blockwise,
+    finite_residual,
     quantize_blockwise,
     quantize_feedback_blockwise,
     quantize_feedback_int8res_blockwise,
@@ -105,7 +106,7 @@ def encode_rows_loop(
             target = x[r].float() + residual[i].float()
             c, s = quantize_blockwise(target, bits, block, stochastic, **kw)  # type: ignore[arg-type]
             dropped = dequantize_blockwise(c, s, bits, block, target.numel(), fmt=fmt, backend=loop_backend)
-            residual[i].copy_(target - dropped)
+            residual[i].copy_(finite_residual(target - dropped))
         codes[r, : c.numel()].copy_(c.view(codes.dtype))
         scales[r, : s.numel()].copy_(s)
         if count is not None:

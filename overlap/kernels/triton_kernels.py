@@ -130,8 +130,9 @@ if triton is not None:
                 lo, hi = tl.split(tl.reshape(qi + 8, [BLOCKS, BLOCK // 2, 2]))
                 half = blk[:, None] * (BLOCK // 2) + tl.arange(0, BLOCK // 2)[None, :]
                 tl.store(out + half, (lo | (hi << 4)).to(tl.uint8), mask=blk_ok[:, None])
-        if RESIDUAL != 0:  # what the codes dropped: x - decode(codes), NaN across a NaN block
+        if RESIDUAL != 0:  # what the codes dropped: x - decode(codes); 0 across a non-finite block
             dropped = x - q * scale[:, None]
+            dropped = tl.where(dropped - dropped == 0.0, dropped, 0.0)  # [Note: error feedback residual]
             if RESIDUAL == 1:
                 tl.store(res_ptr + r * res_stride + offs, _cast_out(dropped, res_ptr.dtype.element_ty), mask=valid)
             else:  # re-encoded as int8, round-to-nearest, in the same blocks (padding 0)
