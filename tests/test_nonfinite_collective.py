@@ -100,3 +100,60 @@ def test_nan_gradient_at_four_ranks_and_under_hsdp(world4):
     results = world4.run(train_with_a_bad_rank, timeout_s=DEADLINE_S, config=config, bad_rank=2, bad_step=1,
                          steps=3, hsdp=True)  # fmt: skip
     _check_every_rank_raised_alike(results, 1, {**config, "hsdp": True})
+
+
+def encoded_reduce_scatter_paths(rank: int, world: int) -> dict:
+    """`reduce_scatter_encoded` on both layouts of what it receives: evenly spaced rows (a view)
+    and, with receive slack larger than a row (gloo), rows copied together. Rank 1 sends one NaN
+    block to each peer. Returns the two results and their count elements."""
+    import torch.distributed as dist
+
+    from overlap.compression import Int8Codec
+    from overlap.transport import collectives as comm
+
+    numel = 64 * 6
+    grads = torch.randn(world, numel, generator=torch.Generator().manual_seed(rank))
+    if rank == 1:
+        grads[:, 70] = float("nan")  # block 1 of every row
+    tail = torch.ones(world, 3)
+    outs, layouts = [], []
+    peer_rows = comm._peer_rows
+
+    def recorded(buf: torch.Tensor, *args: object) -> torch.Tensor:
+        rows = peer_rows(buf, *args)  # type: ignore[arg-type]
+        layouts.append("view" if rows.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr() else "copy")
+        return rows
+
+    comm._peer_rows = recorded
+    try:
+        for slack in (None, comm.RecvSlack(rank, 1 << 16)):
+            out = comm.wait(comm.reduce_scatter_encoded(grads, tail, dist.group.WORLD, world, Int8Codec(64), None, slack))
+            outs.append(out)
+    finally:
+        comm._peer_rows = peer_rows
+    return {"outs": outs, "layouts": layouts}
+
+
+def test_encoded_reduce_scatter_sums_the_counts_on_either_receive_layout(world2, world4):
+    """[Note: collective finite check] at the collective: the reduced shard ends in the sum of
+    every rank's count (rank 1 encoded one NaN block per peer row: world size - 1), after the
+    tail summed exactly; with receive slack larger than a row (at four ranks the rows are then
+    copied together) the result is bitwise the same as with evenly spaced rows (a view)."""
+    for world in (world2, world4):
+        for rank, r in enumerate(world.run(encoded_reduce_scatter_paths, timeout_s=DEADLINE_S)):
+            _check_paths(rank, world.world_size, *r["outs"])
+            assert r["layouts"] == ["view", "view" if world.world_size == 2 else "copy"], (rank, r["layouts"])
+
+
+def _check_paths(rank: int, world_size: int, plain: torch.Tensor, slack: torch.Tensor) -> None:
+    numel = 64 * 6
+    assert plain.shape == (numel + 3 + 1,)
+    assert torch.equal(plain[numel : numel + 3], torch.full((3,), float(world_size))), plain[numel:]
+    assert plain[-1].item() == world_size - 1, (rank, plain[-1])  # every rank receives the same count
+    nan = plain.isnan()
+    assert torch.equal(nan, slack.isnan()) and torch.equal(plain[~nan], slack[~nan]), rank
+    # the others decode rank 1's NaN block: NaN across it; rank 1 adds its own row exactly: one NaN
+    expected = torch.zeros(numel + 4, dtype=torch.bool)
+    expected[64:128] = rank != 1
+    expected[70] = True
+    assert torch.equal(nan, expected), (rank, nan.nonzero().flatten().tolist())
