@@ -152,11 +152,13 @@ def _shard(variants: list[Variant]) -> list[Variant]:
     return variants[index::count]
 
 
-def compile_ptx(variant: Variant, arch: int, options: dict[str, Any] = LAUNCH_OPTIONS) -> str:
+def compile_ptx(variant: Variant, arch: int, options: dict[str, Any] = LAUNCH_OPTIONS, ints16: bool = False) -> str:
     """PTX of `variant` for sm_`arch`, after lowering all the way to a cubin. Pointers are
-    specialized as 16-byte aligned, as Triton's launcher does for tensors from torch."""
+    specialized as 16-byte aligned, as Triton's launcher does for tensors from torch; with
+    `ints16`, the integer arguments as multiples of 16 too, as it does for such values."""
     signature = variant.signature | dict.fromkeys(variant.constexprs, "constexpr")
-    attrs = {(i,): [["tt.divisibility", 16]] for i, ty in enumerate(variant.signature.values()) if ty.startswith("*")}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, ty in enumerate(variant.signature.values())
+             if ty.startswith("*") or (ints16 and ty in ("i32", "i64"))}  # fmt: skip
     source = ASTSource(fn=variant.kernel, signature=signature, constexprs=variant.constexprs, attrs=attrs)
     with warnings.catch_warnings():  # triton 3.9 announces its fp fusion default change
         warnings.simplefilter("ignore", UserWarning)
@@ -193,6 +195,18 @@ def test_kernel_compiles(variant: Variant) -> None:
             stores = re.findall(r"st\.global\.v4\.", ptx)
             vectorized = bool(loads) and bool(stores)
             assert vectorized == variant.constexprs["ALIGNED"], f"{where}: 16-byte vector access {vectorized}"
+
+
+@pytest.mark.parametrize("name", ["encode int8 nearest fp32", "encode int8 nearest bf16 fp32 residual",
+                                  "encode int4 nearest fp32", "decode int8 accumulate fp32", "decode_sum int8 fp32"])
+def test_row_kernels_vectorize_on_aligned_sizes(name: str) -> None:
+    """[Note: rows per launch]: a program's tile is read and written with 16-byte accesses when
+    the sizes and row strides are multiples of 16, as a bucket's are (chunks padded to the
+    codec's block): the launcher specializes such integers, as compiled here."""
+    variant = next(v for v in VARIANTS if v.name == name)
+    ptx = compile_ptx(variant, 90, ints16=True)
+    assert re.findall(r"ld\.global\.v4\.", ptx), f"{name}: no 16-byte loads"
+    assert re.findall(r"st\.global\.v[24]\.", ptx), f"{name}: no vector stores"
 
 
 def test_fusion_check_can_fail() -> None:
