@@ -46,7 +46,8 @@ from typing import Any, ClassVar
 
 import torch
 
-from overlap.compression.codecs import Codec, Encoded, _BlockwiseCodec
+from overlap.compression.blockwise import _BlockwiseCodec
+from overlap.compression.codecs import Codec, Encoded
 from overlap.kernels import code_numel, dequantize_blockwise, num_blocks_for, quantize_blockwise
 from overlap.kernels.quantize import finite_residual
 from overlap.kernels.rows import Residual

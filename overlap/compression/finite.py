@@ -81,7 +81,7 @@ class Report:
         self.all_ranks = self.all_ranks or other.all_ranks
 
 
-@dataclass
+@dataclass(eq=False)
 class _Snapshot:
     """A CUDA count on its way to the host."""
 
@@ -154,10 +154,10 @@ class NonfiniteCounter:
                 else:
                     self._in_flight.append(snapshot)
             due = [s for s in self._in_flight if wait or s.due <= self._checks]
-            self._in_flight = [s for s in self._in_flight if s not in due]
+            self._in_flight = [s for s in self._in_flight if not (wait or s.due <= self._checks)]
             for snapshot in due:
                 if not snapshot.ready.query():  # done long ago, normally: no wait
-                    self.blocking_waits += 1
+                    self.blocking_waits += not wait  # asked for with `wait`: expected
                     snapshot.ready.synchronize()  # this copy only
                 snapshot.report.bad_blocks = round(float(snapshot.values[0]))
                 report.add(snapshot.report)
