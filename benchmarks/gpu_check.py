@@ -24,10 +24,17 @@ The dry run runs every part it can on the CPU: the Triton kernels under Triton's
 (the delays are `time.sleep`), the world-size-1 parts on gloo, the bandwidth rows at a tiny size.
 
 Parts, in order of what they prove per second:
+  compile    first, on the CPU: tests/test_triton_compile.py on this machine's Triton (the repo's
+             compile checks ran on another version; the environment records both torch's and
+             Triton's), split over COMPILE_PROCESSES processes: every kernel variant lowered to a
+             cubin for sm_90 and sm_80, the PTX checks (no fused multiply-add, no flush-to-zero,
+             16-byte vectors, the fused count's atomic). Bar: pytest passes in every process. Run
+             on a CUDA machine only (CI runs the file itself).
   numerics   every Triton kernel variant on the device against the torch reference on the CPU:
              quantize {int8, int4, fp8} x {nearest, stochastic (int)} x input {fp32, bf16, fp16};
              dequantize(-accumulate) x output {fp32, bf16, fp16}; error feedback (fp32 and int8
-             residual); inputs with zero, denormal, NaN and +-Inf blocks and a partial last block;
+             residual); a bucket's rows in one launch (encode with each residual, the count,
+             the decode-sum); inputs with zero, denormal, NaN and +-Inf blocks and a partial last block;
              copy-out / copy-in on the runtime's own layouts at world size 1 (untagged), 2 and 8
              (tagged) for every pair of fp32/bf16/fp16, with which copy variant (aligned or not)
              each layout gets. Each case records bitwise (NaN payloads aside), the bits exactly,
@@ -64,13 +71,11 @@ Parts, in order of what they prove per second:
              +-lr for gradients near 0, so rounding flips signs), deterministic algorithms, math
              SDPA. Bar: bitwise; else the worst tensor by name.
   bandwidth  GB/s of every Triton kernel (and the torch reference) at 8M and 64M elements as a
-             share of a device-to-device fp32 copy, the copies on the runtime's tagged layouts of
+             share of a device-to-device fp32 copy, a compressed reduce-scatter's codec work on
+             one 8-rank bucket (one launch each against the per-row launches of before), the
+             copies on the runtime's tagged layouts of
              a GPT block at world size 2 and 8; each row written as soon as it is measured. Bar:
              every Triton row at the largest size >= 0.8 of the copy. CPU: measured, no bar.
-  compile    tests/test_triton_compile.py on this machine's Triton (the repo's compile checks ran
-             on another version): the PTX checks (no fused multiply-add, 16-byte vectors); last,
-             since numerics already compiled every variant for real. Bar: pytest passes. CUDA
-             only (CI runs it on CPU).
 Peak memory against FSDP2 is no longer a part (at world size 1 it says little about sharding at
 scale): `overlap bench memory --device cuda` measures it.
 
@@ -165,6 +170,9 @@ from overlap.engine.reduction import Reductions as _Reductions
 from overlap.engine.reduction import flag_cols  # the padded used-flag columns of a reduction row
 from overlap.engine.runtime import Runtime as _Runtime
 from overlap.engine.units import CHUNK_ALIGN_NUMEL, ParamInfo, UnitLayout, make_layout
+from overlap.kernels import triton_kernels
+from overlap.kernels.reference import code_numel
+from overlap.kernels.rows import decode_sum_rows, encode_rows, encode_rows_loop
 from overlap.kernels.triton_copy import (  # which copy variant a layout gets
     _plan,
     _segments,
@@ -602,17 +610,38 @@ def copy_job(kind: str, layout: UnitLayout, n: int, src: torch.dtype, dst: torch
 # parts: each returns (status, bar, measured)
 
 
+COMPILE_PROCESSES = 12  # tests/test_triton_compile.py split over this many processes (OVERLAP_COMPILE_SHARD)
+"""Measured cold on a loaded 2-core machine: a twelfth of the variants (both architectures) in
+9 s with its pytest start, so the part fits its 20 s on the device machine's 16 cores."""
+
+
 def part_compile(c: Check, budget_s: float) -> PartResult:
+    """tests/test_triton_compile.py on this machine's Triton, first: the repo's compile checks ran
+    on another version (review 2, #16). CPU only; the variants are split over processes."""
+    import triton
+
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, (str(REPO), os.environ.get("PYTHONPATH"))))
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_triton_compile.py"]
-    try:
-        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=max(5.0, budget_s - 3), check=False)
-        rc, out = proc.returncode, proc.stdout + proc.stderr
-    except subprocess.TimeoutExpired as e:
-        rc, out = None, f"timed out after {e.timeout:.0f} s\n" + (e.stdout or b"").decode(errors="replace")[-3000:]
-    measured = {"cmd": " ".join(cmd[1:]), "rc": rc, "tail": out[-3000:]}
-    return ("passed" if rc == 0 else "failed"), "tests/test_triton_compile.py passes on this Triton", measured
+    count = max(1, min(COMPILE_PROCESSES, (os.cpu_count() or 1)))
+    base = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_triton_compile.py"]
+    procs = []
+    for index in range(count):  # shard 0 also runs the file's other checks
+        cmd = base if index == 0 else [*base, "-k", "test_kernel_compiles"]
+        procs.append(subprocess.Popen(cmd, cwd=REPO, env={**env, "OVERLAP_COMPILE_SHARD": f"{index}/{count}"},
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))  # fmt: skip
+    deadline = time.monotonic() + max(5.0, budget_s - 3)
+    shards = []
+    for index, proc in enumerate(procs):
+        try:
+            out, _ = proc.communicate(timeout=max(0.1, deadline - time.monotonic()))
+            rc = proc.returncode
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, rc = f"timed out after {budget_s - 3:.0f} s\n" + (proc.communicate()[0] or ""), None
+        shards.append({"shard": f"{index}/{count}", "rc": rc, "tail": out[-1500:]})
+    measured = {"triton": triton.__version__, "cmd": " ".join(base[1:]), "processes": count, "shards": shards}
+    passed = all(s["rc"] == 0 for s in shards)
+    return ("passed" if passed else "failed"), "tests/test_triton_compile.py passes on this Triton", measured
 
 
 def part_numerics(c: Check, _budget_s: float) -> PartResult:
@@ -727,6 +756,39 @@ def part_numerics(c: Check, _budget_s: float) -> PartResult:
 
             case(f"feedback {fname} in={SHORT[dtype]} n={numel}", run_feedback)
             case(f"feedback_int8res {fname} in={SHORT[dtype]} n={numel}", run_int8res)
+        # [Note: rows per launch]: a bucket's rows in one launch (4 ranks, this rank 1) against the
+        # CPU loop of single-row ops that defines them; NaN and Inf blocks in the rows
+        rows_x = torch.stack([numerics_input(numel, block, FP32, gen, nonfinite=r == 2) for r in range(4)])
+        for mode in ("none", "fp32", "bf16", "int8") + (("sr",) if fmt == "int" else ()):
+
+            def run_rows(mode: str = mode, bits: int = bits, fmt: str = fmt, block: int = block,
+                         x: torch.Tensor = rows_x) -> dict[str, Any]:  # fmt: skip
+                numel, nb = x.shape[1], num_blocks_for(x.shape[1], block)
+                g = torch.Generator().manual_seed(11)
+                res: Any = None
+                if mode in ("fp32", "bf16"):
+                    res = (torch.randn(3, numel, generator=g) * 0.01).to(FP32 if mode == "fp32" else BF16)
+                elif mode == "int8":
+                    res = (torch.randint(-127, 128, (3, nb * block), generator=g, dtype=torch.int8), torch.rand(3, nb, generator=g) * 1e-3)
+                noise = torch.rand(3, nb * block, generator=g) if mode == "sr" else None
+                outs = []
+                for where in (dev, torch.device("cpu")):
+                    codes = torch.zeros(4, code_numel(numel, bits, block), dtype=torch.int8 if bits == 8 and fmt == "int" else torch.uint8, device=where)
+                    scales = torch.zeros(4, nb, device=where)
+                    count = torch.zeros((), dtype=torch.int64, device=where)
+                    r = None if res is None else (tuple(t.to(where, copy=True) for t in res) if isinstance(res, tuple) else res.to(where, copy=True))
+                    kw = {"fmt": fmt, "skip": 1, "noise": None if noise is None else noise.to(where), "residual": r, "count": count}
+                    if where == dev:
+                        triton_kernels.encode_rows(x.to(dev), codes, scales, bits, block, **kw)  # type: ignore[arg-type]
+                    else:
+                        encode_rows_loop(x, codes, scales, bits, block, backend="ref", **kw)  # type: ignore[arg-type]
+                    summed = decode_sum_rows(codes, scales, x[1].to(where), 1, 4, bits, block, torch.empty(numel, device=where),
+                                             fmt=fmt, backend="triton" if where == dev else "ref")  # type: ignore[arg-type]  # fmt: skip
+                    outs.append({"codes": codes, "scales": scales, "count": count.reshape(1).float(), "decode_sum": summed,
+                                 **({"residual": r} if isinstance(r, torch.Tensor) else {} if r is None else {"res_codes": r[0], "res_scales": r[1]})})  # fmt: skip
+                return {k: compare(outs[0][k], outs[1][k]) for k in outs[1]}
+
+            case(f"rows {fname} {mode} ws=4 n={numel}", run_rows)
 
     for n in (1, 2, 8):
         layout = numerics_layout(n)
@@ -1293,6 +1355,7 @@ class Bandwidth:
             self.attempt(f"quantize {fname}", numel, lambda b=bits, f=fmt, k=block: self.quantize(src, b, f, k))
             self.attempt(f"dequant_acc {fname}", numel, lambda b=bits, f=fmt, k=block: self.dequantize(src, b, f, k))
         self.attempt("feedback int8", numel, lambda: self.feedback(src))
+        self.attempt("bucket int8 ws=8", numel, lambda: self.bucket(src))
         for n in (2, 8):
             layout = block_layout(numel, n)
             for kind, s, d in (("out", FP32, FP32), ("out", BF16, BF16), ("in", BF16, FP32), ("in", FP32, FP32)):
@@ -1325,6 +1388,34 @@ class Bandwidth:
             name = select_backend(self.dev, 256, backend)  # type: ignore[arg-type]
             fn = functools.partial(quantize_feedback_blockwise, src, residual, 8, 256, backend=backend)
             self.add("feedback int8", numel, numel, name, fn, moved)
+
+    def bucket(self, src: torch.Tensor, ranks: int = 8, block: int = 256) -> None:
+        """A compressed reduce-scatter's codec work on one bucket ([Note: rows per launch]):
+        7 of 8 rows encoded with fp32 error feedback and counted, then 8 decode-summed. The fast
+        backend is one launch each; "loop" the per-row launches CUDA ran before."""
+        n = src.numel() // ranks // block * block
+        grads = src[: ranks * n].view(ranks, n)
+        residual = torch.zeros(ranks - 1, n, device=self.dev)
+        codes = torch.empty(ranks, n, dtype=torch.int8, device=self.dev)
+        scales = torch.empty(ranks, n // block, device=self.dev)
+        count = torch.zeros((), dtype=torch.int64, device=self.dev)
+        out = torch.empty(n, device=self.dev)
+        peer = (ranks - 1) * n
+        moved = peer * (12 + 1) + 2 * 4 * (peer // block) + peer + 4 * n + 4 * n  # encode, then decode-sum
+        for backend in (self.fast, "loop"):
+
+            def run(backend: str = backend) -> None:
+                if backend == "loop":  # a launch (or more) per row, as reduce_scatter_encoded did
+                    encode_rows_loop(grads, codes, scales, 8, block, skip=0, residual=residual, count=count)
+                    out.copy_(grads[0])
+                    for r in range(1, ranks):
+                        dequantize_blockwise(codes[r], scales[r], 8, block, n, out, True)
+                else:
+                    encode_rows(grads, codes, scales, 8, block, skip=0, residual=residual, count=count, backend=backend)  # type: ignore[arg-type]
+                    decode_sum_rows(codes, scales, grads[0], 0, ranks, 8, block, out, backend=backend)  # type: ignore[arg-type]
+
+            name = select_backend(self.dev, block, self.fast) if backend != "loop" else "loop"  # type: ignore[arg-type]
+            self.add("bucket int8 ws=8", src.numel(), ranks * n, name, run, moved)
 
     def copy(self, op: str, size: int, kind: str, layout: UnitLayout, n: int, s: torch.dtype, d: torch.dtype) -> None:
         job = copy_job(kind, layout, n, s, d, None, device=self.dev)
@@ -1368,6 +1459,7 @@ class Part:
 
 
 PARTS = [
+    Part("compile", part_compile, 20, cuda_only=True),  # first: this Triton compiles every variant (CPU only)
     Part("numerics", part_numerics, 55),  # a cold Triton cache: ~100 variants compile here
     Part("world2", part_world2, 35),
     Part("hsdp2x2", part_hsdp, 35),
@@ -1376,7 +1468,6 @@ PARTS = [
     Part("overlap", part_overlap, 18, cuda_only=True),
     Part("parity", part_parity, 10),
     Part("bandwidth", part_bandwidth, 35),
-    Part("compile", part_compile, 20, cuda_only=True),  # PTX checks; numerics compiled for real already
 ]
 """Budgets add up to TOTAL_BUDGET_S (240 s); a part never runs past what is left of it."""
 

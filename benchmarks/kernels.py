@@ -13,6 +13,9 @@ region. Reported: median and min-max over rounds, GB/s of bytes moved, speedup o
 first backend, and the share of a plain same-size fp32 copy's GB/s (`memcpy` row:
 `dst.copy_(src)`, the device-to-device copy bandwidth on a GPU). An op that fails (e.g. fp8 on
 a GPU below sm_89) is reported and skipped; the others still run.
+"bucket": a compressed reduce-scatter's codec work on one 8-rank bucket ([Note: rows per launch]
+in overlap/kernels/triton_kernels.py): 7 rows encoded with fp32 error feedback, 8 decode-summed;
+"triton" is one launch each, the others the per-row loop that defines them (CUDA's path before).
 Bytes moved: quantize reads the fp32 input and writes codes + scales; dequantize-accumulate reads
 codes + scales + out and writes out (fp32); copies read every source and write every destination
 element (padding included).
@@ -45,6 +48,7 @@ from typing import Any, Literal
 import torch
 import torch.nn.functional as F
 
+from overlap.kernels import rows as row_ops
 from overlap.kernels import (
     code_numel,
     copy_in,
@@ -64,7 +68,8 @@ from overlap.engine.units import CHUNK_ALIGN_NUMEL, ParamInfo, UnitLayout, make_
 Contender = Literal["ref", "cpp", "triton", "compiled"]
 CopyContender = Literal["eager", "cpp", "triton"]
 OPS: list[tuple[str, int, CodeFormat]] = [("quantize", 8, "int"), ("quantize", 4, "int"), ("quantize", 8, "fp8"), ("dequant_acc", 8, "int"),
-       ("dequant_acc", 4, "int"), ("feedback", 8, "int")]  # fmt: skip
+       ("dequant_acc", 4, "int"), ("feedback", 8, "int"), ("bucket", 8, "int")]  # fmt: skip
+BUCKET_RANKS = 8  # "bucket": a reduce-scatter bucket of 8 ranks' rows
 BF16, FP32 = torch.bfloat16, torch.float32
 # (op, source dtype, destination dtype): gathered fp32 -> bf16 params (mixed precision), a bf16
 # gather, bf16 grads -> fp32 reduce buffer, fp32 throughout
@@ -83,6 +88,8 @@ def bytes_moved(op: str, bits: int, numel: int, block: int) -> int:
     code_bytes = code_numel(numel, bits, block) + 4 * num_blocks_for(numel, block)
     if op == "feedback":  # read x and the residual, write the residual and the codes
         return 12 * numel + code_bytes
+    if op == "bucket":  # encode 7 of 8 rows with feedback, then decode-sum: as feedback + a decode
+        return 12 * numel + 2 * code_bytes + 8 * numel // BUCKET_RANKS
     return 4 * numel + code_bytes if op == "quantize" else code_bytes + 8 * numel
 
 
@@ -92,6 +99,8 @@ def make_call(
     x = torch.randn(numel, device=device)
     codes, scales = quantize_blockwise_ref(x, bits, block, fmt=fmt)
     out = torch.zeros(numel, device=device)
+    if op == "bucket":  # [Note: rows per launch]: the rows of one bucket, encoded then decode-summed
+        return bucket_call(bits, fmt, backend, numel, block, device)
     if op == "feedback":  # error feedback: "ref" is the composition of four passes
         residual = torch.zeros(numel, device=device)
         if backend == "compiled":
@@ -108,6 +117,35 @@ def make_call(
     return lambda: dequantize_blockwise(
         codes, scales, bits, block, numel, out, True, fmt=fmt, backend=backend
     )
+
+
+def bucket_call(bits: int, fmt: CodeFormat, backend: Contender, numel: int, block: int, device: str) -> Callable[[], object]:
+    """A compressed reduce-scatter's codec work on one bucket of `numel` elements over
+    BUCKET_RANKS ranks, this rank 0: the 7 peer rows encoded with fp32 error feedback and the
+    count, then the 8 rows decode-summed in rank order. "triton": one launch each ([Note: rows per
+    launch]); otherwise the loop of single-row ops that defines them (what CUDA ran before)."""
+    if backend == "compiled":
+        raise ValueError("no torch.compile contender for bucket")
+    ranks = BUCKET_RANKS
+    n = numel // ranks // block * block
+    grads = torch.randn(ranks, n, device=device)
+    residual = torch.zeros(ranks - 1, n, device=device)
+    codes = torch.empty(ranks, code_numel(n, bits, block), dtype=torch.int8, device=device)
+    scales = torch.empty(ranks, num_blocks_for(n, block), device=device)
+    count = torch.zeros((), dtype=torch.int64, device=device)
+    out = torch.empty(n, device=device)
+    loop = "ref" if backend == "triton" and device != "cuda" else backend
+
+    def run() -> None:
+        if backend == "triton":
+            row_ops.encode_rows(grads, codes, scales, bits, block, fmt=fmt, skip=0, residual=residual, count=count)
+            row_ops.decode_sum_rows(codes, scales, grads[0], 0, ranks, bits, block, out, fmt=fmt)
+        else:
+            row_ops.encode_rows_loop(grads, codes, scales, bits, block, fmt=fmt, skip=0, residual=residual, count=count,
+                                  backend=loop)  # type: ignore[arg-type]  # fmt: skip
+            row_ops.decode_sum_rows(codes, scales, grads[0], 0, ranks, bits, block, out, fmt=fmt, backend=loop)  # type: ignore[arg-type]
+
+    return run
 
 
 def block_layout(numel: int, rows: int, align: int) -> UnitLayout:
@@ -215,7 +253,7 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true", help="also time torch.compile(reference)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--json", default=None, help="write the rows here")
-    parser.add_argument("--ops", default="memcpy,quantize,dequant_acc,feedback,copy_out,copy_in", help="which ops to time")
+    parser.add_argument("--ops", default="memcpy,quantize,dequant_acc,feedback,bucket,copy_out,copy_in", help="which ops to time")
     parser.add_argument("--rows", type=int, default=2, help="copy ops: ranks the unit is sharded over")
     parser.add_argument("--align", type=int, default=CHUNK_ALIGN_NUMEL, help="copy ops: chunk padding (elements)")
     args = parser.parse_args()
@@ -262,7 +300,7 @@ def main() -> None:
         first_row = len(rows)
         fn, moved = make_memcpy(numel, device)
         add_rows("memcpy f32", numel, measure({"torch": fn}, args.rounds, device), moved)
-        for op, bits, fmt in OPS if ops & {"quantize", "dequant_acc", "feedback"} else []:
+        for op, bits, fmt in OPS if ops & {"quantize", "dequant_acc", "feedback", "bucket"} else []:
             if op not in ops:
                 continue
             name = f"{op} {fmt if fmt == 'fp8' else f'int{bits}'}"
@@ -271,7 +309,7 @@ def main() -> None:
                 calls: dict[str, Callable[[], object]] = {
                     b: make_call(op, bits, fmt, b, numel, args.block, device)
                     for b in backends
-                    if not (op == "feedback" and b == "compiled")
+                    if not (op in ("feedback", "bucket") and b == "compiled")
                 }
                 add_rows(name, numel, measure(calls, args.rounds, device), bytes_moved(op, bits, numel, args.block))
 

@@ -161,7 +161,8 @@ void quantize_impl(const scalar_t* x, int64_t numel, int64_t bits, int64_t block
 
 // Error feedback, fused: t = x + r (fp32), codes = quantize(t), r = t - decode(codes), one block
 // at a time while it is in cache (one pass over memory instead of four). The same fp32 operations
-// as the reference composition (overlap/compression/feedback.py), so the same bits.
+// as the reference composition (overlap/compression/feedback.py), so the same bits; a non-finite
+// block (scale NaN, every r NaN) leaves r = 0, as the composition's `finite_residual` does.
 template <typename scalar_t>
 __attribute__((always_inline)) inline void feedback_blocks(const scalar_t* x, float* r, int64_t numel, int64_t bits,
                                                            int64_t block, int64_t fmt, const float* noise,
@@ -188,6 +189,7 @@ __attribute__((always_inline)) inline void feedback_blocks(const scalar_t* x, fl
         rb[i] = rb[i] - static_cast<float>(nib - 8) * s;
       }
     }
+    if (std::isnan(s)) std::fill(rb, rb + len, 0.0f);  // a non-finite block leaves no residual
   }
 }
 
@@ -240,6 +242,7 @@ __attribute__((always_inline)) inline void feedback_int8res_blocks(const scalar_
         t[i] = t[i] - static_cast<float>(nib - 8) * s;
       }
     }
+    if (std::isnan(s)) std::fill(t, t + len, 0.0f);  // a non-finite block leaves no residual
     quantize_blocks<float>(t, len, 8, block, kFmtInt, nullptr, rc, res_scales + b, 0, 1);
   }
 }

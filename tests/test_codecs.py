@@ -231,30 +231,37 @@ class _FakeStream:
 
 
 class _FakeEvent:
-    """Completes when synchronized; counts the waits."""
+    """Done or not as `_FakeEvent.done` says; counts the queries and the waits."""
 
+    done = True
+    queries = 0
     waits = 0
 
     def record(self, stream: _FakeStream) -> None:
         self.stream = stream
 
+    def query(self) -> bool:
+        _FakeEvent.queries += 1
+        return _FakeEvent.done
+
     def synchronize(self) -> None:
         _FakeEvent.waits += 1
 
 
-def test_nonfinite_cuda_path_reports_a_step_late(monkeypatch):
+def test_nonfinite_cuda_path_reports_two_checks_late(monkeypatch):
     """The CUDA branch of [Note: deferred finite check], with CPU tensors standing in for
-    device ones and fake streams / events: counts per stream, sent at one check, read and raised
-    at the next; `wait=True` reads the current step. No host read happens at encode time."""
+    device ones and fake streams / events: counts per stream, sent at one check, reported two
+    checks later (a fixed step, the same on every rank), asking the event first and waiting only
+    if its copy is not done; `wait=True` reads everything at once. No host read at encode time."""
     from contextlib import nullcontext
 
     from overlap.compression import finite
 
-    _FakeEvent.waits = 0
+    _FakeEvent.done, _FakeEvent.queries, _FakeEvent.waits = True, 0, 0
     streams = [_FakeStream(1), _FakeStream(2)]
     current = {"stream": streams[0]}
     monkeypatch.setattr(finite, "_stream_of", lambda device: current["stream"])
-    monkeypatch.setattr(finite, "_pinned_int64", lambda: torch.zeros(1, dtype=torch.int64))
+    monkeypatch.setattr(finite, "_pinned_float64", lambda: torch.zeros(1, dtype=torch.float64))
     monkeypatch.setattr(torch.cuda, "stream", lambda stream: nullcontext())
     monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
     bad = torch.randn(128)
@@ -263,18 +270,49 @@ def test_nonfinite_cuda_path_reports_a_step_late(monkeypatch):
     codec.encode(bad)  # step 1: one bad block on each stream
     current["stream"] = streams[1]
     codec.encode(bad)
-    assert _FakeEvent.waits == 0
     codec.raise_if_nonfinite()  # end of step 1: sends both counts, reports nothing yet
-    assert _FakeEvent.waits == 0
     codec.encode(torch.randn(128))  # step 2: clean
+    codec.raise_if_nonfinite()  # end of step 2: step 1's copies are done, but not due
+    assert (_FakeEvent.queries, _FakeEvent.waits) == (0, 0)
     with pytest.raises(ValueError, match=r"Inf or NaN in 2 of 4 blocks of 64 \(2 encodes"):
-        codec.raise_if_nonfinite()  # end of step 2: step 1's counts arrive
-    assert _FakeEvent.waits == 2
-    codec.raise_if_nonfinite()  # end of step 3: step 2 was clean
+        codec.raise_if_nonfinite()  # end of step 3: step 1's counts are due
+    assert (_FakeEvent.queries, _FakeEvent.waits) == (2, 0)  # asked, already done: no wait
+    codec.raise_if_nonfinite()  # end of step 4: step 2 was clean
+    assert codec.nonfinite is not None and codec.nonfinite.blocking_waits == 0
+    codec.encode(bad)  # step 5, and the device two steps behind at step 7
+    codec.raise_if_nonfinite()
+    codec.raise_if_nonfinite()
+    _FakeEvent.done = False
+    with pytest.raises(ValueError, match="Inf or NaN in 1 of 2 blocks"):
+        codec.raise_if_nonfinite()
+    assert _FakeEvent.waits == 1 and codec.nonfinite.blocking_waits == 1
     codec.encode(bad)
     with pytest.raises(ValueError, match="Inf or NaN in 1 of 2 blocks"):
         codec.raise_if_nonfinite(wait=True)  # read at once
     codec.raise_if_nonfinite()
+    codec.raise_if_nonfinite()
+
+
+def test_agreed_count_replaces_the_local_one():
+    """[Note: collective finite check]: once a step has a count summed over every rank (the
+    largest of those handed over: the last bucket's, which covers the others), the check
+    reports it, on every rank alike, instead of this rank's own count; the next step starts
+    from zero."""
+    codec = Int8Codec(64)
+    bad = torch.randn(128)
+    bad[5] = float("nan")
+    codec.encode(bad)  # this rank: 1 bad block
+    codec.agree_nonfinite(torch.tensor([1.0]))  # bucket 1: every rank so far
+    codec.agree_nonfinite(torch.tensor([3.0], dtype=torch.bfloat16))  # bucket 2: another rank's too
+    with pytest.raises(ValueError, match=r"Inf or NaN in 3 blocks of 64, counted over every rank"):
+        codec.raise_if_nonfinite()
+    codec.raise_if_nonfinite()
+    codec.encode(torch.randn(128))
+    codec.agree_nonfinite(torch.zeros(1))  # a clean step everywhere
+    codec.raise_if_nonfinite()
+    codec.encode(bad)  # no collective this step: the local count
+    with pytest.raises(ValueError, match="Inf or NaN in 1 of 2 blocks"):
+        codec.raise_if_nonfinite()
 
 
 def test_decode_accumulate_sums_in_fp32():
@@ -363,7 +401,7 @@ def test_chunk_bytes_for_all_to_all_and_all_gather():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_nonfinite_on_cuda_reported_a_step_late_without_sync():
+def test_nonfinite_on_cuda_reported_two_steps_late_without_sync():
     x = torch.randn(256, device="cuda")
     x[70] = float("nan")
     codec = Int8Codec(64)
@@ -377,8 +415,10 @@ def test_nonfinite_on_cuda_reported_a_step_late_without_sync():
         codec.encode(torch.randn(256, device="cuda"))  # step 2
     finally:
         torch.cuda.set_sync_debug_mode("default")
+    codec.raise_if_nonfinite()  # end of step 2: step 1's count is not due yet
     with pytest.raises(ValueError, match="Inf or NaN in 1 of 4 blocks"):
-        codec.raise_if_nonfinite()
+        codec.raise_if_nonfinite()  # end of step 3: it is
+    codec.raise_if_nonfinite()
     codec.raise_if_nonfinite()
     codec.encode(x)
     with pytest.raises(ValueError, match="Inf or NaN in 1 of 4 blocks"):

@@ -6,6 +6,7 @@ keeps what a part published before it was cut, and goes on; its comparison tells
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import json
 import os
@@ -15,12 +16,13 @@ import time
 from pathlib import Path
 from types import ModuleType
 
+import pytest
 import torch
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "benchmarks" / "gpu_check.py"
 RUN_TIMEOUT_S = 240
-PARTS = ["numerics", "world2", "hsdp2x2", "nccl_path", "sync_free", "overlap", "parity", "bandwidth", "compile"]
+PARTS = ["compile", "numerics", "world2", "hsdp2x2", "nccl_path", "sync_free", "overlap", "parity", "bandwidth"]
 
 
 def load_gpu_check() -> ModuleType:
@@ -46,6 +48,10 @@ def test_dry_run(tmp_path: Path) -> None:
     has_triton = importlib.util.find_spec("triton") is not None
     if os.environ.get("OVERLAP_REQUIRE_TRITON", "") not in ("", "0"):
         assert has_triton, "OVERLAP_REQUIRE_TRITON=1 but triton is not installed"
+    if has_triton:  # review 2, #16: the Triton the checks ran on is on record
+        import triton
+
+        assert env["triton"] == triton.__version__, env
     parts = {p["part"]: p for p in report["parts"]}
     assert list(parts) == PARTS
     for p in parts.values():
@@ -84,7 +90,7 @@ def check_numerics(numerics: dict) -> None:
     assert numerics["status"] == "passed", numerics
     cases = numerics["measured"]["cases"]
     kinds = {name.split()[0] for name in cases}
-    assert kinds == {"quantize", "dequant", "dequant_acc", "feedback", "feedback_int8res", "copy_out", "copy_in"}
+    assert kinds == {"quantize", "dequant", "dequant_acc", "feedback", "feedback_int8res", "rows", "copy_out", "copy_in"}
     for ws in (1, 2, 8):  # the runtime's layouts, tagged from 2 ranks on
         assert f"copy_out ws={ws} bf16>f32" in cases and f"copy_in ws={ws} f16>bf16" in cases
     assert "tags" in cases["copy_out ws=2 f32>f32"] and "tags" not in cases["copy_out ws=1 f32>f32"]
@@ -204,3 +210,37 @@ def test_patches_are_undone() -> None:
     with gc.counted_event_waits(waits):
         assert torch.cuda.Event.synchronize is not synchronize
     assert torch.cuda.Event.synchronize is synchronize and waits == []
+
+
+def test_compile_part_runs_every_variant_once_over_its_processes(monkeypatch) -> None:
+    """The compile part (first on a GPU machine, review 2 #16) splits tests/test_triton_compile.py
+    over processes with OVERLAP_COMPILE_SHARD; the shards cover every variant exactly once and
+    only the first runs the file's other checks. Checked without compiling: Popen is faked."""
+    pytest.importorskip("triton")
+    gc = load_gpu_check()
+    calls = []
+
+    class FakePopen:
+        def __init__(self, cmd: list, cwd: object, env: dict, **kwargs: object) -> None:
+            calls.append((cmd, env["OVERLAP_COMPILE_SHARD"], "TRITON_INTERPRET" in env))
+            self.returncode = 0
+
+        def communicate(self, timeout: float | None = None) -> tuple:
+            return "1 passed", None
+
+    monkeypatch.setattr(gc.subprocess, "Popen", FakePopen)
+    monkeypatch.setattr(gc, "COMPILE_PROCESSES", 3)
+    monkeypatch.setattr(gc.os, "cpu_count", lambda: 16)
+    status, _bar, measured = gc.part_compile(gc.Check(torch.device("cpu"), gc.SIZES["cpu"], Path("/dev/null")), 20)
+    assert status == "passed" and measured["processes"] == 3 and measured["triton"], measured
+    assert [shard for _, shard, _ in calls] == ["0/3", "1/3", "2/3"]
+    assert "-k" not in calls[0][0] and all(cmd[-2:] == ["-k", "test_kernel_compiles"] for cmd, _, _ in calls[1:])
+    assert not any(interpreted for _, _, interpreted in calls)  # the real compiler, never the interpreter
+    monkeypatch.syspath_prepend(str(REPO / "tests"))
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    compile_test = importlib.import_module("test_triton_compile")
+    names = []
+    for index in range(3):
+        monkeypatch.setenv("OVERLAP_COMPILE_SHARD", f"{index}/3")
+        names += [v.name for v in compile_test._shard(compile_test.VARIANTS)]
+    assert sorted(names) == sorted(v.name for v in compile_test.VARIANTS)

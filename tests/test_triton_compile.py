@@ -3,11 +3,14 @@ backend, to PTX and a cubin, for sm_90 and sm_80, on a machine without a GPU.
 
 The interpreter (tests/triton_interpreter_check.py) checks results; this checks what it cannot
 see: globals a jitted function may not read, types, lowering per architecture, fp fusion, and
-alignment hints. Variants: quantize {int8, int4, fp8} x {round-to-nearest, stochastic (int
-only)} x input {fp32, bf16, fp16}; dequantize {int8, int4, fp8} x {accumulate, not} x output
-{fp32, bf16, fp16}; copy-out / copy-in x flat dtype x tensor dtype x {aligned, unaligned}. The
-error-feedback quantize has no kernel of its own on CUDA (it composes these two). Each compiles
-with the library's launch options ([Note: Triton launches] in overlap/kernels/triton_launch.py).
+alignment hints. Variants ([Note: rows per launch] in overlap/kernels/triton_kernels.py): encode
+{int8, int4, fp8} x {round-to-nearest, stochastic (int only)} x input {fp32, bf16, fp16}, each
+also with error feedback fused (fp32, bf16 and int8 residuals; fp32 and bf16 inputs), counted
+(an atomic add) and uncounted, 32- and 64-bit indices; decode {int8, int4, fp8} x {accumulate,
+store} x output {fp32, bf16, fp16}; the decode-sum of a reduce-scatter into each reduce dtype;
+copy-out / copy-in x flat dtype x tensor dtype x {aligned, unaligned}. Each compiles with the
+library's launch options ([Note: Triton launches] in overlap/kernels/triton_launch.py): no
+fused multiply-add and no flush-to-zero in any PTX.
 fp8 needs sm_89: those variants must fail to compile for sm_80, exactly where the library's
 dispatch stops choosing Triton for fp8.
 
@@ -54,31 +57,69 @@ def _label(bits: int, fmt: str) -> str:
     return "fp8" if fmt == "fp8" else f"int{bits}"
 
 
+_FORMATS = ((8, "int", 256), (4, "int", 128), (8, "fp8", 256))
+_RESIDUALS = {"fp32 residual": (1, "*fp32"), "bf16 residual": (1, "*bf16"), "int8 residual": (2, "*i8")}
+
+
+def _encode_variant(bits: int, fmt: str, block: int, stochastic: bool, ty: str, residual: str | None = None,
+                    count: bool = True, index: str = "i32") -> Variant:  # fmt: skip
+    codes = "*i8" if bits == 8 and fmt == "int" else "*u8"
+    mode, res_ty = _RESIDUALS[residual] if residual else (0, f"*{ty}")
+    signature = {"x_ptr": f"*{ty}", "x_stride": index, "noise_ptr": "*fp32" if stochastic else f"*{ty}",
+                 "noise_stride": index, "codes_ptr": codes, "codes_stride": index, "scales_ptr": "*fp32",
+                 "scales_stride": index, "res_ptr": res_ty, "res_stride": index,
+                 "res_scales_ptr": "*fp32", "res_scales_stride": index, "count_ptr": "*i64" if count else "*fp32",
+                 "numel": index, "num_blocks": index, "skip": "i32"}  # fmt: skip
+    constexprs = {"QMAX": qmax_for(bits, fmt), "BLOCK": block, "BLOCKS": triton_kernels.blocks_per_program(block),  # type: ignore[arg-type]
+                  "BITS": bits, "FMT": 1 if fmt == "fp8" else 0, "STOCHASTIC": stochastic, "RESIDUAL": mode,
+                  "COUNT": count}  # fmt: skip
+    name = (f"encode {_label(bits, fmt)} {'stochastic' if stochastic else 'nearest'} {ty}"
+            f"{' ' + residual if residual else ''}{'' if count else ' uncounted'}{' ' + index if index != 'i32' else ''}")  # fmt: skip
+    return Variant(name, triton_kernels._encode_kernel, signature, constexprs, fmt == "fp8")
+
+
 def _quantize_variants() -> list[Variant]:
+    """The encode kernel: every format, rounding and input dtype (counted, as the codecs run
+    it), every error-feedback residual, and the uncounted and 64-bit-index specializations."""
     out = []
-    for bits, fmt, block in ((8, "int", 256), (4, "int", 128), (8, "fp8", 256)):
+    for bits, fmt, block in _FORMATS:
         for stochastic in (False, True) if fmt == "int" else (False,):
-            for dtype, ty in _TYPES.items():
-                codes = "*i8" if bits == 8 and fmt == "int" else "*u8"
-                signature = {"x_ptr": f"*{ty}", "noise_ptr": "*fp32" if stochastic else f"*{ty}",
-                             "codes_ptr": codes, "scales_ptr": "*fp32", "numel": "i32"}  # fmt: skip
-                constexprs = {"QMAX": qmax_for(bits, fmt), "BLOCK": block, "BITS": bits,  # type: ignore[arg-type]
-                              "FMT": 1 if fmt == "fp8" else 0, "STOCHASTIC": stochastic}  # fmt: skip
-                name = f"quantize {_label(bits, fmt)} {'stochastic' if stochastic else 'nearest'} {ty}"
-                out.append(Variant(name, triton_kernels._quantize_kernel, signature, constexprs, fmt == "fp8"))
+            for ty in _TYPES.values():
+                out.append(_encode_variant(bits, fmt, block, stochastic, ty))
+            for residual in _RESIDUALS:
+                for ty in ("fp32", "bf16"):
+                    out.append(_encode_variant(bits, fmt, block, stochastic, ty, residual))
+    out.append(_encode_variant(8, "int", 256, False, "fp32", count=False))
+    out.append(_encode_variant(8, "int", 256, False, "fp32", "fp32 residual", index="i64"))
+    out.append(_encode_variant(4, "int", 2, False, "fp32"))  # the smallest block: one byte of codes
     return out
 
 
 def _dequantize_variants() -> list[Variant]:
+    """The decode kernel (store / accumulate, into every dtype; counted as a gather runs it) and
+    the decode-sum of a reduce-scatter (into the reduce dtypes)."""
     out = []
-    for bits, fmt, block in ((8, "int", 256), (4, "int", 128), (8, "fp8", 256)):
+    for bits, fmt, block in _FORMATS:
+        codes = "*i8" if bits == 8 and fmt == "int" else "*u8"
+        blocks = triton_kernels.blocks_per_program(block)
+        label = _label(bits, fmt)
         for accumulate in (False, True):
             for ty in _TYPES.values():
-                codes = "*i8" if bits == 8 and fmt == "int" else "*u8"
-                signature = {"codes_ptr": codes, "scales_ptr": "*fp32", "out_ptr": f"*{ty}", "numel": "i32"}
-                constexprs = {"BLOCK": block, "BITS": bits, "FMT": 1 if fmt == "fp8" else 0, "ACCUMULATE": accumulate}
-                name = f"dequantize {_label(bits, fmt)} {'accumulate' if accumulate else 'store'} {ty}"
-                out.append(Variant(name, triton_kernels._dequantize_kernel, signature, constexprs, fmt == "fp8"))
+                count = not accumulate
+                signature = {"codes_ptr": codes, "codes_stride": "i32", "scales_ptr": "*fp32", "scales_stride": "i32",
+                             "out_ptr": f"*{ty}", "out_stride": "i32", "count_ptr": "*i64" if count else "*fp32",
+                             "numel": "i32", "num_blocks": "i32"}  # fmt: skip
+                constexprs = {"BLOCK": block, "BLOCKS": blocks, "BITS": bits, "FMT": 1 if fmt == "fp8" else 0,
+                              "ACCUMULATE": accumulate, "COUNT": count}  # fmt: skip
+                name = f"decode {label} {'accumulate' if accumulate else 'store counted'} {ty}"
+                out.append(Variant(name, triton_kernels._decode_kernel, signature, constexprs, fmt == "fp8"))
+        for ty in _TYPES.values():
+            signature = {"codes_ptr": codes, "codes_stride": "i32", "scales_ptr": "*fp32", "scales_stride": "i32",
+                         "own_ptr": f"*{ty}", "out_ptr": f"*{ty}", "numel": "i32", "num_blocks": "i32",
+                         "num_rows": "i32", "skip": "i32", "gap": "i32"}  # fmt: skip
+            constexprs = {"BLOCK": block, "BLOCKS": blocks, "BITS": bits, "FMT": 1 if fmt == "fp8" else 0}
+            out.append(Variant(f"decode_sum {label} {ty}", triton_kernels._decode_sum_kernel, signature, constexprs,
+                               fmt == "fp8"))  # fmt: skip
     return out
 
 
@@ -101,11 +142,23 @@ def _copy_variants() -> list[Variant]:
 VARIANTS = _quantize_variants() + _dequantize_variants() + _copy_variants()
 
 
-def compile_ptx(variant: Variant, arch: int, options: dict[str, Any] = LAUNCH_OPTIONS) -> str:
+def _shard(variants: list[Variant]) -> list[Variant]:
+    """`OVERLAP_COMPILE_SHARD=i/n`: every n-th variant from the i-th, so that n processes
+    compile them all at once (benchmarks/gpu_check.py's first part, on the device's Triton)."""
+    spec = os.environ.get("OVERLAP_COMPILE_SHARD", "")
+    if not spec:
+        return variants
+    index, count = (int(v) for v in spec.split("/"))
+    return variants[index::count]
+
+
+def compile_ptx(variant: Variant, arch: int, options: dict[str, Any] = LAUNCH_OPTIONS, ints16: bool = False) -> str:
     """PTX of `variant` for sm_`arch`, after lowering all the way to a cubin. Pointers are
-    specialized as 16-byte aligned, as Triton's launcher does for tensors from torch."""
+    specialized as 16-byte aligned, as Triton's launcher does for tensors from torch; with
+    `ints16`, the integer arguments as multiples of 16 too, as it does for such values."""
     signature = variant.signature | dict.fromkeys(variant.constexprs, "constexpr")
-    attrs = {(i,): [["tt.divisibility", 16]] for i, ty in enumerate(variant.signature.values()) if ty.startswith("*")}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, ty in enumerate(variant.signature.values())
+             if ty.startswith("*") or (ints16 and ty in ("i32", "i64"))}  # fmt: skip
     source = ASTSource(fn=variant.kernel, signature=signature, constexprs=variant.constexprs, attrs=attrs)
     with warnings.catch_warnings():  # triton 3.9 announces its fp fusion default change
         warnings.simplefilter("ignore", UserWarning)
@@ -118,7 +171,7 @@ def _supported(variant: Variant, arch: int) -> bool:
     return not variant.fp8 or divmod(arch, 10) >= FP8_MIN_CAPABILITY
 
 
-@pytest.mark.parametrize("variant", VARIANTS, ids=[v.name for v in VARIANTS])
+@pytest.mark.parametrize("variant", _shard(VARIANTS), ids=[v.name for v in _shard(VARIANTS)])
 def test_kernel_compiles(variant: Variant) -> None:
     for arch in ARCHS:
         if not _supported(variant, arch):
@@ -127,10 +180,16 @@ def test_kernel_compiles(variant: Variant) -> None:
         where = f"{variant.name} sm_{arch}"
         # fp fusion off: no multiply-add contraction anywhere (bitwise decode, exact error feedback)
         assert "fma." not in ptx, f"{where}: fused multiply-add in the PTX"
-        if variant.kernel is triton_kernels._quantize_kernel and not variant.fp8:
-            if not variant.constexprs["STOCHASTIC"]:  # round-half-even by (y + M) - M, not folded away
-                assert ptx.count(_ROUND_MAGIC_PTX) >= 2, f"{where}: the rounding constant is gone"
+        # denormals kept ([Note: kernel numerics across devices] in overlap/kernels/reference.py);
+        # the one exception, floor's `cvt.rmi.ftz` (stochastic rounding), the kernel corrects
+        flushed = [line for line in ptx.splitlines() if ".ftz" in line and "cvt.rmi.ftz.f32.f32" not in line]
+        assert not flushed, f"{where}: flush-to-zero in the PTX: {flushed[:3]}"
+        if variant.kernel is triton_kernels._encode_kernel:
+            if not variant.fp8 and not variant.constexprs["STOCHASTIC"]:  # (y + M) - M, not folded away
+                assert _ROUND_MAGIC_PTX in ptx, f"{where}: the rounding constant is gone"
             assert "div.rn.f32" in ptx, f"{where}: IEEE division expected"
+        if variant.constexprs.get("COUNT"):  # the non-finite count fused: one atomic add per program
+            assert "atom.global" in ptx or "red.global" in ptx, f"{where}: no atomic add for the count"
         if variant.kernel in (triton_copy._copy_out_kernel, triton_copy._copy_in_kernel):
             loads = re.findall(r"ld\.global\.v4\.", ptx)
             stores = re.findall(r"st\.global\.v4\.", ptx)
@@ -138,10 +197,22 @@ def test_kernel_compiles(variant: Variant) -> None:
             assert vectorized == variant.constexprs["ALIGNED"], f"{where}: 16-byte vector access {vectorized}"
 
 
+@pytest.mark.parametrize("name", ["encode int8 nearest fp32", "encode int8 nearest bf16 fp32 residual",
+                                  "encode int4 nearest fp32", "decode int8 accumulate fp32", "decode_sum int8 fp32"])
+def test_row_kernels_vectorize_on_aligned_sizes(name: str) -> None:
+    """[Note: rows per launch]: a program's tile is read and written with 16-byte accesses when
+    the sizes and row strides are multiples of 16, as a bucket's are (chunks padded to the
+    codec's block): the launcher specializes such integers, as compiled here."""
+    variant = next(v for v in VARIANTS if v.name == name)
+    ptx = compile_ptx(variant, 90, ints16=True)
+    assert re.findall(r"ld\.global\.v4\.", ptx), f"{name}: no 16-byte loads"
+    assert re.findall(r"st\.global\.v[24]\.", ptx), f"{name}: no vector stores"
+
+
 def test_fusion_check_can_fail() -> None:
     """The "fma." check above is meaningful: with Triton's default fusion the accumulating
     decode does contract (the bug the launch options prevent)."""
-    variant = next(v for v in VARIANTS if v.name == "dequantize int8 accumulate fp32")
+    variant = next(v for v in VARIANTS if v.name == "decode int8 accumulate fp32")
     fused = compile_ptx(variant, 90, LAUNCH_OPTIONS | {"enable_fp_fusion": True})
     assert "fma." in fused
 
@@ -161,7 +232,11 @@ def test_fp8_rejected_exactly_where_dispatch_falls_back(arch: int, monkeypatch) 
             compile_ptx(variant, arch)
             compiles.append(True)
         except Exception as exc:  # noqa: BLE001  # triton's CompilationError: the type is unsupported
-            assert "fp8" in str(exc).lower(), f"{variant.name} sm_{arch}: unexpected failure {exc!r}"
+            chain, cause = [], exc  # the fp8 cast fails inside a jitted helper: look down the causes
+            while cause is not None:
+                chain.append(str(cause).lower())
+                cause = cause.__cause__ or cause.__context__
+            assert any("fp8" in text for text in chain), f"{variant.name} sm_{arch}: unexpected failure {exc!r}"
             compiles.append(False)
     assert len(set(compiles)) == 1, f"sm_{arch}: fp8 variants disagree: {compiles}"
     device = torch.device("cuda", 0)
@@ -203,8 +278,9 @@ def test_every_launch_uses_the_launch_options_under_the_tensors_device(monkeypat
             guard.pop()
 
     kernels = {}
-    for module, name in ((triton_kernels, "_quantize_kernel"), (triton_kernels, "_dequantize_kernel"),
-                         (triton_copy, "_copy_out_kernel"), (triton_copy, "_copy_in_kernel")):  # fmt: skip
+    for module, name in ((triton_kernels, "_encode_kernel"), (triton_kernels, "_decode_kernel"),
+                         (triton_kernels, "_decode_sum_kernel"), (triton_copy, "_copy_out_kernel"),
+                         (triton_copy, "_copy_in_kernel")):  # fmt: skip
         kernels[name] = _LaunchRecorder(guard)
         monkeypatch.setattr(module, name, kernels[name])
     monkeypatch.setattr(triton_kernels, "on_device", on_device)
@@ -213,6 +289,11 @@ def test_every_launch_uses_the_launch_options_under_the_tensors_device(monkeypat
     codes, scales = triton_kernels.quantize_blockwise(x, 8, 256)
     triton_kernels.quantize_blockwise(x, 4, 256, noise=torch.rand(1024))
     triton_kernels.dequantize_blockwise(codes, scales, 8, 256, 1000, x.clone(), True)
+    triton_kernels.quantize_feedback_blockwise(x, torch.zeros(1000), 8, 256)
+    rows = torch.randn(3, 512)
+    wire_codes, wire_scales = torch.empty(3, 512, dtype=torch.int8), torch.empty(3, 2)
+    triton_kernels.encode_rows(rows, wire_codes, wire_scales, 8, 256, skip=1, count=torch.zeros((), dtype=torch.int64))
+    triton_kernels.decode_sum_rows(wire_codes, wire_scales, rows[1], 1, 3, 8, 256, torch.empty(512))
     flat = torch.randn(64)
     triton_copy.copy_out(flat, [torch.empty(32, dtype=torch.bfloat16), torch.empty(30)], [32, 32], [16, 16], 2)
     triton_copy.copy_in([torch.randn(30), None], flat, [32, 32], [16, 16], 2)

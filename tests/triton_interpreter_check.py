@@ -18,6 +18,7 @@ import torch
 assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
 
 from overlap.kernels import (  # noqa: E402
+    code_numel,
     copy_in,
     copy_in_ref,
     copy_out,
@@ -28,7 +29,9 @@ from overlap.kernels import (  # noqa: E402
     quantize_blockwise,
     quantize_blockwise_ref,
 )
+from overlap.kernels import quantize_feedback_blockwise, quantize_feedback_int8res_blockwise  # noqa: E402
 from overlap.kernels import triton_kernels as tk  # noqa: E402
+from overlap.kernels.rows import decode_rows, decode_sum_rows, encode_rows_loop  # noqa: E402
 
 OUT_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
@@ -221,6 +224,135 @@ def check_no_host_sync(gen: torch.Generator) -> None:
     assert any(blocks for _, _, blocks in check), f"the recorder missed the check's read: {check}"
 
 
+# ------------------------------------------------------------------------------ rows per launch
+def _equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise (as integers: -0.0 is not 0.0), NaN where the other is NaN whatever its payload
+    (torch's CPU casts keep a NaN's sign bit, the kernels write the canonical quiet NaN)."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    iv = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+    if not a.is_floating_point():
+        return torch.equal(a, b)
+    nan = a.isnan()
+    return torch.equal(nan, b.isnan()) and torch.equal(a[~nan].view(iv), b[~nan].view(iv))
+
+
+def _wire(num_rows: int, numel: int, bits: int, block: int, gen: torch.Generator) -> tuple[torch.Tensor, ...]:
+    """A (rows, step) uint8 buffer with the codes and scales of each row at an 8-aligned offset
+    past a few leading bytes (as a collective's rows), pre-filled with garbage."""
+    n_codes, nb = code_numel(numel, bits, block), num_blocks_for(numel, block)
+    lead = 8
+    at = lead + n_codes + (-n_codes % 4)  # the scales 4-byte aligned
+    step = at + 4 * nb + 8
+    step += -step % 8
+    buf = torch.randint(0, 256, (num_rows, step), generator=gen, dtype=torch.uint8)
+    codes = buf[:, lead : lead + n_codes]
+    scales = buf[:, at : at + 4 * nb].view(torch.float32)
+    return buf, (codes.view(torch.int8) if bits == 8 else codes), scales
+
+
+def check_rows(gen: torch.Generator) -> int:
+    """One launch for all rows ([Note: rows per launch]) equals the loop over the single-row ops
+    (`kernels.rows.*_loop`, on the reference): codes, scales, residuals (fp32, bf16, int8),
+    the non-finite count, decode into rows with its count, and the rank-order decode-sum with
+    and without this rank's row present."""
+    cases = 0
+    for numel, block in [(1, 2), (70, 16), (333, 64), (1100, 256)]:
+        for bits in (8, 4):
+            for num_rows, skip in [(1, None), (3, 1), (4, 0), (4, 3)]:
+                x = random_input(num_rows * numel, torch.float32, gen).view(num_rows, numel)
+                if numel > 3:
+                    x[0, 1] = float("nan")
+                    x[-1, -1] = float("inf")
+                x = x.to(torch.bfloat16) if cases % 3 == 2 else x
+                encoded = num_rows - (skip is not None)
+                nb = num_blocks_for(numel, block)
+                for mode in ("none", "fp32", "bf16", "int8", "stochastic"):
+                    where = f"rows int{bits} block={block} numel={numel} rows={num_rows} skip={skip} {mode} {x.dtype}"
+                    if mode == "int8":
+                        res0: Any = quantize_blockwise_ref(torch.randn(encoded * numel, generator=gen), 8, block)
+                        res0 = (torch.stack([quantize_blockwise_ref(torch.randn(numel, generator=gen) * 0.01, 8, block)[0]
+                                             for _ in range(encoded)]),
+                                torch.stack([torch.rand(nb, generator=gen) * 1e-3 for _ in range(encoded)]))  # fmt: skip
+                    elif mode in ("fp32", "bf16"):
+                        res0 = (torch.randn(encoded, numel, generator=gen) * 0.01).to(getattr(torch, {"fp32": "float32", "bf16": "bfloat16"}[mode]))
+                    else:
+                        res0 = None
+                    noise = torch.rand(encoded, nb * block, generator=gen) if mode == "stochastic" else None
+                    outs = []
+                    for backend in ("triton", "ref"):
+                        buf, codes, scales = _wire(num_rows, numel, bits, block, torch.Generator().manual_seed(5))
+                        res = None if res0 is None else (tuple(t.clone() for t in res0) if isinstance(res0, tuple) else res0.clone())
+                        count = torch.zeros((), dtype=torch.int64)
+                        if backend == "triton":
+                            tk.encode_rows(x, codes, scales, bits, block, skip=skip, noise=noise, residual=res, count=count)
+                        else:
+                            encode_rows_loop(x, codes, scales, bits, block, skip=skip, noise=noise, residual=res,
+                                             count=count, backend="ref")  # fmt: skip
+                        outs.append((buf, res, count))
+                    (b1, r1, c1), (b2, r2, c2) = outs
+                    assert _equal(b1, b2), "wire " + where
+                    assert int(c1) == int(c2), f"count {int(c1)} != {int(c2)} " + where
+                    if r1 is not None:
+                        for t1, t2 in zip(r1 if isinstance(r1, tuple) else (r1,), r2 if isinstance(r2, tuple) else (r2,)):
+                            assert _equal(t1, t2), "residual " + where
+                    cases += 1
+                # decode every row into rows (an all-gather), counting NaN scales
+                buf, codes, scales = _wire(num_rows, numel, bits, block, gen)
+                encode_rows_loop(x, codes, scales, bits, block, backend="ref")
+                for out_dtype in OUT_DTYPES:
+                    outs = []
+                    for backend in ("triton", "ref"):
+                        out = torch.full((num_rows, numel), 7.0, dtype=out_dtype)
+                        count = torch.zeros((), dtype=torch.int64)
+                        decode_rows(codes, scales, bits, block, numel, out, count=count, backend=backend)  # type: ignore[arg-type]
+                        outs.append((out, int(count)))
+                    assert _equal(outs[0][0], outs[1][0]) and outs[0][1] == outs[1][1], f"decode_rows {out_dtype} " + where
+                # the decode-sum of a reduce-scatter: this rank's row is `own`, absent or present
+                if skip is not None:
+                    own = random_input(numel, x.dtype, gen)
+                    for present in (True, False):
+                        rows_c = codes if present else torch.cat([codes[:skip], codes[skip + 1 :]])
+                        rows_s = scales if present else torch.cat([scales[:skip], scales[skip + 1 :]])
+                        for out_dtype in OUT_DTYPES:
+                            got = tk.decode_sum_rows(rows_c, rows_s, own, skip, num_rows, bits, block,
+                                                     torch.empty(numel, dtype=out_dtype))  # fmt: skip
+                            want = decode_sum_rows(rows_c, rows_s, own, skip, num_rows, bits, block,
+                                                   torch.empty(numel, dtype=out_dtype), backend="ref")  # fmt: skip
+                            assert _equal(got, want), f"decode_sum present={present} {out_dtype} " + where
+    return cases
+
+
+def check_fused_feedback(gen: torch.Generator) -> int:
+    """The fused error-feedback quantize (Triton, one pass) equals its composition on the
+    reference (add, quantize, decode, subtract; int8 residual: decode it first, re-encode it
+    after), bitwise: codes, scales and the residual."""
+    cases = 0
+    block = 64
+    for numel in (1, 63, 64, 333):
+        for bits in (8, 4):
+            for stochastic in (False, True):
+                x = (torch.randn(numel, generator=gen) * 3).to(torch.bfloat16 if cases % 2 else torch.float32)
+                x[: numel // 7] *= 1e-3
+                r0 = torch.randn(numel, generator=gen) * 0.01
+                outs = {}
+                for backend in ("ref", "triton"):
+                    r = r0.clone()
+                    g = torch.Generator().manual_seed(7)
+                    outs[backend] = (*quantize_feedback_blockwise(x, r, bits, block, stochastic, g, backend=backend), r)
+                assert all(_equal(a, b) for a, b in zip(outs["ref"], outs["triton"])), ("fp32 residual", numel, bits)
+                res0 = quantize_blockwise_ref(torch.randn(numel, generator=gen) * 0.01, 8, block)
+                outs = {}
+                for backend in ("ref", "triton"):
+                    rc, rs = res0[0].clone(), res0[1].clone()
+                    g = torch.Generator().manual_seed(7)
+                    outs[backend] = (*quantize_feedback_int8res_blockwise(x, rc, rs, bits, block, stochastic, g,
+                                                                          backend=backend), rc, rs)  # fmt: skip
+                assert all(_equal(a, b) for a, b in zip(outs["ref"], outs["triton"])), ("int8 residual", numel, bits)
+                cases += 2
+    return cases
+
+
 def main() -> None:
     gen = torch.Generator().manual_seed(2)
     cases = 0
@@ -244,10 +376,12 @@ def main() -> None:
                         o = tk.dequantize_blockwise(*ref, bits, block, numel, base.clone(), accumulate)
                         assert torch.equal(r, o), f"dequantize acc={accumulate} out={out_dtype} " + where
                 cases += 1
+    row_cases = check_rows(gen)
+    feedback_cases = check_fused_feedback(gen)
     copy_cases = check_copy(gen)
     check_no_host_sync(gen)
-    print(f"checked {cases} quantize and {copy_cases} copy cases: interpreted Triton == reference; "
-          "repeated launches build and upload nothing")  # fmt: skip
+    print(f"checked {cases} quantize, {row_cases} row, {feedback_cases} error-feedback and {copy_cases} copy cases: "
+          "interpreted Triton == reference; repeated launches build and upload nothing")  # fmt: skip
 
 
 if __name__ == "__main__":

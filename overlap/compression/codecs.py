@@ -1,5 +1,9 @@
 """Codecs: how a flat tensor travels on the wire. Strategy objects chosen once by the config.
 
+This module holds the interface (`Codec`, `Encoded`) and the codecs that carry every value
+(identity, bf16); the blockwise quantizing ones are in blockwise.py, the config names in
+registry.py.
+
 A codec turns a flat tensor into an `Encoded` (codes, optional per-block scales) and back. The
 collectives call `encode` on the sender and `decode` / `decode_accumulate` on the receiver; the
 schedule never asks which codec is in use (DESIGN.md, layer 4).
@@ -22,33 +26,24 @@ buffer chunk-major for one uint8 all-to-all (reduce-scatter); concatenating each
 - Inf/NaN: a block holding Inf/NaN decodes to NaN across the whole block, so loss scalers and
   NaN checks downstream still see it. With `check_finite=True` (the default) quantizing codecs
   also count such blocks on the device, and `raise_if_nonfinite()`, which the runtime calls once
-  per step, raises ValueError for them: at once on CPU, a step late on CUDA, where it never
-  blocks the host ([Note: deferred finite check] in finite.py). `check_finite=False` skips the
-  count.
+  per step, raises ValueError for them on every rank at the same step: at once on CPU, two steps
+  late on CUDA, where it does not block the host ([Note: deferred finite check] and [Note:
+  collective finite check] in finite.py). `check_finite=False` skips the count.
 - Error feedback: with round-to-nearest, `decode(enc) + (x - decode(enc)) == x` exactly in fp32
   (the residual is always exactly representable: Sterbenz's lemma, since a nonzero code is within
-  a factor of 2 of its input). `encode_with_feedback` below keeps that residual.
+  a factor of 2 of its input). `encode_with_feedback` below keeps that residual; a non-finite
+  element of it (a non-finite block, or a NaN carried by bf16) is kept as 0 instead.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import ClassVar, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 import torch
 
-from overlap.kernels import (
-    code_numel,
-    dequantize_blockwise,
-    num_blocks_for,
-    quantize_blockwise,
-    quantize_feedback_blockwise,
-    quantize_feedback_int8res_blockwise,
-)
 from overlap.compression.finite import NonfiniteCounter
-from overlap.kernels.reference import CodeFormat
-
-_SCALE_BYTES = 4  # fp32 per block
+from overlap.kernels.quantize import finite_residual
 
 
 class Encoded(NamedTuple):
@@ -68,9 +63,13 @@ class Codec(ABC):
     """Chunks whose numel is a multiple of this encode to independent, contiguous slices of one
     encoding of the whole tensor (codes and scales both split evenly): pad shards to it."""
 
+    nonfinite: NonfiniteCounter | None = None
+    """Where a codec that cannot carry Inf/NaN counts them ([Note: deferred finite check])."""
+
     @abstractmethod
-    def encode(self, x: torch.Tensor) -> Encoded:
-        """Encode `x` (read flat; any floating dtype)."""
+    def encode(self, x: torch.Tensor, *, count: bool = True) -> Encoded:
+        """Encode `x` (read flat; any floating dtype); `count=False`: leave its non-finite
+        blocks out of the count (a gather counts what it decodes instead)."""
 
     @abstractmethod
     def _decode_into(self, enc: Encoded, out: torch.Tensor, accumulate: bool) -> None:
@@ -88,14 +87,70 @@ class Codec(ABC):
         enc = self.encode(target)
         if enc.codes.data_ptr() == target.data_ptr():  # an encoding that aliases its input
             enc = enc._replace(codes=enc.codes.clone())
-        torch.sub(target, self.decode(enc, torch.float32), out=target)
+        finite_residual(torch.sub(target, self.decode(enc, torch.float32), out=target))
         return enc
 
     def raise_if_nonfinite(self, *, wait: bool = False) -> None:
         """Raise ValueError if encodes since the last check met Inf/NaN that this codec cannot
-        carry. Call once per step: on CUDA it reports the previous step's encodes without
-        blocking the host, or this step's with `wait=True` ([Note: deferred finite check] in
-        finite.py). Codecs that carry Inf/NaN (identity, bf16) have nothing to report."""
+        carry. Call once per step, on every rank: on CUDA it reports the counts of two checks
+        ago without blocking the host, or everything up to now with `wait=True` ([Note:
+        deferred finite check] in finite.py). Codecs that carry Inf/NaN (identity, bf16) have
+        nothing to report."""
+
+    def agree_nonfinite(self, total: torch.Tensor) -> None:
+        """Note the non-finite count of every rank, one element on the device, which
+        `reduce_scatter_encoded` appends to the reduced shard ([Note: collective finite check]
+        in finite.py); the next check reports it instead of this rank's own count."""
+        if self.nonfinite is not None:
+            self.nonfinite.agree(total)
+
+    # ------------------------------------------------------------------ many rows per call
+    # A collective's encode and decode of a bucket ([Note: rows per launch] in
+    # kernels/triton_kernels.py): `wire` is (rows, >= wire_bytes) uint8, each row [codes | scales]
+    # as `to_bytes` lays them out, usually a strided view of the collective's buffer. These
+    # defaults loop over the rows; blockwise codecs override them with one launch per call.
+
+    def encode_rows_into(
+        self,
+        rows: torch.Tensor,
+        wire: torch.Tensor,
+        skip: int | None = None,
+        residual: Any = None,
+        *,
+        count: bool = True,
+    ) -> None:
+        """Encode row r of `rows` (num_rows, n) into `wire[r]` for every r but `skip`, with
+        error feedback from `residual` (a `FeedbackResidual` whose rank is `skip`) if given."""
+        for r in range(rows.shape[0]):
+            if r == skip:
+                continue
+            enc = self.encode(rows[r], count=count) if residual is None else residual.encode(self, rows[r], r)
+            wire[r, : self.wire_bytes(enc.numel, rows.dtype)].copy_(self.to_bytes(enc))
+
+    def decode_rows_into(
+        self, wire: torch.Tensor, numel: int, dtype: torch.dtype, out: torch.Tensor, *, count: bool = True
+    ) -> torch.Tensor:
+        """Decode `wire[r]` (encoded from `numel` elements of `dtype`) into `out[r]` (rows,
+        numel), for every row; `count`: count their non-finite blocks. Returns `out`."""
+        for r in range(out.shape[0]):
+            self.decode_into(self.from_bytes(wire[r], numel, dtype), out[r])
+        return out
+
+    def decode_sum_rows(
+        self, wire: torch.Tensor, own: torch.Tensor, skip: int, num_rows: int, out: torch.Tensor
+    ) -> torch.Tensor:
+        """`out` = the sum in fp32, in rank order, of `num_rows` ranks' parts, cast once: rank
+        `skip` adds `own` (never encoded), every other rank the decode of its row of `wire`,
+        which holds a row per rank or one fewer, none for `skip`. Returns `out`."""
+        numel = own.numel()
+        gap = num_rows - wire.shape[0]
+        acc = torch.zeros(numel, dtype=torch.float32, device=own.device)
+        for rank in range(num_rows):
+            if rank == skip:
+                acc += own  # exact, in its place in the rank order
+            else:
+                self.decode_accumulate(self.from_bytes(wire[rank - (rank > skip) * gap], numel, own.dtype), acc)
+        return out.copy_(acc)
 
     def decode(self, enc: Encoded, dtype: torch.dtype | None = None) -> torch.Tensor:
         """A new flat tensor of `dtype` (default: the encoded tensor's dtype)."""
@@ -178,7 +233,7 @@ class IdentityCodec(Codec):
 
     name = "identity"
 
-    def encode(self, x: torch.Tensor) -> Encoded:
+    def encode(self, x: torch.Tensor, *, count: bool = True) -> Encoded:
         return Encoded(x.reshape(-1), None, x.numel(), x.dtype)
 
     def _decode_into(self, enc: Encoded, out: torch.Tensor, accumulate: bool) -> None:
@@ -196,7 +251,7 @@ class BF16Codec(Codec):
 
     name = "bf16"
 
-    def encode(self, x: torch.Tensor) -> Encoded:
+    def encode(self, x: torch.Tensor, *, count: bool = True) -> Encoded:
         return Encoded(x.reshape(-1).to(torch.bfloat16), None, x.numel(), x.dtype)
 
     def _decode_into(self, enc: Encoded, out: torch.Tensor, accumulate: bool) -> None:
@@ -209,137 +264,6 @@ class BF16Codec(Codec):
         return Encoded(buf[: numel * 2].view(torch.bfloat16), None, numel, dtype)
 
 
-class _BlockwiseCodec(Codec):
-    """Blockwise absmax codes through `overlap.kernels` (see [Note: codec numerics])."""
-
-    bits: ClassVar[int]
-    fmt: ClassVar[CodeFormat]
-    default_block_size: ClassVar[int]
-
-    def __init__(
-        self,
-        block_size: int | None = None,
-        *,
-        stochastic: bool = False,
-        generator: torch.Generator | None = None,
-        check_finite: bool = True,
-    ) -> None:
-        block = self.default_block_size if block_size is None else block_size
-        if not isinstance(block, int) or block <= 0 or (self.bits == 4 and block % 2):
-            raise ValueError(
-                f"{type(self).__name__}: block_size must be a positive int"
-                f"{' (even: two codes per byte)' if self.bits == 4 else ''}, got {block_size!r}"
-            )
-        if stochastic and self.fmt == "fp8":
-            raise ValueError("FP8Codec: stochastic rounding is not available; use Int8Codec for it")
-        self.block_size = block
-        self.alignment_numel = block
-        self.stochastic = stochastic
-        self.generator = generator
-        self.check_finite = check_finite
-        self._nonfinite = NonfiniteCounter()
-
-    def encode(self, x: torch.Tensor) -> Encoded:
-        codes, scales = quantize_blockwise(
-            x, self.bits, self.block_size, self.stochastic, self.generator, fmt=self.fmt
-        )
-        return self._checked(Encoded(codes, scales, x.numel(), x.dtype))
-
-    def encode_feedback(self, x: torch.Tensor, residual: torch.Tensor) -> Encoded:
-        codes, scales = quantize_feedback_blockwise(
-            x, residual, self.bits, self.block_size, self.stochastic, self.generator, fmt=self.fmt
-        )
-        return self._checked(Encoded(codes, scales, x.numel(), torch.float32))  # x + r, in fp32
-
-    def encode_feedback_int8res(self, x: torch.Tensor, res_codes: torch.Tensor, res_scales: torch.Tensor) -> Encoded:
-        """`encode_feedback` with the residual held as int8 codes and fp32 scales in this codec's
-        blocks, decoded and re-encoded in place (`Int8Residual` in feedback.py)."""
-        codes, scales = quantize_feedback_int8res_blockwise(
-            x, res_codes, res_scales, self.bits, self.block_size, self.stochastic, self.generator, fmt=self.fmt
-        )
-        return self._checked(Encoded(codes, scales, x.numel(), torch.float32))  # x + r, in fp32
-
-    def _checked(self, enc: Encoded) -> Encoded:
-        assert enc.scales is not None
-        if self.check_finite:
-            self._nonfinite.add(enc.scales)  # no host sync: read by raise_if_nonfinite
-        return enc
-
-    def raise_if_nonfinite(self, *, wait: bool = False) -> None:
-        if not self.check_finite:
-            return
-        bad, blocks, encodes = self._nonfinite.take(wait)
-        if bad:
-            raise ValueError(
-                f"overlap.compression.{type(self).__name__}: the input holds Inf or NaN in {bad} of "
-                f"{blocks} blocks of {self.block_size} ({encodes} encodes checked); quantized codes "
-                "cannot carry them, so those blocks were sent as NaN. Fix the overflow (lower the "
-                "learning rate, use a loss scaler) or build the codec with check_finite=False to "
-                "let such blocks pass through as NaN without this error."
-            )
-
-    def _decode_into(self, enc: Encoded, out: torch.Tensor, accumulate: bool) -> None:
-        assert enc.scales is not None, "blockwise codes travel with their scales"
-        dequantize_blockwise(
-            enc.codes, enc.scales, self.bits, self.block_size, enc.numel, out, accumulate, fmt=self.fmt
-        )
-
-    def wire_bytes(self, numel: int, dtype: torch.dtype = torch.float32) -> int:
-        return code_numel(numel, self.bits, self.block_size) + _SCALE_BYTES * num_blocks_for(
-            numel, self.block_size
-        )
-
-    def from_bytes(self, buf: torch.Tensor, numel: int, dtype: torch.dtype) -> Encoded:
-        n_codes = code_numel(numel, self.bits, self.block_size)
-        nb = num_blocks_for(numel, self.block_size)
-        codes = buf[:n_codes]
-        if self.bits == 8 and self.fmt == "int":
-            codes = codes.view(torch.int8)
-        scales = buf[n_codes : n_codes + _SCALE_BYTES * nb].view(torch.float32)
-        return Encoded(codes, scales, numel, dtype)
-
-    def __repr__(self) -> str:
-        return (
-            f"{type(self).__name__}(block_size={self.block_size}, stochastic={self.stochastic}, "
-            f"check_finite={self.check_finite})"
-        )
-
-
-class Int8Codec(_BlockwiseCodec):
-    """int8 codes, one fp32 scale per block: ~3.9x fewer bytes than fp32 at block 256."""
-
-    name = "int8"
-    bits = 8
-    fmt = "int"
-    default_block_size = 256
-
-
-class Int4Codec(_BlockwiseCodec):
-    """int4 codes packed two per byte (q + 8 per nibble), one fp32 scale per block."""
-
-    name = "int4"
-    bits = 4
-    fmt = "int"
-    default_block_size = 128
-
-
-class FP8Codec(_BlockwiseCodec):
-    """float8 e4m3fn codes (sent as uint8: gloo has no float8), one fp32 scale per block."""
-
-    name = "fp8"
-    bits = 8
-    fmt = "fp8"
-    default_block_size = 256
-
-    def __init__(self, block_size: int | None = None, *, check_finite: bool = True) -> None:
-        if not hasattr(torch, "float8_e4m3fn"):
-            raise ValueError(
-                f"FP8Codec needs torch.float8_e4m3fn, which torch {torch.__version__} lacks; "
-                "use param_compression='int8' or 'bf16'"
-            )
-        super().__init__(block_size, check_finite=check_finite)
-
-
 def _store(out: torch.Tensor, values: torch.Tensor, accumulate: bool) -> None:
     flat = out.view(-1)
     if not accumulate:
@@ -348,41 +272,3 @@ def _store(out: torch.Tensor, values: torch.Tensor, accumulate: bool) -> None:
         flat.add_(values)  # promotes `values` to fp32 per element
     else:
         flat.copy_(flat.float() + values.float())
-
-
-PARAM_CODECS = (None, "bf16", "int8", "fp8")
-GRAD_CODECS = (None, "bf16", "int8", "int4")
-
-
-def make_param_codec(
-    name: str | None, *, block_size: int | None = None, check_finite: bool = True
-) -> Codec:
-    """The codec for `OverlapConfig.param_compression` (None -> IdentityCodec)."""
-    if name is None:
-        return IdentityCodec()
-    if name == "bf16":
-        return BF16Codec()
-    if name == "int8":
-        return Int8Codec(block_size, check_finite=check_finite)
-    if name == "fp8":
-        return FP8Codec(block_size, check_finite=check_finite)
-    raise ValueError(f"param_compression must be one of {PARAM_CODECS}, got {name!r}")
-
-
-def make_grad_codec(
-    name: str | None,
-    *,
-    block_size: int | None = None,
-    stochastic: bool = False,
-    generator: torch.Generator | None = None,
-    check_finite: bool = True,
-) -> Codec:
-    """The codec for `OverlapConfig.grad_compression` (None -> IdentityCodec)."""
-    if name is None:
-        return IdentityCodec()
-    if name == "bf16":
-        return BF16Codec()
-    if name in ("int8", "int4"):
-        cls = Int8Codec if name == "int8" else Int4Codec
-        return cls(block_size, stochastic=stochastic, generator=generator, check_finite=check_finite)
-    raise ValueError(f"grad_compression must be one of {GRAD_CODECS}, got {name!r}")

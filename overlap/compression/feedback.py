@@ -4,8 +4,10 @@
 The residual lives on the sender, before the reduce-scatter: per bucket, one row per peer rank
 (the chunk that rank r receives from this rank), `world_size - 1` rows, because this rank's own
 chunk never crosses the wire, is never encoded and would always carry a zero residual (see
-`comm.reduce_scatter_encoded`). `FeedbackResidual` maps a peer rank to its row. How a row is
-stored is a `ResidualFormat`, chosen once by `OverlapConfig.error_feedback_dtype`:
+`comm.reduce_scatter_encoded`). All rows of a bucket are updated by one fused encode where the
+codec has one (`kernel_rows`, [Note: rows per launch] in kernels/triton_kernels.py).
+`FeedbackResidual` maps a peer rank to its row. How a row is stored is a `ResidualFormat`,
+chosen once by `OverlapConfig.error_feedback_dtype`:
 
 - float32 (`DenseResidual`): 4 bytes per element. With round-to-nearest,
   `decode(enc) + residual == x + old residual` exactly (see [Note: codec numerics] in codecs.py):
@@ -21,6 +23,12 @@ stored is a `ResidualFormat`, chosen once by `OverlapConfig.error_feedback_dtype
   within absmax(r) / 254 <= bound / 254 of the exact residual. The absmax of the residual itself
   (rather than the codec's bound) costs no extra memory, is never looser and reuses the dispatched
   quantize kernels (C++ on CPU, Triton on CUDA).
+
+A non-finite block (Inf or NaN in the gradient, which the codec sends as NaN and reports,
+[Note: deferred finite check] in finite.py) leaves a zero residual, in every backend
+(`kernels.quantize.finite_residual`): what it dropped is unknown, and a NaN kept in the residual
+would come back in every later step, so that a step skipped after the error (a loss scaler's
+overflow, a caught ValueError) could never be followed by a clean one.
 
 With a lossy store (bf16, int8) the storage error e_t = stored - exact residual of step t is not
 fed back: over T steps, sum(decoded) == sum(gradients) - stored residual + sum_t e_t exactly,
@@ -38,8 +46,11 @@ from typing import Any, ClassVar
 
 import torch
 
-from overlap.compression.codecs import Codec, Encoded, _BlockwiseCodec
+from overlap.compression.blockwise import _BlockwiseCodec
+from overlap.compression.codecs import Codec, Encoded
 from overlap.kernels import code_numel, dequantize_blockwise, num_blocks_for, quantize_blockwise
+from overlap.kernels.quantize import finite_residual
+from overlap.kernels.rows import Residual
 
 RESIDUAL_DTYPES = (torch.float32, torch.bfloat16, torch.int8)
 """What `OverlapConfig.error_feedback_dtype` accepts (int8: blockwise gradient codecs only)."""
@@ -77,7 +88,7 @@ def encode_with_feedback(
     # Never in place on `target`: it may be the caller's gradient (fp32 x, no residual), and the
     # identity codec's encoding is a view of it.
     enc = codec.encode(target)
-    dropped = target - codec.decode(enc, torch.float32)
+    dropped = finite_residual(target - codec.decode(enc, torch.float32))
     if residual is None:
         return enc, dropped
     residual.view(-1).copy_(dropped)
@@ -118,6 +129,11 @@ class ResidualFormat(ABC):
         """What identifies the format in a checkpoint (see `format_from_params`)."""
         return {"name": self.name}
 
+    def kernel_rows(self, tensors: tuple[torch.Tensor, ...], codec: Codec) -> Residual | None:
+        """The rows as the fused encode kernels take them (`kernels.rows.Residual`), or None
+        when `codec` cannot update them in its encode (the rows then go one by one)."""
+        return None
+
 
 @dataclass(frozen=True)
 class DenseResidual(ResidualFormat):
@@ -143,6 +159,9 @@ class DenseResidual(ResidualFormat):
 
     def params(self) -> dict[str, Any]:
         return {"name": self.name, "dtype": str(self.dtype).removeprefix("torch.")}
+
+    def kernel_rows(self, tensors: tuple[torch.Tensor, ...], codec: Codec) -> Residual | None:
+        return tensors[0] if isinstance(codec, _BlockwiseCodec) else None  # fp32 or bf16 rows
 
 
 @dataclass(frozen=True)
@@ -179,6 +198,11 @@ class Int8Residual(ResidualFormat):
 
     def params(self) -> dict[str, Any]:
         return {"name": self.name, "block_size": self.block_size}
+
+    def kernel_rows(self, tensors: tuple[torch.Tensor, ...], codec: Codec) -> Residual | None:
+        if isinstance(codec, _BlockwiseCodec) and codec.block_size == self.block_size:
+            return tensors[0], tensors[1]
+        return None
 
 
 def make_residual_format(dtype: torch.dtype, codec: Codec) -> ResidualFormat:
@@ -236,6 +260,11 @@ class FeedbackResidual:
                 f"FeedbackResidual.encode: the chunk has {x.numel()} elements, the residual {self.numel}"
             )
         return self.format.encode(codec, x, self._row(peer))
+
+    def kernel_rows(self, codec: Codec) -> Residual | None:
+        """Every peer's row at once, in rank order, for `codec.encode_rows_into`'s fused kernel
+        (None: encode row by row through `encode`)."""
+        return self.format.kernel_rows(self.tensors, codec)
 
     def restore(self, peer: int) -> torch.Tensor:
         """The residual of rank `peer`'s chunk as a new flat fp32 tensor (zeros for this rank)."""

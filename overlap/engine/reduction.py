@@ -391,6 +391,8 @@ class Reductions:
             self.transport.finish_reduce(pending.event, pending.all_reduce, pending.all_reduce_event)
         reduced = pending.reduced
         assert reduced is not None, f"rank {self.rank}: bucket {bucket} has no reduced shard"
+        if self.grad_codec is not None:  # its last element: every rank's count ([Note: collective finite check])
+            self.grad_codec.agree_nonfinite(reduced[-1:])
         self.timer.stop(stall)
         units = [self.units[i] for i in indices]
         for unit in units:

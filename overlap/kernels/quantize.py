@@ -103,17 +103,19 @@ def quantize_blockwise(
     *,
     fmt: CodeFormat = "int",
     backend: Backend = "auto",
+    noise: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize `x` (any shape, read flat) blockwise -> (codes, fp32 scales).
 
     Stochastic rounding draws `num_blocks * block` uniforms from `generator` (on x's device);
-    every backend consumes the same draw, so results are reproducible across backends.
+    every backend consumes the same draw, so results are reproducible across backends. `noise`
+    (those uniforms, fp32) replaces the draw.
     """
     _check_format(bits, block, fmt, stochastic)
     if not x.is_floating_point():
         raise TypeError(f"overlap.kernels.quantize_blockwise: x must be floating, got {x.dtype}")
     x = x.contiguous().view(-1)
-    noise = _noise(x, block, stochastic, generator)
+    noise = _noise(x, block, stochastic, generator) if noise is None else noise
     chosen = select_backend(x.device, block, backend, fmt=fmt)
     if chosen == "cpp":
         return _extension().quantize_blockwise(x, bits, block, _FMT_ID[fmt], noise)
@@ -174,14 +176,15 @@ def quantize_feedback_blockwise(
     *,
     fmt: CodeFormat = "int",
     backend: Backend = "auto",
+    noise: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Error feedback in one call: quantize `x + residual` blockwise -> (codes, fp32 scales) and
     set `residual` (contiguous fp32, x's numel) to what the codes dropped, in place:
     `decode(codes) + residual == x + old residual` in fp32, exactly for round-to-nearest.
 
-    The C++ backend fuses the four passes (add, quantize, decode, subtract) into one pass over
-    memory, block by block; elsewhere it is the composition of the dispatched kernels, which
-    computes the same fp32 values.
+    The C++ and Triton backends fuse the four passes (add, quantize, decode, subtract) into one
+    pass over memory, block by block; the reference is their composition, which computes the
+    same fp32 values. `noise` as in `quantize_blockwise`.
     """
     _check_format(bits, block, fmt, stochastic)
     if residual.dtype != torch.float32 or residual.numel() != x.numel() or not residual.is_contiguous():
@@ -192,14 +195,27 @@ def quantize_feedback_blockwise(
     x = x.contiguous().view(-1)
     target = residual.view(-1)
     chosen = select_backend(x.device, block, backend, fmt=fmt)
-    if chosen == "cpp":
-        noise = _noise(x, block, stochastic, generator)
+    if chosen in ("cpp", "triton"):
+        noise = _noise(x, block, stochastic, generator) if noise is None else noise
+        if chosen == "triton":
+            from overlap.kernels import triton_kernels
+
+            return triton_kernels.quantize_feedback_blockwise(x, target, bits, block, fmt=fmt, noise=noise)
         return _extension().quantize_feedback_blockwise(x, target, bits, block, _FMT_ID[fmt], noise)
     target.add_(x)  # x + r == r + x in IEEE arithmetic
-    codes, scales = quantize_blockwise(target, bits, block, stochastic, generator, fmt=fmt, backend=chosen)  # type: ignore[arg-type]
+    codes, scales = quantize_blockwise(
+        target, bits, block, stochastic, generator, fmt=fmt, backend=chosen, noise=noise  # type: ignore[arg-type]
+    )
     decoded = dequantize_blockwise(codes, scales, bits, block, x.numel(), fmt=fmt, backend=chosen)  # type: ignore[arg-type]
-    torch.sub(target, decoded, out=target)
+    finite_residual(torch.sub(target, decoded, out=target))
     return codes, scales
+
+
+def finite_residual(residual: torch.Tensor) -> torch.Tensor:
+    """Set the non-finite elements of an error-feedback residual to 0, in place: what a
+    non-finite block (or a NaN element, bf16) dropped is unknown, and a NaN kept would come back
+    in every later step ([Note: error feedback residual] in compression/feedback.py)."""
+    return residual.masked_fill_(~torch.isfinite(residual), 0.0)
 
 
 def quantize_feedback_int8res_blockwise(
@@ -213,13 +229,15 @@ def quantize_feedback_int8res_blockwise(
     *,
     fmt: CodeFormat = "int",
     backend: Backend = "auto",
+    noise: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Error feedback with the residual kept as int8 blockwise codes (same `block`): quantize
     `x + decode(res_codes, res_scales)` -> (codes, fp32 scales) and re-encode what the codes
     dropped into `res_codes` / `res_scales`, in place. Defined as the composition below
     (`dequantize_blockwise`, `quantize_feedback_blockwise`, `quantize_blockwise`, which
-    `Int8Residual` in compression/feedback.py ran before); the C++ backend computes the same fp32
-    operations block by block, so the same bits, with no full-size fp32 temporaries.
+    `Int8Residual` in compression/feedback.py ran before); the C++ and Triton backends compute
+    the same fp32 operations block by block, so the same bits, with no full-size fp32
+    temporaries. `noise` as in `quantize_blockwise`.
     """
     _check_format(bits, block, fmt, stochastic)
     numel = x.numel()
@@ -240,12 +258,17 @@ def quantize_feedback_int8res_blockwise(
         )
     x = x.contiguous().view(-1)
     chosen = select_backend(x.device, block, backend, fmt=fmt)
-    if chosen == "cpp":
-        noise = _noise(x, block, stochastic, generator)
+    if chosen in ("cpp", "triton"):
+        noise = _noise(x, block, stochastic, generator) if noise is None else noise
+        if chosen == "triton":
+            from overlap.kernels import triton_kernels
+
+            residual_codes = (res_codes, res_scales)
+            return triton_kernels.quantize_feedback_blockwise(x, residual_codes, bits, block, fmt=fmt, noise=noise)
         return _extension().quantize_feedback_int8res_blockwise(x, res_codes, res_scales, bits, block, _FMT_ID[fmt], noise)
     residual = dequantize_blockwise(res_codes, res_scales, 8, block, numel, backend=chosen)  # type: ignore[arg-type]
     codes, scales = quantize_feedback_blockwise(
-        x, residual, bits, block, stochastic, generator, fmt=fmt, backend=chosen  # type: ignore[arg-type]
+        x, residual, bits, block, stochastic, generator, fmt=fmt, backend=chosen, noise=noise  # type: ignore[arg-type]
     )
     new_codes, new_scales = quantize_blockwise(residual, 8, block, backend=chosen)  # type: ignore[arg-type]
     res_codes.copy_(new_codes.view(res_codes.shape))

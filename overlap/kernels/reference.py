@@ -21,8 +21,37 @@ float8 types). All code tensors hold `num_blocks * block` elements (padding incl
 Non-finite input: a block holding Inf or NaN gets scale = NaN and codes 0, so it decodes to NaN
 across the whole block (a pass-through that cannot be missed; codecs raise instead by default).
 
-The compiled backends compute the same expressions in the same order, with no fused
-multiply-add, so round-to-nearest results are bitwise equal to these references.
+[Note: kernel numerics across devices]
+What is bitwise and why, between the Triton kernels (compiled for CUDA, or interpreted on the
+CPU), this reference run on CUDA tensors, this reference run on CPU tensors, and the C++ kernels:
+every result is bitwise equal (codes, scales, decoded values, error-feedback residuals, NaN
+blocks as NaN), for round-to-nearest and, fed the same `noise`, for stochastic rounding. Nothing
+is "within an ulp". That holds because each step is one correctly rounded IEEE fp32 operation
+on every backend, evaluated in the same order:
+- amax, the clamps, the selects and the int/fp8 casts are exact (no rounding at all);
+- `amax / qmax` and `x / scale` divide tensor by tensor: IEEE division on every device. Not
+  `tensor / python_float`: on CUDA, ATen computes a tensor divided by a CPU scalar as
+  `a * (1 / b)` (its scalar fast path), two roundings, and that differs from `a / b` for 4.5% of
+  scales at qmax = 127 and about half at 7 or 448 (review 2, #1). Triton's `/` is approximate
+  too, so the kernels call `div_rn`; the C++ kernels use `/` with `-ffp-contract=off`;
+- round-half-even: `torch.round` (nearbyint) here, `(y + 1.5 * 2^23) - 1.5 * 2^23` in Triton
+  (exact for |y| <= 2^22, and |y| <= qmax); fp8: round-to-nearest-even on every backend (ATen's
+  software cast, the sm_89+ `cvt.rn.satfinite` that Triton emits);
+- the decode `q * scale` and the accumulating `out + q * scale` are two roundings everywhere:
+  the Triton launches turn fp fusion off ([Note: Triton launches] in triton_launch.py; the
+  compile test asserts no `fma.` in the PTX), the C++ flags forbid contraction, and ATen runs
+  the multiply and the add as separate kernels;
+- casts to bf16 / fp16 round to nearest even; a NaN becomes bf16's quiet NaN 0x7FC0 (Triton's
+  `_cast_out` tests for NaN, since NVIDIA's canonical fp32 NaN 0x7FFFFFFF would round into the
+  sign bit);
+- denormals are kept, not flushed: Triton emits no `.ftz` unless asked, ATen and the C++ kernels
+  run without flush-to-zero. A block whose scale is subnormal is exercised by the tests.
+Two things are not bitwise and are not claimed: the interpreter's fp32 -> fp8 cast (wrong, so
+fp8 Triton is checked on a GPU only), and stochastic rounding across devices with noise drawn
+by each device's own generator (CPU and CUDA generators differ; tests pass one noise tensor).
+Tests: tests/triton_interpreter_check.py (Triton interpreted vs this reference, CPU), the C++
+tests in tests/test_kernels.py, and its GPU tests, which compare Triton on CUDA against this
+reference on CUDA and on the CPU (`quantize_blockwise_ref(x.cpu())`).
 """
 
 from __future__ import annotations
@@ -76,7 +105,8 @@ def quantize_blockwise_ref(
     xb = xf.view(nb, block)
     amax = xb.abs().amax(dim=1) if nb else xf.new_empty(0)
     finite = torch.isfinite(amax)
-    scale = torch.where(finite, amax / qmax, torch.full_like(amax, float("nan")))
+    # tensor / tensor: IEEE division on every device ([Note: kernel numerics across devices])
+    scale = torch.where(finite, amax / torch.full_like(amax, qmax), torch.full_like(amax, float("nan")))
     safe = torch.where(finite & (scale > 0), scale, torch.ones_like(scale))
     y = xb / safe[:, None]
     y = torch.where(finite[:, None], y, torch.zeros_like(y))
