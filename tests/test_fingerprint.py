@@ -98,20 +98,25 @@ def test_matching_tags_raise_nothing_and_slabs_are_reused(fake_cuda):
         for unit in range(3):
             check.defer(_trailers([mine] * WORLD), WORLD, mine, f"all-gather of unit {unit}")
         check.check_pending()
-        assert check.num_unread == 0
-    assert len(check._free) == 1  # one slab, handed back and taken again every step
+        assert check.num_unread == 3 * min(step + 1, fingerprint.REPORT_AFTER_CHECKS)  # read two checks late
+    # a slab per step in flight, handed back and taken again
+    assert len(check._free) == 1 and len(check._batches) == fingerprint.REPORT_AFTER_CHECKS
     assert len(_FakeEvent.made) == 6 and not any(e.waited for e in _FakeEvent.made)
+    assert check.blocking_waits == 0
 
 
-def test_mismatch_reported_at_the_next_check_without_a_wait(fake_cuda):
+def test_mismatch_reported_two_checks_later_without_a_wait(fake_cuda):
+    """Every rank reports at the same check, whatever its device's pace (a rank raising a step
+    before the others would leave them in the next collective)."""
     check = FingerprintCheck(1, torch.device("cpu"))
     mine, other = _tag(5, 2), _tag(5, 3)
     check.defer(_trailers([mine, other, mine, mine]), WORLD, mine, "all-gather of unit 2")
     _FakeEvent.complete = False  # the device has not reached the copy yet
     check.check_pending()  # closes the step: nothing to read yet, nothing waited for
     assert check.num_unread == 1
+    _FakeEvent.complete = True  # done now, but not yet its check: not read
     check.check_pending()
-    _FakeEvent.complete = True
+    assert check.num_unread == 1
     with pytest.raises(CollectiveMismatchError) as info:
         check.check_pending()
     message = str(info.value)
@@ -132,19 +137,21 @@ def test_wait_reads_everything_now(fake_cuda):
     with pytest.raises(CollectiveMismatchError, match="unit 1") as info:
         check.check_pending(wait=True)
     assert "rank 2: step 6 forward of unit 0" in str(info.value)
-    assert [e.waited for e in _FakeEvent.made] == [False, True]
+    # both batches read now (the first was not due before its check), one wait each: the fake
+    # device reports neither copy done
+    assert [e.waited for e in _FakeEvent.made] == [True, True]
     assert check.num_unread == 0
 
 
-def test_a_host_far_ahead_waits_for_the_oldest_batch(fake_cuda):
+def test_a_device_two_steps_behind_is_waited_for_at_the_check(fake_cuda):
     check = FingerprintCheck(0, torch.device("cpu"))
     mine = _tag(1, 0)
     _FakeEvent.complete = False
-    for _ in range(fingerprint.MAX_BATCHES_IN_FLIGHT + 1):
+    for _ in range(fingerprint.REPORT_AFTER_CHECKS + 1):
         check.defer(_trailers([mine] * WORLD), WORLD, mine, "all-gather of unit 0")
         check.check_pending()
-    assert [e.waited for e in _FakeEvent.made] == [True] + [False] * fingerprint.MAX_BATCHES_IN_FLIGHT
-    assert check.num_unread == fingerprint.MAX_BATCHES_IN_FLIGHT
+    assert [e.waited for e in _FakeEvent.made] == [True] + [False] * fingerprint.REPORT_AFTER_CHECKS
+    assert check.blocking_waits == 1 and check.num_unread == fingerprint.REPORT_AFTER_CHECKS
 
 
 def test_host_tensors_are_complete_at_once():
@@ -224,4 +231,7 @@ def test_events_recorded_on_the_streams_that_copied(monkeypatch, fake_cuda):
     check.defer(_trailers([mine] * WORLD), WORLD, mine, "all-gather of unit 2")
     check.check_pending()
     assert [e.stream for e in _FakeEvent.made] == [fake_cuda, other]
+    for _ in range(fingerprint.REPORT_AFTER_CHECKS):
+        assert check.num_unread == 3
+        check.check_pending()
     assert check.num_unread == 0

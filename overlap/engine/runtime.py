@@ -224,7 +224,7 @@ class Runtime(Reductions):
 
     def _check_tag(self, unit: UnitTensors, gathered: torch.Tensor, received: torch.Tensor) -> None:
         """Compare the gathered tags with this rank's ([Note: collective fingerprints]), after
-        copy-out: on the CPU on the host, at once; on CUDA from a pinned copy, a step late."""
+        copy-out: on the CPU on the host, at once; on CUDA from a pinned copy, two steps late."""
         if unit.gather_tag is None:
             return
         what = f"all-gather of {unit.layout.label}"

@@ -428,7 +428,7 @@ class OverlapState:
         if self.autotuner is not None and self.schedule.sync_grads:  # [Note: autotune]
             self.autotuner.end_training_step(step)
         for codec in (self.runtime.param_codec, self.runtime.grad_codec):
-            if codec is not None:  # once per step; on CUDA a step late, without a sync
+            if codec is not None:  # once per step; on CUDA two steps late, without a sync
                 codec.raise_if_nonfinite()
 
     def _finish_step(self) -> int:

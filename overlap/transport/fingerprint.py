@@ -17,9 +17,9 @@ rank receives every rank's tag in the same collective, without a collective of i
 - CUDA: no comparison on the device. Right after copy-out (on the gather stream, behind it)
   the received tags (copy-out's tag destination, `world_size x TAG_NUMEL` elements) go to the
   host in one non-blocking copy into a pinned slab ([Note: deferred tag check]), and the host
-  compares them with the tag it sent once the copy is known complete (`check_pending`, at the
-  end of each backward): the error comes at the end of the step, or a step later, without a
-  sync, on every rank (every rank received every tag). `check_pending(wait=True)`
+  compares them with the tag it sent two checks later (`check_pending`, at the end of each
+  backward): the error comes two steps late, normally without a sync, on every rank at the same
+  check (every rank received every tag). `check_pending(wait=True)`
   reads everything at once, at one sync: checkpoint.save, the state-dict export and exit do
   ([Note: final checks] in engine/deferred.py).
 
@@ -38,7 +38,7 @@ the next step begins, the trail of the last step that reduced anything moves int
 signature field of every tag (XOR). Ranks whose reductions differed then raise
 `CollectiveMismatchError` at the next step's first all-gather, naming "signature" as what
 differs. One step late (the optimizer has applied that step's gradients by then, as on CUDA,
-where every check is read a step late), but not silent. Ranks that skip the same unit together
+where every check is read two steps late), but not silent. Ranks that skip the same unit together
 (layer drop under one seed) reduce in the same order and raise nothing.
 
 What it cannot catch: collectives of different sizes (gloo aborts the process on the size
@@ -192,18 +192,20 @@ class HostTags:
 # the received tag rows (`world_size` rows, each beginning with an 8-byte tag) into a pinned
 # slab, on the stream that ran copy-out, and remembers the tag this rank sent. Once per step,
 # `check_pending` (at the end of each backward) closes the step's checks with one event per
-# stream that issued copies, then compares on the host, oldest first, every closed batch whose
-# events have completed (`Event.query()`, no wait) and stops at the first still in flight, to
-# be compared at the next check. So the host reads only tags that have arrived, without a sync:
-# a mismatch is reported at the end of its step if the device is done by then, else at the end
-# of a later one (usually the next), and never missed. Slabs are reused once read; more than
-# `MAX_BATCHES_IN_FLIGHT` unread batches (a host far ahead of its device) make the oldest one
-# wait, which bounds the pinned memory.
+# stream that issued copies, and compares on the host the batch closed `REPORT_AFTER_CHECKS`
+# checks ago: its events are asked first (`Event.query()`); they have normally completed a step
+# ago, and only if not (the device two whole steps behind the host) does the host wait for them
+# (`blocking_waits`). The step of the report is fixed, not "whenever the copy is done": every
+# rank sees every tag, so all find a mismatch, and with a fixed step all raise at the same check
+# (a rank whose device ran ahead would otherwise raise a step before a slower one, and leave it
+# in the next collective; the same rule as [Note: deferred finite check] in
+# compression/finite.py). A mismatch is reported two steps late and never missed; slabs are
+# reused once read, so at most `REPORT_AFTER_CHECKS + 1` steps of slabs are held.
 # `wait=True` reads everything now, at one sync, for the final checks ([Note: final checks] in
 # engine/deferred.py).
 
-MAX_BATCHES_IN_FLIGHT = 4
-"""Steps of tag copies that may be unread before `check_pending` waits for the oldest."""
+REPORT_AFTER_CHECKS = 2
+"""A CUDA batch of tag copies closed at check c is compared at check c + 2 ([Note: deferred tag check])."""
 
 SLAB_BYTES = 64 * 1024
 """Pinned bytes per slab: a step of tag copies (world_size x TAG_NUMEL elements per all-gather)."""
@@ -260,11 +262,12 @@ class _Batch(NamedTuple):
     checks: list[_Deferred]
     slabs: list[_Slab]
     done: list[Any]  # torch.cuda.Event per stream that issued copies (none for host tensors)
+    check: int  # the check that closed it
 
 
 class FingerprintCheck:
     """Compares the gathered tags with this rank's ([Note: collective fingerprints]): at once on
-    the host (`check_host`, `check`), or a step late from pinned copies (`defer`,
+    the host (`check_host`, `check`), or two checks late from pinned copies (`defer`,
     `check_pending`: [Note: deferred tag check])."""
 
     def __init__(self, rank: int, device: torch.device) -> None:
@@ -274,6 +277,8 @@ class FingerprintCheck:
         self._open_slabs: list[_Slab] = []
         self._streams: dict[Any, Any] = {}  # the streams that issued them (keys = values)
         self._batches: deque[_Batch] = deque()  # closed, not yet read, oldest first
+        self._num_checks = 0  # check_pending calls so far
+        self.blocking_waits = 0  # reads that had to wait for their copies
         self._free: list[_Slab] = []
 
     def check_host(self, tags: HostTags | list[int], mine: int, what: str) -> None:
@@ -322,21 +327,23 @@ class FingerprintCheck:
         them now.
         Raises CollectiveMismatchError for the first mismatch found. Nothing to do for host
         checks (compared at once)."""
+        self._num_checks += 1
         if self._open:
             done = []
             for stream in self._streams.values():
                 event = torch.cuda.Event()
                 event.record(stream)
                 done.append(event)
-            self._batches.append(_Batch(self._open, self._open_slabs, done))
+            self._batches.append(_Batch(self._open, self._open_slabs, done, self._num_checks))
             self._open, self._open_slabs, self._streams = [], [], {}
         while self._batches:
             batch = self._batches[0]
-            if wait or len(self._batches) > MAX_BATCHES_IN_FLIGHT:
+            if batch.done and not wait and self._num_checks - batch.check < REPORT_AFTER_CHECKS:
+                return  # its check is a later one, the same on every rank (host tensors: now)
+            if not all(event.query() for event in batch.done):
+                self.blocking_waits += 1  # the device two steps behind the host (or a final check)
                 for event in batch.done:
-                    event.synchronize()  # final checks, or a host far ahead of the device
-            elif not all(event.query() for event in batch.done):
-                return  # still in flight: compared at the next check
+                    event.synchronize()
             self._batches.popleft()
             self._read(batch)
 

@@ -91,7 +91,7 @@ class StreamTransport(Transport):
         self, fingerprints: FingerprintCheck, unit: Any, gathered: Any, received: torch.Tensor, what: str, compressed: bool
     ) -> None:
         """One non-blocking copy of the received tags to pinned memory, on the gather stream
-        behind copy-out; compared on the host a step later ([Note: deferred tag check] in
+        behind copy-out; compared on the host two checks later ([Note: deferred tag check] in
         fingerprint.py). Uncompressed: copy-out's tag destination (`unit.tag_out`, world_size
         rows of TAG_NUMEL elements); compressed: the end of each byte row of `received`."""
         tags = byte_tags(received, self.world_size) if compressed else unit.tag_out
