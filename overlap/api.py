@@ -15,11 +15,23 @@ from overlap.config import OverlapConfig
 from overlap.observe.memory import MemoryStats
 from overlap.state_dict import full_state_dict, load_full_state_dict
 from overlap.observe.stats import StepStats
-from overlap.engine.state import state_of
+from overlap.engine.state import OverlapState, state_of
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _counted_here(state: OverlapState, param: torch.Tensor) -> bool:
+    """Whether this rank's part of `param`'s gradient enters the global norm: each element on
+    exactly one rank of the shard group and, with tensor parallelism, of the tp group."""
+    if state.tensor_group is not None and dist.get_rank(state.tensor_group) != 0:
+        # a parameter replicated over tp (a plain one, or Replicate() there) counts on tp rank 0
+        over_tp = isinstance(param, DTensor) and param.device_mesh.ndim > state.mesh.ndim
+        if not (over_tp and param.placements[-1].is_shard()):
+            return False
+    # [Note: replicated parameters]: whole on every rank of the group, so counted on one
+    return state.rank == 0 or not state.replicated.holds(param)
 
 
 @torch.no_grad()
@@ -32,8 +44,7 @@ def clip_grad_norm_(
     state = state_of(model)
     params = [p for p in model.parameters() if p.grad is not None]
     grads = [_local(p.grad) for p in params]
-    # [Note: replicated parameters]: whole on every rank of the group, so counted on one
-    counted = [g for p, g in zip(params, grads) if state.rank == 0 or not state.replicated.holds(p)]
+    counted = [g for p, g in zip(params, grads) if _counted_here(state, p)]
     device = state.units[0].shard.device
     norm_type = float(norm_type)
     if counted:
@@ -41,12 +52,15 @@ def clip_grad_norm_(
         local = torch.stack([n.float() for n in norms])
     else:
         local = torch.zeros(1, device=device)
+    groups = [state.group] if state.tensor_group is None else [state.group, state.tensor_group]
     if math.isinf(norm_type):
         total = local.max()
-        dist.all_reduce(total, op=dist.ReduceOp.MAX, group=state.group)
+        for group in groups:
+            dist.all_reduce(total, op=dist.ReduceOp.MAX, group=group)
     else:
         total = local.pow(norm_type).sum()
-        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=state.group)
+        for group in groups:  # over dp, then over tp: every element once ([Note: tensor-parallel parameters])
+            dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
         total = total.pow(1.0 / norm_type)
     if error_if_nonfinite and not torch.isfinite(total):
         raise RuntimeError(f"the total norm of order {norm_type} of gradients is non-finite")

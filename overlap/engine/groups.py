@@ -18,6 +18,8 @@ class Groups(NamedTuple):
     secondary: dist.ProcessGroup | None  # hpZ: backward all-gathers from the secondary copy
     mesh: DeviceMesh  # the mesh of the sharded parameters' DTensors
     everyone: dist.ProcessGroup  # every rank of the model: the same-model/config checks
+    # the parameters' tensor-parallel group: [Note: tensor-parallel parameters] in compose.py
+    tensor: dist.ProcessGroup | None = None
 
 
 def resolve_groups(

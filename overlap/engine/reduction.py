@@ -21,6 +21,7 @@ from overlap import kernels
 from overlap.compression.feedback import FeedbackResidual, make_residual_format
 from overlap.observe.labels import phase as _phase
 from overlap.engine.actions import Gather
+from overlap.engine.compose import grad_data
 from overlap.engine.unit_tensors import UnitTensors
 from overlap.engine.units import CHUNK_ALIGN_NUMEL
 from overlap.observe.memory import nbytes
@@ -125,10 +126,10 @@ class Reductions:
                 unit = self.units[index]
                 if unit.grad_sums is None:
                     for param in unit.grad_params:
-                        srcs.append(param.grad)
+                        srcs.append(grad_data(param, param.grad))  # TP: [Note: tensor-parallel parameters]
                         param.grad = None
                 else:
-                    srcs += self._take_grads(unit)
+                    srcs += [grad_data(p, g) for p, g in zip(unit.grad_params, self._take_grads(unit))]
                 spans += unit.grad_spans
                 data_cols += unit.grad_cols
             used = tuple(g is not None for g in srcs)

@@ -3,6 +3,8 @@ DTensor shards that view one flat shard buffer ([Note: flat layout] in units.py)
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -11,6 +13,7 @@ from torch.distributed.tensor import DTensor
 
 from overlap.config import OverlapConfig
 from overlap.transport.fingerprint import TAG_NUMEL
+from overlap.engine.compose import TensorParallel
 from overlap.engine.groups import shard_placements
 from overlap.engine.init import ScratchBuffer
 from overlap.engine.replicated import is_replicated
@@ -38,13 +41,17 @@ def unit_of_module(module_fqn: str, unit_set: set[str]) -> str:
     return ""
 
 
-def params_by_unit_module(model: nn.Module, unit_fqns: list[str]) -> dict[str, list[ParamInfo]]:
+def params_by_unit_module(
+    model: nn.Module, unit_fqns: list[str], tensor_parallel: Callable[[torch.Tensor], TensorParallel | None] | None = None
+) -> dict[str, list[ParamInfo]]:
     """Assign every parameter to the unit module that contains it ("" = root unit); 0-dim ones
     to none (see [Note: replicated parameters] in replicated.py).
 
     A parameter held by several modules (tied weights, e.g. GPT-2's embedding and LM head)
     belongs to the unit of their lowest common ancestor, as FSDP does: the one unit containing
-    all its owners, or the root unit when they sit in different units.
+    all its owners, or the root unit when they sit in different units. `tensor_parallel`
+    describes a DTensor parameter ([Note: tensor-parallel parameters] in compose.py): its local
+    tensor is what is laid out and sharded.
     """
     unit_set = set(unit_fqns)
     found: dict[int, tuple[str, list[tuple[str, str]], nn.Parameter]] = {}
@@ -72,7 +79,9 @@ def params_by_unit_module(model: nn.Module, unit_fqns: list[str]) -> dict[str, l
     for fqn, owners, param in found.values():
         units = {unit_of_module(module_fqn, unit_set) for module_fqn, _ in owners}
         unit = units.pop() if len(units) == 1 else ""
-        info = ParamInfo(fqn, tuple(owners), param.shape, param.requires_grad, param.dtype)
+        tp = None if tensor_parallel is None else tensor_parallel(param)
+        shape = param.shape if tp is None else tp.local_shape
+        info = ParamInfo(fqn, tuple(owners), shape, param.requires_grad, param.dtype, tp)
         by_unit[unit].append(info)
     return by_unit
 
@@ -151,7 +160,7 @@ def shard_unit(
         packed = None
         if source.is_source:
             out = None if packing is None else packing.take([(torch.Size([layout.unsharded_numel]), dtype)])[0]
-            packed = pack_rank_major(layout, full, dtype, device, out)
+            packed = pack_rank_major(layout, [_data(p) for p in full], dtype, device, out)
         scatter_shard(source, shard, packed)
         del packed
     gather_dtype = config.param_dtype or dtype
@@ -163,20 +172,31 @@ def shard_unit(
         local = chunk.view(rows, *slot.shape[1:])[:local_rows]
         if source is None:
             with torch.no_grad():
-                local.copy_(param.detach()[rank * rows : rank * rows + local_rows])
-        dtensor = DTensor.from_local(
-            _own_storage(local), mesh, shard_placements(mesh), run_check=False, shape=param.shape, stride=param.stride()
-        )
+                local.copy_(_data(param).detach()[rank * rows : rank * rows + local_rows])
+        tp = slot.tensor_parallel  # [Note: tensor-parallel parameters] in compose.py
+        if tp is None:
+            dtensor = DTensor.from_local(
+                _own_storage(local), mesh, shard_placements(mesh), run_check=False, shape=param.shape, stride=param.stride()
+            )
+        else:
+            dtensor = tp.sharded(_own_storage(local))
         sharded_params.append(nn.Parameter(dtensor, requires_grad=param.requires_grad))
         padded = unsharded_flat[
             slot.unsharded_offset : slot.unsharded_offset + world_size * slot.chunk_numel
         ]
         view = padded.view(world_size * rows, *slot.shape[1:])[: slot.shape[0]]
-        unsharded_params.append(nn.Parameter(view, requires_grad=param.requires_grad))
+        unsharded = view if tp is None else tp.unsharded(view)
+        unsharded_params.append(nn.Parameter(unsharded, requires_grad=param.requires_grad))
     unsharded_flat.untyped_storage().resize_(0)
     unit = UnitTensors(layout, shard, sharded_params, unsharded_flat, unsharded_params, owners)
     unit.swap_in(sharded_params)
     return unit
+
+
+def _data(param: torch.Tensor) -> torch.Tensor:
+    """A parameter's values as wrap lays them out: a DTensor's local tensor ([Note:
+    tensor-parallel parameters] in compose.py), a plain tensor itself."""
+    return param._local_tensor if isinstance(param, DTensor) else param
 
 
 def _own_storage(view: torch.Tensor) -> torch.Tensor:

@@ -62,6 +62,7 @@ class OverlapState:
         group = self.group = groups.shard  # all-gathers and reduce-scatters run here
         replicate_group = self.replicate_group = groups.replicate  # HSDP: reduced shards all-reduced here
         self.mesh = groups.mesh
+        self.tensor_group = groups.tensor  # TP: [Note: tensor-parallel parameters] in compose.py
         self.rank = dist.get_rank(group)  # rank within the shard group
         self.world_size = dist.get_world_size(group)  # shard group size
         self.num_replicas = 1 if replicate_group is None else dist.get_world_size(replicate_group)

@@ -13,9 +13,13 @@ import math
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
+
+if TYPE_CHECKING:
+    from overlap.engine.compose import TensorParallel
 
 # [Note: flat layout]
 # Every parameter is padded on dim 0 to `rows_per_rank * world_size` rows and cut into
@@ -49,6 +53,8 @@ class ParamInfo:
     shape: torch.Size
     requires_grad: bool
     dtype: torch.dtype | None = None  # None: not known (layouts built from shapes alone)
+    # a tensor-parallel DTensor: `shape` is its local tensor's ([Note: tensor-parallel parameters] in compose.py)
+    tensor_parallel: TensorParallel | None = None
 
 
 @dataclass(frozen=True)
@@ -65,6 +71,7 @@ class ParamSlot:
     shard_offset: int  # offset of this parameter's chunk in the shard buffer
     unsharded_offset: int  # offset of the padded full tensor in the unsharded buffer
     grad_offset: int  # offset of its chunk in the gradient shard; -1 when frozen
+    tensor_parallel: TensorParallel | None = None  # see ParamInfo
 
     @property
     def row_numel(self) -> int:
@@ -151,6 +158,7 @@ def make_layout(
                 shard_offset=shard_off,
                 unsharded_offset=shard_off * world_size,
                 grad_offset=grad_off if info.requires_grad else -1,
+                tensor_parallel=info.tensor_parallel,
             )
         )
         shard_off += padded

@@ -19,7 +19,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from overlap.config import OverlapConfig
-from overlap.engine import teardown
+from overlap.engine import compose, teardown
 from overlap.engine.checks import check_same_config, check_same_model
 from overlap.engine.groups import Groups, resolve_groups
 from overlap.engine.guard import remember_replaced
@@ -91,17 +91,22 @@ def wrap(
         device = model_device
     if not deferred and param_init_fn is not None:
         raise ValueError("overlap.wrap: param_init_fn is only used for meta-device models")
+    group = compose.data_parallel_mesh(group, model)  # the whole (dp, tp) mesh: its dp part
     pgs = resolve_groups(group, device, config.hybrid_mode)
-    group, mesh = pgs.shard, pgs.mesh
-    rank, world_size = dist.get_rank(group), dist.get_world_size(group)
     check_same_model(model, pgs.everyone, device)
     check_same_config(config, pgs.everyone, device)
+    # [Note: composition refusals] in compose.py: before anything is sharded, on every rank
+    compose.agree(compose.refusal(model, group, pgs.mesh, config, deferred), model, pgs.everyone, device)
+    composer = compose.Composer(pgs.mesh)
+    group, mesh = pgs.shard, pgs.mesh
+    rank, world_size = dist.get_rank(group), dist.get_world_size(group)
     check_settings(group, device, config.all_gather_impl)  # what the transport cannot honour
     source = _source_plan(pgs, device, config) if config.sync_module_states else None
 
     unit_fqns = find_unit_modules(model, config.unit_policy)
     modules = dict(model.named_modules())
-    params_of = params_by_unit_module(model, unit_fqns)
+    params_of = params_by_unit_module(model, unit_fqns, composer)
+    pgs = pgs._replace(tensor=composer.tensor_group())
     numels = {fqn: sum(math.prod(p.shape) for p in params_of[fqn]) for fqn in unit_fqns}
     groups = group_units(unit_fqns, numels, config.min_unit_numel)
 

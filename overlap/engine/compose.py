@@ -1,0 +1,282 @@
+"""Composition with tensor parallelism: parameters that arrive as DTensors placed over a tensor-
+parallel mesh dimension are sharded over the data-parallel dimension of the same mesh.
+
+[Note: tensor-parallel parameters]
+`parallelize_module(block, mesh["tp"], plan)` leaves each parameter a DTensor on the tp mesh,
+with one placement (Shard(d) or Replicate()). `wrap(model, group=mesh["dp"])` (or the whole mesh:
+its dimensions the parameters do not use are the data-parallel ones) shards each such parameter's
+*local tensor* over dp exactly as it shards a plain parameter ([Note: flat layout] in units.py):
+the unit's flat buffers, collectives, codecs and schedule never see a DTensor. Only three places
+do, as FSDP2's `FSDPParam` does (torch/distributed/fsdp/_fully_shard/_fsdp_param.py):
+
+- the sharded parameter the optimizer sees: a DTensor on the concatenated (dp, tp) mesh, with dp
+  placement Shard(0), or `_StridedShard(0, split_factor=tp shards on dim 0)` when tensor
+  parallelism shards dim 0 too (the dp rows are cut from the tp rows: FSDP2's placements, so
+  `full_tensor()`, DCP and the optimizer state are those of FSDP2);
+- the unsharded parameter forward uses: a DTensor on the tp mesh with the parameter's own
+  placement, whose local tensor is the view of the unit's unsharded buffer (the all-gather over
+  dp of the local shards);
+- its gradient, which autograd leaves as a DTensor (a Replicate() parameter's may be Partial()):
+  redistributed to the parameter's placement, then its local tensor is reduce-scattered over dp
+  (`grad_data`, FSDP2's `_get_grad_inner_tensor`).
+
+Plain parameters of such a model (a norm, a head) are sharded over dp as always (1-D DTensors on
+the dp mesh, FSDP2's too). Whatever this does not cover raises at wrap on every rank, naming the
+parameter ([Note: composition refusals]).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from torch.distributed.tensor.placement_types import _StridedShard
+
+from overlap.config import OverlapConfig
+from overlap.engine.actions import order_hash
+from overlap.transport import collectives as comm
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    """A tensor-parallel parameter as wrap found it, and the specs overlap gives it."""
+
+    spec: DTensorSpec  # the parameter's own: tp mesh, placement, global shape, stride and dtype
+    sharded_spec: DTensorSpec  # the optimizer's DTensor: (dp, tp) mesh with FSDP2's placements
+
+    @property
+    def local_shape(self) -> torch.Size:
+        """The shape of this rank's tensor-parallel local tensor: what overlap shards over dp."""
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        assert self.spec.tensor_meta is not None
+        shape, _ = compute_local_shape_and_global_offset(
+            self.spec.tensor_meta.shape, self.spec.mesh, self.spec.placements
+        )
+        return torch.Size(shape)
+
+    def sharded(self, local: torch.Tensor) -> DTensor:
+        """The optimizer's DTensor over this rank's rows of the tp local tensor."""
+        return DTensor(local, self.sharded_spec, requires_grad=False)  # type: ignore[call-arg]
+
+    def unsharded(self, local: torch.Tensor) -> DTensor:
+        """Forward's DTensor on the tp mesh over the gathered local tensor (of the gather dtype)."""
+        return DTensor(local, _with_dtype(self.spec, local.dtype), requires_grad=False)  # type: ignore[call-arg]
+
+
+def _with_dtype(spec: DTensorSpec, dtype: torch.dtype) -> DTensorSpec:
+    meta = spec.tensor_meta
+    assert meta is not None
+    if meta.dtype == dtype:
+        return spec
+    return DTensorSpec(spec.mesh, spec.placements, tensor_meta=TensorMeta(meta.shape, meta.stride, dtype))
+
+
+def grad_data(param: torch.Tensor, grad: torch.Tensor | None) -> torch.Tensor | None:
+    """The plain gradient the reduction copies in for `param` (an unsharded parameter): a DTensor
+    gradient redistributed to the parameter's placement (a Partial() one summed over tp), then
+    its local tensor ([Note: tensor-parallel parameters]); a plain gradient as it is."""
+    if not isinstance(grad, DTensor):
+        return grad
+    placements = param.placements  # type: ignore[attr-defined]
+    if grad.placements != placements:
+        grad = grad.redistribute(param.device_mesh, placements)  # type: ignore[attr-defined]
+    return grad._local_tensor
+
+
+def data_parallel_mesh(group: dist.ProcessGroup | DeviceMesh | None, model: nn.Module) -> dist.ProcessGroup | DeviceMesh | None:
+    """`group` as `resolve_groups` takes it: a mesh whose named dimensions include those of the
+    model's DTensor parameters becomes its other dimensions (the data-parallel ones); anything
+    else is returned as it is (and refused by `refusal` where it does not fit)."""
+    if not isinstance(group, DeviceMesh) or group.mesh_dim_names is None or group.ndim < 2:
+        return group
+    used: set[str] = set()
+    for _, param in _dtensor_params(model):
+        names = param.device_mesh.mesh_dim_names
+        if names is None:
+            return group
+        used.update(names)
+    names = group.mesh_dim_names
+    if not used or not used < set(names):
+        return group
+    return group[tuple(n for n in names if n not in used)]
+
+
+def _dtensor_params(model: nn.Module) -> list[tuple[str, DTensor]]:
+    return [(n, p) for n, p in model.named_parameters() if isinstance(p, DTensor)]
+
+
+def _describe(param: DTensor) -> str:
+    mesh = param.device_mesh
+    return (
+        f"placements {tuple(param.placements)} on mesh dims {mesh.mesh_dim_names} of shape "
+        f"{tuple(mesh.shape)}"
+    )
+
+
+# [Note: composition refusals]
+# Every combination not covered by [Note: tensor-parallel parameters] raises at wrap, before
+# anything is sharded, and on every rank with the same message: the verdict is computed on each
+# rank from the model, the group and the config, then agreed over the data-parallel group and the
+# parameters' mesh dimensions (`agree`), so a rank whose peers refuse refuses too, instead of
+# entering a collective they will never join (the issue's SIGSEGV on two ranks and
+# CollectiveError on the other two).
+_RECIPE = "wrap(model, group=mesh['dp']) after parallelize_module(block, mesh['tp'], plan)"
+
+
+def refusal(
+    model: nn.Module,
+    group: dist.ProcessGroup | DeviceMesh | None,
+    dp_mesh: DeviceMesh,
+    config: OverlapConfig,
+    deferred: bool,
+) -> str | None:
+    """Why overlap cannot shard this model's DTensor parameters over `dp_mesh` (what `group`
+    resolved to), or None when it can (or when there are none)."""
+    params = _dtensor_params(model)
+    if not params:
+        return None
+    name, first = params[0]
+    where = f"parameter {name!r} is a DTensor ({_describe(first)})"
+    if not isinstance(group, DeviceMesh):
+        return (
+            f"overlap.wrap: {where}, and `group` is {'None' if group is None else 'a ProcessGroup'}: "
+            "overlap shards tensor-parallel parameters over the data-parallel dimension of their "
+            f"own mesh; pass that dimension, as in {_RECIPE}"
+        )
+    for name, param in params:
+        problem = _param_refusal(param, dp_mesh)
+        if problem is not None:
+            return f"overlap.wrap: parameter {name!r} is a DTensor ({_describe(param)}): {problem}"
+    if dp_mesh.ndim != 1:
+        return (
+            f"overlap.wrap: {where}, and the data-parallel part of `group` is {dp_mesh.ndim}-D "
+            f"{dp_mesh.mesh_dim_names}: HSDP x TP (replicate x shard x tp) is not supported yet; "
+            f"shard over one data-parallel dimension, as in {_RECIPE}"
+        )
+    if deferred:
+        return (
+            f"overlap.wrap: {where} on the meta device: deferred init of tensor-parallel "
+            "parameters is not supported; materialize the model (e.g. to_empty + init on the "
+            f"device) before parallelize_module, then {_RECIPE}"
+        )
+    problem = _config_refusal(config)
+    if problem is not None:
+        return f"overlap.wrap: {where}, and {problem}"
+    return None
+
+
+def _config_refusal(config: OverlapConfig) -> str | None:
+    if config.hybrid_mode == "secondary":
+        return "hybrid_mode='secondary' (hpZ) is not supported with tensor parallelism; use the default"
+    for field in ("param_compression", "grad_compression"):
+        if getattr(config, field) is not None:
+            return (
+                f"{field}={getattr(config, field)!r} is not supported with tensor parallelism yet "
+                f"(not verified against FSDP2); set {field}=None"
+            )
+    return None
+
+
+def _param_refusal(param: DTensor, dp_mesh: DeviceMesh) -> str | None:
+    mesh, placements = param.device_mesh, param.placements
+    if mesh.mesh_dim_names is None or dp_mesh.mesh_dim_names is None:
+        return (
+            "overlap needs named mesh dimensions to tell data from tensor parallelism; build the "
+            "mesh with init_device_mesh(..., mesh_dim_names=('dp', 'tp'))"
+        )
+    shared = set(mesh.mesh_dim_names) & set(dp_mesh.mesh_dim_names)
+    if shared:
+        return (
+            f"it is already distributed over the data-parallel dimension {sorted(shared)} that "
+            "overlap shards over (fully_shard or distribute_tensor on it?); give overlap the plain "
+            "or tensor-parallel parameter and let it shard over dp"
+        )
+    if mesh.ndim != 1:
+        return (
+            f"only 1-D tensor parallelism is supported, not a {mesh.ndim}-D placement; place it "
+            "over one tp dimension"
+        )
+    (placement,) = placements
+    if type(placement) not in (Shard, Replicate):
+        return (
+            f"placement {placement} is not supported (only Shard(d) and Replicate()); "
+            "redistribute the parameter to Shard or Replicate before wrap"
+        )
+    if param.dim() == 0:
+        return "a 0-dim tensor-parallel parameter is not supported; make it a plain tensor"
+    if isinstance(placement, Shard) and param.shape[placement.dim] % mesh.size() != 0:
+        return (
+            f"dim {placement.dim} of size {param.shape[placement.dim]} is sharded unevenly over "
+            f"{mesh.size()} tp ranks, which overlap does not support; pad it to a multiple"
+        )
+    try:
+        DeviceMesh._concatenate([dp_mesh, mesh])
+    except RuntimeError as error:
+        return (
+            f"its mesh and the data-parallel mesh {dp_mesh.mesh_dim_names} do not form one mesh "
+            f"({error}); take both from the same init_device_mesh, as in {_RECIPE}"
+        )
+    return None
+
+
+class Composer:
+    """Builds each DTensor parameter's `TensorParallel` for one `dp_mesh` (one concatenated mesh
+    per tp mesh)."""
+
+    def __init__(self, dp_mesh: DeviceMesh) -> None:
+        self.dp_mesh = dp_mesh
+        self._meshes: dict[int, tuple[DeviceMesh, DeviceMesh]] = {}  # id(tp mesh) -> (tp, dp x tp)
+
+    def __call__(self, param: torch.Tensor) -> TensorParallel | None:
+        if not isinstance(param, DTensor):
+            return None
+        spec = param._spec
+        kept = self._meshes.get(id(spec.mesh))
+        if kept is None:
+            kept = self._meshes[id(spec.mesh)] = (spec.mesh, DeviceMesh._concatenate([self.dp_mesh, spec.mesh]))
+        spmd_mesh = kept[1]
+        split = spec.num_shards_map[0]
+        dp_placement = _StridedShard(0, split_factor=split) if split > 1 else Shard(0)
+        sharded = DTensorSpec(spmd_mesh, (dp_placement, *spec.placements), tensor_meta=spec.tensor_meta)
+        return TensorParallel(spec, sharded)
+
+    def tensor_group(self) -> dist.ProcessGroup | None:
+        """The tensor-parallel group of the parameters (one tp mesh), None without any."""
+        groups = {id(tp): tp.get_group() for tp, _ in self._meshes.values()}
+        assert len(groups) <= 1, f"rank {dist.get_rank()}: parameters on several tp meshes"
+        return next(iter(groups.values()), None)
+
+
+def agree(problem: str | None, model: nn.Module, everyone: dist.ProcessGroup, device: torch.device) -> None:
+    """Raise `problem` on every rank, or a disagreement on every rank whose peers differ
+    ([Note: composition refusals]); nothing when every rank has none.
+
+    The verdict's hash is gathered over `everyone` (the data-parallel ranks), then the hash of
+    that list over each dimension of the first DTensor parameter's mesh: every rank sees every
+    data-parallel group's list, so all take the same branch."""
+    params = _dtensor_params(model)
+    if not params:
+        return  # no DTensor: nothing was refused, nothing new to agree on
+    mine = order_hash((problem or "",))
+    hashes = comm.all_gather_int(mine, everyone, device)  # type: ignore[arg-type]
+    summary = order_hash(tuple(hashes))
+    mesh = params[0][1].device_mesh
+    seen = [hashes]
+    if mesh.get_coordinate() is not None:
+        for dim in range(mesh.ndim):
+            seen.append(comm.all_gather_int(summary, mesh.get_group(dim), device))  # type: ignore[arg-type]
+    if all(len(set(h)) == 1 for h in seen):
+        if problem is not None:
+            raise ValueError(problem)
+        return
+    raise ValueError(
+        "overlap.wrap: ranks disagree on whether this tensor-parallel model can be wrapped "
+        f"(verdict hashes {seen}); on rank {dist.get_rank()}: {problem or 'supported'}. Build the "
+        "same model, mesh and config on every rank."
+    )
