@@ -144,3 +144,110 @@ def test_fsdp_x_tp_matches_fsdp2(world4):
         assert not result["params"], result["params"]
         assert not result["state"], result["state"]
         assert not result["full"], result["full"]
+
+
+class _One(nn.Module):
+    """A module holding one given parameter (and a plain layer, so wrap has units)."""
+
+    def __init__(self, param: torch.Tensor) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(param)
+        self.plain = nn.Linear(4, 4)
+
+
+def _refusals(mesh: DeviceMesh) -> dict[str, tuple]:
+    """Case -> (model builder, wrap kwargs, substrings the message must hold)."""
+    tp = mesh["tp"]
+    from torch.distributed.tensor import Partial
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    def dtensor(local: torch.Tensor, on: DeviceMesh, placement) -> DTensor:
+        return DTensor.from_local(local, on, [placement], run_check=False)
+
+    # the same ranks as mesh, laid out the other way: its tp rows are mesh's dp columns
+    other = DeviceMesh("cpu", mesh.mesh.t().contiguous(), mesh_dim_names=("dp", "tp"))
+    cube = init_device_mesh("cpu", (1, 2, 2), mesh_dim_names=("rep", "ep", "tp"))
+    unnamed = DeviceMesh.from_group(tp.get_group(), "cpu")
+    dp = {"group": mesh["dp"]}
+    name = "'layers.0.up.weight'"
+    return {
+        "group None": (lambda: _tp_model(mesh), {"group": None}, [name, "`group` is None", "mesh['dp']"]),
+        "group ProcessGroup": (lambda: _tp_model(mesh), {"group": dist.group.WORLD}, [name, "a ProcessGroup"]),
+        "already on dp": (
+            lambda: _One(distribute_tensor(torch.randn(4, 4), mesh["dp"], [Shard(0)])),
+            dp,
+            ["'weight'", "already distributed over the data-parallel dimension ['dp']"],
+        ),
+        "2-D tp": (
+            lambda: _One(DTensor.from_local(torch.randn(2, 2), cube["ep", "tp"], [Shard(0), Shard(1)], run_check=False)),
+            {"group": cube["rep"]},
+            ["'weight'", "only 1-D tensor parallelism"],
+        ),
+        "Partial": (lambda: _One(dtensor(torch.randn(4, 4), tp, Partial())), dp, ["'weight'", "Partial", "not supported"]),
+        "StridedShard": (
+            lambda: _One(dtensor(torch.randn(2, 4), tp, _StridedShard(0, split_factor=2))),
+            dp,
+            ["'weight'", "_StridedShard", "not supported"],
+        ),
+        "0-dim": (lambda: _One(distribute_tensor(torch.tensor(1.0), tp, [Replicate()])), dp, ["'weight'", "0-dim"]),
+        "uneven": (
+            lambda: _One(distribute_tensor(torch.randn(5, 4), tp, [Shard(0)])),
+            dp,
+            ["'weight'", "dim 0 of size 5 is sharded unevenly over 2 tp ranks"],
+        ),
+        "another mesh": (
+            lambda: _One(distribute_tensor(torch.randn(4, 4), other["tp"], [Shard(0)])),
+            dp,
+            ["'weight'", "do not form one mesh"],
+        ),
+        "unnamed": (
+            lambda: _One(distribute_tensor(torch.randn(4, 4), unnamed, [Shard(0)])),
+            dp,
+            ["'weight'", "named mesh dimensions"],
+        ),
+        "HSDP x TP": (
+            lambda: _One(distribute_tensor(torch.randn(4, 4), cube["tp"], [Shard(0)])),
+            {"group": cube},
+            ["'weight'", "HSDP x TP"],
+        ),
+        "meta": (
+            lambda: _One(DTensor.from_local(torch.empty(2, 4, device="meta"), tp, [Shard(0)], run_check=False)).to_empty(
+                device="meta"
+            ),
+            dp,
+            ["'weight'", "meta device"],
+        ),
+        "param codec": (lambda: _tp_model(mesh), {**dp, "param_compression": "int8"}, [name, "param_compression='int8'"]),
+        "grad codec": (lambda: _tp_model(mesh), {**dp, "grad_compression": "int8"}, [name, "grad_compression='int8'"]),
+        "hpZ": (lambda: _tp_model(mesh), {**dp, "hybrid_mode": "secondary"}, [name, "hybrid_mode='secondary'"]),
+    }
+
+
+def check_refusals(rank: int, world_size: int) -> dict[str, tuple[str | None, list[str]]]:
+    """Per case: the message wrap raised (None: it did not) and the expected words it lacks."""
+    mesh = _mesh()
+    out: dict[str, tuple[str | None, list[str]]] = {}
+    for case, (build, kwargs, needles) in _refusals(mesh).items():
+        try:
+            overlap.wrap(build(), **kwargs)
+            out[case] = (None, needles)
+        except ValueError as error:
+            out[case] = (str(error), [n for n in needles if n not in str(error)])
+    # ranks that disagree: the second dp group (tp coordinate 1) alone asks for a codec
+    codec = "int8" if mesh["tp"].get_local_rank() == 1 else None
+    try:
+        overlap.wrap(_tp_model(mesh), group=mesh["dp"], param_compression=codec)
+        out["disagree"] = (None, [])
+    except ValueError as error:
+        out["disagree"] = (str(error), [] if "ranks disagree" in str(error) else ["ranks disagree"])
+    return out
+
+
+def test_unsupported_compositions_raise_at_wrap_on_every_rank(world4):
+    results = world4.run(check_refusals, timeout_s=240)
+    for case in results[0]:
+        messages = [r[case][0] for r in results]
+        assert all(m is not None for m in messages), (case, messages)
+        assert all(not r[case][1] for r in results), (case, [r[case] for r in results])
+        if case != "disagree":
+            assert len(set(messages)) == 1, (case, messages)  # the same error on every rank

@@ -130,14 +130,10 @@ _RECIPE = "wrap(model, group=mesh['dp']) after parallelize_module(block, mesh['t
 
 
 def refusal(
-    model: nn.Module,
-    group: dist.ProcessGroup | DeviceMesh | None,
-    dp_mesh: DeviceMesh,
-    config: OverlapConfig,
-    deferred: bool,
+    model: nn.Module, group: dist.ProcessGroup | DeviceMesh | None, config: OverlapConfig, deferred: bool
 ) -> str | None:
-    """Why overlap cannot shard this model's DTensor parameters over `dp_mesh` (what `group`
-    resolved to), or None when it can (or when there are none)."""
+    """Why overlap cannot shard this model's DTensor parameters over `group` (as
+    `data_parallel_mesh` returned it), or None when it can (or when there are none)."""
     params = _dtensor_params(model)
     if not params:
         return None
@@ -149,6 +145,7 @@ def refusal(
             "overlap shards tensor-parallel parameters over the data-parallel dimension of their "
             f"own mesh; pass that dimension, as in {_RECIPE}"
         )
+    dp_mesh = group
     for name, param in params:
         problem = _param_refusal(param, dp_mesh)
         if problem is not None:
@@ -253,24 +250,33 @@ class Composer:
         return next(iter(groups.values()), None)
 
 
-def agree(problem: str | None, model: nn.Module, everyone: dist.ProcessGroup, device: torch.device) -> None:
+def agree(
+    problem: str | None, model: nn.Module, group: dist.ProcessGroup | DeviceMesh | None, device: torch.device
+) -> None:
     """Raise `problem` on every rank, or a disagreement on every rank whose peers differ
-    ([Note: composition refusals]); nothing when every rank has none.
+    ([Note: composition refusals]); nothing when every rank has none. Runs before
+    `resolve_groups`, which may itself enter collectives that only an agreed group can pair.
 
-    The verdict's hash is gathered over `everyone` (the data-parallel ranks), then the hash of
-    that list over each dimension of the first DTensor parameter's mesh: every rank sees every
-    data-parallel group's list, so all take the same branch."""
+    The verdict's hash is gathered over `group` (each dimension of a mesh), then the hash of
+    what was gathered over each dimension of the first DTensor parameter's mesh: as in a
+    hierarchical all-reduce, every rank of the (dp, tp) grid sees every rank's verdict folded
+    in, so all take the same branch."""
     params = _dtensor_params(model)
     if not params:
         return  # no DTensor: nothing was refused, nothing new to agree on
-    mine = order_hash((problem or "",))
-    hashes = comm.all_gather_int(mine, everyone, device)  # type: ignore[arg-type]
-    summary = order_hash(tuple(hashes))
+    if isinstance(group, DeviceMesh):
+        stages = [group.get_group(dim) for dim in range(group.ndim)]
+    else:
+        stages = [group if group is not None else dist.group.WORLD]
     mesh = params[0][1].device_mesh
-    seen = [hashes]
     if mesh.get_coordinate() is not None:
-        for dim in range(mesh.ndim):
-            seen.append(comm.all_gather_int(summary, mesh.get_group(dim), device))  # type: ignore[arg-type]
+        stages += [mesh.get_group(dim) for dim in range(mesh.ndim)]
+    summary = order_hash((problem or "",))
+    seen = []
+    for stage in stages:
+        hashes = comm.all_gather_int(summary, stage, device)  # type: ignore[arg-type]
+        seen.append(hashes)
+        summary = order_hash(tuple(hashes))
     if all(len(set(h)) == 1 for h in seen):
         if problem is not None:
             raise ValueError(problem)

@@ -92,11 +92,11 @@ def wrap(
     if not deferred and param_init_fn is not None:
         raise ValueError("overlap.wrap: param_init_fn is only used for meta-device models")
     group = compose.data_parallel_mesh(group, model)  # the whole (dp, tp) mesh: its dp part
+    # [Note: composition refusals] in compose.py: before any group is made, on every rank
+    compose.agree(compose.refusal(model, group, config, deferred), model, group, device)
     pgs = resolve_groups(group, device, config.hybrid_mode)
     check_same_model(model, pgs.everyone, device)
     check_same_config(config, pgs.everyone, device)
-    # [Note: composition refusals] in compose.py: before anything is sharded, on every rank
-    compose.agree(compose.refusal(model, group, pgs.mesh, config, deferred), model, pgs.everyone, device)
     composer = compose.Composer(pgs.mesh)
     group, mesh = pgs.shard, pgs.mesh
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
