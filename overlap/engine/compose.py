@@ -165,7 +165,18 @@ def refusal(
     problem = _config_refusal(config)
     if problem is not None:
         return f"overlap.wrap: {where}, and {problem}"
+    compiled = next((n for n, m in model.named_modules() if _is_compiled(m)), None)
+    if compiled is not None:
+        return (
+            f"overlap.wrap: {where}, and module {compiled or '<root>'!r} is compiled "
+            "(torch.compile / module.compile()): not verified with tensor parallelism yet; "
+            "compile after a run without it, or leave the blocks eager"
+        )
     return None
+
+
+def _is_compiled(module: nn.Module) -> bool:
+    return getattr(module, "_compiled_call_impl", None) is not None or hasattr(module, "_orig_mod")
 
 
 def _config_refusal(config: OverlapConfig) -> str | None:
