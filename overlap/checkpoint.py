@@ -340,8 +340,9 @@ def _copy_into_model(model: nn.Module, loaded: dict[str, Any]) -> None:
 
 def _dcp_group(state: OverlapState) -> dist.ProcessGroup | None:
     # DCP gathers every rank's plan to a coordinator: it must span every rank holding a shard.
-    # A 1-D mesh is the model's group; for an N-D mesh (HSDP) the default (world) group is used.
-    return state.group if state.mesh.ndim == 1 else None
+    # A 1-D mesh is the model's group; for an N-D mesh (HSDP), or tensor-parallel parameters
+    # (their shards span dp x tp), the default (world) group is used.
+    return state.group if state.mesh.ndim == 1 and state.tensor_group is None else None
 
 
 def _broadcast_token(group: dist.ProcessGroup | None, rank: int) -> str:

@@ -320,3 +320,73 @@ def test_unsupported_compositions_raise_at_wrap_on_every_rank(world4):
         assert all(not r[case][1] for r in results), (case, [r[case] for r in results])
         if case != "disagree":
             assert len(set(messages)) == 1, (case, messages)  # the same error on every rank
+
+
+def _train(model: nn.Module, mesh: DeviceMesh, steps: int) -> torch.optim.Optimizer:
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for step in range(steps):
+        _backward(model, mesh, step)
+        opt.step()
+        opt.zero_grad()
+    return opt
+
+
+def _full(model: nn.Module, opt: torch.optim.Optimizer | None = None) -> dict[str, torch.Tensor]:
+    """Every parameter (and AdamW moment) as a full tensor: the same on every rank."""
+    out = {}
+    for name, p in model.named_parameters():
+        out[name] = p.full_tensor().detach() if isinstance(p, DTensor) else p.detach().clone()
+        for key in ("exp_avg", "exp_avg_sq") if opt is not None else ():
+            value = opt.state[p][key]
+            out[f"{name}.{key}"] = value.full_tensor() if isinstance(value, DTensor) else value.clone()
+    return out
+
+
+def check_checkpoint(rank: int, world_size: int, root: str) -> dict[str, list[str]]:
+    """Save on the (dp=2, tp=2) mesh; load into overlap on the same mesh, on (dp=1, tp=4) and
+    on dp=4 without tensor parallelism, and into FSDP2 on the same mesh: every full parameter
+    and AdamW moment equal to the saved ones."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+    mesh = _mesh()
+    model = overlap.wrap(_tp_model(mesh), group=mesh["dp"])
+    opt = _train(model, mesh, 2)
+    saved = _full(model, opt)
+    path = overlap.checkpoint.save(root, model, opt, step=2)
+    out: dict[str, list[str]] = {}
+
+    def compare(case: str, other: nn.Module, other_opt: torch.optim.Optimizer) -> None:
+        got = _full(other, other_opt)
+        out[case] = [name for name, value in saved.items() if not torch.equal(got[name], value)]
+
+    same = overlap.wrap(_tp_model(mesh), group=mesh["dp"])
+    same_opt = _train(same, mesh, 1)  # other values and state, overwritten by the load
+    overlap.checkpoint.load(path, same, same_opt)
+    compare("same mesh", same, same_opt)
+
+    wide = init_device_mesh("cpu", (1, 4), mesh_dim_names=("dp", "tp"))
+    other = overlap.wrap(_tp_model(wide), group=wide["dp"])
+    other_opt = _train(other, wide, 1)
+    overlap.checkpoint.load(path, other, other_opt)
+    compare("dp=1, tp=4", other, other_opt)
+
+    torch.manual_seed(0)
+    plain = overlap.wrap(Net())
+    plain_opt = _train(plain, mesh, 1)
+    overlap.checkpoint.load(path, plain, plain_opt)
+    compare("dp=4, no tp", plain, plain_opt)
+
+    ref = _fsdp2(mesh)
+    ref_opt = _train(ref, mesh, 1)
+    state = {"model": ref.state_dict(), "optim": get_optimizer_state_dict(ref, ref_opt)}
+    dcp.load(state, checkpoint_id=str(path))
+    ref.load_state_dict(state["model"])
+    set_optimizer_state_dict(ref, ref_opt, state["optim"])
+    compare("FSDP2, same mesh", ref, ref_opt)
+    return out
+
+
+def test_checkpoint_reshards_across_dp_and_tp(world4, tmp_path):
+    for rank, result in enumerate(world4.run(check_checkpoint, timeout_s=150, root=str(tmp_path))):
+        assert not any(result.values()), (rank, result)

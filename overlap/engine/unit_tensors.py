@@ -114,7 +114,8 @@ class UnitTensors:
         for slot, old in zip(self.layout.slots, self.unsharded_params):
             assert slot.chunk_numel == slot.numel, f"{self.layout.label}: only one rank's layout aliases"
             view = self.shard[slot.shard_offset : slot.shard_offset + slot.numel].view(slot.shape)
-            params.append(nn.Parameter(view, requires_grad=old.requires_grad))
+            tp = slot.tensor_parallel  # [Note: tensor-parallel parameters] in compose.py
+            params.append(nn.Parameter(view if tp is None else tp.unsharded(view), requires_grad=old.requires_grad))
         self.unsharded_params = params
         self.aliased = True
         self._plan_grads()
