@@ -45,11 +45,12 @@ def full_state_dict(model: nn.Module, rank0_only: bool = True) -> dict[str, torc
     state = state_of(model)
     check_deferred(state, "overlap.full_state_dict")
     own = model.state_dict()
-    if not rank0_only:
-        return {
+    if not rank0_only or state.tensor_group is not None:  # TP: see _load_tensor_parallel
+        full = {
             name: (value.full_tensor() if isinstance(value, DTensor) else value).detach().cpu().clone()
             for name, value in own.items()
         }
+        return full if not rank0_only or _is_tp_source(state) else {}
     plan = _plan(state)
     if not plan.in_source_row:
         return {}
@@ -87,6 +88,9 @@ def load_full_state_dict(
     """
     state = state_of(model)
     own = model.state_dict()
+    if state.tensor_group is not None:
+        _load_tensor_parallel(state, own, state_dict, strict, rank0_only)
+        return
     if not rank0_only:
         if state_dict is None:
             raise ValueError("load_full_state_dict: rank0_only=False needs the full state_dict on every rank")
@@ -211,3 +215,65 @@ def _load_own_rows(state: OverlapState, own: dict[str, Any], state_dict: Mapping
             local.copy_(source[start : start + local.shape[0]])
         else:
             target.copy_(source)
+
+
+# [Note: full state dicts with tensor parallelism]
+# A tensor-parallel model's sharded parameters are DTensors on the (dp, tp) mesh ([Note:
+# tensor-parallel parameters] in engine/compose.py), so a unit's gathered shards are tp-local
+# tensors, not full ones. Exporting takes each parameter's `full_tensor()` (one at a time, on every
+# rank, kept on the source: dp rank 0 and tp rank 0); loading sends each tensor from the source
+# down the tp group, then down each dp group, and every rank cuts its local rows out of the full
+# tensor by its own placements (`distribute_tensor` without communication). Simpler than the
+# unit-by-unit scatter of the plain path, and holding one full tensor at a time on every rank.
+
+
+def _is_tp_source(state: OverlapState) -> bool:
+    assert state.tensor_group is not None
+    return dist.get_rank(state.group) == 0 and dist.get_rank(state.tensor_group) == 0
+
+
+def _from_tp_source(state: OverlapState, tensor: torch.Tensor) -> None:
+    """Overwrite `tensor` with the source's: down its tp group, then down every dp group."""
+    if dist.get_rank(state.group) == 0:
+        dist.broadcast(tensor, group=state.tensor_group, group_src=0)
+    dist.broadcast(tensor, group=state.group, group_src=0)
+
+
+def _share_from_tp_source(state: OverlapState, obj: Any) -> Any:
+    box = [obj]
+    if dist.get_rank(state.group) == 0:
+        dist.broadcast_object_list(box, group=state.tensor_group, group_src=0)
+    dist.broadcast_object_list(box, group=state.group, group_src=0)
+    return box[0]
+
+
+def _load_tensor_parallel(
+    state: OverlapState, own: dict[str, Any], state_dict: Mapping[str, Any] | None, strict: bool, rank0_only: bool
+) -> None:
+    """load_full_state_dict of a tensor-parallel model ([Note: full state dicts with tensor
+    parallelism])."""
+    from torch.distributed.tensor import distribute_tensor
+
+    source = _is_tp_source(state)
+    if rank0_only:
+        error, present = _share_from_tp_source(state, _check(own, state_dict, strict) if source else None)
+    elif state_dict is None:
+        raise ValueError("load_full_state_dict: rank0_only=False needs the full state_dict on every rank")
+    else:
+        error, present = _check(own, state_dict, strict)
+    if error is not None:
+        raise ValueError(f"load_full_state_dict{' (checked on the source rank)' if rank0_only else ''}: {error}")
+    for name in present:
+        target = own[name]
+        if not rank0_only or source:
+            assert state_dict is not None
+            value = state_dict[name].to(device=target.device, dtype=target.dtype)
+        else:
+            value = torch.empty(target.shape, dtype=target.dtype, device=target.device)
+        if rank0_only:
+            _from_tp_source(state, value)
+        if isinstance(target, DTensor):
+            local = distribute_tensor(value, target.device_mesh, target.placements, src_data_rank=None)
+            target.to_local().copy_(local.to_local())
+        else:
+            target.copy_(value)

@@ -390,3 +390,34 @@ def check_checkpoint(rank: int, world_size: int, root: str) -> dict[str, list[st
 def test_checkpoint_reshards_across_dp_and_tp(world4, tmp_path):
     for rank, result in enumerate(world4.run(check_checkpoint, timeout_s=150, root=str(tmp_path))):
         assert not any(result.values()), (rank, result)
+
+
+def check_full_state_dict(rank: int, world_size: int) -> dict[str, list[str]]:
+    """full_state_dict on rank 0 holds every full parameter (FSDP2's full_tensor()); loading it
+    (from rank 0, or from every rank) into a freshly wrapped model gives the same parameters."""
+    mesh = _mesh()
+    model = overlap.wrap(_tp_model(mesh), group=mesh["dp"])
+    _train(model, mesh, 1)
+    want = _full(model)
+    exported = overlap.full_state_dict(model)
+    everywhere = overlap.full_state_dict(model, rank0_only=False)
+    out = {
+        "exported": [] if (rank == 0) == bool(exported) else ["rank 0 only"],
+        "everywhere": [n for n, v in want.items() if not torch.equal(everywhere[n], v)],
+    }
+    if rank == 0:
+        out["exported"] += [n for n, v in want.items() if not torch.equal(exported[n], v)]
+    plain = Net()
+    plain.load_state_dict(everywhere)  # what the unwrapped model accepts
+    for rank0_only in (True, False):
+        fresh = overlap.wrap(_tp_model(mesh), group=mesh["dp"])
+        _train(fresh, mesh, 2)
+        overlap.load_full_state_dict(fresh, exported if rank0_only else everywhere, rank0_only=rank0_only)
+        got = _full(fresh)
+        out[f"loaded, rank0_only={rank0_only}"] = [n for n, v in want.items() if not torch.equal(got[n], v)]
+    return out
+
+
+def test_full_state_dict_round_trip(world4):
+    for rank, result in enumerate(world4.run(check_full_state_dict, timeout_s=120)):
+        assert not any(result.values()), (rank, result)
