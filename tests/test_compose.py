@@ -33,10 +33,10 @@ _MESH: list[DeviceMesh] = []  # per rank: one mesh for every check (each builds 
 
 
 class Block(nn.Module):
-    def __init__(self, checkpointed: bool = False) -> None:
+    def __init__(self, checkpointed: bool = False, hidden: int = 4 * DIM) -> None:
         super().__init__()
-        self.up = nn.Linear(DIM, 4 * DIM)
-        self.down = nn.Linear(4 * DIM, DIM)
+        self.up = nn.Linear(DIM, hidden)
+        self.down = nn.Linear(hidden, DIM)
         self.checkpointed = checkpointed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -49,9 +49,9 @@ class Block(nn.Module):
 
 
 class Net(nn.Module):
-    def __init__(self, checkpointed: bool = False) -> None:
+    def __init__(self, checkpointed: bool = False, hidden: int = 4 * DIM) -> None:
         super().__init__()
-        self.layers = nn.ModuleList(Block(checkpointed) for _ in range(3))
+        self.layers = nn.ModuleList(Block(checkpointed, hidden) for _ in range(3))
         self.head = nn.Linear(DIM, DIM)  # plain: sharded over dp only
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -66,19 +66,19 @@ def _mesh() -> DeviceMesh:
     return _MESH[0]
 
 
-def _tp_model(mesh: DeviceMesh, checkpointed: bool = False) -> Net:
+def _tp_model(mesh: DeviceMesh, checkpointed: bool = False, hidden: int = 4 * DIM) -> Net:
     torch.manual_seed(0)
-    model = Net(checkpointed)
+    model = Net(checkpointed, hidden)
     for block in model.layers:
         parallelize_module(block, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
     return model
 
 
-def _fsdp2(mesh: DeviceMesh, checkpointed: bool = False, mixed: bool = False) -> Net:
+def _fsdp2(mesh: DeviceMesh, checkpointed: bool = False, mixed: bool = False, hidden: int = 4 * DIM) -> Net:
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed else MixedPrecisionPolicy()
-    model = _tp_model(mesh, checkpointed)
+    model = _tp_model(mesh, checkpointed, hidden)
     for block in model.layers:
         fully_shard(block, mesh=mesh["dp"], mp_policy=policy)
     fully_shard(model, mesh=mesh["dp"], mp_policy=policy)
@@ -147,6 +147,8 @@ VARIANTS: dict[str, dict] = {
     "bf16 params, fp32 reduce, no_sync": {"mixed": True, "no_sync": True},
     "activation checkpointing": {"checkpointed": True},
     "clip": {"clip": 0.05},
+    # 66 hidden: 33 tp-local rows of `up`, cut 17 + 16 over dp (the last dp chunk padded)
+    "uneven dp rows": {"hidden": 4 * DIM + 2},
 }
 
 
@@ -157,10 +159,11 @@ def check_parity(rank: int, world_size: int, variant: dict) -> dict:
     group = mesh if options.pop("group", "dp") == "mesh" else mesh["dp"]
     checkpointed, mixed = options.pop("checkpointed", False), options.pop("mixed", False)
     no_sync, clip = options.pop("no_sync", False), options.pop("clip", None)
+    hidden = options.pop("hidden", 4 * DIM)
     if mixed:
         options.update(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    ours = overlap.wrap(_tp_model(mesh, checkpointed), group=group, **options)
-    ref = _fsdp2(mesh, checkpointed, mixed)
+    ours = overlap.wrap(_tp_model(mesh, checkpointed, hidden), group=group, **options)
+    ref = _fsdp2(mesh, checkpointed, mixed, hidden)
     out: dict = {"layout": _differences(ours, ref), "losses": [], "norms": [], "params": []}
     opt = torch.optim.AdamW(ours.parameters(), lr=1e-2)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
@@ -226,6 +229,15 @@ def _compiled_model() -> Net:
     return model
 
 
+def _two_meshes(cube: DeviceMesh):
+    def build() -> nn.Module:
+        model = _One(distribute_tensor(torch.randn(4, 4), cube["tp"], [Shard(0)]))
+        model.extra = nn.Parameter(distribute_tensor(torch.randn(4, 4), cube["ep"], [Shard(0)]))
+        return model
+
+    return build
+
+
 def _refusals(mesh: DeviceMesh) -> dict[str, tuple]:
     """Case -> (model builder, wrap kwargs, substrings the message must hold)."""
     tp = mesh["tp"]
@@ -254,6 +266,7 @@ def _refusals(mesh: DeviceMesh) -> dict[str, tuple]:
             {"group": cube["rep"]},
             ["'weight'", "only 1-D tensor parallelism"],
         ),
+        "two meshes": (_two_meshes(cube), {"group": cube["rep"]}, ["'weight'", "'extra'", "several meshes"]),
         "Partial": (lambda: _One(dtensor(torch.randn(4, 4), tp, Partial())), dp, ["'weight'", "Partial", "not supported"]),
         "StridedShard": (
             lambda: _One(dtensor(torch.randn(2, 4), tp, _StridedShard(0, split_factor=2))),

@@ -150,6 +150,14 @@ def refusal(
         problem = _param_refusal(param, dp_mesh)
         if problem is not None:
             return f"overlap.wrap: parameter {name!r} is a DTensor ({_describe(param)}): {problem}"
+    other = next(((n, p) for n, p in params if p.device_mesh != first.device_mesh), None)
+    if other is not None:
+        return (
+            f"overlap.wrap: {where}, and parameter {other[0]!r} is one on another mesh "
+            f"({_describe(other[1])}): tensor-parallel parameters on several meshes (expert "
+            "parallelism beside tensor parallelism) are not supported yet; place them over one tp "
+            "dimension"
+        )
     if dp_mesh.ndim != 1:
         return (
             f"overlap.wrap: {where}, and the data-parallel part of `group` is {dp_mesh.ndim}-D "
@@ -239,16 +247,15 @@ class Composer:
 
     def __init__(self, dp_mesh: DeviceMesh) -> None:
         self.dp_mesh = dp_mesh
-        self._meshes: dict[int, tuple[DeviceMesh, DeviceMesh]] = {}  # id(tp mesh) -> (tp, dp x tp)
+        self._meshes: dict[DeviceMesh, DeviceMesh] = {}  # tp mesh (by value) -> the (dp, tp) mesh
 
     def __call__(self, param: torch.Tensor) -> TensorParallel | None:
         if not isinstance(param, DTensor):
             return None
         spec = param._spec
-        kept = self._meshes.get(id(spec.mesh))
-        if kept is None:
-            kept = self._meshes[id(spec.mesh)] = (spec.mesh, DeviceMesh._concatenate([self.dp_mesh, spec.mesh]))
-        spmd_mesh = kept[1]
+        spmd_mesh = self._meshes.get(spec.mesh)
+        if spmd_mesh is None:
+            spmd_mesh = self._meshes[spec.mesh] = DeviceMesh._concatenate([self.dp_mesh, spec.mesh])
         split = spec.num_shards_map[0]
         dp_placement = _StridedShard(0, split_factor=split) if split > 1 else Shard(0)
         sharded = DTensorSpec(spmd_mesh, (dp_placement, *spec.placements), tensor_meta=spec.tensor_meta)
@@ -256,9 +263,8 @@ class Composer:
 
     def tensor_group(self) -> dist.ProcessGroup | None:
         """The tensor-parallel group of the parameters (one tp mesh), None without any."""
-        groups = {id(tp): tp.get_group() for tp, _ in self._meshes.values()}
-        assert len(groups) <= 1, f"rank {dist.get_rank()}: parameters on several tp meshes"
-        return next(iter(groups.values()), None)
+        assert len(self._meshes) <= 1, f"rank {dist.get_rank()}: parameters on several tp meshes {list(self._meshes)}"
+        return next((tp.get_group() for tp in self._meshes), None)
 
 
 def agree(
