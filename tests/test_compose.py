@@ -434,3 +434,14 @@ def check_full_state_dict(rank: int, world_size: int) -> dict[str, list[str]]:
 def test_full_state_dict_round_trip(world4):
     for rank, result in enumerate(world4.run(check_full_state_dict, timeout_s=120)):
         assert not any(result.values()), (rank, result)
+
+
+def test_bench_step_mesh_runs_beside_fsdp2():
+    """`overlap bench step --mesh dp=2,tp=2` at a toy size: both contenders ran, equal losses."""
+    from overlap.tools.bench.mesh import MeshBenchConfig, bench_mesh
+
+    cfg = MeshBenchConfig(layers=2, dim=32, ff=64, batch=2, seq=8, rounds=1, steps=1, memory=False, timeout_s=120)
+    report = bench_mesh(cfg)
+    assert set(report) == {"overlap", "fsdp2"}, report
+    assert report["overlap"]["loss_after_warmup"] == report["fsdp2"]["loss_after_warmup"], report
+    assert report["overlap"]["state_bytes"] == report["fsdp2"]["state_bytes"], report

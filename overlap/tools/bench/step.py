@@ -961,6 +961,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--link", default=None, metavar="RATE[,DELAY]", help="e.g. 1gbit, 1gbit,200us"
     )
     parser.add_argument(
+        "--mesh",
+        default=None,
+        metavar="dp=N,tp=M",
+        help="FSDP x TP: overlap beside FSDP2 on a (dp, tp) mesh (overlap.tools.bench.mesh)",
+    )
+    parser.add_argument(
         "--json",
         dest="json_path",
         default=None,
@@ -998,6 +1004,10 @@ def config_from_args(args: argparse.Namespace) -> StepBenchConfig:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.mesh is not None:  # a benchmark of its own, sharing these flags
+        from overlap.tools.bench import mesh
+
+        return mesh.run(args)
     try:
         cfg = config_from_args(args)
     except (ValueError, TypeError) as e:
