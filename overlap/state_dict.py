@@ -221,29 +221,40 @@ def _load_own_rows(state: OverlapState, own: dict[str, Any], state_dict: Mapping
 # A tensor-parallel model's sharded parameters are DTensors on the (dp, tp) mesh ([Note:
 # tensor-parallel parameters] in engine/compose.py), so a unit's gathered shards are tp-local
 # tensors, not full ones. Exporting takes each parameter's `full_tensor()` (one at a time, on every
-# rank, kept on the source: dp rank 0 and tp rank 0); loading sends each tensor from the source
-# down the tp group, then down each dp group, and every rank cuts its local rows out of the full
+# rank, kept on the source: rank 0 of dp, tp and, under HSDP, the replicas); loading sends each
+# tensor from the source down the tp group, then (HSDP) down the replicate groups of dp row 0, then
+# down each dp group (`_tp_stages`), and every rank cuts its local rows out of the full
 # tensor by its own placements (`distribute_tensor` without communication). Simpler than the
 # unit-by-unit scatter of the plain path, and holding one full tensor at a time on every rank.
 
 
 def _is_tp_source(state: OverlapState) -> bool:
     assert state.tensor_group is not None
-    return dist.get_rank(state.group) == 0 and dist.get_rank(state.tensor_group) == 0
+    return dist.get_rank(state.group) == 0 and dist.get_rank(state.tensor_group) == 0 and state.replica_rank == 0
+
+
+def _tp_stages(state: OverlapState) -> list[dist.ProcessGroup]:
+    """The groups a value takes from the source, in order, on this rank: tp (in the source's
+    replica and dp row), replicate (HSDP, in dp row 0), dp (everywhere)."""
+    first_dp = dist.get_rank(state.group) == 0
+    stages = []
+    if first_dp and state.replica_rank == 0:
+        stages.append(state.tensor_group)
+    if first_dp and state.replicate_group is not None:
+        stages.append(state.replicate_group)
+    return [*stages, state.group]
 
 
 def _from_tp_source(state: OverlapState, tensor: torch.Tensor) -> None:
-    """Overwrite `tensor` with the source's: down its tp group, then down every dp group."""
-    if dist.get_rank(state.group) == 0:
-        dist.broadcast(tensor, group=state.tensor_group, group_src=0)
-    dist.broadcast(tensor, group=state.group, group_src=0)
+    """Overwrite `tensor` with the source's ([Note: full state dicts with tensor parallelism])."""
+    for group in _tp_stages(state):
+        dist.broadcast(tensor, group=group, group_src=0)
 
 
 def _share_from_tp_source(state: OverlapState, obj: Any) -> Any:
     box = [obj]
-    if dist.get_rank(state.group) == 0:
-        dist.broadcast_object_list(box, group=state.tensor_group, group_src=0)
-    dist.broadcast_object_list(box, group=state.group, group_src=0)
+    for group in _tp_stages(state):
+        dist.broadcast_object_list(box, group=group, group_src=0)
     return box[0]
 
 

@@ -24,6 +24,13 @@ def world4():
     world.close()
 
 
+@pytest.fixture(scope="module")
+def world8():
+    world = World(8)
+    yield world
+    world.close()
+
+
 @pytest.fixture(scope="session")
 def deepspeed_op() -> float:
     """Build (or load from the cache) DeepSpeed's CPU op once per session, in a process of its

@@ -1,4 +1,5 @@
-"""Composition with tensor parallelism: FSDP x TP on a 2x2 (dp, tp) mesh against FSDP2.
+"""Composition with tensor parallelism: FSDP x TP on a 2x2 (dp, tp) mesh against FSDP2, and
+HSDP x TP on a 2x2x2 (rep, dp, tp) mesh (eight ranks, `group=mesh["rep", "dp"]`).
 
 Four gloo ranks, `init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))`; three residual
 MLP blocks made tensor-parallel by `parallelize_module` (ColwiseParallel up, RowwiseParallel down),
@@ -15,7 +16,6 @@ of per-shard partial sums, FSDP2's reference here a norm of per-tensor norms.
 
 from __future__ import annotations
 
-import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -61,9 +61,18 @@ class Net(nn.Module):
 
 
 def _mesh() -> DeviceMesh:
+    """(dp, tp) = (2, 2) on 4 ranks; (rep, dp, tp) = (2, 2, 2) on 8 (HSDP x TP)."""
     if not _MESH:
-        _MESH.append(init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp")))
+        if dist.get_world_size() == 8:
+            _MESH.append(init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("rep", "dp", "tp")))
+        else:
+            _MESH.append(init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp")))
     return _MESH[0]
+
+
+def _dp(mesh: DeviceMesh) -> DeviceMesh:
+    """The data-parallel part of `mesh`: what overlap and FSDP2 shard (and replicate) over."""
+    return mesh["rep", "dp"] if mesh.ndim == 3 else mesh["dp"]
 
 
 def _tp_model(mesh: DeviceMesh, checkpointed: bool = False, hidden: int = 4 * DIM) -> Net:
@@ -80,14 +89,17 @@ def _fsdp2(mesh: DeviceMesh, checkpointed: bool = False, mixed: bool = False, hi
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed else MixedPrecisionPolicy()
     model = _tp_model(mesh, checkpointed, hidden)
     for block in model.layers:
-        fully_shard(block, mesh=mesh["dp"], mp_policy=policy)
-    fully_shard(model, mesh=mesh["dp"], mp_policy=policy)
+        fully_shard(block, mesh=_dp(mesh), mp_policy=policy)
+    fully_shard(model, mesh=_dp(mesh), mp_policy=policy)
     return model
 
 
 def _batch(mesh: DeviceMesh, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The same on both tp ranks of a dp rank (tensor parallelism's contract), other across dp."""
-    gen = torch.Generator().manual_seed(100 * step + mesh["dp"].get_local_rank())
+    dp = _dp(mesh)
+    index = dp.get_coordinate()
+    assert index is not None
+    gen = torch.Generator().manual_seed(100 * step + 10 * index[0] + (index[1] if len(index) > 1 else 0))
     return torch.randn(8, DIM, generator=gen), torch.randn(8, DIM, generator=gen)
 
 
@@ -156,7 +168,7 @@ def check_parity(rank: int, world_size: int, variant: dict) -> dict:
     """STEPS AdamW steps of overlap and FSDP2 on the same (dp, tp) mesh, model and batches."""
     options = dict(variant)
     mesh = _mesh()
-    group = mesh if options.pop("group", "dp") == "mesh" else mesh["dp"]
+    group = mesh if options.pop("group", "dp") == "mesh" else _dp(mesh)
     checkpointed, mixed = options.pop("checkpointed", False), options.pop("mixed", False)
     no_sync, clip = options.pop("no_sync", False), options.pop("clip", None)
     hidden = options.pop("hidden", 4 * DIM)
@@ -195,7 +207,11 @@ def check_variants(rank: int, world_size: int) -> dict[str, dict]:
 
 def test_fsdp_x_tp_matches_fsdp2(world4):
     """Bitwise against FSDP2 for every variant but `clip`, which is within reordered_rtol."""
-    for rank, results in enumerate(world4.run(check_variants, timeout_s=150)):
+    _assert_parity(world4.run(check_variants, timeout_s=150))
+
+
+def _assert_parity(per_rank: list[dict[str, dict]]) -> None:
+    for rank, results in enumerate(per_rank):
         for name, result in results.items():
             where = f"rank {rank}, {name}"
             assert not result["layout"], (where, result["layout"])
@@ -250,6 +266,7 @@ def _refusals(mesh: DeviceMesh) -> dict[str, tuple]:
     # the same ranks as mesh, laid out the other way: its tp rows are mesh's dp columns
     other = DeviceMesh("cpu", mesh.mesh.t().contiguous(), mesh_dim_names=("dp", "tp"))
     cube = init_device_mesh("cpu", (1, 2, 2), mesh_dim_names=("rep", "ep", "tp"))
+    tesseract = init_device_mesh("cpu", (1, 1, 2, 2), mesh_dim_names=("a", "b", "c", "tp"))
     unnamed = DeviceMesh.from_group(tp.get_group(), "cpu")
     dp = {"group": mesh["dp"]}
     name = "'layers.0.up.weight'"
@@ -289,10 +306,10 @@ def _refusals(mesh: DeviceMesh) -> dict[str, tuple]:
             dp,
             ["'weight'", "named mesh dimensions"],
         ),
-        "HSDP x TP": (
-            lambda: _One(distribute_tensor(torch.randn(4, 4), cube["tp"], [Shard(0)])),
-            {"group": cube},
-            ["'weight'", "HSDP x TP"],
+        "3-D data parallel": (
+            lambda: _One(distribute_tensor(torch.randn(4, 4), tesseract["tp"], [Shard(0)])),
+            {"group": tesseract},
+            ["'weight'", "data-parallel part of `group` is 3-D ('a', 'b', 'c')"],
         ),
         "meta": (
             lambda: _One(DTensor.from_local(torch.empty(2, 4, device="meta"), tp, [Shard(0)], run_check=False)).to_empty(
@@ -356,14 +373,14 @@ def _full(model: nn.Module, opt: torch.optim.Optimizer | None = None) -> dict[st
 
 
 def check_checkpoint(rank: int, world_size: int, root: str) -> dict[str, list[str]]:
-    """Save on the (dp=2, tp=2) mesh; load into overlap on the same mesh, on (dp=1, tp=4) and
-    on dp=4 without tensor parallelism, and into FSDP2 on the same mesh: every full parameter
-    and AdamW moment equal to the saved ones."""
+    """Save on the (dp=2, tp=2) mesh (8 ranks: (rep, dp, tp) = (2, 2, 2)); load into overlap on
+    the same mesh, on (dp=1, tp=world) and on dp=world without tensor parallelism, and into FSDP2
+    on the same mesh: every full parameter and AdamW moment equal to the saved ones."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
     mesh = _mesh()
-    model = overlap.wrap(_tp_model(mesh), group=mesh["dp"])
+    model = overlap.wrap(_tp_model(mesh), group=_dp(mesh))
     opt = _train(model, mesh, 2)
     saved = _full(model, opt)
     path = overlap.checkpoint.save(root, model, opt, step=2)
@@ -373,22 +390,22 @@ def check_checkpoint(rank: int, world_size: int, root: str) -> dict[str, list[st
         got = _full(other, other_opt)
         out[case] = [name for name, value in saved.items() if not torch.equal(got[name], value)]
 
-    same = overlap.wrap(_tp_model(mesh), group=mesh["dp"])
+    same = overlap.wrap(_tp_model(mesh), group=_dp(mesh))
     same_opt = _train(same, mesh, 1)  # other values and state, overwritten by the load
     overlap.checkpoint.load(path, same, same_opt)
     compare("same mesh", same, same_opt)
 
-    wide = init_device_mesh("cpu", (1, 4), mesh_dim_names=("dp", "tp"))
+    wide = init_device_mesh("cpu", (1, world_size), mesh_dim_names=("dp", "tp"))
     other = overlap.wrap(_tp_model(wide), group=wide["dp"])
     other_opt = _train(other, wide, 1)
     overlap.checkpoint.load(path, other, other_opt)
-    compare("dp=1, tp=4", other, other_opt)
+    compare(f"dp=1, tp={world_size}", other, other_opt)
 
     torch.manual_seed(0)
     plain = overlap.wrap(Net())
     plain_opt = _train(plain, mesh, 1)
     overlap.checkpoint.load(path, plain, plain_opt)
-    compare("dp=4, no tp", plain, plain_opt)
+    compare(f"dp={world_size}, no tp", plain, plain_opt)
 
     ref = _fsdp2(mesh)
     ref_opt = _train(ref, mesh, 1)
@@ -409,7 +426,7 @@ def check_full_state_dict(rank: int, world_size: int) -> dict[str, list[str]]:
     """full_state_dict on rank 0 holds every full parameter (FSDP2's full_tensor()); loading it
     (from rank 0, or from every rank) into a freshly wrapped model gives the same parameters."""
     mesh = _mesh()
-    model = overlap.wrap(_tp_model(mesh), group=mesh["dp"])
+    model = overlap.wrap(_tp_model(mesh), group=_dp(mesh))
     _train(model, mesh, 1)
     want = _full(model)
     exported = overlap.full_state_dict(model)
@@ -423,7 +440,7 @@ def check_full_state_dict(rank: int, world_size: int) -> dict[str, list[str]]:
     plain = Net()
     plain.load_state_dict(everywhere)  # what the unwrapped model accepts
     for rank0_only in (True, False):
-        fresh = overlap.wrap(_tp_model(mesh), group=mesh["dp"])
+        fresh = overlap.wrap(_tp_model(mesh), group=_dp(mesh))
         _train(fresh, mesh, 2)
         overlap.load_full_state_dict(fresh, exported if rank0_only else everywhere, rank0_only=rank0_only)
         got = _full(fresh)
@@ -445,3 +462,26 @@ def test_bench_step_mesh_runs_beside_fsdp2():
     assert set(report) == {"overlap", "fsdp2"}, report
     assert report["overlap"]["loss_after_warmup"] == report["fsdp2"]["loss_after_warmup"], report
     assert report["overlap"]["state_bytes"] == report["fsdp2"]["state_bytes"], report
+
+
+HSDP_VARIANTS = ("default", "whole mesh", "clip")
+
+
+def check_hsdp_variants(rank: int, world_size: int) -> dict[str, dict]:
+    return {name: check_parity(rank, world_size, VARIANTS[name]) for name in HSDP_VARIANTS}
+
+
+def test_hsdp_x_tp_matches_fsdp2(world8):
+    """(rep, dp, tp) = (2, 2, 2): overlap with group=mesh["rep", "dp"] (and the whole mesh) against
+    FSDP2's HSDP x TP (`fully_shard(block, mesh=mesh["rep", "dp"])`). Reduce-scatter over dp,
+    then all-reduce over rep, on both sides."""
+    _assert_parity(world8.run(check_hsdp_variants, timeout_s=200))
+
+
+def check_hsdp_state(rank: int, world_size: int, root: str) -> dict[str, list[str]]:
+    return {**check_checkpoint(rank, world_size, root), **check_full_state_dict(rank, world_size)}
+
+
+def test_hsdp_x_tp_checkpoint_and_full_state_dict(world8, tmp_path):
+    for rank, result in enumerate(world8.run(check_hsdp_state, timeout_s=200, root=str(tmp_path))):
+        assert not any(result.values()), (rank, result)

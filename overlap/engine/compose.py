@@ -12,7 +12,9 @@ do, as FSDP2's `FSDPParam` does (torch/distributed/fsdp/_fully_shard/_fsdp_param
 - the sharded parameter the optimizer sees: a DTensor on the concatenated (dp, tp) mesh, with dp
   placement Shard(0), or `_StridedShard(0, split_factor=tp shards on dim 0)` when tensor
   parallelism shards dim 0 too (the dp rows are cut from the tp rows: FSDP2's placements, so
-  `full_tensor()`, DCP and the optimizer state are those of FSDP2);
+  `full_tensor()`, DCP and the optimizer state are those of FSDP2); under HSDP x TP (a 2-D
+  data-parallel part, `group=mesh["rep", "dp"]` or the whole 3-D mesh) the mesh is (replicate,
+  dp, tp) and Replicate() comes first ([Note: hybrid sharding] in groups.py);
 - the unsharded parameter forward uses: a DTensor on the tp mesh with the parameter's own
   placement, whose local tensor is the view of the unit's unsharded buffer (the all-gather over
   dp of the local shards);
@@ -158,11 +160,11 @@ def refusal(
             "parallelism beside tensor parallelism) are not supported yet; place them over one tp "
             "dimension"
         )
-    if dp_mesh.ndim != 1:
+    if dp_mesh.ndim > 2:
         return (
             f"overlap.wrap: {where}, and the data-parallel part of `group` is {dp_mesh.ndim}-D "
-            f"{dp_mesh.mesh_dim_names}: HSDP x TP (replicate x shard x tp) is not supported yet; "
-            f"shard over one data-parallel dimension, as in {_RECIPE}"
+            f"{dp_mesh.mesh_dim_names}: overlap shards over one data-parallel dimension, or two "
+            f"(replicate, shard: HSDP x TP), as in {_RECIPE}"
         )
     if deferred:
         return (
@@ -258,7 +260,9 @@ class Composer:
             spmd_mesh = self._meshes[spec.mesh] = DeviceMesh._concatenate([self.dp_mesh, spec.mesh])
         split = spec.num_shards_map[0]
         dp_placement = _StridedShard(0, split_factor=split) if split > 1 else Shard(0)
-        sharded = DTensorSpec(spmd_mesh, (dp_placement, *spec.placements), tensor_meta=spec.tensor_meta)
+        replicas = (Replicate(),) * (self.dp_mesh.ndim - 1)  # HSDP x TP: (replicate, shard, tp)
+        placements = (*replicas, dp_placement, *spec.placements)
+        sharded = DTensorSpec(spmd_mesh, placements, tensor_meta=spec.tensor_meta)
         return TensorParallel(spec, sharded)
 
     def tensor_group(self) -> dist.ProcessGroup | None:

@@ -55,7 +55,7 @@ def resolve_groups(
             "2-D mesh (replicate, shard), e.g. init_device_mesh('cpu', (2, 2))"
         )
     ranks = group.mesh.flatten().tolist()  # once, at wrap: the mesh tensor lives on the CPU
-    everyone = dist.new_group(ranks=sorted(ranks))  # collective over the default group, as wrap is
+    everyone = _group_of_all(group, ranks)
     if hybrid_mode == "replicate":
         replicate = group.get_group(0) if group.size(0) > 1 else None
         return Groups(group.get_group(1), replicate, None, group, everyone)
@@ -67,6 +67,17 @@ def resolve_groups(
     flat_mesh = DeviceMesh.from_group(everyone, group.device_type)
     secondary = group.get_group(1) if group.size(0) > 1 and group.size(1) > 1 else None
     return Groups(everyone, None, secondary, flat_mesh, everyone)
+
+
+def _group_of_all(mesh: DeviceMesh, ranks: list[int]) -> dist.ProcessGroup:
+    """A group of every rank of the 2-D `mesh`. A whole mesh gets a new group (collective over the
+    default group, as wrap is). Part of a larger mesh, e.g. the (replicate, shard) dimensions of a
+    (replicate, shard, tp) mesh ([Note: tensor-parallel parameters] in compose.py), other ranks
+    hold other slices of it: DeviceMesh flattens it, making every slice's group together."""
+    root = mesh._get_root_mesh()
+    if mesh.mesh_dim_names is not None and root is not mesh and mesh.size() < root.size():
+        return mesh._flatten().get_group()
+    return dist.new_group(ranks=sorted(ranks))
 
 
 def shard_placements(mesh: DeviceMesh) -> list[Placement]:
