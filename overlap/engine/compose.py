@@ -192,12 +192,6 @@ def _is_compiled(module: nn.Module) -> bool:
 def _config_refusal(config: OverlapConfig) -> str | None:
     if config.hybrid_mode == "secondary":
         return "hybrid_mode='secondary' (hpZ) is not supported with tensor parallelism; use the default"
-    for field in ("param_compression", "grad_compression"):
-        if getattr(config, field) is not None:
-            return (
-                f"{field}={getattr(config, field)!r} is not supported with tensor parallelism yet "
-                f"(not verified against FSDP2); set {field}=None"
-            )
     return None
 
 
