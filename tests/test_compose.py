@@ -33,8 +33,9 @@ _MESH: list[DeviceMesh] = []  # per rank: one mesh for every check (each builds 
 
 
 class Block(nn.Module):
-    def __init__(self, checkpointed: bool = False, hidden: int = 4 * DIM) -> None:
+    def __init__(self, checkpointed: bool = False, hidden: int = 4 * DIM, norm: bool = False) -> None:
         super().__init__()
+        self.norm = nn.LayerNorm(DIM) if norm else nn.Identity()
         self.up = nn.Linear(DIM, hidden)
         self.down = nn.Linear(hidden, DIM)
         self.checkpointed = checkpointed
@@ -45,13 +46,13 @@ class Block(nn.Module):
         return x + self._mlp(x)
 
     def _mlp(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(torch.relu(self.up(x)))
+        return self.down(torch.relu(self.up(self.norm(x))))
 
 
 class Net(nn.Module):
-    def __init__(self, checkpointed: bool = False, hidden: int = 4 * DIM) -> None:
+    def __init__(self, checkpointed: bool = False, hidden: int = 4 * DIM, norm: bool = False) -> None:
         super().__init__()
-        self.layers = nn.ModuleList(Block(checkpointed, hidden) for _ in range(3))
+        self.layers = nn.ModuleList(Block(checkpointed, hidden, norm) for _ in range(3))
         self.head = nn.Linear(DIM, DIM)  # plain: sharded over dp only
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -75,36 +76,56 @@ def _dp(mesh: DeviceMesh) -> DeviceMesh:
     return mesh["rep", "dp"] if mesh.ndim == 3 else mesh["dp"]
 
 
-def _tp_model(mesh: DeviceMesh, checkpointed: bool = False, hidden: int = 4 * DIM) -> Net:
+def _tp_model(mesh: DeviceMesh, checkpointed: bool = False, hidden: int = 4 * DIM, sequence_parallel: bool = False) -> Net:
+    """Colwise `up`, rowwise `down`; with `sequence_parallel`, torchtitan's plan: a LayerNorm
+    under SequenceParallel on the tokens (dim 0 here) that each tp rank holds, `up` gathering
+    them, `down` scattering them back. The norm's weight is Replicate() and its gradient comes
+    back Partial() (each tp rank's tokens): summed over tp before the dp reduction."""
+    from torch.distributed.tensor.parallel import SequenceParallel
+
     torch.manual_seed(0)
-    model = Net(checkpointed, hidden)
+    model = Net(checkpointed, hidden, norm=sequence_parallel)
+    plan = {"up": ColwiseParallel(), "down": RowwiseParallel()}
+    if sequence_parallel:
+        plan = {
+            "norm": SequenceParallel(sequence_dim=0),
+            "up": ColwiseParallel(input_layouts=Shard(0)),
+            "down": RowwiseParallel(output_layouts=Shard(0)),
+        }
     for block in model.layers:
-        parallelize_module(block, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
+        parallelize_module(block, mesh["tp"], plan)
     return model
 
 
-def _fsdp2(mesh: DeviceMesh, checkpointed: bool = False, mixed: bool = False, hidden: int = 4 * DIM) -> Net:
+def _fsdp2(
+    mesh: DeviceMesh, checkpointed: bool = False, mixed: bool = False, hidden: int = 4 * DIM, sequence_parallel: bool = False
+) -> Net:
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed else MixedPrecisionPolicy()
-    model = _tp_model(mesh, checkpointed, hidden)
+    model = _tp_model(mesh, checkpointed, hidden, sequence_parallel)
     for block in model.layers:
         fully_shard(block, mesh=_dp(mesh), mp_policy=policy)
     fully_shard(model, mesh=_dp(mesh), mp_policy=policy)
     return model
 
 
-def _batch(mesh: DeviceMesh, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The same on both tp ranks of a dp rank (tensor parallelism's contract), other across dp."""
+def _batch(mesh: DeviceMesh, step: int, sequence_parallel: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same on both tp ranks of a dp rank (tensor parallelism's contract), other across dp;
+    with `sequence_parallel`, each tp rank's share of the 8 tokens."""
     dp = _dp(mesh)
     index = dp.get_coordinate()
     assert index is not None
     gen = torch.Generator().manual_seed(100 * step + 10 * index[0] + (index[1] if len(index) > 1 else 0))
-    return torch.randn(8, DIM, generator=gen), torch.randn(8, DIM, generator=gen)
+    x, y = torch.randn(8, DIM, generator=gen), torch.randn(8, DIM, generator=gen)
+    if sequence_parallel:
+        tp = mesh["tp"]
+        x, y = x.chunk(tp.size())[tp.get_local_rank()], y.chunk(tp.size())[tp.get_local_rank()]
+    return x, y
 
 
-def _backward(model: nn.Module, mesh: DeviceMesh, step: int) -> float:
-    x, y = _batch(mesh, step)
+def _backward(model: nn.Module, mesh: DeviceMesh, step: int, sequence_parallel: bool = False) -> float:
+    x, y = _batch(mesh, step, sequence_parallel)
     loss = (model(x) - y).pow(2).mean()
     loss.backward()
     return loss.item()
@@ -161,6 +182,7 @@ VARIANTS: dict[str, dict] = {
     "clip": {"clip": 0.05},
     # 66 hidden: 33 tp-local rows of `up`, cut 17 + 16 over dp (the last dp chunk padded)
     "uneven dp rows": {"hidden": 4 * DIM + 2},
+    "sequence parallel, no_sync": {"sequence_parallel": True, "no_sync": True},
 }
 
 
@@ -172,21 +194,22 @@ def check_parity(rank: int, world_size: int, variant: dict) -> dict:
     checkpointed, mixed = options.pop("checkpointed", False), options.pop("mixed", False)
     no_sync, clip = options.pop("no_sync", False), options.pop("clip", None)
     hidden = options.pop("hidden", 4 * DIM)
+    sp = options.pop("sequence_parallel", False)
     if mixed:
         options.update(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    ours = overlap.wrap(_tp_model(mesh, checkpointed, hidden), group=group, **options)
-    ref = _fsdp2(mesh, checkpointed, mixed, hidden)
+    ours = overlap.wrap(_tp_model(mesh, checkpointed, hidden, sp), group=group, **options)
+    ref = _fsdp2(mesh, checkpointed, mixed, hidden, sp)
     out: dict = {"layout": _differences(ours, ref), "losses": [], "norms": [], "params": []}
     opt = torch.optim.AdamW(ours.parameters(), lr=1e-2)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     for step in range(STEPS):
         if no_sync:  # a first micro-batch accumulates without reducing
             with overlap.no_sync(ours):
-                _backward(ours, mesh, step + 10)
+                _backward(ours, mesh, step + 10, sp)
             ref.set_requires_gradient_sync(False)
-            _backward(ref, mesh, step + 10)
+            _backward(ref, mesh, step + 10, sp)
             ref.set_requires_gradient_sync(True)
-        out["losses"].append((_backward(ours, mesh, step), _backward(ref, mesh, step)))
+        out["losses"].append((_backward(ours, mesh, step, sp), _backward(ref, mesh, step, sp)))
         if clip is not None:
             out["norms"].append((overlap.clip_grad_norm_(ours, clip).item(), _clip_reference(ref, clip).item()))
         opt.step()
