@@ -562,3 +562,78 @@ def test_codecs_on_dp_with_tp(world4):
         assert not worse, (rank, "tp error vs the codecs' own", worse)
         assert any(e[0] > 0 for e in result["errors"].values()), (rank, "the codecs changed nothing")
         assert result["finite"], rank
+
+
+class _Stage(nn.Module):
+    """Two of four residual MLP blocks: one pipeline stage."""
+
+    def __init__(self, stage: int) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        blocks = [nn.Sequential(nn.Linear(DIM, 4 * DIM), nn.ReLU(), nn.Linear(4 * DIM, DIM)) for _ in range(4)]
+        self.layers = nn.ModuleList(blocks[2 * stage : 2 * stage + 2])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = x + layer(x)
+        return x
+
+
+PIPELINE_MICROBATCHES = 4
+
+
+def check_pipeline(rank: int, world_size: int, schedule: str) -> dict:
+    """A (pp=2, dp=2) mesh: each stage wrapped by overlap over dp, and by FSDP2 (per block, then
+    the stage), driven by torch.distributed.pipelining's `schedule` with 4 micro-batches."""
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    if not _PP_MESH:
+        _PP_MESH.append(init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp")))
+    mesh = _PP_MESH[0]
+    stage_index = mesh["pp"].get_local_rank()
+    out: dict = {}
+    for kind in ("overlap", "fsdp2"):
+        module = _Stage(stage_index)
+        if kind == "overlap":
+            module = overlap.wrap(module, group=mesh["dp"])
+        else:
+            for block in module.layers:
+                fully_shard(block, mesh=mesh["dp"])
+            fully_shard(module, mesh=mesh["dp"])
+        stage = PipelineStage(module, stage_index, 2, torch.device("cpu"), group=mesh["pp"].get_group())
+        cls = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}[schedule]
+        pipe = cls(stage, n_microbatches=PIPELINE_MICROBATCHES, loss_fn=lambda y, target: (y - target).pow(2).mean())
+        opt = torch.optim.AdamW(module.parameters(), lr=1e-2)
+        losses: list[float] = []
+        for step in range(STEPS):
+            gen = torch.Generator().manual_seed(10 * step + mesh["dp"].get_local_rank())
+            x, target = torch.randn(8, DIM, generator=gen), torch.randn(8, DIM, generator=gen)
+            if stage_index == 0:
+                pipe.step(x)
+            else:
+                step_losses: list[torch.Tensor] = []
+                pipe.step(target=target, losses=step_losses)
+                losses += [loss.item() for loss in step_losses]
+            opt.step()
+            opt.zero_grad()
+        out[kind] = (losses, {n: p.full_tensor().detach() for n, p in module.named_parameters()})
+    return out
+
+
+_PP_MESH: list[DeviceMesh] = []
+
+
+def test_pipeline_stages_match_fsdp2(world4):
+    """1F1B over two stages: overlap reduces every micro-batch's gradients (the schedule toggles
+    gradient sync only on FSDPModule and DDP), FSDP2 their sum once: the same sums associated
+    otherwise, so within reordered_rtol of 2 dp ranks x 4 micro-batches per step."""
+    rtol = reordered_rtol(2 * PIPELINE_MICROBATCHES, STEPS)
+    for rank, result in enumerate(world4.run(check_pipeline, timeout_s=120, schedule="1f1b")):
+        (losses, params), (ref_losses, ref_params) = result["overlap"], result["fsdp2"]
+        assert len(losses) == len(ref_losses) and all(abs(a - b) <= rtol * abs(b) for a, b in zip(losses, ref_losses)), (
+            rank,
+            losses,
+            ref_losses,
+        )
+        bad = reordered_mismatches(params, ref_params, rtol)
+        assert not bad, (rank, bad)
