@@ -186,7 +186,9 @@ def refusal(
 
 
 def _is_compiled(module: nn.Module) -> bool:
-    return getattr(module, "_compiled_call_impl", None) is not None or hasattr(module, "_orig_mod")
+    """`module.compile()` sets `_compiled_call_impl`; `torch.compile(module)` wraps it in a module
+    holding the original as `_orig_mod`."""
+    return getattr(module, "_compiled_call_impl", None) is not None or getattr(module, "_orig_mod", None) is not None
 
 
 def _config_refusal(config: OverlapConfig) -> str | None:
