@@ -565,13 +565,14 @@ def test_codecs_on_dp_with_tp(world4):
 
 
 class _Stage(nn.Module):
-    """Two of four residual MLP blocks: one pipeline stage."""
+    """A pipeline stage: `4 // num_stages` of four residual MLP blocks."""
 
-    def __init__(self, stage: int) -> None:
+    def __init__(self, stage: int, num_stages: int) -> None:
         super().__init__()
         torch.manual_seed(0)
         blocks = [nn.Sequential(nn.Linear(DIM, 4 * DIM), nn.ReLU(), nn.Linear(4 * DIM, DIM)) for _ in range(4)]
-        self.layers = nn.ModuleList(blocks[2 * stage : 2 * stage + 2])
+        per = 4 // num_stages
+        self.layers = nn.ModuleList(blocks[stage * per : (stage + 1) * per])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for layer in self.layers:
@@ -580,60 +581,83 @@ class _Stage(nn.Module):
 
 
 PIPELINE_MICROBATCHES = 4
-
-
-def check_pipeline(rank: int, world_size: int, schedule: str) -> dict:
-    """A (pp=2, dp=2) mesh: each stage wrapped by overlap over dp, and by FSDP2 (per block, then
-    the stage), driven by torch.distributed.pipelining's `schedule` with 4 micro-batches."""
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
-
-    if not _PP_MESH:
-        _PP_MESH.append(init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp")))
-    mesh = _PP_MESH[0]
-    stage_index = mesh["pp"].get_local_rank()
-    out: dict = {}
-    for kind in ("overlap", "fsdp2"):
-        module = _Stage(stage_index)
-        if kind == "overlap":
-            module = overlap.wrap(module, group=mesh["dp"])
-        else:
-            for block in module.layers:
-                fully_shard(block, mesh=mesh["dp"])
-            fully_shard(module, mesh=mesh["dp"])
-        stage = PipelineStage(module, stage_index, 2, torch.device("cpu"), group=mesh["pp"].get_group())
-        cls = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}[schedule]
-        pipe = cls(stage, n_microbatches=PIPELINE_MICROBATCHES, loss_fn=lambda y, target: (y - target).pow(2).mean())
-        opt = torch.optim.AdamW(module.parameters(), lr=1e-2)
-        losses: list[float] = []
-        for step in range(STEPS):
-            gen = torch.Generator().manual_seed(10 * step + mesh["dp"].get_local_rank())
-            x, target = torch.randn(8, DIM, generator=gen), torch.randn(8, DIM, generator=gen)
-            if stage_index == 0:
-                pipe.step(x)
-            else:
-                step_losses: list[torch.Tensor] = []
-                pipe.step(target=target, losses=step_losses)
-                losses += [loss.item() for loss in step_losses]
-            opt.step()
-            opt.zero_grad()
-        out[kind] = (losses, {n: p.full_tensor().detach() for n, p in module.named_parameters()})
-    return out
-
-
 _PP_MESH: list[DeviceMesh] = []
 
 
+def _pipeline(kind: str, schedule: str, mesh: DeviceMesh):
+    """This rank's stage modules (two for the interleaved schedule) and the schedule over them."""
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+
+    from overlap.integrations.pipelining import PipelineStage as OverlapPipelineStage
+
+    pp = mesh["pp"]
+    num_stages = 4 if schedule == "interleaved" else 2
+    indices = range(pp.get_local_rank(), num_stages, pp.size())
+    modules, stages = [], []
+    for index in indices:
+        module = _Stage(index, num_stages)
+        if kind == "fsdp2":
+            for block in module.layers:
+                fully_shard(block, mesh=mesh["dp"])
+            fully_shard(module, mesh=mesh["dp"])
+        else:
+            module = overlap.wrap(module, group=mesh["dp"])
+        cls = OverlapPipelineStage if kind == "overlap, reduce once" else PipelineStage
+        stages.append(cls(module, index, num_stages, torch.device("cpu"), group=pp.get_group()))
+        modules.append(module)
+
+    def loss_fn(y, target):
+        return (y - target).pow(2).mean()
+
+    if schedule == "interleaved":
+        return modules, ScheduleInterleaved1F1B(stages, n_microbatches=PIPELINE_MICROBATCHES, loss_fn=loss_fn)
+    cls = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}[schedule]
+    return modules, cls(stages[0], n_microbatches=PIPELINE_MICROBATCHES, loss_fn=loss_fn)
+
+
+def check_pipeline(rank: int, world_size: int, schedules: tuple[str, ...]) -> dict:
+    """A (pp=2, dp=2) mesh: stages wrapped by overlap over dp (under torch's PipelineStage, and
+    under overlap.integrations.pipelining's) and by FSDP2 (per block, then the stage), driven by
+    the same schedule with 4 micro-batches."""
+    if not _PP_MESH:
+        _PP_MESH.append(init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp")))
+    mesh = _PP_MESH[0]
+    last = mesh["pp"].get_local_rank() == 1  # holds the last stage
+    out: dict = {}
+    for schedule in schedules:
+        for kind in ("overlap", "overlap, reduce once", "fsdp2"):
+            modules, pipe = _pipeline(kind, schedule, mesh)
+            opt = torch.optim.AdamW([p for m in modules for p in m.parameters()], lr=1e-2)
+            losses: list[float] = []
+            for step in range(STEPS):
+                gen = torch.Generator().manual_seed(10 * step + mesh["dp"].get_local_rank())
+                x, target = torch.randn(8, DIM, generator=gen), torch.randn(8, DIM, generator=gen)
+                step_losses: list[torch.Tensor] = []
+                args = (x,) if mesh["pp"].get_local_rank() == 0 else ()
+                pipe.step(*args, target=target if last else None, losses=step_losses if last else None)
+                losses += [loss.item() for loss in step_losses]
+                opt.step()
+                opt.zero_grad()
+            params = {f"{i}.{n}": p.full_tensor().detach() for i, m in enumerate(modules) for n, p in m.named_parameters()}
+            out[schedule, kind] = (losses, params)
+    return out
+
+
 def test_pipeline_stages_match_fsdp2(world4):
-    """1F1B over two stages: overlap reduces every micro-batch's gradients (the schedule toggles
-    gradient sync only on FSDPModule and DDP), FSDP2 their sum once: the same sums associated
-    otherwise, so within reordered_rtol of 2 dp ranks x 4 micro-batches per step."""
+    """Under overlap's PipelineStage the gradients are reduced once per step, FSDP2's arithmetic:
+    bitwise. Under torch's own PipelineStage overlap reduces every micro-batch (the schedule
+    toggles gradient sync only on FSDPModule and DDP): the same sums associated otherwise, within
+    reordered_rtol of 2 dp ranks x 4 micro-batches per step."""
     rtol = reordered_rtol(2 * PIPELINE_MICROBATCHES, STEPS)
-    for rank, result in enumerate(world4.run(check_pipeline, timeout_s=120, schedule="1f1b")):
-        (losses, params), (ref_losses, ref_params) = result["overlap"], result["fsdp2"]
-        assert len(losses) == len(ref_losses) and all(abs(a - b) <= rtol * abs(b) for a, b in zip(losses, ref_losses)), (
-            rank,
-            losses,
-            ref_losses,
-        )
-        bad = reordered_mismatches(params, ref_params, rtol)
-        assert not bad, (rank, bad)
+    schedules = ("1f1b", "gpipe", "interleaved")
+    for rank, result in enumerate(world4.run(check_pipeline, timeout_s=150, schedules=schedules)):
+        for schedule in schedules:
+            ref_losses, ref_params = result[schedule, "fsdp2"]
+            losses, params = result[schedule, "overlap, reduce once"]
+            where = (rank, schedule)
+            assert len(ref_losses) == (STEPS * PIPELINE_MICROBATCHES if rank >= 2 else 0), where  # ranks 2, 3: last stage
+            assert losses == ref_losses, (where, losses, ref_losses)
+            assert all(torch.equal(params[n], ref_params[n]) for n in ref_params), where
+            losses, params = result[schedule, "overlap"]
+            assert all(abs(a - b) <= rtol * abs(b) for a, b in zip(losses, ref_losses, strict=True)), where
+            assert not reordered_mismatches(params, ref_params, rtol), where

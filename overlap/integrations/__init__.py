@@ -3,6 +3,7 @@
     overlap.integrations.hf          OverlapTrainer: Hugging Face `Trainer` (extra `hf` + `integrations`)
     overlap.integrations.lightning   OverlapStrategy (Trainer), OverlapFabricStrategy (Fabric)
     overlap.integrations.accelerate  prepare / save_state / load_state around an `Accelerator`
+    overlap.integrations.pipelining PipelineStage: torch.distributed.pipelining, reducing once per step
 
 and two modules shared by them, which import no framework:
 

@@ -1,0 +1,51 @@
+"""`torch.distributed.pipelining` driving pipeline stages wrapped by `overlap.wrap`.
+
+    from torch.distributed.pipelining import Schedule1F1B
+    from overlap.integrations.pipelining import PipelineStage
+
+    module = overlap.wrap(stage_module, group=mesh["dp"])
+    stage = PipelineStage(module, stage_index, num_stages, device, group=mesh["pp"].get_group())
+    schedule = Schedule1F1B(stage, n_microbatches=8, loss_fn=loss_fn)
+
+[Note: gradients reduced once per pipeline step]
+torch's schedules run each micro-batch's backward through `backward_maybe_with_nosync`, which keeps
+FSDP2 and DDP from reducing before the schedule's last backward of the stage (`last_backward`), and
+runs any other module's backward as it is: a plain `torch.distributed.pipelining.PipelineStage`
+around an overlap-wrapped module reduces every micro-batch's gradients (micro-batches times
+FSDP2's data-parallel traffic; the sum of the micro-batches' averages, equal to FSDP2's average of
+the sum within rounding). This stage sets the wrapped module's `set_requires_gradient_sync` to
+`last_backward` before each backward: the earlier micro-batches accumulate locally (as under
+`no_sync`), the last reduces their sum once, FSDP2's arithmetic; the schedule then scales the
+sharded gradients by the number of micro-batches as it does FSDP2's. Schedules that split a
+backward into its input and weight parts (zero-bubble) pass `last_backward=False` to the weight
+part, so they are refused here.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch.distributed.pipelining import PipelineStage as _PipelineStage
+
+
+class PipelineStage(_PipelineStage):
+    """torch's `PipelineStage` for a module wrapped by `overlap.wrap`: its gradients are reduced
+    once per schedule step ([Note: gradients reduced once per pipeline step])."""
+
+    def __init__(self, submodule: Any, *args: Any, **kwargs: Any) -> None:
+        if getattr(submodule, "_overlap_state", None) is None:
+            raise TypeError(
+                "overlap.integrations.pipelining.PipelineStage: the stage module is not wrapped by "
+                "overlap.wrap; wrap it first (or use torch.distributed.pipelining.PipelineStage)"
+            )
+        super().__init__(submodule, *args, **kwargs)
+
+    def backward_maybe_with_nosync(self, backward_type: str, bwd_kwargs: dict, last_backward: bool = False) -> Any:
+        if backward_type != "full":
+            raise NotImplementedError(
+                f"overlap.integrations.pipelining.PipelineStage: a {backward_type!r} backward (a "
+                "schedule splitting input and weight gradients, zero-bubble) is not supported; use "
+                "Schedule1F1B, ScheduleGPipe or ScheduleInterleaved1F1B"
+            )
+        self.submod.set_requires_gradient_sync(last_backward)
+        return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
