@@ -596,6 +596,9 @@ def _pipeline(kind: str, schedule: str, mesh: DeviceMesh):
     modules, stages = [], []
     for index in indices:
         module = _Stage(index, num_stages)
+        if "tp" in (mesh.mesh_dim_names or ()):  # pp x dp x tp: each block tensor-parallel first
+            for block in module.layers:
+                parallelize_module(block, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
         if kind == "fsdp2":
             for block in module.layers:
                 fully_shard(block, mesh=mesh["dp"])
@@ -619,8 +622,9 @@ def check_pipeline(rank: int, world_size: int, schedules: tuple[str, ...]) -> di
     """A (pp=2, dp=2) mesh: stages wrapped by overlap over dp (under torch's PipelineStage, and
     under overlap.integrations.pipelining's) and by FSDP2 (per block, then the stage), driven by
     the same schedule with 4 micro-batches."""
-    if not _PP_MESH:
-        _PP_MESH.append(init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp")))
+    if not _PP_MESH:  # 8 ranks: (pp, dp, tp) = (2, 2, 2)
+        shape, names = ((2, 2), ("pp", "dp")) if world_size == 4 else ((2, 2, 2), ("pp", "dp", "tp"))
+        _PP_MESH.append(init_device_mesh("cpu", shape, mesh_dim_names=names))
     mesh = _PP_MESH[0]
     last = mesh["pp"].get_local_rank() == 1  # holds the last stage
     out: dict = {}
@@ -644,18 +648,29 @@ def check_pipeline(rank: int, world_size: int, schedules: tuple[str, ...]) -> di
 
 
 def test_pipeline_stages_match_fsdp2(world4):
+    _assert_pipeline(world4.run(check_pipeline, timeout_s=150, schedules=PIPELINE_SCHEDULES), last_stage_ranks=(2, 3))
+
+
+def test_pipeline_x_tensor_parallel_stages_match_fsdp2(world8):
+    """(pp, dp, tp) = (2, 2, 2): blocks made tensor-parallel, then each stage wrapped over dp."""
+    _assert_pipeline(world8.run(check_pipeline, timeout_s=150, schedules=("1f1b",)), last_stage_ranks=(4, 5, 6, 7))
+
+
+PIPELINE_SCHEDULES = ("1f1b", "gpipe", "interleaved")
+
+
+def _assert_pipeline(per_rank: list[dict], last_stage_ranks: tuple[int, ...]) -> None:
     """Under overlap's PipelineStage the gradients are reduced once per step, FSDP2's arithmetic:
     bitwise. Under torch's own PipelineStage overlap reduces every micro-batch (the schedule
     toggles gradient sync only on FSDPModule and DDP): the same sums associated otherwise, within
     reordered_rtol of 2 dp ranks x 4 micro-batches per step."""
     rtol = reordered_rtol(2 * PIPELINE_MICROBATCHES, STEPS)
-    schedules = ("1f1b", "gpipe", "interleaved")
-    for rank, result in enumerate(world4.run(check_pipeline, timeout_s=150, schedules=schedules)):
-        for schedule in schedules:
+    for rank, result in enumerate(per_rank):
+        for schedule in sorted({schedule for schedule, _ in result}):
             ref_losses, ref_params = result[schedule, "fsdp2"]
             losses, params = result[schedule, "overlap, reduce once"]
             where = (rank, schedule)
-            assert len(ref_losses) == (STEPS * PIPELINE_MICROBATCHES if rank >= 2 else 0), where  # ranks 2, 3: last stage
+            assert len(ref_losses) == (STEPS * PIPELINE_MICROBATCHES if rank in last_stage_ranks else 0), where
             assert losses == ref_losses, (where, losses, ref_losses)
             assert all(torch.equal(params[n], ref_params[n]) for n in ref_params), where
             losses, params = result[schedule, "overlap"]
