@@ -55,19 +55,19 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from overlap.config import OverlapConfig
-from overlap.tools.plan.cost import Link, Topology, UnitCost, ring_time_s
 from overlap.engine.schedule import (
     Action,
     CheckOrder,
     Free,
     Gather,
     Reduce,
+    ReleaseReduce,
     Schedule,
     ScheduleConfig,
     WaitGather,
-    ReleaseReduce,
     WaitReduce,
 )
+from overlap.tools.plan.cost import Link, Topology, UnitCost, ring_time_s
 
 
 @dataclass
@@ -154,13 +154,13 @@ class _Clock:
         self.units, self.topo = units, topo
         self.now = 0.0
         self.num_lanes = lanes
-        self.lane_free_s = [0.0] * lanes  # when each lane's last collective ended
+        self.lane_free_s = [0.0] * (2 * lanes)  # when each lane's last collective ended (HSDP: + the replicas')
         self.contention = contention
         self.flight: list[_Collective] = []  # issued, not finished; in issue order
         self.done: set[tuple[str, int]] = set()
         self.exposed = self.busy = self.compute = self.host = 0.0
         self.waits: dict[str, float] = {}
-        self.counts = {"gather": 0, "reduce": 0}
+        self.counts = {"gather": 0, "reduce": 0, "allreduce": 0}
         self.record = record
         self.events: list[tuple[str, str, float, float]] = []
         self.gathered: set[int] = set()  # units whose gather finished and was waited on
@@ -171,12 +171,19 @@ class _Clock:
     def _running(self) -> list[_Collective]:
         return [c for c in self.flight if c.start_s is not None]
 
+    def _lanes_of(self, c: _Collective) -> range:
+        """The lanes a collective may take: HSDP's all-reduces run on the replica group, a
+        process group with lanes of its own."""
+        if c.kind == "allreduce":
+            return range(self.num_lanes, 2 * self.num_lanes)
+        return range(self.num_lanes)
+
     def _start_queued(self) -> None:
         """Queued collectives take free lanes in issue order (the lane free the longest first)."""
         busy = {c.lane for c in self._running()}
         for c in self.flight:
-            if c.start_s is None and len(busy) < self.num_lanes:
-                free = [lane for lane in range(self.num_lanes) if lane not in busy]
+            free = [lane for lane in self._lanes_of(c) if lane not in busy]
+            if c.start_s is None and free:
                 c.lane = min(free, key=lambda lane: self.lane_free_s[lane])
                 c.start_s = self.now
                 busy.add(c.lane)
@@ -268,6 +275,20 @@ class _Clock:
         assert unit in self.gathered, f"unit {unit} computed before its gather was waited on"
         self.compute += self._work(seconds, "compute", f"{what} {self.units[unit].name}")
 
+    def _flying(self) -> set[tuple[str, int]]:
+        return {(c.kind, c.key) for c in self.flight}
+
+    def _all_reduce(self, bucket: int, indices: tuple[int, ...], names: str) -> None:
+        """HSDP: the reduced shard (1/num_ranks of the bucket's gradients) is all-reduced
+        across replicas as soon as its reduce-scatter is summed, and waited for at the
+        bucket's WaitReduce (engine/reduction.py, `_reduced` and `wait_reduce`)."""
+        replicas = self.topo.replicas()
+        if replicas is None:
+            return
+        shard_bytes = sum(self.units[i].grad_bytes for i in indices) / self.topo.num_ranks
+        seconds = ring_time_s("all_reduce", shard_bytes, replicas)
+        self._issue("allreduce", bucket, seconds, f"all-reduce [{names}]")
+
     def peak_reduce_bytes(self) -> int:
         """Sweep over the reduce buffers' lifetimes (issue -> done) for the most bytes alive."""
         points = [(t0, b) for t0, _, b in self.reduce_spans] + [(t1, -b) for _, t1, b in self.reduce_spans]
@@ -302,13 +323,15 @@ class _Clock:
                 num_bytes = sum(u.grad_bytes for u in bucket)
                 self._issue("reduce", a.bucket, seconds, f"reduce [{names}]", num_bytes)
             elif isinstance(a, (ReleaseReduce, WaitReduce)):
-                if a.bucket in self.released:
-                    continue  # its input was released earlier: the wait and the sum are done
-                if isinstance(a, ReleaseReduce):
-                    self.released.add(a.bucket)
                 names = ",".join(self.units[i].name for i in a.units)
-                self._wait("reduce", a.bucket, f"reduce [{names}]")
-                self._host(sum(self.units[i].reduce_wait_host_s for i in a.units), f"sum [{names}]")
+                if a.bucket not in self.released:  # else the wait and the sum are done
+                    if isinstance(a, ReleaseReduce):
+                        self.released.add(a.bucket)
+                    self._wait("reduce", a.bucket, f"reduce [{names}]")
+                    self._host(sum(self.units[i].reduce_wait_host_s for i in a.units), f"sum [{names}]")
+                    self._all_reduce(a.bucket, a.units, names)
+                if isinstance(a, WaitReduce) and ("allreduce", a.bucket) in self.done | self._flying():
+                    self._wait("allreduce", a.bucket, f"all-reduce [{names}]")
             elif isinstance(a, CheckOrder):
                 pass  # first step only; the simulated step is a steady one
 
