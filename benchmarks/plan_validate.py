@@ -36,30 +36,15 @@ import sys
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from overlap.tools.plan.calibrate import (
-    CODEC_OVERRIDES,
-    Rig,
-    World,
-    calibrate_round,
-    format_calibration,
-    max_over_ranks,
-    profile_alone,
-    set_up_rank,
-    w1,
-)
-from overlap.tools.plan.calibration import (
-    Calibration,
-    codec_path,
-    default_world_calibration,
-    median_calibration,
-    predict_measured,
-)
+if TYPE_CHECKING:  # at run time imported in the functions, after entry.py put this checkout first
+    from overlap.tools.plan.calibrate import Rig, World
+    from overlap.tools.plan.calibration import Calibration
 
 WORLDS = ("loopback", "1gbit", "loopback,4", "hsdp2x2")
 TARGET_MAX_ERROR = 0.10
@@ -77,7 +62,7 @@ def configs(layer_numel: int) -> dict[str, dict[str, Any]]:
         "bucket 2 layers": {"reduce_scatter_bucket_bytes": int(1.5 * layer_bytes)},
         "2 layers/unit": {"min_unit_numel": 2 * layer_numel},
         "no reshard (ZeRO-2)": {"reshard_after_forward": False},
-        "int8 params+grads, EF": CODEC_OVERRIDES["int8/int8"],
+        "int8 params+grads, EF": {"param_compression": "int8", "grad_compression": "int8", "error_feedback": True},
     }
 
 
@@ -89,12 +74,16 @@ def _config(overrides: dict[str, Any]) -> Any:
 
 def predict_ms(cal: Calibration, overrides: dict[str, Any]) -> float:
     """The tools' model's steady step for W1 under `overrides`, ms."""
+    from overlap.tools.plan.calibration import predict_measured
+
     return predict_measured(cal, _config(overrides)).step_s * 1e3
 
 
 def uncalibrated(cal: Calibration, world: World) -> Calibration:
     """The tools' defaults for this world, with the measured compute (links and gloo terms are
     what is being compared)."""
+    from overlap.tools.plan.calibration import default_world_calibration
+
     link = None if world.link == "loopback" else world.link
     defaults = default_world_calibration(world.shard_size, "gloo", link, num_replicas=world.num_replicas)
     return replace(defaults, compute=cal.compute)
@@ -120,6 +109,8 @@ class ValidateConfig:
     json_path: str | None = None
 
     def __post_init__(self) -> None:
+        from overlap.tools.plan.calibrate import World
+
         if min(self.rounds, self.steps, self.profile_steps) < 1:
             raise ValueError("ValidateConfig: rounds, steps and profile_steps must be >= 1")
         if not self.worlds:
@@ -135,6 +126,7 @@ def build_contenders(table: dict[str, dict[str, Any]], rig: Rig) -> list[tuple[n
     """One wrapped W1 and AdamW per config, two steps taken (order check, allocator warm)."""
     import overlap
     from overlap.tools.bench import step as bench_step
+    from overlap.tools.plan.calibrate import w1
 
     bench = w1()
     out: list[tuple[nn.Module, torch.optim.Optimizer]] = []
@@ -151,6 +143,7 @@ def time_segment(model: nn.Module, opt: torch.optim.Optimizer, batch: tuple[torc
     """One config's turn in a round: a warm-up step, then the median of `steps` timed steps
     (barrier before each; a step is the slowest rank's), ms."""
     from overlap.tools.bench import step as bench_step
+    from overlap.tools.plan.calibrate import max_over_ranks
 
     bench_step.train_step(model, opt, batch)
     times = []
@@ -165,6 +158,15 @@ def time_segment(model: nn.Module, opt: torch.optim.Optimizer, batch: tuple[torc
 def validate_rank(rank: int, world_size: int, cfg: ValidateConfig, world: World) -> dict[str, Any] | None:
     """One world: rounds of (calibration, every config's segment in rotated order), then the
     predictions from the median calibration; rank 0 returns everything."""
+    from overlap.tools.plan.calibrate import (
+        Rig,
+        calibrate_round,
+        format_calibration,
+        profile_alone,
+        set_up_rank,
+    )
+    from overlap.tools.plan.calibration import codec_path, median_calibration
+
     set_up_rank()
     t0 = time.perf_counter()
     rig = Rig.build(world)
@@ -253,7 +255,7 @@ def summarize(results: list[dict[str, Any]], key: str = "predicted_ms") -> dict[
 
 def format_table(results: list[dict[str, Any]]) -> str:
     header = (
-        f"{'config':<24} {'world':<22} {'measured ms':>11} {'spread ms':>13} {'predicted':>9} "
+        f"{'config':<24} {'world':<26} {'measured ms':>11} {'spread ms':>13} {'predicted':>9} "
         f"{'error':>7} {'defaults':>8} {'error':>7}"
     )
     lines = [header, "-" * len(header)]
@@ -261,7 +263,7 @@ def format_table(results: list[dict[str, Any]]) -> str:
         for row in res["rows"]:
             m, (lo, hi) = row["measured_ms"], row["spread_ms"]
             lines.append(
-                f"{row['config']:<24} {res['world']:<22} {m:>11.1f} {f'{lo:.0f}-{hi:.0f}':>13} "
+                f"{row['config']:<24} {res['world']:<26} {m:>11.1f} {f'{lo:.0f}-{hi:.0f}':>13} "
                 f"{row['predicted_ms']:>9.1f} {signed_error(row['predicted_ms'], m):>+7.1%} "
                 f"{row['defaults_ms']:>8.1f} {signed_error(row['defaults_ms'], m):>+7.1%}"
             )
@@ -270,7 +272,7 @@ def format_table(results: list[dict[str, Any]]) -> str:
         lines.append(f"\n{label}: mean |error| {s['mean_abs']:.1%}, max |error| {s['max_abs']:.1%}")
         for world, w in s["worlds"].items():
             lines.append(
-                f"  {world:<22} mean signed {w['mean_signed']:>+6.1%}, mean |error| {w['mean_abs']:.1%}, "
+                f"  {world:<26} mean signed {w['mean_signed']:>+6.1%}, mean |error| {w['mean_abs']:.1%}, "
                 f"max {w['max_abs']:.1%}, {w['within_10']}/{w['count']} within {TARGET_MAX_ERROR:.0%}"
             )
         if key == "predicted_ms":
@@ -311,6 +313,8 @@ def main() -> int:
         )  # fmt: skip
     except ValueError as e:
         raise SystemExit(f"plan_validate: {e}") from None
+    from overlap.tools.plan.calibrate import World
+
     t0 = time.perf_counter()
     load = os.getloadavg()
     results, skipped = [], {}

@@ -157,7 +157,7 @@ def test_world_parse():
 
 def test_defaults_for_a_world():
     gloo = calib.default_world_calibration(2, "gloo", None)
-    assert gloo.backend == "gloo" and gloo.host and gloo.compute_share_lost > 0
+    assert gloo.backend == "gloo" and gloo.host and gloo.comm_stretch > 1
     wire = calib.default_world_calibration(2, "gloo", "1gbit")
     assert wire.level == "inter" and wire.gather_link.busbw_gbps == pytest.approx(0.125 * calib.EMULATED_LINK_EFFICIENCY)
     nccl = calib.default_world_calibration(8, "nccl", None)
@@ -191,3 +191,28 @@ def test_plan_tune_and_validate_share_the_model(monkeypatch, tmp_path):
     calls.clear()
     plan(model="llama-8b", num_gpus=16, search=False, scaling_gpus=(), calibration=str(cal.save(tmp_path / "cal.json")))
     assert calls and all(source == "hand" for source, _ in calls)
+
+
+def test_links_from_a_trace(tmp_path):
+    """Collective spans of two sizes (the fastest of each counts: the others queued) give the
+    link back; one size alone keeps the base's latency."""
+    import json
+
+    truth = Topology(2, 2, Link("t", 50e-6, 2.0), Link("t", 50e-6, 2.0))
+
+    def span(tid: int, name: str, nbytes: int, seconds: float) -> dict:
+        return {"ph": "X", "tid": tid, "name": name, "ts": 0, "dur": seconds * 1e6, "args": {"bytes": nbytes}}
+
+    events = []
+    for nbytes in (8 * 2**20, 32 * 2**20):
+        t = ring_time_s("all_gather", nbytes, truth)
+        events += [span(1, "unit0", nbytes, t), span(1, "unit1", nbytes, 3 * t)]  # the second queued
+    events.append(span(2, "bucket0", 16 * 2**20, 0.010))
+    (tmp_path / "trace_rank0.json").write_text(json.dumps({"traceEvents": events}))
+    base = calib.default_world_calibration(2, "nccl", None)
+    cal = calib.from_trace(tmp_path, base)
+    assert cal.gather_link.alpha_s == pytest.approx(50e-6) and cal.gather_link.busbw_gbps == pytest.approx(2.0)
+    assert cal.reduce_link.alpha_s == base.gather_link.alpha_s
+    assert ring_time_s("reduce_scatter", 16 * 2**20, cal.topology()) == pytest.approx(0.010)
+    with pytest.raises(ValueError, match="no trace"):
+        calib.from_trace(tmp_path / "empty", base)

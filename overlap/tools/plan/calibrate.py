@@ -571,14 +571,35 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--calibrate-world", default="loopback", metavar="WORLD",
                         help="with --calibrate: loopback, 1gbit, loopback,4 (ranks), hsdp2x2, 1gbit,hsdp2x2")
     parser.add_argument("--calibrate-rounds", type=int, default=CalibrateConfig.rounds)  # fmt: skip
+    parser.add_argument("--from-trace", metavar="DIR", default=None,
+                        help="with --calibrate: fit the links to a run's trace (OVERLAP_TRACE=DIR) instead of measuring")  # fmt: skip
+    parser.add_argument("--trace-ranks", type=int, default=None,
+                        help="with --from-trace: ranks of a shard group (default: the trace files)")  # fmt: skip
+    parser.add_argument("--trace-backend", choices=("nccl", "gloo"), default="nccl")
+    parser.add_argument("--trace-level", choices=("intra", "inter"), default="inter",
+                        help="with --from-trace: the link level the traced run crossed")  # fmt: skip
+
+
+def calibrate_from_trace(args: argparse.Namespace) -> Calibration:
+    from pathlib import Path
+
+    from overlap.tools.plan.calibration import default_world_calibration, from_trace
+
+    n = args.trace_ranks or len(list(Path(args.from_trace).glob("trace_rank*.json")))
+    if n < 2:
+        raise ValueError(f"--from-trace {args.from_trace}: give --trace-ranks (>= 2 ranks in a shard group)")
+    base = replace(default_world_calibration(n, args.trace_backend, None), level=args.trace_level)
+    return from_trace(args.from_trace, base)
 
 
 def run(args: argparse.Namespace) -> int:
     try:
-        cfg = CalibrateConfig(world=World.parse(args.calibrate_world), rounds=args.calibrate_rounds)
+        if args.from_trace is not None:
+            cal = calibrate_from_trace(args)
+        else:
+            cal = calibrate(CalibrateConfig(world=World.parse(args.calibrate_world), rounds=args.calibrate_rounds))
     except ValueError as e:
         raise SystemExit(f"overlap plan --calibrate: {e}") from None
-    cal = calibrate(cfg)
     print(format_calibration(cal))
     print(f"wrote {cal.save(args.calibrate)}")
     return 0

@@ -12,7 +12,7 @@ profile a calibration measured (plan_validate, `predict_measured`). A calibratio
                    machine's collectives, compute, host work and contention, in a local world
     a trace        `from_trace`: the collectives' and compute's spans of a run's first steps
     defaults       `default_calibration`: link presets, no contention, no host work on GPUs;
-                   on gloo the terms last measured on a 2-core machine (`GLOO_DEFAULTS`)
+                   on gloo the terms measured once on a 2-core machine (`GLOO_DEFAULT_*`)
 and is saved as JSON (`save`, `load`), so the three tools read the same file.
 """
 
@@ -261,34 +261,36 @@ class Calibration:
 # defaults (no measurement)
 
 
-GLOO_DEFAULTS: Mapping[str, float] = {
-    "compute_share_lost": 0.25,
-    "comm_stretch": 1.15,
-    "concurrent_throughput": 1.3,
-    "host_s_per_byte": 1.0e-10,
+GLOO_DEFAULT_HOST = HostCosts(
+    unit_bytes=12_609_536, gather_issue_s=0.28e-3, regather_issue_s=0.20e-3, gather_wait_s=2.03e-3,
+    reduce_issue_s=3.44e-3, reduce_wait_s=1.87e-3,
+)  # fmt: skip
+"""Host work of a gloo world nobody calibrated: one W1 layer's (12 MiB fp32), from `overlap plan
+--calibrate` on loopback on the 2-core development machine (2026-12-03, load average 6.7, one
+round: rough). Calibrate your machine instead."""
+GLOO_DEFAULT_CONTENTION: Mapping[str, float] = {
+    "compute_share_lost": 0.0,
+    "comm_stretch": 1.2,
+    "concurrent_throughput": 2.0,
 }
-"""The fluid clock's terms for a gloo world nobody calibrated, rounded from `overlap plan
---calibrate` runs of W1 on a 2-core machine (loopback and 1 Gbit; see
-benchmarks/RESULTS.md, "Planner against measurement"): host work per unsharded byte charged at
-each of the five points, a quarter of compute lost beside comm. Calibrate for another machine."""
+"""The fluid clock's terms for an uncalibrated gloo world, from the same runs (loopback, 2 ranks
+and HSDP 2x2: share lost 0.00 and 0.03, stretch 1.24x and 1.23x, throughput 2.0x both)."""
 
 
 def default_calibration(backend: Backend, num_ranks: int, link: Link, *, num_replicas: int = 1,
                         level: Level = "intra") -> Calibration:  # fmt: skip
     """What the tools assume without a calibration file: `link` for every collective; on
-    nccl no contention and no host work (the comm streams hold it), on gloo `GLOO_DEFAULTS`."""
+    nccl no contention and no host work (the comm streams hold it), on gloo
+    `GLOO_DEFAULT_CONTENTION` and `GLOO_DEFAULT_HOST`."""
     if backend == "nccl":
         return Calibration(source=f"defaults: {link.name}, no contention", backend="nccl",
                            num_ranks=num_ranks, num_replicas=num_replicas, level=level, gather_link=link)  # fmt: skip
-    g = GLOO_DEFAULTS
-    per_byte = g["host_s_per_byte"]
-    host = HostCosts(unit_bytes=2**20, gather_issue_s=per_byte * 2**20, regather_issue_s=per_byte * 2**20,
-                     gather_wait_s=per_byte * 2**20, reduce_issue_s=per_byte * 2**20, reduce_wait_s=per_byte * 2**20)  # fmt: skip
+    g = GLOO_DEFAULT_CONTENTION
     return Calibration(
-        source=f"defaults: {link.name}, gloo terms of GLOO_DEFAULTS", backend="gloo",
+        source=f"defaults: {link.name}, gloo terms of GLOO_DEFAULT_CONTENTION and GLOO_DEFAULT_HOST", backend="gloo",
         num_ranks=num_ranks, num_replicas=num_replicas, level=level, gather_link=link,
         compute_share_lost=g["compute_share_lost"], comm_stretch=g["comm_stretch"],
-        concurrent_throughput=g["concurrent_throughput"], host={NO_CODEC: host},
+        concurrent_throughput=g["concurrent_throughput"], host={NO_CODEC: GLOO_DEFAULT_HOST},
     )  # fmt: skip
 
 
@@ -411,6 +413,72 @@ def median_calibration(cals: Sequence[Calibration]) -> Calibration:
     out = {f.name: median([getattr(c, f.name) for c in cals]) for f in fields(Calibration) if f.name != "measured"}
     out["source"] = f"{cals[0].source} (median of {len(cals)})" if len(cals) > 1 else cals[0].source
     return Calibration(**out, measured=cals[0].measured)
+
+
+# ---------------------------------------------------------------------------------------------
+# from a trace (a run's first steps)
+
+
+TRACE_LANES = {1: "all_gather", 2: "reduce"}
+"""Trace thread ids of the collective lanes (overlap/observe/trace.py's LANES)."""
+
+
+def trace_rows(trace_dir: str | Path) -> dict[str, list[tuple[int, float]]]:
+    """(bytes, seconds) per collective from a run's trace files (`trace_dir` / `OVERLAP_TRACE`):
+    per op and size the fastest span over ranks and steps, the one least delayed by queueing
+    behind other collectives (a host-clock span runs from issue to completion). Ops:
+    "all_gather" (unsharded bytes), "reduce" (the bucket's unsharded gradient bytes: a
+    reduce-scatter, or gloo's all-to-all) and "all_reduce" (HSDP: the reduced shard's bytes)."""
+    files = sorted(Path(trace_dir).glob("trace_rank*.json"))
+    if not files:
+        raise ValueError(f"from_trace: no trace_rank*.json in {trace_dir} (run with OVERLAP_TRACE={trace_dir})")
+    best: dict[str, dict[int, float]] = {}
+    for file in files:
+        for e in json.loads(file.read_text())["traceEvents"]:
+            if e.get("ph") != "X" or e.get("tid") not in TRACE_LANES or not e.get("args", {}).get("bytes"):
+                continue
+            op = "all_reduce" if str(e["name"]).startswith("all-reduce") else TRACE_LANES[e["tid"]]
+            sizes = best.setdefault(op, {})
+            nbytes, seconds = int(e["args"]["bytes"]), e["dur"] * 1e-6
+            if seconds > 0:
+                sizes[nbytes] = min(seconds, sizes.get(nbytes, float("inf")))
+    return {op: sorted(sizes.items()) for op, sizes in best.items()}
+
+
+def _fit_or_scale(name: str, rows: list[tuple[int, float]], n: int, op: str, preset: Link) -> Link:
+    """`fit_link` over two sizes or more; over one, the preset's latency and the bandwidth
+    that size implies."""
+    if len({b for b, _ in rows}) >= 2:
+        try:
+            return fit_link(name, rows, n, op)
+        except ValueError:
+            pass  # time not growing with size (few, noisy spans): scale the preset instead
+    f = RING_FACTOR[op]
+    nbytes, seconds = max(rows)
+    wire_s = max(seconds - f * (n - 1) * preset.alpha_s, 1e-9)
+    return Link(name, preset.alpha_s, f * (n - 1) / n * nbytes / wire_s / 1e9, f"{op} spans of one size, {preset.name}'s latency")
+
+
+def from_trace(trace_dir: str | Path, base: Calibration) -> Calibration:
+    """`base` (the defaults for the traced world, `default_world_calibration`) with links fitted
+    to the collective spans of a run's trace: on a cluster, the first steps of the job itself.
+    Compute and host work are kept from `base` (tune profiles compute, plan takes FLOPs)."""
+    rows = trace_rows(trace_dir)
+    if "all_gather" not in rows:
+        raise ValueError(f"from_trace: no all-gather spans with bytes in {trace_dir}")
+    reduce_op = "all_to_all" if base.backend == "gloo" else "reduce_scatter"
+    n, r = base.num_ranks, base.num_replicas
+    gather = _fit_or_scale("traced all_gather", rows["all_gather"], n, "all_gather", base.gather_link)
+    reduce = None
+    if "reduce" in rows:
+        reduce = _fit_or_scale(f"traced {reduce_op}", rows["reduce"], n, reduce_op, base.reduce_link or base.gather_link)
+    replica = None
+    if "all_reduce" in rows and r > 1:
+        replica = _fit_or_scale("traced all_reduce", rows["all_reduce"], r, "all_reduce", base.replica_link or base.gather_link)
+    return replace(
+        base, source=f"trace {trace_dir} ({base.source})", gather_link=gather, reduce_link=reduce,
+        replica_link=replica, measured={"trace_rows": rows},
+    )  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------
