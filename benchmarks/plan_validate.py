@@ -20,7 +20,8 @@ one model the tools use ([Note: one model] in overlap/tools/plan/calibration.py)
    calibrated  the median calibration (`median_calibration`), through `predict_measured`
    defaults    the same measured compute with the tools' uncalibrated links and gloo terms
                (`default_world_calibration`): what `overlap tune` predicts without a file
-Errors are signed (predicted / measured - 1). Targets (issue 25): every runnable config within
+Errors are signed (predicted / measured - 1); "exposed ms" compares the measured exposed
+communication (`overlap.step_stats`, slowest rank) with the calibrated prediction's. Targets (issue 25): every runnable config within
 10%, mean |error| <= 5%, mean signed error within +-2% in every world.
 
 `--json PATH` writes the calibrations (median and per round), measurements and predictions.
@@ -139,20 +140,24 @@ def build_contenders(table: dict[str, dict[str, Any]], rig: Rig) -> list[tuple[n
     return out
 
 
-def time_segment(model: nn.Module, opt: torch.optim.Optimizer, batch: tuple[torch.Tensor, ...], steps: int) -> float:
-    """One config's turn in a round: a warm-up step, then the median of `steps` timed steps
-    (barrier before each; a step is the slowest rank's), ms."""
+def time_segment(model: nn.Module, opt: torch.optim.Optimizer, batch: tuple[torch.Tensor, ...], steps: int) -> tuple[float, float]:
+    """One config's turn in a round: a warm-up step, then `steps` timed steps (barrier before
+    each; a step is the slowest rank's). (Median step ms, median exposed communication ms: the
+    slowest rank's all-gather and reduction waits, `overlap.step_stats`.)"""
+    import overlap
     from overlap.tools.bench import step as bench_step
     from overlap.tools.plan.calibrate import max_over_ranks
 
     bench_step.train_step(model, opt, batch)
-    times = []
+    times, exposed = [], []
     for _ in range(steps):
         dist.barrier()
         t0 = time.perf_counter()
         bench_step.train_step(model, opt, batch)
         times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(max_over_ranks(times))
+        stats = overlap.step_stats(model)
+        exposed.append(stats.allgather_wait_ms + stats.reduce_wait_ms)
+    return statistics.median(max_over_ranks(times)), statistics.median(max_over_ranks(exposed))
 
 
 def validate_rank(rank: int, world_size: int, cfg: ValidateConfig, world: World) -> dict[str, Any] | None:
@@ -165,7 +170,11 @@ def validate_rank(rank: int, world_size: int, cfg: ValidateConfig, world: World)
         profile_alone,
         set_up_rank,
     )
-    from overlap.tools.plan.calibration import codec_path, median_calibration
+    from overlap.tools.plan.calibration import (
+        codec_path,
+        median_calibration,
+        predict_measured,
+    )
 
     set_up_rank()
     t0 = time.perf_counter()
@@ -178,11 +187,14 @@ def validate_rank(rank: int, world_size: int, cfg: ValidateConfig, world: World)
     alone = profile_alone(rig, cfg.profile_steps)
     cals: list[Calibration] = []
     rounds: dict[str, list[float]] = {name: [] for name in names}
+    exposed: dict[str, list[float]] = {name: [] for name in names}
     for r in range(cfg.rounds):
         cals.append(calibrate_round(rig, cfg.profile_steps))
         k = r % len(names)
         for i in list(range(k, len(names))) + list(range(k)):
-            rounds[names[i]].append(time_segment(*contenders[i], rig.batch, cfg.steps))
+            step_ms, exposed_ms = time_segment(*contenders[i], rig.batch, cfg.steps)
+            rounds[names[i]].append(step_ms)
+            exposed[names[i]].append(exposed_ms)
         if rank == 0:
             print(f"  round {r + 1}/{cfg.rounds} done ({time.perf_counter() - t0:.0f} s)", flush=True)
     if rank != 0:
@@ -202,6 +214,8 @@ def validate_rank(rank: int, world_size: int, cfg: ValidateConfig, world: World)
             "spread_ms": [min(rounds[name]), max(rounds[name])],
             "round_ms": rounds[name],
             "predicted_ms": predict_ms(cal, overrides),
+            "exposed_ms": statistics.median(exposed[name]),
+            "predicted_exposed_ms": predict_measured(cal, _config(overrides)).exposed_s * 1e3,
             "predicted_per_round_ms": [predict_ms(c, overrides) for c in cals],
             "defaults_ms": predict_ms(defaults, overrides),
         })  # fmt: skip
@@ -253,10 +267,17 @@ def summarize(results: list[dict[str, Any]], key: str = "predicted_ms") -> dict[
     }
 
 
+def _exposed(row: dict[str, Any]) -> str:
+    """Exposed communication, measured / predicted (calibrated), ms."""
+    if "exposed_ms" not in row:
+        return ""
+    return f"{row['exposed_ms']:.0f} / {row['predicted_exposed_ms']:.0f}"
+
+
 def format_table(results: list[dict[str, Any]]) -> str:
     header = (
         f"{'config':<24} {'world':<26} {'measured ms':>11} {'spread ms':>13} {'predicted':>9} "
-        f"{'error':>7} {'defaults':>8} {'error':>7}"
+        f"{'error':>7} {'defaults':>8} {'error':>7} {'exposed ms':>15}"
     )
     lines = [header, "-" * len(header)]
     for res in results:
@@ -265,7 +286,8 @@ def format_table(results: list[dict[str, Any]]) -> str:
             lines.append(
                 f"{row['config']:<24} {res['world']:<26} {m:>11.1f} {f'{lo:.0f}-{hi:.0f}':>13} "
                 f"{row['predicted_ms']:>9.1f} {signed_error(row['predicted_ms'], m):>+7.1%} "
-                f"{row['defaults_ms']:>8.1f} {signed_error(row['defaults_ms'], m):>+7.1%}"
+                f"{row['defaults_ms']:>8.1f} {signed_error(row['defaults_ms'], m):>+7.1%} "
+                f"{_exposed(row):>15}"
             )
     for key, label in (("predicted_ms", "calibrated"), ("defaults_ms", "defaults")):
         s = summarize(results, key)

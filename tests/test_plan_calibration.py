@@ -216,3 +216,20 @@ def test_links_from_a_trace(tmp_path):
     assert ring_time_s("reduce_scatter", 16 * 2**20, cal.topology()) == pytest.approx(0.010)
     with pytest.raises(ValueError, match="no trace"):
         calib.from_trace(tmp_path / "empty", base)
+
+
+def test_cli_plans_with_a_calibration_and_refuses_a_bad_file(tmp_path, capsys):
+    from overlap.tools.cli import main
+
+    inter = replace(calib.default_world_calibration(8, "nccl", None), source="a test file", level="inter",
+                    gather_link=Link("slow", 20e-6, 5.0))  # fmt: skip
+    path = inter.save(tmp_path / "cal.json")
+    args = ["plan", "--model", "llama-8b", "--gpus", "16", "--no-search"]
+    assert main([*args, "--calibration", str(path)]) == 0
+    slow = capsys.readouterr().out
+    assert "a test file" in slow and "inter-node link" in slow
+    assert main(args) == 0
+    preset = capsys.readouterr().out
+    assert slow != preset  # the 5 GB/s link replaced ndr400 between nodes
+    with pytest.raises(SystemExit, match="no such file"):
+        main([*args, "--calibration", str(tmp_path / "missing.json")])
