@@ -190,7 +190,7 @@ def test_plan_tune_and_validate_share_the_model(monkeypatch, tmp_path):
     # plan: with a calibration file, every estimate runs through it
     calls.clear()
     plan(model="llama-8b", num_gpus=16, search=False, scaling_gpus=(), calibration=str(cal.save(tmp_path / "cal.json")))
-    assert calls and all(source == "hand" for source, _ in calls)
+    assert calls and all(source == "hand, links only" for source, _ in calls)  # a gloo file on GPUs: links only
 
 
 def test_links_from_a_trace(tmp_path):

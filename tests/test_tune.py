@@ -416,3 +416,23 @@ def test_cli_lists_tune_and_parses_its_flags():
     lossy = build_parser("tune").parse_args(["tune", "--codecs", "none,int8+ef"])
     with pytest.raises(ValueError, match="allow-compression"):
         command_from_args(lossy)
+
+
+def test_calibration_file_reaches_the_pruning(tmp_path):
+    """`overlap tune --calibration FILE` loads the file into TuneConfig; the planner then prunes
+    with it on this world's ranks (the one model of overlap/tools/plan/calibration.py)."""
+    from overlap.tools.cli import build_parser
+    from overlap.tools.plan.calibration import default_world_calibration
+    from overlap.tools.tune.command import command_from_args
+    from overlap.tools.tune.predict import calibration_for
+
+    cal = default_world_calibration(2, "gloo", "1gbit")
+    path = cal.save(tmp_path / "cal.json")
+    cmd = command_from_args(build_parser("tune").parse_args(["tune", "--calibration", str(path)]))
+    assert cmd.search.calibration == cal
+    used, topo = calibration_for(4, "gloo", None, cmd.search.calibration)
+    assert used == cal and topo.num_ranks == 4 and topo.link() == cal.gather_link
+    default, _ = calibration_for(2, "gloo", "1gbit", None)
+    assert default == cal
+    with pytest.raises(ValueError, match="no such file"):
+        command_from_args(build_parser("tune").parse_args(["tune", "--calibration", str(tmp_path / "no.json")]))

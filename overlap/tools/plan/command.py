@@ -63,9 +63,11 @@ def plan(request: PlanConfig | None = None, /, **overrides: Any) -> PlanResult:
     if request.calibration is not None:
         cal = Calibration.load(request.calibration)
         cluster = cluster.with_calibration(cal)
+        terms = ("NCCL lanes, contention and host work from it" if cal.backend == "nccl"
+                 else "a gloo (CPU) calibration: its links only, GPUs keep NCCL's lanes and no host work")  # fmt: skip
         notes.append(f"calibration {request.calibration}: {cal.source}; its {cal.gather_link.name} link "
-                     f"({cal.gather_link.busbw_gbps:.3g} GB/s busbw) is the {cal.level}-node link, "
-                     f"{cal.backend} lanes, contention and host work from it; compute from --mfu/--tflops")  # fmt: skip
+                     f"({cal.gather_link.busbw_gbps:.3g} GB/s busbw) is the {cal.level}-node link; {terms}; "
+                     "compute from --mfu/--tflops")  # fmt: skip
     if config.param_dtype is None:
         notes.append("config has no param_dtype: planned with fp32 all-gathers (compute still at the bf16 rate)")
     space = None

@@ -79,7 +79,12 @@ class Cluster:
             raise ValueError(f"achieved TFLOPs must be > 0, got {self.achieved_tflops!r}")
 
     def with_calibration(self, calibration: Calibration) -> Cluster:
-        """This cluster with `calibration`'s gather link on the level it was measured on."""
+        """This cluster with `calibration`'s gather link on the level it was measured on. A
+        gloo calibration (CPU ranks) gives its links only: its host work, contention and lanes
+        are those of CPU ranks, not of GPUs with comm streams."""
+        if calibration.backend != "nccl":
+            calibration = replace(calibration, backend="nccl", host={}, compute_share_lost=0.0, comm_stretch=1.0,
+                                  concurrent_throughput=None, source=f"{calibration.source}, links only")  # fmt: skip
         return replace(self, calibration=calibration, **{calibration.level: calibration.gather_link})
 
     def model(self) -> Calibration:
