@@ -273,8 +273,10 @@ GLOO_DEFAULT_CONTENTION: Mapping[str, float] = {
     "comm_stretch": 1.2,
     "concurrent_throughput": 2.0,
 }
-"""The fluid clock's terms for an uncalibrated gloo world, from the same runs (loopback, 2 ranks
-and HSDP 2x2: share lost 0.00 and 0.03, stretch 1.24x and 1.23x, throughput 2.0x both)."""
+"""The fluid clock's terms for an uncalibrated gloo world, from the same loaded runs (loopback 2
+ranks and HSDP 2x2: share lost 0.00 and 0.03, stretch 1.24x and 1.23x, throughput 2.0x both).
+These terms move with the machine's load: a later run at load 3 measured 0.76, 1.67x and 1.0x.
+Replace them with a quiet machine's median calibration (`plan_validate --json`)."""
 
 
 def default_calibration(backend: Backend, num_ranks: int, link: Link, *, num_replicas: int = 1,
