@@ -51,6 +51,7 @@ from overlap.tools.plan.calibration import (
     concurrent_throughput,
     contention_share,
     fit_link,
+    gather_op,
     median_calibration,
 )
 from overlap.tools.plan.cost import Topology, ring_time_s
@@ -173,25 +174,41 @@ def set_up_rank() -> None:
 # measurements (every rank calls these in the same order)
 
 
-def time_collective(op: str, num_bytes: int, group: dist.ProcessGroup) -> float:
-    """Seconds of one `op` of `num_bytes` (the cost model's S: unsharded output of an all-gather,
-    each rank's input of an all-to-all, the tensor of an all-reduce) on `group`, back to back;
-    every group of the world at once; the slowest rank's mean."""
-    from overlap.tools.bench.comm import all_gather_single, iters_for
+def launcher(op: str, num_bytes: int, group: dist.ProcessGroup) -> Callable[[bool], Any]:
+    """`launch(async_op)` issuing one `op` of `num_bytes` (the cost model's S: unsharded output
+    of an all-gather, all ranks' parts of an all-to-all, the tensor of an all-reduce) on
+    `group`. The all-to-all leaves each rank's own part home, as the runtime's reductions and
+    pair gathers do ([Note: own part stays home] in overlap/transport/collectives.py)."""
+    from overlap.tools.bench.comm import all_gather_single
 
-    n = group.size()
+    n, me = group.size(), group.rank()
     numel = max(n, num_bytes // 4 // n * n)
     if op == "all_gather":
         inp, out = torch.randn(numel // n), torch.empty(numel)
-        launch = lambda: all_gather_single(out, inp, group=group)
-    elif op == "all_to_all":
-        inp, out = torch.randn(numel), torch.empty(numel)
-        launch = lambda: dist.all_to_all_single(out, inp, group=group)
-    elif op == "all_reduce":
+        return lambda async_op=False: all_gather_single(out, inp, group=group, async_op=async_op)
+    if op == "all_to_all":
+        splits = [0 if r == me else numel // n for r in range(n)]
+        inp, out = torch.randn(sum(splits)), torch.empty(sum(splits))
+        return lambda async_op=False: dist.all_to_all_single(
+            out, inp, output_split_sizes=splits, input_split_sizes=splits, group=group, async_op=async_op
+        )
+    if op == "all_reduce":
         buf = torch.randn(numel)
-        launch = lambda: dist.all_reduce(buf, group=group)
-    else:
-        raise ValueError(f"time_collective: unknown op {op!r}")
+        return lambda async_op=False: dist.all_reduce(buf, group=group, async_op=async_op)
+    raise ValueError(f"launcher: unknown op {op!r}")
+
+
+def layer_gather_op(world: World, layer_bytes: int) -> str:
+    """The collective an uncompressed W1 layer's all-gather goes through in this world."""
+    return gather_op("gloo", world.shard_size, False, layer_bytes)
+
+
+def time_collective(op: str, num_bytes: int, group: dist.ProcessGroup) -> float:
+    """Seconds of one `op` of `num_bytes` (`launcher`) on `group`, back to back; every group of
+    the world at once; the slowest rank's mean."""
+    from overlap.tools.bench.comm import iters_for
+
+    launch = launcher(op, num_bytes, group)
     iters, warmup = iters_for(num_bytes, 8, 2, 48 * 2**20)
     for _ in range(warmup):
         launch()
@@ -334,19 +351,15 @@ def measure_host(model: nn.Module, reps: int = 3) -> HostCosts:
     )  # fmt: skip
 
 
-def measure_contention(layer: nn.Module, x: torch.Tensor, group: dist.ProcessGroup, reps: int = 2) -> tuple[float, float, float, float]:
+def measure_contention(layer: nn.Module, x: torch.Tensor, group: dist.ProcessGroup, op: str, reps: int = 2) -> tuple[float, float, float, float]:
     """(compute alone, compute beside an all-gather loop, one all-gather alone, one all-gather
     beside compute), seconds; medians over `reps` alternations, means over ranks.
 
     The compute is one W1 layer's forward + backward; the loop is a thread issuing one-layer
-    all-gathers back to back on the shard group (the same count on every rank), spanning about
-    four computes. Beside the loop, compute repeats until the loop ends; a repetition still
-    running when it ended is not counted."""
-    from overlap.tools.bench.comm import all_gather_single
-
-    n = group.size()
-    numel = sum(p.numel() for p in layer.parameters())
-    inp, out = torch.randn(numel // n), torch.empty(numel - numel % n)
+    all-gathers (through `op`, as the runtime gathers that layer) back to back on the shard
+    group (the same count on every rank), spanning about four computes. Beside the loop, compute
+    repeats until the loop ends; a repetition still running when it ended is not counted."""
+    gather = launcher(op, 4 * sum(p.numel() for p in layer.parameters()), group)
 
     def work() -> float:
         t0 = time.perf_counter()
@@ -356,7 +369,7 @@ def measure_contention(layer: nn.Module, x: torch.Tensor, group: dist.ProcessGro
     def comm_loop(count: int, done: threading.Event, span: list[float]) -> None:
         t0 = time.perf_counter()
         for _ in range(count):
-            all_gather_single(out, inp, group=group)
+            gather()
         span.append((time.perf_counter() - t0) / count)
         done.set()
 
@@ -387,23 +400,17 @@ def measure_contention(layer: nn.Module, x: torch.Tensor, group: dist.ProcessGro
     return a, b, c, d
 
 
-def measure_concurrency(layer_numel: int, group: dist.ProcessGroup, reps: int = 2) -> float:
-    """Seconds for `CONCURRENCY_OPS` one-layer collectives, all-gathers and all-to-alls in
-    turn, issued at once on the shard group: gloo's two worker threads run two at a time, kept
-    busy as training keeps them when the link is the bottleneck (a gather beside a reduction or a
-    prefetched gather). Median over `reps`, mean over ranks."""
-    from overlap.tools.bench.comm import all_gather_single
-
-    n = group.size()
-    numel = layer_numel - layer_numel % n
-    bufs = [(torch.randn(numel // n if i % 2 == 0 else numel), torch.empty(numel)) for i in range(CONCURRENCY_OPS)]
+def measure_concurrency(layer_bytes: int, group: dist.ProcessGroup, op: str, reps: int = 2) -> float:
+    """Seconds for `CONCURRENCY_OPS` one-layer collectives, all-gathers (through `op`) and
+    all-to-alls in turn, issued at once on the shard group: gloo's two worker threads run two
+    at a time, kept busy as training keeps them when the link is the bottleneck (a gather beside
+    a reduction or a prefetched gather). Median over `reps`, mean over ranks."""
+    launches = [launcher(op if i % 2 == 0 else "all_to_all", layer_bytes, group) for i in range(CONCURRENCY_OPS)]
 
     def batch() -> float:
         dist.barrier()
         t0 = time.perf_counter()
-        works = [all_gather_single(out, inp, group=group, async_op=True) if i % 2 == 0
-                 else dist.all_to_all_single(out, inp, group=group, async_op=True)
-                 for i, (inp, out) in enumerate(bufs)]  # fmt: skip
+        works = [launch(True) for launch in launches]
         for work in works:
             work.wait()
         return time.perf_counter() - t0
@@ -459,12 +466,13 @@ def calibrate_round(rig: Rig, profile_steps: int = 2) -> Calibration:
     fwd, bwd = profile_compute(rig.plain, rig.batch, profile_steps)
     fwd, bwd = max_over_ranks(fwd), max_over_ranks(bwd)  # the slower rank paces the step
     host = {path: measure_host(model) for path, model in rig.host_models.items()}
-    contention = measure_contention(next(rig.plain.children()), rig.batch[0], rig.shard)
+    op = layer_gather_op(world, 4 * layer_numel)
+    contention = measure_contention(next(rig.plain.children()), rig.batch[0], rig.shard, op)
     topo = Topology(world.shard_size, world.shard_size, gather_link, gather_link, reduce_link=reduce_link)
     concurrency = (  # the cost model's solo times of the two kinds, and the measured batch
-        ring_time_s("all_gather", 4 * layer_numel, topo),
+        ring_time_s(op, 4 * layer_numel, topo),
         ring_time_s("all_to_all", 4 * layer_numel, topo),
-        measure_concurrency(layer_numel, rig.shard),
+        measure_concurrency(4 * layer_numel, rig.shard, op),
     )
     solos = [concurrency[i % 2] for i in range(CONCURRENCY_OPS)]
     optimizer_s = max_over_ranks([measure_optimizer(rig.opt, rig.grads)])[0]
@@ -483,7 +491,7 @@ def calibrate_round(rig: Rig, profile_steps: int = 2) -> Calibration:
         concurrent_throughput=concurrent_throughput(solos, concurrency[2]),
         host=host,
         compute=ComputeCosts(unit_numel=layer_numel, forward_s=tuple(fwd), backward_s=tuple(bwd),
-                             optimizer_s=optimizer_s, tokens=bench.batch * bench.seq),  # fmt: skip
+                             optimizer_s=optimizer_s, tokens=bench.batch * bench.seq),
         measured={
             "link_rows": rows,
             "contention_ms": [x * 1e3 for x in contention],

@@ -43,6 +43,26 @@ def codec_path(param_compression: str | None, grad_compression: str | None) -> s
     return f"{param_compression}/{grad_compression}"
 
 
+def gather_op(backend: str, num_ranks: int, compressed: bool, wire_bytes: int) -> str:
+    """The collective a unit's all-gather goes through, as the transports decide it: gloo
+    gathers an uncompressed unit of a two-rank group as a pair exchange ([Note: gather of a
+    pair] in overlap/transport/collectives.py) and small shards through all-to-all
+    (`CommSemantics.auto_gather_impl`); both put the bytes of an all-to-all on the wire and are
+    timed by the all-to-all link ("all_to_all"). Everything else: "all_gather"."""
+    from overlap.transport.backend import ALL_TO_ALL_GATHER_MAX_BYTES
+
+    if backend != "gloo":
+        return "all_gather"
+    if num_ranks == 2 and not compressed:
+        return "all_to_all"
+    return "all_to_all" if wire_bytes <= ALL_TO_ALL_GATHER_MAX_BYTES else "all_gather"
+
+
+def params_compressed(codec: str) -> bool:
+    """Whether the codec path (`codec_path`) compresses the all-gathered parameters."""
+    return codec != NO_CODEC and codec.split("/")[0] != "None"
+
+
 # ---------------------------------------------------------------------------------------------
 # what a calibration holds
 
@@ -188,13 +208,18 @@ class Calibration:
         reduce_wire_bytes: int | None = None,
         gather_codec_s: float = 0.0,
         reduce_codec_s: float = 0.0,
+        num_ranks: int | None = None,
     ) -> UnitCost:
-        """One unit for the simulator, with this calibration's host work for its bytes."""
+        """One unit for the simulator, with this calibration's host work for its bytes and the
+        collective its all-gather goes through in a shard group of `num_ranks` (default: the
+        calibrated one's)."""
         host = self.host_costs(codec)
+        wire = param_bytes if gather_wire_bytes is None else gather_wire_bytes
+        op = gather_op(self.backend, num_ranks or self.num_ranks, params_compressed(codec), wire)
         return UnitCost(
             name, param_bytes, grad_bytes, forward_s, backward_s,
             gather_wire_bytes=gather_wire_bytes, reduce_wire_bytes=reduce_wire_bytes,
-            gather_codec_s=gather_codec_s, reduce_codec_s=reduce_codec_s,
+            gather_codec_s=gather_codec_s, reduce_codec_s=reduce_codec_s, gather_op=op,
             **(host.for_unit(param_bytes) if host is not None else {}),
         )  # fmt: skip
 

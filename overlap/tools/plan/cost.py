@@ -172,11 +172,15 @@ class UnitCost:
     reduce_wait_host_s: float = 0.0
     """This unit's share of summing (decoding) the received chunks and scaling them, on the
     training thread in the bucket's wait."""
+    gather_op: str = "all_gather"
+    """The collective that carries the all-gather, and so the link that times it: "all_gather"
+    (the backend's own), or "all_to_all" where gloo gathers through all-to-all (two ranks, or
+    small shards: `overlap.tools.plan.calibration.gather_op`)."""
 
     def gather_s(self, topo: Topology) -> float:
         """Seconds of this unit's all-gather: the ring over its wire bytes plus codec kernels."""
         wire = self.param_bytes if self.gather_wire_bytes is None else self.gather_wire_bytes
-        return ring_time_s("all_gather", wire, topo) + self.gather_codec_s
+        return ring_time_s(self.gather_op, wire, topo) + self.gather_codec_s
 
 
 def flops_compute(numel: int, tokens: int, tflops: float) -> tuple[float, float]:

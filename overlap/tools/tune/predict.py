@@ -204,6 +204,7 @@ def predict(
             forward_s,
             BACKWARD_FACTOR * forward_s,
             codec=path,
+            num_ranks=world_size,
             gather_wire_bytes=param_codec.wire_bytes(numel, gather_dtype),
             reduce_wire_bytes=grad_codec.wire_bytes(numel, reduce_dtype),
         )
