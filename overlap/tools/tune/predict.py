@@ -44,7 +44,8 @@ StepFn = Callable[[nn.Module, torch.optim.Optimizer], Any]
 OptimizerFn = Callable[[Any], torch.optim.Optimizer]
 
 BACKWARD_FACTOR = 2.0
-"""Backward compute per unit as a multiple of its forward (2 N T vs 4 N T FLOPs of a dense unit)."""
+"""Backward compute per unit as a multiple of its forward when the profile could not time the
+backward (2 N T vs 4 N T FLOPs of a dense unit); see `ModelProfile.backward_factor`."""
 TIE_TOLERANCE = 0.03
 """Predictions closer than this (relative) are ties for pruning: the planner aims at 15% of a
 measured step (issue 6), so a few percent between two predictions say nothing about which
@@ -71,14 +72,25 @@ class ModelProfile:
     """One whole local step: forward, backward, optimizer."""
     param_dtype: torch.dtype
     device_type: str = "cpu"
+    backward_s: float | None = None
+    """The whole backward: from the model output's gradient to the last parameter gradient
+    accumulated. None (not measured): `BACKWARD_FACTOR` x forward."""
 
     @property
     def forward_s(self) -> float:
         return self.root_forward_s + sum(u.forward_s for u in self.units)
 
+    @property
+    def backward_factor(self) -> float:
+        """Backward over forward, measured (each unit's backward is charged this multiple of its
+        forward), else `BACKWARD_FACTOR`."""
+        if self.backward_s is None or self.forward_s <= 0:
+            return BACKWARD_FACTOR
+        return self.backward_s / self.forward_s
+
     def optimizer_s(self, world_size: int) -> float:
         """What the step spends beyond forward and backward, on a 1/world_size shard."""
-        return max(0.0, self.step_s - (1 + BACKWARD_FACTOR) * self.forward_s) / world_size
+        return max(0.0, self.step_s - (1 + self.backward_factor) * self.forward_s) / world_size
 
 
 def _sync(device: torch.device) -> None:
@@ -94,8 +106,9 @@ def profile_model(
     num_steps: int = 2,
 ) -> ModelProfile:
     """Time `num_steps` local steps of the plain `model` (after one untimed step), forward per
-    unit module by hooks; medians over the steps. No communication: every rank profiles its own
-    copy at the same time, so the cores are as busy as they will be in training."""
+    unit module by hooks, the whole backward from the output's gradient to the last gradient
+    accumulated; medians over the steps. No communication: every rank profiles its own copy at
+    the same time, so the cores are as busy as they will be in training."""
     numels = unit_numels(model, unit_policy)
     modules = dict(model.named_modules())
     device = next(model.parameters()).device
@@ -115,15 +128,31 @@ def profile_model(
         handles.append(module.register_forward_pre_hook(pre))
         handles.append(module.register_forward_hook(post))
 
+    marks: dict[str, float] = {}
+
+    def stamp(key: str) -> None:
+        _sync(device)
+        marks[key] = time.perf_counter()
+
+    def on_output(_m: nn.Module, _args: Any, out: Any) -> None:  # backward begins at its gradient
+        leaf = _first_grad_leaf(out)
+        if leaf is not None:
+            leaf.register_hook(lambda _g: None if "backward" in marks else stamp("backward"))
+
     arm("", model)
     for fqn in numels:
         arm(fqn, modules[fqn])
+    handles.append(model.register_forward_hook(on_output))
+    handles += [p.register_post_accumulate_grad_hook(lambda _p: stamp("accumulated"))
+                for p in model.parameters() if p.requires_grad]  # fmt: skip
     opt = optimizer_fn(model.parameters())
     steps: list[float] = []
+    backward: list[float] = []
     try:
         for i in range(num_steps + 1):
             for times in fwd.values():
                 times.append(0.0)
+            marks.clear()
             _sync(device)
             t0 = time.perf_counter()
             step_fn(model, opt)
@@ -133,6 +162,8 @@ def profile_model(
                 steps.pop()
                 for times in fwd.values():
                     times.pop()
+            elif "backward" in marks and "accumulated" in marks:
+                backward.append(marks["accumulated"] - marks["backward"])
     finally:
         for h in handles:
             h.remove()
@@ -145,7 +176,17 @@ def profile_model(
     root_numel = total_numel - sum(numels.values())
     root_fwd = max(0.0, median(fwd[""]) - sum(u.forward_s for u in units))
     dtype = next(model.parameters()).dtype
-    return ModelProfile(units, root_numel, root_fwd, median(steps), dtype, device.type)
+    backward_s = median(backward) if len(backward) == num_steps else None
+    return ModelProfile(units, root_numel, root_fwd, median(steps), dtype, device.type, backward_s)
+
+
+def _first_grad_leaf(out: Any) -> torch.Tensor | None:
+    """The first tensor of a model's output that will receive a gradient (the loss of a Hugging
+    Face output comes first), or None."""
+    from torch.utils._pytree import tree_leaves
+
+    values = list(out.values()) if isinstance(out, dict) else out  # ModelOutput is a dict
+    return next((t for t in tree_leaves(values) if isinstance(t, torch.Tensor) and t.requires_grad), None)
 
 
 def topology_for(world_size: int, backend: str, link: str | None) -> Topology:
@@ -202,7 +243,7 @@ def predict(
             numel * gather_dtype.itemsize,
             numel * reduce_dtype.itemsize,
             forward_s,
-            BACKWARD_FACTOR * forward_s,
+            profile.backward_factor * forward_s,
             codec=path,
             num_ranks=world_size,
             gather_wire_bytes=param_codec.wire_bytes(numel, gather_dtype),
