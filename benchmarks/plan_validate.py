@@ -96,7 +96,9 @@ def uncalibrated(cal: Calibration, world: World) -> Calibration:
 
 @dataclass(frozen=True, kw_only=True)
 class ValidateConfig:
-    """One validation run. About 4 minutes per world and round-set on a quiet 2-core machine."""
+    """One validation run. The defaults: an estimated 20-30 minutes for the four worlds on a
+    quiet 2-core machine (the old two-world run took 395 s; the 4-rank worlds step about twice
+    as long)."""
 
     worlds: tuple[str, ...] = WORLDS
     """`World.parse` texts: "loopback", "1gbit", "loopback,4", "hsdp2x2", "1gbit,200us", ..."""

@@ -10,7 +10,7 @@ from: FLOPs at an achieved rate (plan), the plain model's profile (tune), or the
 profile a calibration measured (plan_validate, `predict_measured`). A calibration comes from
     measurement    `overlap plan --calibrate FILE` (overlap/tools/plan/calibrate.py): this
                    machine's collectives, compute, host work and contention, in a local world
-    a trace        `from_trace`: the collectives' and compute's spans of a run's first steps
+    a trace        `from_trace`: links fitted to the collectives' spans of a run's first steps
     defaults       `default_calibration`: link presets, no contention, no host work on GPUs;
                    on gloo the terms measured once on a 2-core machine (`GLOO_DEFAULT_*`)
 and is saved as JSON (`save`, `load`), so the three tools read the same file.
