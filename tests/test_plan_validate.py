@@ -125,8 +125,6 @@ def test_contention_arguments_are_checked():
         Contention(comm_stretch=0.5)
     with pytest.raises(ValueError):
         Contention(concurrent_throughput=0.0)
-    with pytest.raises(ValueError, match="not both"):
-        simulate([unit("u")], OverlapConfig(), TOPO, cpu_contention=0.5, contention=Contention())
 
 
 def test_reduce_link_times_the_gradient_exchange():

@@ -10,14 +10,11 @@ the units' forward and backward in order; collectives go to communication lanes:
 
 A wait advances the training thread's clock to the collective's end (that is the exposed time).
 
-On a CPU host the communication also takes cycles from compute. Two ways to charge it:
-
-    cpu_contention=c   (additive) step += c × comm busy time: every second of comm costs c,
-                       even while the training thread only waits for it. Calibrated from the two
-                       floors of `benchmarks/step_w1.py`: (floor-compute∥comm − floor-compute) /
-                       comm busy time. What `overlap tune` uses to weigh codecs.
-    contention=Contention(...)   the fluid model of [Note: fluid clock], with its three terms
-                       measured directly (`benchmarks/plan_validate.py`).
+On a CPU host the communication also takes cycles from compute: `contention=Contention(...)`
+charges it by the fluid model of [Note: fluid clock], its three terms measured directly
+(overlap/tools/plan/calibrate.py). (An additive charge, step += c x comm busy time, was what
+`overlap tune` used before the tools shared this model; it is gone: [Note: one model] in
+overlap/tools/plan/calibration.py.)
 
 [Note: fluid clock]
 Time advances from event to event (a collective ends, the training thread's work ends); between
@@ -355,7 +352,6 @@ def simulate(
     backend: str = "nccl",
     root: int | None = None,
     optimizer_s: float = 0.0,
-    cpu_contention: float = 0.0,
     record: bool = False,
     contention: Contention | None = None,
 ) -> Prediction:
@@ -363,11 +359,8 @@ def simulate(
 
     `units[root]` (if given) is the root unit: gathered at the start of forward, its forward
     compute first (embeddings) and its backward compute last, freed when backward ends.
-    Host contention: `cpu_contention` (additive) or `contention` (the fluid model), not both;
-    see the module docstring.
+    Host contention: `contention` (the fluid model; see the module docstring).
     """
-    if cpu_contention and contention is not None:
-        raise ValueError("simulate: give cpu_contention (additive) or contention (fluid), not both")
     fluid = contention or Contention()
     schedule = Schedule(
         [u.param_bytes for u in units],
@@ -409,7 +402,7 @@ def simulate(
         clock.run(schedule.end_backward())
         clock.now += optimizer_s  # after every wait: no collective in flight
     peak_units, peak_bytes = schedule.max_unsharded()
-    step_s = clock.now + cpu_contention * clock.busy
+    step_s = clock.now
     return Prediction(
         step_s=step_s,
         compute_s=clock.compute + optimizer_s,
