@@ -287,21 +287,20 @@ class Calibration:
 
 
 GLOO_DEFAULT_HOST = HostCosts(
-    unit_bytes=12_609_536, gather_issue_s=0.28e-3, regather_issue_s=0.20e-3, gather_wait_s=2.03e-3,
-    reduce_issue_s=3.44e-3, reduce_wait_s=1.87e-3,
+    unit_bytes=12_609_536, gather_issue_s=0.30e-3, regather_issue_s=0.26e-3, gather_wait_s=2.45e-3,
+    reduce_issue_s=2.92e-3, reduce_wait_s=2.19e-3,
 )  # fmt: skip
-"""Host work of a gloo world nobody calibrated: one W1 layer's (12 MiB fp32), from `overlap plan
---calibrate` on loopback on the 2-core development machine (2026-12-03, load average 6.7, one
-round: rough). Calibrate your machine instead."""
+"""Host work of a gloo world nobody calibrated: one W1 layer's (12 MiB fp32), the median
+calibration of `benchmarks/plan_validate.py --worlds loopback` on the 2-core development machine
+(2026-12-03, 3 rounds, load average 1.2 at the start, 2.4 at the end). Calibrate your machine."""
 GLOO_DEFAULT_CONTENTION: Mapping[str, float] = {
-    "compute_share_lost": 0.0,
-    "comm_stretch": 1.2,
-    "concurrent_throughput": 2.0,
+    "compute_share_lost": 0.43,
+    "comm_stretch": 1.74,
+    "concurrent_throughput": 1.18,
 }
-"""The fluid clock's terms for an uncalibrated gloo world, from the same loaded runs (loopback 2
-ranks and HSDP 2x2: share lost 0.00 and 0.03, stretch 1.24x and 1.23x, throughput 2.0x both).
-These terms move with the machine's load: a later run at load 3 measured 0.76, 1.67x and 1.0x.
-Replace them with a quiet machine's median calibration (`plan_validate --json`)."""
+"""The fluid clock's terms for an uncalibrated gloo world, from the same run (ranges over its
+rounds: 0.41-0.52, 1.74-2.17x, 1.0-1.37x). They move with the machine's load: runs under load 6-10
+measured 0.00-0.76, 1.2-2.5x and 1.0-2.0x."""
 
 
 def default_calibration(backend: Backend, num_ranks: int, link: Link, *, num_replicas: int = 1,
