@@ -79,9 +79,3 @@ def test_one_nccl_lane_queues_reduce_behind_gathers():
     one = simulate(units(6, fwd=0.0001), OverlapConfig(prefetch_depth=2), TOPO, backend="nccl")
     two = simulate(units(6, fwd=0.0001), OverlapConfig(prefetch_depth=2), TOPO, backend="gloo")
     assert one.step_s > two.step_s  # comm-bound: a second lane finishes sooner
-
-
-def test_cpu_contention_charges_comm_time():
-    base = simulate(units(), OverlapConfig(), TOPO, backend="gloo")
-    loaded = simulate(units(), OverlapConfig(), TOPO, backend="gloo", cpu_contention=0.5)
-    assert loaded.step_s == pytest.approx(base.step_s + 0.5 * base.comm_busy_s)

@@ -1,5 +1,6 @@
-"""benchmarks/plan_validate.py's calibration arithmetic, and the simulator's fluid clock and host
-work (overlap/plan/simulate.py) against hand-computed timelines. No process group; < 2 s."""
+"""The simulator's fluid clock, host work and HSDP all-reduce (overlap/tools/plan/simulate.py)
+against hand-computed timelines, and benchmarks/plan_validate.py's summary of signed errors. The
+calibration arithmetic is in tests/test_plan_calibration.py. No process group; < 2 s."""
 
 from __future__ import annotations
 
@@ -30,107 +31,6 @@ def unit(name: str, fwd_s: float = 0.0, bwd_s: float = 0.0, nbytes: int = TEN_MS
 def event(p, lane: str, name: str) -> tuple[float, float]:
     """(start, end) of the step's first event `name` on `lane`."""
     return min((a, b) for lane_, n, a, b in p.events if lane_ == lane and n == name)
-
-
-# ------------------------------------------------------------------ calibration arithmetic
-
-
-def test_fit_link_recovers_alpha_and_busbw():
-    truth = Topology(2, 2, Link("t", alpha_s=300e-6, busbw_gbps=0.08), Link("t", 300e-6, 0.08))
-    rows = [(s, ring_time_s("all_gather", s, truth)) for s in (2**20, 4 * 2**20, 16 * 2**20)]
-    fit = pv.fit_link("fit", rows, 2)
-    assert fit.alpha_s == pytest.approx(300e-6) and fit.busbw_gbps == pytest.approx(0.08)
-    # a negative intercept (noise at small sizes) clamps to alpha = 0, slope kept
-    noisy = [(1e6, 0.0040), (2e6, 0.0100), (4e6, 0.0220)]
-    assert pv.fit_link("n", noisy, 2).alpha_s == 0.0
-    with pytest.raises(ValueError):
-        pv.fit_link("flat", [(1e6, 0.01), (2e6, 0.01)], 2)
-    with pytest.raises(ValueError):
-        pv.fit_link("one", [(1e6, 0.01)], 2)
-
-
-def test_contention_share():
-    assert pv.contention_share(0.1, 0.2) == pytest.approx(0.5)  # half speed beside comm
-    assert pv.contention_share(0.1, 0.125) == pytest.approx(0.2)
-    assert pv.contention_share(0.2, 0.1) == 0.0  # faster beside comm: noise, no negative share
-    assert pv.contention_share(0.01, 10.0) == 0.95
-
-
-def test_fluid_queue_by_hand():
-    assert pv.fluid_queue_s([10, 30], 2, 2.0) == pytest.approx(30)  # independent lanes
-    assert pv.fluid_queue_s([10, 30], 2, 1.0) == pytest.approx(40)  # one shared wire
-    # the first issued at full speed, the second at the remaining 0.6: 6 done by 10, 24 alone
-    assert pv.fluid_queue_s([10, 30], 2, 1.6) == pytest.approx(34)
-    # 1.5: second at 0.5 beside the first; it then leads, the next at 0.5 behind it; ...
-    assert pv.fluid_queue_s([10] * 4, 2, 1.5) == pytest.approx(10 + 5 + 7.5 + 6.25)
-    assert pv.fluid_queue_s([10, 10, 10], 1, 2.0) == pytest.approx(30)  # one lane: in turn
-
-
-def test_concurrent_throughput_inverts_the_queue():
-    assert pv.concurrent_throughput([10, 30], 30) == 2.0
-    assert pv.concurrent_throughput([30, 10], 40) == pytest.approx(1.0)
-    assert pv.concurrent_throughput([10, 30], 34) == pytest.approx(1.6)
-    assert pv.concurrent_throughput([10] * 4, 28.75) == pytest.approx(1.5)
-    assert pv.concurrent_throughput([10, 30], 60) == 1.0  # slower than sharing: clamped
-    assert pv.concurrent_throughput([10, 30], 25) == 2.0  # faster than independent: clamped
-    with pytest.raises(ValueError):
-        pv.concurrent_throughput([0.0, 1.0], 1.0)
-
-
-@pytest.mark.parametrize("throughput", [1.0, 1.3, 1.7, 2.0])
-def test_fluid_queue_agrees_with_the_simulator(throughput):
-    """Four gathers of 10, 30, 10, 30 ms issued at once (prefetch 3, no compute, gloo): the
-    simulator's last wait ends when `fluid_queue_s` says the batch is done."""
-    sizes = [1, 3, 1, 3]
-    units = [unit(f"u{i}", nbytes=k * TEN_MS_BYTES) for i, k in enumerate(sizes)]
-    p = simulate(units, OverlapConfig(prefetch_depth=3), TOPO, backend="gloo", record=True,
-                 contention=Contention(concurrent_throughput=throughput))  # fmt: skip
-    expected = pv.fluid_queue_s([10 * k * MS for k in sizes], 2, throughput)
-    assert event(p, "wait", "gather u3")[1] == pytest.approx(expected)
-
-
-def _cal(scale: float) -> pv.Calibration:
-    host = pv.HostCosts(gather_issue_s=1e-3 * scale, regather_issue_s=0.5e-3 * scale, gather_wait_s=2e-3 * scale,
-                        reduce_issue_s=3e-3 * scale, reduce_wait_s=4e-3 * scale)  # fmt: skip
-    link = Link("l", 1e-4 * scale, 1.0 * scale)
-    return pv.Calibration(
-        link="loopback", world_size=2, layer_numel=1_000_000,
-        gather_link=link, reduce_link=link,
-        forward_s=[0.01 * scale] * 4, backward_s=[0.02 * scale] * 4, optimizer_s=0.005 * scale,
-        host={"none": host, "int8/int8": host},
-        cpu_contention=0.1 * scale, comm_stretch=1.0 + 0.1 * scale, concurrent_throughput=1.0 + 0.1 * scale,
-        contention_ms=(1.0 * scale, 2.0, 3.0, 4.0), concurrency_ms=(1.0, 2.0 * scale, 3.0),
-    )  # fmt: skip
-
-
-def test_median_calibration_takes_medians_field_by_field():
-    cal = pv.median_calibration([_cal(1.0), _cal(3.0), _cal(2.0)])
-    two = _cal(2.0)
-    assert cal.forward_s == two.forward_s and cal.optimizer_s == two.optimizer_s
-    assert cal.gather_link.alpha_s == two.gather_link.alpha_s
-    assert cal.gather_link.busbw_gbps == two.gather_link.busbw_gbps
-    assert cal.host == two.host
-    assert cal.cpu_contention == two.cpu_contention and cal.contention_ms == two.contention_ms
-    assert isinstance(cal.contention_ms, tuple)
-    with pytest.raises(ValueError):
-        pv.median_calibration([])
-
-
-def test_build_units_merges_layers_and_scales_host_work():
-    cal = _cal(1.0)
-    table = pv.configs(cal.layer_numel)
-    plain = pv.build_units(cal, table["default"], host_aware=True)
-    assert len(plain) == 4 and plain[0].param_bytes == 4 * cal.layer_numel
-    assert plain[0].gather_wait_host_s == pytest.approx(2e-3)
-    merged = pv.build_units(cal, table["2 layers/unit"], host_aware=True)
-    assert len(merged) == 2 and merged[0].forward_s == pytest.approx(0.02)
-    assert merged[0].reduce_issue_host_s == pytest.approx(6e-3)  # two layers' packing
-    int8 = pv.build_units(cal, table["int8 params+grads, EF"], host_aware=True)[0]
-    assert int8.gather_wire_bytes is not None and int8.gather_wire_bytes < int8.param_bytes / 3
-    bare = pv.build_units(cal, table["default"], host_aware=False)[0]
-    assert bare.gather_wait_host_s == bare.reduce_issue_host_s == 0.0
-    for overrides in table.values():  # every validated config predicts, both models
-        assert pv.predict_ms(cal, overrides, True) > pv.predict_ms(cal, overrides, False) * 0.5 > 0
 
 
 # ------------------------------------------------------------------ the fluid clock
@@ -225,8 +125,6 @@ def test_contention_arguments_are_checked():
         Contention(comm_stretch=0.5)
     with pytest.raises(ValueError):
         Contention(concurrent_throughput=0.0)
-    with pytest.raises(ValueError, match="not both"):
-        simulate([unit("u")], OverlapConfig(), TOPO, cpu_contention=0.5, contention=Contention())
 
 
 def test_reduce_link_times_the_gradient_exchange():
@@ -236,3 +134,32 @@ def test_reduce_link_times_the_gradient_exchange():
     assert ring_time_s("reduce_scatter", TEN_MS_BYTES, topo) == pytest.approx(20 * MS)
     p = simulate([unit("u", 0.02, 0.04)], OverlapConfig(prefetch_depth=0), topo, backend="gloo")
     assert p.step_s == pytest.approx(0.080 + 0.010)  # the final reduction is exposed, 20 ms
+
+
+def test_hsdp_all_reduce_follows_the_reduction():
+    """HSDP 2 x 2: the reduced shard (half the unit's 20 MB) is all-reduced over the replicas
+    after its reduce-scatter (10 ms): 2 ring passes of 10 MB at 1 GB/s over 2 replicas = 10 ms,
+    on the replica group's own lane, waited for at the end of backward."""
+    topo = Topology(2, 2, LINK, LINK, num_replicas=2)
+    plain = simulate([unit("u", 0.02, 0.04)], OverlapConfig(prefetch_depth=0), TOPO, backend="gloo")
+    p = simulate([unit("u", 0.02, 0.04)], OverlapConfig(prefetch_depth=0), topo, backend="gloo", record=True)
+    assert p.step_s == pytest.approx(plain.step_s + 0.010)
+    start, end = event(p, "comm2", "all-reduce [u]")
+    assert start == pytest.approx(0.080) and end == pytest.approx(0.090)
+    assert p.num_reduce_scatters == 1
+
+
+def test_summary_signs_errors_per_world():
+    def rows(*pairs: tuple[float, float]) -> list[dict[str, Any]]:
+        return [{"config": f"c{i}", "measured_ms": m, "predicted_ms": p, "defaults_ms": p, "spread_ms": [m, m]}
+                for i, (m, p) in enumerate(pairs)]  # fmt: skip
+
+    results = [{"world": "a", "rows": rows((100, 103), (100, 99))}, {"world": "b", "rows": rows((200, 180), (100, 112))}]
+    s = pv.summarize(results)
+    assert s["worlds"]["a"]["mean_signed"] == pytest.approx(0.01)
+    assert s["worlds"]["b"]["mean_signed"] == pytest.approx(0.01)  # -10% and +12%
+    assert s["worlds"]["b"]["max_abs"] == pytest.approx(0.12) and s["worlds"]["b"]["within_10"] == 1
+    assert s["mean_abs"] == pytest.approx((0.03 + 0.01 + 0.10 + 0.12) / 4)
+    assert list(s["targets"].values()) == [False, False, True]
+    table = pv.format_table(results)
+    assert "+12.0%" in table and "-10.0%" in table and "target: every config within 10%: NO" in table

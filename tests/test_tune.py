@@ -5,6 +5,7 @@ config with DDP, the JSON that OverlapConfig.load reads."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import random
 import time
@@ -416,3 +417,46 @@ def test_cli_lists_tune_and_parses_its_flags():
     lossy = build_parser("tune").parse_args(["tune", "--codecs", "none,int8+ef"])
     with pytest.raises(ValueError, match="allow-compression"):
         command_from_args(lossy)
+
+
+def test_calibration_file_reaches_the_pruning(tmp_path):
+    """`overlap tune --calibration FILE` loads the file into TuneConfig; the planner then prunes
+    with it on this world's ranks (the one model of overlap/tools/plan/calibration.py)."""
+    from overlap.tools.cli import build_parser
+    from overlap.tools.plan.calibration import default_world_calibration
+    from overlap.tools.tune.command import command_from_args
+    from overlap.tools.tune.predict import calibration_for
+
+    cal = default_world_calibration(2, "gloo", "1gbit")
+    path = cal.save(tmp_path / "cal.json")
+    cmd = command_from_args(build_parser("tune").parse_args(["tune", "--calibration", str(path)]))
+    assert cmd.search.calibration == cal
+    used, topo = calibration_for(4, "gloo", None, cmd.search.calibration)
+    assert used == cal and topo.num_ranks == 4 and topo.link() == cal.gather_link
+    default, _ = calibration_for(2, "gloo", "1gbit", None)
+    assert default == cal
+    with pytest.raises(ValueError, match="no such file"):
+        command_from_args(build_parser("tune").parse_args(["tune", "--calibration", str(tmp_path / "no.json")]))
+
+
+def test_profile_measures_backward_and_prunes_with_it():
+    """The tune profile times the whole backward (output gradient to last accumulation); the
+    planner charges each unit that multiple of its forward instead of assuming 2x."""
+    from overlap.tools.tune.predict import BACKWARD_FACTOR, profile_model
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(3)])
+    x = torch.randn(32, 64)
+
+    def step(m, opt):
+        m(x).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    profile = profile_model(model, step, lambda p: torch.optim.SGD(p, lr=0.1), "auto", num_steps=2)
+    assert profile.backward_s is not None and profile.backward_s > 0
+    assert profile.backward_factor == pytest.approx(profile.backward_s / profile.forward_s)
+    assert not any(p.grad is not None for p in model.parameters())  # hooks gone, state clean
+    assert len(model._forward_hooks) == 0
+    unmeasured = dataclasses.replace(profile, backward_s=None)
+    assert unmeasured.backward_factor == BACKWARD_FACTOR

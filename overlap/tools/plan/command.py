@@ -22,6 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from overlap.config import OverlapConfig
+from overlap.tools.plan import calibrate
+from overlap.tools.plan.calibration import Calibration
 from overlap.tools.plan.cost import LINKS, Link, calibrate_from_bench
 from overlap.tools.plan.estimate import Cluster, estimate
 from overlap.tools.plan.models import AC_POLICIES, DEFAULT_MFU, GPUS, MODELS, gpu_spec, load_model
@@ -58,6 +60,14 @@ def plan(request: PlanConfig | None = None, /, **overrides: Any) -> PlanResult:
     )
     config = PLAN_DEFAULT_CONFIG if request.config is None else request.config
     notes: list[str] = []
+    if request.calibration is not None:
+        cal = Calibration.load(request.calibration)
+        cluster = cluster.with_calibration(cal)
+        terms = ("NCCL lanes, contention and host work from it" if cal.backend == "nccl"
+                 else "a gloo (CPU) calibration: its links only, GPUs keep NCCL's lanes and no host work")  # fmt: skip
+        notes.append(f"calibration {request.calibration}: {cal.source}; its {cal.gather_link.name} link "
+                     f"({cal.gather_link.busbw_gbps:.3g} GB/s busbw) is the {cal.level}-node link; {terms}; "
+                     "compute from --mfu/--tflops")  # fmt: skip
     if config.param_dtype is None:
         notes.append("config has no param_dtype: planned with fp32 all-gathers (compute still at the bf16 rate)")
     space = None
@@ -108,6 +118,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", type=Path, default=None, help="write the numbers as JSON here")
     parser.add_argument("--no-search", action="store_true", help="predict the given config only")
     parser.add_argument("--search-codecs", action="store_true", help="also search the lossy codecs (int8/bf16 on the wire)")
+    parser.add_argument("--calibration", default=None, metavar="FILE",
+                        help="measured costs (from --calibrate): links of their level, contention, host work")  # fmt: skip
+    calibrate.add_arguments(parser)
 
 
 def request_from_args(args: argparse.Namespace) -> PlanConfig:
@@ -121,11 +134,13 @@ def request_from_args(args: argparse.Namespace) -> PlanConfig:
         intra_link=args.intra_link, gpu=args.gpu, config=config, seq_len=args.seq_len,
         local_batch=args.local_batch, ac=args.ac, mfu=args.mfu, tflops=args.tflops,
         gpu_hour_price=args.gpu_hour_price, tokens=args.tokens, search=not args.no_search,
-        search_codecs=args.search_codecs,
+        search_codecs=args.search_codecs, calibration=args.calibration,
     )
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.calibrate is not None:
+        return calibrate.run(args)
     try:
         result = plan(request_from_args(args))
     except ValueError as e:

@@ -81,6 +81,23 @@ class Topology:
     """The link as the gradient exchange sees it, when it differs from the all-gathers' (None:
     the same). gloo reduce-scatters through all-to-all ([Note: reduce-scatter through
     all-to-all] in overlap/transport/collectives.py), which sustains its own busbw: calibrate it separately."""
+    num_replicas: int = 1
+    """HSDP: replicas of the shard group (`num_ranks` is one shard group); each reduced shard is
+    then all-reduced across them ([Note: hybrid sharding] in overlap/engine/groups.py)."""
+    replica_link: Link | None = None
+    """The link the replicas' all-reduce crosses (None: `link()`)."""
+
+    def __post_init__(self) -> None:
+        if self.num_replicas < 1:
+            raise ValueError(f"Topology.num_replicas must be >= 1, got {self.num_replicas}")
+
+    def replicas(self) -> Topology | None:
+        """The replica group as a topology of its own (None without HSDP): its ring times the
+        all-reduce of the reduced shards."""
+        if self.num_replicas == 1:
+            return None
+        link = self.replica_link or self.link()
+        return Topology(self.num_replicas, self.num_replicas, link, link)
 
     def link(self) -> Link:
         return self.intra if self.num_ranks <= self.ranks_per_node else self.inter
@@ -155,11 +172,15 @@ class UnitCost:
     reduce_wait_host_s: float = 0.0
     """This unit's share of summing (decoding) the received chunks and scaling them, on the
     training thread in the bucket's wait."""
+    gather_op: str = "all_gather"
+    """The collective that carries the all-gather, and so the link that times it: "all_gather"
+    (the backend's own), or "all_to_all" where gloo gathers through all-to-all (two ranks, or
+    small shards: `overlap.tools.plan.calibration.gather_op`)."""
 
     def gather_s(self, topo: Topology) -> float:
         """Seconds of this unit's all-gather: the ring over its wire bytes plus codec kernels."""
         wire = self.param_bytes if self.gather_wire_bytes is None else self.gather_wire_bytes
-        return ring_time_s("all_gather", wire, topo) + self.gather_codec_s
+        return ring_time_s(self.gather_op, wire, topo) + self.gather_codec_s
 
 
 def flops_compute(numel: int, tokens: int, tflops: float) -> tuple[float, float]:

@@ -28,10 +28,11 @@ import torch
 
 from overlap.compression import make_grad_codec, make_param_codec, make_residual_format
 from overlap.config import OverlapConfig
+from overlap.engine.units import group_units
+from overlap.tools.plan.calibration import Calibration, codec_path, default_calibration
 from overlap.tools.plan.cost import Link, Topology, UnitCost
 from overlap.tools.plan.models import GpuSpec, ModelProfile
-from overlap.tools.plan.simulate import Prediction, simulate
-from overlap.engine.units import group_units
+from overlap.tools.plan.simulate import Prediction
 
 MASTER_BYTES_PER_PARAM = 4  # fp32 master shard
 SHARDED_STATE_BYTES_PER_PARAM = 16  # fp32 master + fp32 gradient + AdamW exp_avg, exp_avg_sq
@@ -66,18 +67,45 @@ class Cluster:
     """Link between nodes, per GPU (InfiniBand, Ethernet)."""
     achieved_tflops: float
     """Rate of the model's compute kernels (recomputation included), TFLOPs per GPU."""
+    calibration: Calibration | None = None
+    """Measured costs (`overlap plan --calibration FILE`): its links replace `intra` or `inter`
+    (the level it was measured on; `with_calibration`), its contention, lanes and host work
+    apply. None: NCCL on the link presets, no contention, no host work ([Note: one model] in
+    calibration.py)."""
 
     def __post_init__(self) -> None:
         check_whole_nodes(self.num_gpus, self.gpus_per_node)
         if not self.achieved_tflops > 0:
             raise ValueError(f"achieved TFLOPs must be > 0, got {self.achieved_tflops!r}")
 
+    def with_calibration(self, calibration: Calibration) -> Cluster:
+        """This cluster with `calibration`'s gather link on the level it was measured on. A
+        gloo calibration (CPU ranks) gives its links only: its host work, contention and lanes
+        are those of CPU ranks, not of GPUs with comm streams."""
+        if calibration.backend != "nccl":
+            calibration = replace(calibration, backend="nccl", host={}, compute_share_lost=0.0, comm_stretch=1.0,
+                                  concurrent_throughput=None, source=f"{calibration.source}, links only")  # fmt: skip
+        return replace(self, calibration=calibration, **{calibration.level: calibration.gather_link})
+
+    def model(self) -> Calibration:
+        """The calibration every prediction on this cluster runs through."""
+        if self.calibration is not None:
+            return self.calibration
+        return default_calibration("nccl", self.num_gpus, self.topology().link())
+
     @property
     def num_nodes(self) -> int:
         return max(1, self.num_gpus // self.gpus_per_node)
 
     def topology(self) -> Topology:
-        return Topology(self.num_gpus, self.gpus_per_node, self.intra, self.inter)
+        """Two levels; a calibration's reduction link where the ring crosses its level."""
+        topo = Topology(self.num_gpus, self.gpus_per_node, self.intra, self.inter)
+        cal = self.calibration
+        if cal is not None and cal.reduce_link is not None:
+            level = "inter" if self.num_gpus > self.gpus_per_node else "intra"
+            if level == cal.level:
+                topo = replace(topo, reduce_link=cal.reduce_link)
+        return topo
 
     def with_gpus(self, num_gpus: int) -> Cluster:
         return replace(self, num_gpus=num_gpus)
@@ -188,16 +216,18 @@ def build_units(profile: ModelProfile, config: OverlapConfig, cluster: Cluster) 
     rate = cluster.achieved_tflops * 1e12
     param_b, reduce_b = dtype_bytes(config)
     hbm = cluster.gpu.hbm_tbps
+    cal, path = cluster.model(), codec_path(config.param_compression, config.grad_compression)
 
     def unit(name: str, numel: int, fwd_flops: float, recompute_flops: float) -> UnitCost:
         gather_wire, gather_codec_s = _codec_cost("param", config, numel, param_b, hbm)
         reduce_wire, reduce_codec_s = _codec_cost("grad", config, numel, reduce_b, hbm)
-        return UnitCost(
+        return cal.unit(
             name,
             numel * param_b,
             numel * reduce_b,
             tokens * fwd_flops / rate,
             tokens * (2.0 * fwd_flops + recompute_flops) / rate,
+            codec=path,
             gather_wire_bytes=gather_wire,
             reduce_wire_bytes=reduce_wire,
             gather_codec_s=gather_codec_s,
@@ -229,11 +259,12 @@ def _error_feedback_bytes(profile: ModelProfile, config: OverlapConfig, world_si
 
 
 def estimate(profile: ModelProfile, config: OverlapConfig, cluster: Cluster) -> Estimate:
-    """Predict one steady-state training step (nccl: one communicator, collectives in order)."""
+    """Predict one steady-state training step through the cluster's calibration (by default
+    nccl: one communicator, collectives in order; [Note: one model] in calibration.py)."""
     units = build_units(profile, config, cluster)
     shard_params = profile.num_params / cluster.num_gpus
     optimizer_s = OPTIMIZER_BYTES_PER_PARAM * shard_params / (cluster.gpu.hbm_tbps * 1e12)
-    prediction = simulate(units, config, cluster.topology(), backend="nccl", root=0, optimizer_s=optimizer_s)
+    prediction = cluster.model().predict(units, config, topology=cluster.topology(), root=0, optimizer_s=optimizer_s)
     tokens = profile.seq_len * profile.local_batch
     memory = MemoryEstimate(
         sharded_state_bytes=SHARDED_STATE_BYTES_PER_PARAM * shard_params,

@@ -55,6 +55,10 @@ class PlanConfig:
     """Include the lossy codecs (param int8, grad bf16/int8) in the search."""
     scaling_gpus: tuple[int, ...] = SCALING_GPUS
     """GPU counts of the scaling curve (non-whole-node counts are skipped); () for none."""
+    calibration: str | None = None
+    """A calibration JSON (`overlap plan --calibrate FILE`, or `from_trace`): its links replace
+    the preset of the level it was measured on; its contention, lanes and host work apply
+    ([Note: one model] in calibration.py). None: the link and GPU presets alone."""
 
     def __post_init__(self) -> None:
         check_whole_nodes(self.num_gpus, self.gpus_per_node)

@@ -10,14 +10,11 @@ the units' forward and backward in order; collectives go to communication lanes:
 
 A wait advances the training thread's clock to the collective's end (that is the exposed time).
 
-On a CPU host the communication also takes cycles from compute. Two ways to charge it:
-
-    cpu_contention=c   (additive) step += c × comm busy time: every second of comm costs c,
-                       even while the training thread only waits for it. Calibrated from the two
-                       floors of `benchmarks/step_w1.py`: (floor-compute∥comm − floor-compute) /
-                       comm busy time. What `overlap tune` uses to weigh codecs.
-    contention=Contention(...)   the fluid model of [Note: fluid clock], with its three terms
-                       measured directly (`benchmarks/plan_validate.py`).
+On a CPU host the communication also takes cycles from compute: `contention=Contention(...)`
+charges it by the fluid model of [Note: fluid clock], its three terms measured directly
+(overlap/tools/plan/calibrate.py). (An additive charge, step += c x comm busy time, was what
+`overlap tune` used before the tools shared this model; it is gone: [Note: one model] in
+overlap/tools/plan/calibration.py.)
 
 [Note: fluid clock]
 Time advances from event to event (a collective ends, the training thread's work ends); between
@@ -55,19 +52,19 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from overlap.config import OverlapConfig
-from overlap.tools.plan.cost import Link, Topology, UnitCost, ring_time_s
 from overlap.engine.schedule import (
     Action,
     CheckOrder,
     Free,
     Gather,
     Reduce,
+    ReleaseReduce,
     Schedule,
     ScheduleConfig,
     WaitGather,
-    ReleaseReduce,
     WaitReduce,
 )
+from overlap.tools.plan.cost import Link, Topology, UnitCost, ring_time_s
 
 
 @dataclass
@@ -154,13 +151,13 @@ class _Clock:
         self.units, self.topo = units, topo
         self.now = 0.0
         self.num_lanes = lanes
-        self.lane_free_s = [0.0] * lanes  # when each lane's last collective ended
+        self.lane_free_s = [0.0] * (2 * lanes)  # when each lane's last collective ended (HSDP: + the replicas')
         self.contention = contention
         self.flight: list[_Collective] = []  # issued, not finished; in issue order
         self.done: set[tuple[str, int]] = set()
         self.exposed = self.busy = self.compute = self.host = 0.0
         self.waits: dict[str, float] = {}
-        self.counts = {"gather": 0, "reduce": 0}
+        self.counts = {"gather": 0, "reduce": 0, "allreduce": 0}
         self.record = record
         self.events: list[tuple[str, str, float, float]] = []
         self.gathered: set[int] = set()  # units whose gather finished and was waited on
@@ -171,12 +168,19 @@ class _Clock:
     def _running(self) -> list[_Collective]:
         return [c for c in self.flight if c.start_s is not None]
 
+    def _lanes_of(self, c: _Collective) -> range:
+        """The lanes a collective may take: HSDP's all-reduces run on the replica group, a
+        process group with lanes of its own."""
+        if c.kind == "allreduce":
+            return range(self.num_lanes, 2 * self.num_lanes)
+        return range(self.num_lanes)
+
     def _start_queued(self) -> None:
         """Queued collectives take free lanes in issue order (the lane free the longest first)."""
         busy = {c.lane for c in self._running()}
         for c in self.flight:
-            if c.start_s is None and len(busy) < self.num_lanes:
-                free = [lane for lane in range(self.num_lanes) if lane not in busy]
+            free = [lane for lane in self._lanes_of(c) if lane not in busy]
+            if c.start_s is None and free:
                 c.lane = min(free, key=lambda lane: self.lane_free_s[lane])
                 c.start_s = self.now
                 busy.add(c.lane)
@@ -268,6 +272,20 @@ class _Clock:
         assert unit in self.gathered, f"unit {unit} computed before its gather was waited on"
         self.compute += self._work(seconds, "compute", f"{what} {self.units[unit].name}")
 
+    def _flying(self) -> set[tuple[str, int]]:
+        return {(c.kind, c.key) for c in self.flight}
+
+    def _all_reduce(self, bucket: int, indices: tuple[int, ...], names: str) -> None:
+        """HSDP: the reduced shard (1/num_ranks of the bucket's gradients) is all-reduced
+        across replicas as soon as its reduce-scatter is summed, and waited for at the
+        bucket's WaitReduce (engine/reduction.py, `_reduced` and `wait_reduce`)."""
+        replicas = self.topo.replicas()
+        if replicas is None:
+            return
+        shard_bytes = sum(self.units[i].grad_bytes for i in indices) / self.topo.num_ranks
+        seconds = ring_time_s("all_reduce", shard_bytes, replicas)
+        self._issue("allreduce", bucket, seconds, f"all-reduce [{names}]")
+
     def peak_reduce_bytes(self) -> int:
         """Sweep over the reduce buffers' lifetimes (issue -> done) for the most bytes alive."""
         points = [(t0, b) for t0, _, b in self.reduce_spans] + [(t1, -b) for _, t1, b in self.reduce_spans]
@@ -302,13 +320,15 @@ class _Clock:
                 num_bytes = sum(u.grad_bytes for u in bucket)
                 self._issue("reduce", a.bucket, seconds, f"reduce [{names}]", num_bytes)
             elif isinstance(a, (ReleaseReduce, WaitReduce)):
-                if a.bucket in self.released:
-                    continue  # its input was released earlier: the wait and the sum are done
-                if isinstance(a, ReleaseReduce):
-                    self.released.add(a.bucket)
                 names = ",".join(self.units[i].name for i in a.units)
-                self._wait("reduce", a.bucket, f"reduce [{names}]")
-                self._host(sum(self.units[i].reduce_wait_host_s for i in a.units), f"sum [{names}]")
+                if a.bucket not in self.released:  # else the wait and the sum are done
+                    if isinstance(a, ReleaseReduce):
+                        self.released.add(a.bucket)
+                    self._wait("reduce", a.bucket, f"reduce [{names}]")
+                    self._host(sum(self.units[i].reduce_wait_host_s for i in a.units), f"sum [{names}]")
+                    self._all_reduce(a.bucket, a.units, names)
+                if isinstance(a, WaitReduce) and ("allreduce", a.bucket) in self.done | self._flying():
+                    self._wait("allreduce", a.bucket, f"all-reduce [{names}]")
             elif isinstance(a, CheckOrder):
                 pass  # first step only; the simulated step is a steady one
 
@@ -332,7 +352,6 @@ def simulate(
     backend: str = "nccl",
     root: int | None = None,
     optimizer_s: float = 0.0,
-    cpu_contention: float = 0.0,
     record: bool = False,
     contention: Contention | None = None,
 ) -> Prediction:
@@ -340,11 +359,8 @@ def simulate(
 
     `units[root]` (if given) is the root unit: gathered at the start of forward, its forward
     compute first (embeddings) and its backward compute last, freed when backward ends.
-    Host contention: `cpu_contention` (additive) or `contention` (the fluid model), not both;
-    see the module docstring.
+    Host contention: `contention` (the fluid model; see the module docstring).
     """
-    if cpu_contention and contention is not None:
-        raise ValueError("simulate: give cpu_contention (additive) or contention (fluid), not both")
     fluid = contention or Contention()
     schedule = Schedule(
         [u.param_bytes for u in units],
@@ -386,7 +402,7 @@ def simulate(
         clock.run(schedule.end_backward())
         clock.now += optimizer_s  # after every wait: no collective in flight
     peak_units, peak_bytes = schedule.max_unsharded()
-    step_s = clock.now + cpu_contention * clock.busy
+    step_s = clock.now
     return Prediction(
         step_s=step_s,
         compute_s=clock.compute + optimizer_s,

@@ -161,6 +161,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--keep-fraction", type=float, default=t.keep_fraction,
                         help="share of the grid the planner passes on to measurement")  # fmt: skip
     parser.add_argument("--max-candidates", type=int, default=t.max_candidates)
+    parser.add_argument("--calibration", default=None, metavar="FILE",
+                        help="the planner's costs, from `overlap plan --calibrate FILE` (default: this world's defaults)")  # fmt: skip
     parser.add_argument(
         "--first-round-steps",
         type=int,
@@ -208,6 +210,7 @@ def command_from_args(args: argparse.Namespace) -> TuneCommand:
         warmup_steps=args.warmup_steps,
         cache=args.cache,
         cache_dir=args.cache_dir,
+        calibration=args.calibration,
     )
     overrides: dict[str, tuple[Any, ...]] = {}
     for flag, name in (

@@ -5,10 +5,11 @@ most promising ones for measurement.
 A codec shrinks what a collective puts on the wire, not the buffers: each unit goes to the
 simulator with its real unsharded bytes (the schedule's in-flight cap and buckets count those, as
 the runtime does) and the codec's wire bytes (`UnitCost.gather_wire_bytes` / `reduce_wire_bytes`,
-which set the ring times). Encoding and decoding time is not charged: it depends on whether the
-C++/Triton kernels are built, and it is the same share of every candidate with that codec. So
-every codec keeps its own best candidate through pruning, and measurement, not the model,
-decides between codecs.
+which set the ring times). On CPU the host work around each collective (encoding, decoding,
+copies) comes from the calibration per codec path ([Note: one model] in
+overlap/tools/plan/calibration.py; a codec it did not measure is charged as uncompressed); GPU
+codec kernels are not charged. Either way every codec keeps its own best candidate through
+pruning, and measurement, not the model, decides between codecs.
 
 [Note: pruning]
 Measurement is the expensive part, so the planner picks what gets measured: `num_keep` distinct
@@ -33,30 +34,22 @@ import torch.nn as nn
 
 from overlap.compression import make_grad_codec, make_param_codec
 from overlap.config import OverlapConfig
-from overlap.tools.plan.cost import LINKS, Link, Topology, UnitCost
-from overlap.tools.plan.simulate import Prediction, simulate
-from overlap.tools.tune.space import Codec, unit_numels
 from overlap.engine.units import group_units
+from overlap.tools.plan.calibration import Calibration, codec_path, default_world_calibration
+from overlap.tools.plan.cost import LINKS, Topology, UnitCost
+from overlap.tools.plan.simulate import Prediction
+from overlap.tools.tune.space import Codec, unit_numels
 
 StepFn = Callable[[nn.Module, torch.optim.Optimizer], Any]
 OptimizerFn = Callable[[Any], torch.optim.Optimizer]
 
 BACKWARD_FACTOR = 2.0
-"""Backward compute per unit as a multiple of its forward (2 N T vs 4 N T FLOPs of a dense unit)."""
-CPU_CONTENTION = 0.5
-"""Share of each second of gloo communication that a CPU rank's compute loses (gloo threads and
-kernel copies run on the same cores): (floor-compute||comm - floor-compute) / comm time of W1 on
-the 1 Gbit link is ~0.58 (`git show 30b489c:benchmarks/RESULTS.md`, the diary's W1 1 Gbit tables). It shifts candidates that move the same bytes
-alike, so it only weighs codecs against each other."""
+"""Backward compute per unit as a multiple of its forward when the profile could not time the
+backward (2 N T vs 4 N T FLOPs of a dense unit); see `ModelProfile.backward_factor`."""
 TIE_TOLERANCE = 0.03
 """Predictions closer than this (relative) are ties for pruning: the planner aims at 15% of a
 measured step (issue 6), so a few percent between two predictions say nothing about which
 candidate is faster (see [Note: pruning])."""
-EMULATED_LINK_ALPHA_S = 200e-6
-"""Per-step latency of a ring step over the emulated veth link (as overlap.tools.plan.cost's preset)."""
-EMULATED_LINK_EFFICIENCY = 0.94
-"""busbw / line rate measured for all_reduce on the emulated link (benchmarks/RESULTS.md)."""
-
 
 @dataclass(frozen=True)
 class UnitProfile:
@@ -79,14 +72,25 @@ class ModelProfile:
     """One whole local step: forward, backward, optimizer."""
     param_dtype: torch.dtype
     device_type: str = "cpu"
+    backward_s: float | None = None
+    """The whole backward: from the model output's gradient to the last parameter gradient
+    accumulated. None (not measured): `BACKWARD_FACTOR` x forward."""
 
     @property
     def forward_s(self) -> float:
         return self.root_forward_s + sum(u.forward_s for u in self.units)
 
+    @property
+    def backward_factor(self) -> float:
+        """Backward over forward, measured (each unit's backward is charged this multiple of its
+        forward), else `BACKWARD_FACTOR`."""
+        if self.backward_s is None or self.forward_s <= 0:
+            return BACKWARD_FACTOR
+        return self.backward_s / self.forward_s
+
     def optimizer_s(self, world_size: int) -> float:
         """What the step spends beyond forward and backward, on a 1/world_size shard."""
-        return max(0.0, self.step_s - (1 + BACKWARD_FACTOR) * self.forward_s) / world_size
+        return max(0.0, self.step_s - (1 + self.backward_factor) * self.forward_s) / world_size
 
 
 def _sync(device: torch.device) -> None:
@@ -102,8 +106,9 @@ def profile_model(
     num_steps: int = 2,
 ) -> ModelProfile:
     """Time `num_steps` local steps of the plain `model` (after one untimed step), forward per
-    unit module by hooks; medians over the steps. No communication: every rank profiles its own
-    copy at the same time, so the cores are as busy as they will be in training."""
+    unit module by hooks, the whole backward from the output's gradient to the last gradient
+    accumulated; medians over the steps. No communication: every rank profiles its own copy at
+    the same time, so the cores are as busy as they will be in training."""
     numels = unit_numels(model, unit_policy)
     modules = dict(model.named_modules())
     device = next(model.parameters()).device
@@ -123,15 +128,31 @@ def profile_model(
         handles.append(module.register_forward_pre_hook(pre))
         handles.append(module.register_forward_hook(post))
 
+    marks: dict[str, float] = {}
+
+    def stamp(key: str) -> None:
+        _sync(device)
+        marks[key] = time.perf_counter()
+
+    def on_output(_m: nn.Module, _args: Any, out: Any) -> None:  # backward begins at its gradient
+        leaf = _first_grad_leaf(out)
+        if leaf is not None:
+            leaf.register_hook(lambda _g: None if "backward" in marks else stamp("backward"))
+
     arm("", model)
     for fqn in numels:
         arm(fqn, modules[fqn])
+    handles.append(model.register_forward_hook(on_output))
+    handles += [p.register_post_accumulate_grad_hook(lambda _p: stamp("accumulated"))
+                for p in model.parameters() if p.requires_grad]  # fmt: skip
     opt = optimizer_fn(model.parameters())
     steps: list[float] = []
+    backward: list[float] = []
     try:
         for i in range(num_steps + 1):
             for times in fwd.values():
                 times.append(0.0)
+            marks.clear()
             _sync(device)
             t0 = time.perf_counter()
             step_fn(model, opt)
@@ -141,6 +162,8 @@ def profile_model(
                 steps.pop()
                 for times in fwd.values():
                     times.pop()
+            elif "backward" in marks and "accumulated" in marks:
+                backward.append(marks["accumulated"] - marks["backward"])
     finally:
         for h in handles:
             h.remove()
@@ -153,28 +176,35 @@ def profile_model(
     root_numel = total_numel - sum(numels.values())
     root_fwd = max(0.0, median(fwd[""]) - sum(u.forward_s for u in units))
     dtype = next(model.parameters()).dtype
-    return ModelProfile(units, root_numel, root_fwd, median(steps), dtype, device.type)
+    backward_s = median(backward) if len(backward) == num_steps else None
+    return ModelProfile(units, root_numel, root_fwd, median(steps), dtype, device.type, backward_s)
+
+
+def _first_grad_leaf(out: Any) -> torch.Tensor | None:
+    """The first tensor of a model's output that will receive a gradient (the loss of a Hugging
+    Face output comes first), or None."""
+    from torch.utils._pytree import tree_leaves
+
+    values = list(out.values()) if isinstance(out, dict) else out  # ModelOutput is a dict
+    return next((t for t in tree_leaves(values) if isinstance(t, torch.Tensor) and t.requires_grad), None)
 
 
 def topology_for(world_size: int, backend: str, link: str | None) -> Topology:
-    """The planner's view of this world: the emulated link if there is one, gloo loopback for
-    other gloo worlds, NVLink within a node and NDR InfiniBand across nodes for NCCL."""
-    if link:
-        from overlap.tools.bench.link import LinkSpec
-
-        spec = LinkSpec.parse(link)
-        emulated = Link(
-            f"emulated:{spec}",
-            EMULATED_LINK_ALPHA_S + spec.delay_us * 1e-6,
-            spec.rate_gbps * EMULATED_LINK_EFFICIENCY,
-            "the --link emulation (tc tbf) at its line rate",
-        )
-        return Topology(world_size, world_size, emulated, emulated)
-    if "nccl" not in backend:
-        loopback = LINKS["gloo-loopback"]
-        return Topology(world_size, world_size, loopback, loopback)
+    """The planner's links for this world without a calibration file: those of
+    `default_world_calibration`, and on NCCL two levels, NVLink within a node and NDR InfiniBand
+    across nodes."""
+    if link or "nccl" not in backend:
+        return default_world_calibration(world_size, backend, link).topology()
     per_node = torch.cuda.device_count() if torch.cuda.is_available() else world_size
     return Topology(world_size, max(1, per_node), LINKS["nvlink4"], LINKS["ndr400"])
+
+
+def calibration_for(world_size: int, backend: str, link: str | None, calibration: Calibration | None) -> tuple[Calibration, Topology]:
+    """The model `overlap tune` prunes with ([Note: one model] in overlap/tools/plan/calibration.py):
+    `calibration` on this world's ranks, or the defaults for this world."""
+    if calibration is not None:
+        return calibration, calibration.topology(num_ranks=world_size, num_replicas=1)
+    return default_world_calibration(world_size, backend, link), topology_for(world_size, backend, link)
 
 
 @dataclass(frozen=True)
@@ -192,11 +222,11 @@ def predict(
     profile: ModelProfile,
     config: OverlapConfig,
     world_size: int,
-    topo: Topology,
-    backend: str,
-    cpu_contention: float,
+    calibration: Calibration,
+    topo: Topology | None = None,
 ) -> tuple[Prediction, Hashable]:
-    """The simulator's steady step for `config`, and a signature of the schedule it ran."""
+    """The simulator's steady step for `config`, and a signature of the schedule it ran: units
+    from the profile's compute, the calibration's host work and links (or `topo`'s)."""
     fqns = [u.fqn for u in profile.units]
     by_fqn = {u.fqn: u for u in profile.units}
     groups = group_units(fqns, {u.fqn: u.numel for u in profile.units}, config.min_unit_numel)
@@ -205,14 +235,17 @@ def predict(
     block = config.compression_block_size
     param_codec = make_param_codec(config.param_compression, block_size=block)
     grad_codec = make_grad_codec(config.grad_compression, block_size=block)
+    path = codec_path(config.param_compression, config.grad_compression)
 
     def cost(name: str, numel: int, forward_s: float) -> UnitCost:
-        return UnitCost(
+        return calibration.unit(
             name,
             numel * gather_dtype.itemsize,
             numel * reduce_dtype.itemsize,
             forward_s,
-            BACKWARD_FACTOR * forward_s,
+            profile.backward_factor * forward_s,
+            codec=path,
+            num_ranks=world_size,
             gather_wire_bytes=param_codec.wire_bytes(numel, gather_dtype),
             reduce_wire_bytes=grad_codec.wire_bytes(numel, reduce_dtype),
         )
@@ -225,15 +258,8 @@ def predict(
     for members in groups:
         numel = sum(by_fqn[m].numel for m in members)
         units.append(cost(members[0], numel, sum(by_fqn[m].forward_s for m in members)))
-    prediction = simulate(
-        units,
-        config,
-        topo,
-        backend="gloo" if "gloo" in backend else "nccl",
-        root=root,
-        optimizer_s=profile.optimizer_s(world_size),
-        cpu_contention=cpu_contention,
-        record=True,
+    prediction = calibration.predict(
+        units, config, topology=topo, root=root, optimizer_s=profile.optimizer_s(world_size), record=True
     )
     codec = Codec(config.param_compression, config.grad_compression, config.error_feedback)
     signature = (tuple(groups), codec, tuple(prediction.events))
@@ -244,14 +270,13 @@ def plan_grid(
     profile: ModelProfile,
     grid: Sequence[OverlapConfig],
     world_size: int,
-    topo: Topology,
-    backend: str,
-    cpu_contention: float,
+    calibration: Calibration,
+    topo: Topology | None = None,
 ) -> list[PlannedCandidate]:
     """Every grid candidate predicted, fastest first (ties: grid order)."""
     planned = []
     for i, config in enumerate(grid):
-        prediction, signature = predict(profile, config, world_size, topo, backend, cpu_contention)
+        prediction, signature = predict(profile, config, world_size, calibration, topo)
         planned.append(
             PlannedCandidate(i, prediction.step_s, prediction.peak_unsharded_bytes, signature)
         )

@@ -33,6 +33,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from overlap.transport.backend import semantics
 from overlap.config import OverlapConfig
+from overlap.tools.plan.calibration import Calibration
 from overlap.tools.plan.cost import Topology
 from overlap.tools.tune.cache import (
     TuneKey,
@@ -60,15 +61,14 @@ from overlap.tools.tune.measure import (
     process_group,
 )
 from overlap.tools.tune.predict import (
-    CPU_CONTENTION,
     ModelProfile,
     OptimizerFn,
     StepFn,
+    calibration_for,
     num_to_keep,
     plan_grid,
     profile_model,
     prune,
-    topology_for,
 )
 from overlap.tools.tune.space import Codec, TuneSpace, default_space, describe, tuned_fields
 
@@ -126,11 +126,14 @@ class TuneConfig:
     key_extra: Mapping[str, Any] = field(default_factory=dict)
     """More of the cache key: what the model signature cannot see (batch size, sequence length)."""
 
-    topology: Topology | None = None
-    """The planner's links (None: `topology_for` this world)."""
+    calibration: Calibration | str | Path | None = None
+    """The planner's costs: a `Calibration` or its JSON file (`overlap plan --calibrate FILE`);
+    None: the defaults for this world (`default_world_calibration`). See [Note: one model] in
+    overlap/tools/plan/calibration.py."""
 
-    cpu_contention: float | None = None
-    """Planner: compute lost per second of communication (None: 0.5 on gloo, 0 on NCCL)."""
+    topology: Topology | None = None
+    """The planner's links, over the calibration's (None: the calibration's, on this world's
+    ranks; without a calibration on NCCL, NVLink within a node and NDR across nodes)."""
 
     survivor_models: Literal["auto", "keep", "rebuild"] = "auto"
     """"keep": a candidate's wrapped model lives on while it survives, so later rounds skip
@@ -172,8 +175,8 @@ class TuneConfig:
                 "TuneConfig.survivor_models must be 'auto', 'keep' or 'rebuild', "
                 f"got {self.survivor_models!r}"
             )
-        if self.cpu_contention is not None and not self.cpu_contention >= 0:
-            raise ValueError(f"TuneConfig.cpu_contention must be >= 0, got {self.cpu_contention}")
+        if isinstance(self.calibration, (str, Path)):  # read once, here: a bad file fails early
+            object.__setattr__(self, "calibration", Calibration.load(self.calibration))
 
     def replace(self, **overrides: Any) -> TuneConfig:
         names = {f.name for f in dataclasses.fields(self)}
@@ -347,11 +350,10 @@ def _plan(
     from overlap.tools.bench.link import active_link
 
     backend = semantics(pg, torch.device(profile.device_type)).backend
-    topo = cfg.topology or topology_for(pg.size(), backend, active_link())
-    contention = cfg.cpu_contention
-    if contention is None:
-        contention = 0.0 if "nccl" in backend else CPU_CONTENTION
-    planned = plan_grid(profile, grid, pg.size(), topo, backend, contention)
+    given = cfg.calibration
+    assert given is None or isinstance(given, Calibration), f"rank {pg.rank()}: {given!r} not loaded"
+    calibration, topo = calibration_for(pg.size(), backend, active_link(), given)
+    planned = plan_grid(profile, grid, pg.size(), calibration, cfg.topology or topo)
     predicted_ms = [0.0] * len(grid)
     for c in planned:
         predicted_ms[c.index] = c.step_s * 1e3
