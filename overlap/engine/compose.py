@@ -24,7 +24,8 @@ do, as FSDP2's `FSDPParam` does (torch/distributed/fsdp/_fully_shard/_fsdp_param
 
 Plain parameters of such a model (a norm, a head) are sharded over dp as always (1-D DTensors on
 the dp mesh, FSDP2's too). Whatever this does not cover raises at wrap on every rank, naming the
-parameter ([Note: composition refusals]).
+parameter ([Note: composition refusals]); expert parallelism among them ([Note: expert
+parallelism]).
 """
 
 from __future__ import annotations
@@ -214,7 +215,14 @@ def refusal(
 # every other unit the flattened dp; the schedule is unchanged (units stay units), the runtime and
 # the reductions look up the unit's transport instead of the state's, the reductions divide an
 # expert unit's sum by the size of dp instead of its own group's (FSDP2's gradient divide
-# factor), and buckets never mix units of two groups. Until then, the refusal.
+# factor), and buckets never mix units of two groups. Per-unit groups reach past the schedule:
+# `sync_module_states` must scatter an expert unit from rank 0 of its own (dp_mod_ep) group, not
+# from rank 0 of dp (which would copy ep rank 0's experts over every ep rank's); the
+# same-model/config checks, the collective fingerprints and the order check run per group;
+# `clip_grad_norm_` sums the dense units' squares over dp and the expert units' over
+# (dp_mod_ep, ep), each once; full state dicts and checkpoints gather an expert unit over its
+# own mesh. Until then, the refusal: with it bypassed, one SGD step on a (dp_mod_ep, ep) = (2, 2)
+# mesh left the dense weight of ranks 0 and 1 (other ep coordinates) different, without an error.
 _EXPERT_DIM_WORDS = ("ep", "expert", "experts", "moe")
 _EXPERT_INSTEAD = (
     "keep the experts data-parallel (stacked expert weights as plain parameters, every expert "
