@@ -271,7 +271,7 @@ def _compiled_model() -> Net:
 def _two_meshes(cube: DeviceMesh):
     def build() -> nn.Module:
         model = _One(distribute_tensor(torch.randn(4, 4), cube["tp"], [Shard(0)]))
-        model.extra = nn.Parameter(distribute_tensor(torch.randn(4, 4), cube["ep"], [Shard(0)]))
+        model.extra = nn.Parameter(distribute_tensor(torch.randn(4, 4), cube["cp"], [Shard(0)]))
         return model
 
     return build
@@ -288,7 +288,7 @@ def _refusals(mesh: DeviceMesh) -> dict[str, tuple]:
 
     # the same ranks as mesh, laid out the other way: its tp rows are mesh's dp columns
     other = DeviceMesh("cpu", mesh.mesh.t().contiguous(), mesh_dim_names=("dp", "tp"))
-    cube = init_device_mesh("cpu", (1, 2, 2), mesh_dim_names=("rep", "ep", "tp"))
+    cube = init_device_mesh("cpu", (1, 2, 2), mesh_dim_names=("rep", "cp", "tp"))
     tesseract = init_device_mesh("cpu", (1, 1, 2, 2), mesh_dim_names=("a", "b", "c", "tp"))
     unnamed = DeviceMesh.from_group(tp.get_group(), "cpu")
     dp = {"group": mesh["dp"]}
@@ -302,7 +302,7 @@ def _refusals(mesh: DeviceMesh) -> dict[str, tuple]:
             ["'weight'", "already distributed over the data-parallel dimension ['dp']"],
         ),
         "2-D tp": (
-            lambda: _One(DTensor.from_local(torch.randn(2, 2), cube["ep", "tp"], [Shard(0), Shard(1)], run_check=False)),
+            lambda: _One(DTensor.from_local(torch.randn(2, 2), cube["cp", "tp"], [Shard(0), Shard(1)], run_check=False)),
             {"group": cube["rep"]},
             ["'weight'", "only 1-D tensor parallelism"],
         ),

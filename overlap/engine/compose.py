@@ -24,7 +24,8 @@ do, as FSDP2's `FSDPParam` does (torch/distributed/fsdp/_fully_shard/_fsdp_param
 
 Plain parameters of such a model (a norm, a head) are sharded over dp as always (1-D DTensors on
 the dp mesh, FSDP2's too). Whatever this does not cover raises at wrap on every rank, naming the
-parameter ([Note: composition refusals]).
+parameter ([Note: composition refusals]); expert parallelism among them ([Note: expert
+parallelism]).
 """
 
 from __future__ import annotations
@@ -139,6 +140,10 @@ def refusal(
     params = _dtensor_params(model)
     if not params:
         return None
+    for name, param in params:  # before the group's kind: no group makes it work
+        problem = _expert_refusal(param, None)
+        if problem is not None:
+            return f"overlap.wrap: parameter {name!r} is a DTensor ({_describe(param)}): {problem}"
     name, first = params[0]
     where = f"parameter {name!r} is a DTensor ({_describe(first)})"
     if not isinstance(group, DeviceMesh):
@@ -156,9 +161,8 @@ def refusal(
     if other is not None:
         return (
             f"overlap.wrap: {where}, and parameter {other[0]!r} is one on another mesh "
-            f"({_describe(other[1])}): tensor-parallel parameters on several meshes (expert "
-            "parallelism beside tensor parallelism) are not supported yet; place them over one tp "
-            "dimension"
+            f"({_describe(other[1])}): tensor-parallel parameters on several meshes are not "
+            "supported yet; place them over one tp dimension"
         )
     if dp_mesh.ndim > 2:
         return (
@@ -181,6 +185,74 @@ def refusal(
             f"overlap.wrap: {where}, and module {compiled or '<root>'!r} is compiled "
             "(torch.compile / module.compile()): not verified with tensor parallelism yet; "
             "compile after a run without it, or leave the blocks eager"
+        )
+    return None
+
+
+# [Note: expert parallelism]
+# torchtitan's expert parallelism (ExpertParallel, then apply_fsdp with dp_mod_ep_mesh) places the
+# experts' stacked weights [num_experts, ...] Shard(0) over an `ep` mesh dimension that is *part
+# of the data-parallel ranks*: each ep rank holds other tokens, dispatched to the experts' owners
+# by an all-to-all. The dense parameters are then sharded over all of dp (dp_mod_ep x ep), the
+# experts over dp_mod_ep only, and the experts' gradients divided by the size of all of dp
+# (`set_gradient_divide_factor`), since their tokens came from every dp rank. overlap shards every
+# unit over one group: given the mesh (dp_mod_ep, ep) it would take `ep` for tensor parallelism
+# and reduce the dense gradients over dp_mod_ep only, so the ep ranks' replicas would drift apart
+# without an error (and the experts' gradients would be divided by dp_mod_ep instead of dp);
+# given all of dp, the ep ranks are inside it. Both are refused by `_expert_refusal`: by the
+# dimension's name (torchtitan's "ep", "dp_shard_in_ep", anything naming experts), and, whatever
+# the names, by a parameter mesh that is a part of the data-parallel ranks (tensor parallelism is
+# orthogonal to dp: the two groups share this rank only).
+#
+# What runs instead: experts as plain stacked parameters ([num_experts, ...], a grouped-experts
+# module), data-parallel like the rest, every expert computed on every rank every step, an expert
+# without tokens with an empty batch (tests/test_moe.py, against FSDP2 on the same dp mesh).
+#
+# The design proposed for expert parallelism: a `Groups` per unit instead of one per state.
+# `wrap(model, group=mesh, expert_group=mesh["dp_mod_ep"], experts=policy)` would give the units
+# the policy selects (the experts modules, whose parameters are DTensors on `ep`) the shard group
+# dp_mod_ep, with the (dp_mod_ep, ep) mesh for their sharded DTensors (the Composer as for tp), and
+# every other unit the flattened dp; the schedule is unchanged (units stay units), the runtime and
+# the reductions look up the unit's transport instead of the state's, the reductions divide an
+# expert unit's sum by the size of dp instead of its own group's (FSDP2's gradient divide
+# factor), and buckets never mix units of two groups. Per-unit groups reach past the schedule:
+# `sync_module_states` must scatter an expert unit from rank 0 of its own (dp_mod_ep) group, not
+# from rank 0 of dp (which would copy ep rank 0's experts over every ep rank's); the
+# same-model/config checks, the collective fingerprints and the order check run per group;
+# `clip_grad_norm_` sums the dense units' squares over dp and the expert units' over
+# (dp_mod_ep, ep), each once; full state dicts and checkpoints gather an expert unit over its
+# own mesh. Until then, the refusal: with it bypassed, one SGD step on a (dp_mod_ep, ep) = (2, 2)
+# mesh left the dense weight of ranks 0 and 1 (other ep coordinates) different, without an error.
+_EXPERT_DIM_WORDS = ("ep", "expert", "experts", "moe")
+_EXPERT_INSTEAD = (
+    "keep the experts data-parallel (stacked expert weights as plain parameters, every expert "
+    "called every step, an expert without tokens on an empty batch) and wrap over the whole "
+    "data-parallel mesh, or shard this model with FSDP2 (torchtitan's apply_fsdp with "
+    "dp_mod_ep_mesh)"
+)
+
+
+def _expert_refusal(param: DTensor, dp_mesh: DeviceMesh | None) -> str | None:
+    """Why `param` looks expert-parallel ([Note: expert parallelism]), or None: by its mesh
+    dimensions' names, and with `dp_mesh`, by its mesh being a part of the data-parallel ranks."""
+    names = param.device_mesh.mesh_dim_names or ()
+    named = [n for n in names if set(n.lower().split("_")) & set(_EXPERT_DIM_WORDS)]
+    if named:
+        return (
+            f"expert parallelism (mesh dimension {named[0]!r}) is not supported yet: overlap "
+            "shards every parameter over one data-parallel group, and the dense parameters' "
+            f"gradients would not be reduced over {named[0]!r} ([Note: expert parallelism] in "
+            f"overlap/engine/compose.py); {_EXPERT_INSTEAD}"
+        )
+    if dp_mesh is None:
+        return None
+    own = set(param.device_mesh.mesh.flatten().tolist())  # this rank's slice of each mesh
+    if len(own) > 1 and own < set(dp_mesh.mesh.flatten().tolist()):
+        return (
+            f"its mesh dimensions {names} hold other ranks of the data-parallel group, as expert "
+            "parallelism over data-parallel ranks does, which is not supported yet (tensor "
+            "parallelism must be orthogonal to data parallelism: the two groups share one rank; "
+            f"[Note: expert parallelism] in overlap/engine/compose.py); {_EXPERT_INSTEAD}"
         )
     return None
 
@@ -229,6 +301,9 @@ def _param_refusal(param: DTensor, dp_mesh: DeviceMesh) -> str | None:
             f"dim {placement.dim} of size {param.shape[placement.dim]} is sharded unevenly over "
             f"{mesh.size()} tp ranks, which overlap does not support; pad it to a multiple"
         )
+    problem = _expert_refusal(param, dp_mesh)
+    if problem is not None:
+        return problem
     try:
         DeviceMesh._concatenate([dp_mesh, mesh])
     except RuntimeError as error:
