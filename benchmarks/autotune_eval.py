@@ -123,12 +123,12 @@ def eval_rank(rank: int, world_size: int, cfg: EvalConfig) -> dict[str, Any] | N
     report = judge(rounds)
     report.update(link=active_link() or "loopback", world_size=world_size, tune_s=tune_s, pick=str(pick_summary(pick)))
     print(format_report(report, rounds), flush=True)
-    if cfg.json_path:
-        import json
+    return Report({**report, "rounds": asdict(rounds)})  # run_bench writes it to --json
 
-        Path(cfg.json_path).parent.mkdir(parents=True, exist_ok=True)
-        Path(cfg.json_path).write_text(json.dumps({**report, "rounds": asdict(rounds)}, indent=1, default=str))
-    return report
+
+class Report(dict):
+    def to_json(self) -> dict[str, Any]:
+        return {k: (list(v) if isinstance(v, tuple) else v) for k, v in self.items()}
 
 
 def pick_summary(config: Any) -> dict[str, Any]:
