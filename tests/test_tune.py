@@ -381,7 +381,8 @@ def command_on_ranks(rank: int, world: int, out: str) -> dict:
     workload = StepBenchConfig(layers=2, dim=16, heads=2, ff=24, batch=2, seq=8)
     cmd = TuneCommand(
         workload=workload, search=TuneConfig(**FAST), out=out,
-        space_overrides={"min_unit_numel": (0,), "prefetch_depth": (1, 2), "reduce_scatter_bucket_bytes": (0,)},
+        space_overrides={"min_unit_numel": (0,), "prefetch_depth": (1, 2), "reduce_scatter_bucket_bytes": (0,),
+                         "max_reduce_inputs": (1,)},
     )  # fmt: skip
     result = tune_rank(rank, world, cmd)
     return {
@@ -460,3 +461,20 @@ def test_profile_measures_backward_and_prunes_with_it():
     assert len(model._forward_hooks) == 0
     unmeasured = dataclasses.replace(profile, backward_s=None)
     assert unmeasured.backward_factor == BACKWARD_FACTOR
+
+
+def test_reduce_inputs_are_searched():
+    """autotune found max_reduce_inputs=2 13% faster behind 1 Gbit (RESULTS.md, "Self-tuning"):
+    the trial tuner searches it too, by default and from the command line."""
+    from overlap.tools.cli import build_parser
+    from overlap.tools.tune.command import command_from_args
+    from overlap.tools.tune.space import default_space, describe
+
+    space = TuneSpace(prefetch_depth=(1,), max_reduce_inputs=(1, 2))
+    configs = space.candidates(OverlapConfig())
+    assert space.size == 2 and [c.max_reduce_inputs for c in configs] == [1, 2]
+    assert "inputs2" in describe(configs[1]) and "inputs" not in describe(configs[0])
+    assert TuneSpace.from_dict(space.to_dict()) == space
+    assert default_space(tiny_lm()).max_reduce_inputs == (1, 2)
+    args = build_parser("tune").parse_args(["tune", "--max-reduce-inputs", "1,3"])
+    assert command_from_args(args).space_overrides["max_reduce_inputs"] == (1, 3)

@@ -182,6 +182,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     space.add_argument("--max-inflight-bytes", type=_cap_list, default=None, metavar="none,B,...")
     space.add_argument("--bucket-bytes", type=_int_list, default=None, metavar="B,B,...",
                        help="reduce_scatter_bucket_bytes values")  # fmt: skip
+    space.add_argument("--max-reduce-inputs", type=_int_list, default=None, metavar="K,K,...",
+                       help="max_reduce_inputs values")  # fmt: skip
     space.add_argument("--codecs", type=_codec_list, default=None, metavar="C,C,...",
                        help="e.g. none,bf16,int8+ef,fp8/int4+ef (needs --allow-compression)")  # fmt: skip
     model = parser.add_argument_group("workload (as overlap bench step)")
@@ -218,6 +220,7 @@ def command_from_args(args: argparse.Namespace) -> TuneCommand:
         ("prefetch_depth", "prefetch_depth"),
         ("max_inflight_bytes", "max_inflight_allgather_bytes"),
         ("bucket_bytes", "reduce_scatter_bucket_bytes"),
+        ("max_reduce_inputs", "max_reduce_inputs"),
         ("codecs", "codecs"),
     ):
         if getattr(args, flag) is not None:

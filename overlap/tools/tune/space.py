@@ -104,6 +104,10 @@ class TuneSpace:
     reduce_scatter_bucket_bytes: tuple[int, ...] = (0,)
     """Gradient bucket sizes (0: every unit reduced on its own)."""
 
+    max_reduce_inputs: tuple[int, ...] = (1,)
+    """Reduce-scatter inputs alive at once (2 lets a second reduce-scatter queue on a slow link:
+    autotune found it 13% faster behind 1 Gbit, RESULTS.md "Self-tuning")."""
+
     reshard_after_forward: tuple[bool, ...] = (True,)
     """ZeRO-3 (True) and/or ZeRO-2 (False). Only (True,) by default: ZeRO-2 trades memory for
     speed, which is the user's decision, not a measurement's."""
@@ -118,6 +122,7 @@ class TuneSpace:
             "prefetch_depth",
             "max_inflight_allgather_bytes",
             "reduce_scatter_bucket_bytes",
+            "max_reduce_inputs",
             "reshard_after_forward",
         ):
             object.__setattr__(self, name, _as_tuple(name, getattr(self, name)))
@@ -140,6 +145,7 @@ class TuneSpace:
                 self.prefetch_depth,
                 self.max_inflight_allgather_bytes,
                 self.reduce_scatter_bucket_bytes,
+                self.max_reduce_inputs,
                 self.reshard_after_forward,
                 self.codecs,
             )
@@ -158,6 +164,7 @@ class TuneSpace:
             self.prefetch_depth,
             self.max_inflight_allgather_bytes,
             self.reduce_scatter_bucket_bytes,
+            self.max_reduce_inputs,
             self.reshard_after_forward,
             self.codecs,
         )
@@ -167,10 +174,11 @@ class TuneSpace:
                 prefetch_depth=depth,
                 max_inflight_allgather_bytes=cap,
                 reduce_scatter_bucket_bytes=bucket,
+                max_reduce_inputs=inputs,
                 reshard_after_forward=reshard,
                 **codec.overrides(),
             )
-            for unit, depth, cap, bucket, reshard, codec in grid
+            for unit, depth, cap, bucket, inputs, reshard, codec in grid
         ]
 
     def to_dict(self) -> dict[str, Any]:
@@ -179,6 +187,7 @@ class TuneSpace:
             "prefetch_depth": list(self.prefetch_depth),
             "max_inflight_allgather_bytes": list(self.max_inflight_allgather_bytes),
             "reduce_scatter_bucket_bytes": list(self.reduce_scatter_bucket_bytes),
+            "max_reduce_inputs": list(self.max_reduce_inputs),
             "reshard_after_forward": list(self.reshard_after_forward),
             "codecs": [str(c) for c in self.codecs],
         }
@@ -193,6 +202,7 @@ TUNED_FIELDS = (
     "prefetch_depth",
     "max_inflight_allgather_bytes",
     "reduce_scatter_bucket_bytes",
+    "max_reduce_inputs",
     "reshard_after_forward",
     "param_compression",
     "grad_compression",
@@ -222,6 +232,8 @@ def describe(config: OverlapConfig) -> str:
         f"cap{'-' if cap is None else _si(cap) + 'B'}",
         f"bucket{_si(config.reduce_scatter_bucket_bytes)}B",
     ]
+    if config.max_reduce_inputs != 1:
+        parts.append(f"inputs{config.max_reduce_inputs}")
     if not config.reshard_after_forward:
         parts.append("zero2")
     parts.append(str(codec))
@@ -255,8 +267,9 @@ def default_space(
     allow_compression: bool = False,
 ) -> TuneSpace:
     """A grid sized to `model`: unit granularity of 1, 2 and 4 of its (largest) units per shard
-    unit, prefetch depth 1, 2 and 4, gradient buckets of 0, 2 and 4 units' gradient bytes, and
-    `DEFAULT_CODECS` when compression is allowed. 27 candidates without compression.
+    unit, prefetch depth 1, 2 and 4, gradient buckets of 0, 2 and 4 units' gradient bytes, 1 or 2
+    reduce-scatter inputs alive, and `DEFAULT_CODECS` when compression is allowed. 54 candidates
+    without compression.
 
     Granularities that group the units the same way are tried once.
     """
@@ -283,5 +296,6 @@ def default_space(
         min_unit_numel=tuple(granularities),
         prefetch_depth=(1, 2, 4),
         reduce_scatter_bucket_bytes=(0, 2 * grad_unit_bytes, 4 * grad_unit_bytes),
+        max_reduce_inputs=(1, 2),
         codecs=DEFAULT_CODECS if allow_compression else (NO_CODEC,),
     )
