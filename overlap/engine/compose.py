@@ -246,7 +246,7 @@ def _expert_refusal(param: DTensor, dp_mesh: DeviceMesh | None) -> str | None:
         )
     if dp_mesh is None:
         return None
-    own = set(param.device_mesh.mesh.flatten().tolist())  # this rank's slice of each mesh
+    own = set(param.device_mesh.mesh.flatten().tolist())  # once, at wrap; the mesh tensor lives on the CPU
     if len(own) > 1 and own < set(dp_mesh.mesh.flatten().tolist()):
         return (
             f"its mesh dimensions {names} hold other ranks of the data-parallel group, as expert "

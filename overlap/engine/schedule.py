@@ -184,7 +184,8 @@ class Schedule:
             return self.forward_order
         return tuple(range(self.num_units))  # first step: registration order (root first)
 
-    def _predicted_backward(self) -> tuple[int, ...]:
+    def backward_units(self) -> tuple[int, ...]:
+        """The units in the order their gradients are expected (the first step: predicted)."""
         if self.forward_order is not None and self._backward_cache is not None:
             return self._backward_cache
         forward = self.forward_order or tuple(self._seen_forward)
@@ -340,7 +341,7 @@ class Schedule:
         # Backward comes next: start gathering the first units it needs.
         self._cursor = -1
         self._gathering_for_backward = True
-        self._prefetch(self._predicted_backward(), out)
+        self._prefetch(self.backward_units(), out)
         return out
 
     def _release_all(self) -> list[Action]:
@@ -359,10 +360,6 @@ class Schedule:
         assert self.phase is Phase.IDLE, f"retune in phase {self.phase}"
         self.config = config
         self._kept = self.choose_kept()
-
-    def backward_units(self) -> tuple[int, ...]:
-        """The units in the order their gradients are expected (the first step: predicted)."""
-        return self._predicted_backward()
 
     def set_grad_bytes(self, unit: int, num_bytes: int) -> None:
         """The unit's trainable parameters changed between steps: new bucket sizes. (Ranks that
@@ -409,7 +406,7 @@ class Schedule:
             return out
         self._started_backward.add(unit)
         self._parked.discard(unit)  # its backward is the one computing now
-        order = self._predicted_backward()
+        order = self.backward_units()
         if unit in order:
             self._cursor = order.index(unit)
         self._ensure_unsharded(unit, out)
@@ -423,7 +420,7 @@ class Schedule:
         if self.states[unit] is not UnitState.UNSHARDED:
             return out  # already handled (e.g. flushed at the end of backward)
         self._finish_unit(unit, out)
-        self._prefetch(self._predicted_backward(), out)
+        self._prefetch(self.backward_units(), out)
         return out
 
     def _finish_unit(self, unit: int, out: list[Action]) -> None:
@@ -474,7 +471,7 @@ class Schedule:
     def end_backward(self) -> list[Action]:
         """Autograd finished: flush what is left, wait for every reduction, end the step."""
         out: list[Action] = []
-        order = self._predicted_backward()
+        order = self.backward_units()
         order += tuple(u for u in range(self.num_units) if u not in order)
         for unit in order:  # prefetched for a backward that did not come
             self._wait(unit, out)

@@ -7,7 +7,6 @@ them alive until the wait; see [Note: buffer lifetime] in engine/runtime.py).
 
 from __future__ import annotations
 
-from datetime import timedelta
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -24,8 +23,9 @@ from overlap.transport.results import (  # re-exported: callers use collectives'
     Divide,
     RecvSlack,
     runs_locally,
-    wait,
+    wait,  # noqa: F401
 )
+from overlap.transport.host_values import all_gather_floats, all_gather_int  # noqa: F401  re-exported
 
 # torch 2.13 deprecates all_gather_into_tensor / reduce_scatter_tensor in favour of the
 # *_single names (a FutureWarning on every call); torch 2.11 has only the old names.
@@ -480,30 +480,3 @@ def _peer_rows(
 
 def _round8(num_bytes: int) -> int:
     return (num_bytes + 7) // 8 * 8
-
-
-def all_gather_int(
-    value: int, group: dist.ProcessGroup, device: torch.device, timeout: timedelta | None = None
-) -> list[int]:
-    """Every rank's `value` (an int64), in rank order. Blocking; for checks, not the hot path."""
-    world_size = dist.get_world_size(group)
-    if _local(world_size):
-        return [value]
-    send = torch.tensor([value], dtype=torch.int64, device=device)
-    out = torch.empty(world_size, dtype=torch.int64, device=device)
-    wait(CommResult(out, _all_gather(out, send, group=group, async_op=True), (send,)), timeout)
-    return out.tolist()
-
-
-def all_gather_floats(
-    values: list[float], group: dist.ProcessGroup, device: torch.device, timeout: timedelta | None = None
-) -> list[list[float]]:
-    """Every rank's `values` (float64, the same count on every rank), in rank order. Blocking;
-    for decisions taken every few steps (engine/autotune.py), not the hot path."""
-    world_size = dist.get_world_size(group)
-    if _local(world_size):
-        return [list(values)]
-    send = torch.tensor(values, dtype=torch.float64, device=device)
-    out = torch.empty(world_size * len(values), dtype=torch.float64, device=device)
-    wait(CommResult(out, _all_gather(out, send, group=group, async_op=True), (send,)), timeout)
-    return out.view(world_size, len(values)).tolist()

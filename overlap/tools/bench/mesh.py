@@ -136,7 +136,7 @@ class _Trainer:
         loss.backward()
         self.opt.step()
         self.opt.zero_grad()
-        self.loss = loss.item()
+        self.loss = loss.item()  # once per step, as every contender does: the step ends with the host reading its loss
 
 
 def _setup(rank: int, cfg: MeshBenchConfig):
