@@ -6,7 +6,6 @@ vectorized variant ([Note: flat layout] in overlap/engine/units.py)."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 import overlap
 from harness import World

@@ -13,12 +13,10 @@ from __future__ import annotations
 import copy
 import os
 import sys
-import traceback
 from datetime import timedelta
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from harness import World
 from models import STRICT_ZERO3, batch, encoder_stack, loss_of

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn as nn
 
 from harness import World
 from models import STRICT_ZERO3, batch, encoder_stack, loss_of

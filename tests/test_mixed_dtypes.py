@@ -13,15 +13,13 @@ shards agree to a few units in the last place of their own dtype.
 from __future__ import annotations
 
 import copy
-import os
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import Replicate, Shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import overlap

@@ -140,6 +140,12 @@ def test_units_merge_layers_and_scale_host_work():
     bare = measured_units(replace(cal, host={}), OverlapConfig())[0]
     assert bare.gather_wait_host_s == bare.reduce_issue_host_s == 0.0
     assert cal.compute.achieved_tflops() == pytest.approx(6 * LAYER_NUMEL * 4 * 512 / 0.12 / 1e12)
+    # the wrapper's own cost is per unit, not per layer ([Note: hook cost] in hooks.py)
+    hooked = replace(cal, compute=replace(cal.compute, hook_forward_s=1e-3, hook_backward_s=3e-3))
+    assert measured_units(hooked, OverlapConfig())[0].backward_s == pytest.approx(0.023)
+    two = measured_units(hooked, OverlapConfig(**table["2 layers/unit"]))
+    assert two[0].forward_s == pytest.approx(0.021) and two[0].backward_s == pytest.approx(0.043)
+    assert pv.predict_ms(hooked, {}) > pv.predict_ms(cal, {}) + 4 * (1 + 3) * 0.99
     for overrides in table.values():  # every validated config predicts, calibrated and not
         world = World.parse("loopback")
         assert pv.predict_ms(cal, overrides) > pv.predict_ms(pv.uncalibrated(cal, world), overrides) * 0.3 > 0

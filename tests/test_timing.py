@@ -5,7 +5,6 @@ pool; device times placed on the host clock), the host timer, and StepStats fed 
 from __future__ import annotations
 
 import threading
-import time
 from typing import Any
 
 import pytest

@@ -32,7 +32,6 @@ triton = pytest.importorskip("triton", reason="triton is not installed (extra `t
 if os.environ.get("TRITON_INTERPRET", "") not in ("", "0"):  # jit returns interpreted functions then
     pytest.skip("TRITON_INTERPRET is set in this process: nothing to compile", allow_module_level=True)
 
-import triton.language as tl  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 

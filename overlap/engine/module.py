@@ -10,6 +10,16 @@ method it had, `isinstance(model, OriginalClass)` still holds, and the subclass 
     model.set_requires_gradient_sync(False)    # FSDP2's switch for the same
     model.unshard() / model.reshard()          # FSDP2: gather every unit and keep it, e.g. while
                                                # generating; free them again
+    model.zero_grad()                          # DDP's: also drops what no_sync accumulated
+
+[Note: zero_grad after no_sync]
+Under no_sync the gradients accumulate on the *unsharded* parameters (and their reduce-dtype
+sums), which neither `model.parameters()` nor the optimizer holds: the sharded parameters are
+what they see. DDP's `model.zero_grad()` after a no_sync backward drops the accumulated
+gradients (its parameters hold them); nn.Module's would leave ours to be reduced into the next
+synchronized step, silently. So the wrapped model's `zero_grad` drops them too (zeroes them with
+`set_to_none=False`). `optimizer.zero_grad()` cannot see them, as under FSDP2: they are reduced
+by the next backward outside no_sync, which is the gradient accumulation idiom.
 
 [Note: state dicts of a wrapped model]
 `model.state_dict()` is the *sharded* state dict: DTensors holding this rank's shard (and plain
@@ -106,6 +116,12 @@ class OverlapModule:
                 "param_dtype / reduce_dtype to overlap.wrap"
             )
         return self
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """nn.Module's, plus the gradients accumulated under no_sync ([Note: zero_grad after
+        no_sync])."""
+        super().zero_grad(set_to_none)  # type: ignore[misc]
+        state_of(self).runtime.discard_accumulated(set_to_none)  # type: ignore[arg-type]
 
     def __deepcopy__(self, memo: dict[int, Any]) -> NoReturn:
         raise TypeError(

@@ -234,6 +234,25 @@ class Reductions:
         unit.grad_sums = None
         return grads
 
+    def discard_accumulated(self, set_to_none: bool = True) -> None:
+        """`model.zero_grad()`: the gradients accumulated under no_sync and not yet reduced (the
+        unsharded parameters' `.grad` and their sums) are dropped, or zeroed in place, as DDP's
+        zero_grad drops what its no_sync accumulated ([Note: zero_grad after no_sync] in module.py)."""
+        for unit in self.units:
+            for param in unit.grad_params:
+                if param.grad is not None:
+                    if set_to_none:
+                        param.grad = None
+                    else:
+                        param.grad.zero_()
+            if unit.grad_sums is not None:
+                if set_to_none:
+                    unit.grad_sums = None
+                else:
+                    for total in unit.grad_sums:
+                        if total is not None:
+                            total.zero_()
+
     def _fused_shard(self, index: int) -> torch.Tensor:
         """What unit `index`'s fused backward all-gather sends: its shard, tagged when the tags
         are on ([Note: collective fingerprints]), the tag written now ([Note: fused exchange] in transport/host.py)."""

@@ -19,6 +19,8 @@ same order; each one is separate from the training steps it will predict:
    host        the training thread's work around one unit's collectives, timed on the runtime's
                own verbs driven by hand (`measure_host`): gather issue (encode), copy-out
                (decode), reduction packing (encode), summing (decode) and scaling
+   wrapper     what the wrapper's own verbs add per unit to forward and backward, with nothing
+               gathered or reduced (`measure_hooks`, [Note: hook cost] in hooks.py)
    contention  one layer's forward+backward alone and beside a loop of one-layer all-gathers:
                the share of speed compute loses (`contention_share`); the all-gather alone and
                beside that compute: how much longer comm takes (stretch)
@@ -55,6 +57,7 @@ from overlap.tools.plan.calibration import (
     median_calibration,
 )
 from overlap.tools.plan.cost import Topology, ring_time_s
+from overlap.tools.plan.hooks import measure_hooks
 
 LINK_SIZES_BYTES = tuple(k * 2**20 for k in (1, 4, 12, 24))
 """Up to what W1 moves: 12 MiB (a layer) and 24 MiB (two). A 32 MiB all-gather measured up to
@@ -432,7 +435,7 @@ class Rig:
     plain: nn.Module
     """W1 unwrapped: the compute profile and the contention measurement run it."""
     host_models: dict[str, nn.Module]
-    """A wrapped W1 per codec path, driven by `measure_host`."""
+    """A wrapped W1 per codec path, driven by `measure_host` (the first also by `measure_hooks`)."""
     opt: torch.optim.Optimizer
     grads: list[tuple[nn.Parameter, torch.Tensor]]
     """A wrapped W1's parameters and gradients from one backward, for `measure_optimizer`."""
@@ -466,6 +469,7 @@ def calibrate_round(rig: Rig, profile_steps: int = 2) -> Calibration:
     fwd, bwd = profile_compute(rig.plain, rig.batch, profile_steps)
     fwd, bwd = max_over_ranks(fwd), max_over_ranks(bwd)  # the slower rank paces the step
     host = {path: measure_host(model) for path, model in rig.host_models.items()}
+    hooks = mean_over_ranks(list(measure_hooks(next(iter(rig.host_models.values())), rig.plain, rig.batch)))
     op = layer_gather_op(world, 4 * layer_numel)
     contention = measure_contention(next(rig.plain.children()), rig.batch[0], rig.shard, op)
     topo = Topology(world.shard_size, world.shard_size, gather_link, gather_link, reduce_link=reduce_link)
@@ -491,7 +495,8 @@ def calibrate_round(rig: Rig, profile_steps: int = 2) -> Calibration:
         concurrent_throughput=concurrent_throughput(solos, concurrency[2]),
         host=host,
         compute=ComputeCosts(unit_numel=layer_numel, forward_s=tuple(fwd), backward_s=tuple(bwd),
-                             optimizer_s=optimizer_s, tokens=bench.batch * bench.seq),
+                             optimizer_s=optimizer_s, tokens=bench.batch * bench.seq,
+                             hook_forward_s=hooks[0], hook_backward_s=hooks[1]),
         measured={
             "link_rows": rows,
             "contention_ms": [x * 1e3 for x in contention],
@@ -563,6 +568,8 @@ def format_calibration(cal: Calibration, rounds: list[Calibration] | None = None
                      f"{spread(lambda x: statistics.fmean(x.compute.forward_s))}, backward "
                      f"{statistics.fmean(c.backward_s) * ms:.1f} ms{spread(lambda x: statistics.fmean(x.compute.backward_s))}; "
                      f"optimizer {c.optimizer_s * ms:.1f} ms{spread(lambda x: x.compute.optimizer_s)}")  # fmt: skip
+        lines.append(f"  wrapper per unit: forward {c.hook_forward_s * ms:.2f} ms{spread(lambda x: x.compute.hook_forward_s)}, "
+                     f"backward {c.hook_backward_s * ms:.2f} ms{spread(lambda x: x.compute.hook_backward_s)}")  # fmt: skip
     lines.append(f"  contention: compute share lost {cal.compute_share_lost:.2f}{spread(lambda x: x.compute_share_lost, 1)}, "
                  f"comm stretch {cal.comm_stretch:.2f}x{spread(lambda x: x.comm_stretch, 1)}, concurrent throughput "
                  f"{cal.concurrent_throughput or 0:.2f}x{spread(lambda x: x.concurrent_throughput or 0, 1)}")  # fmt: skip

@@ -114,6 +114,10 @@ class ComputeCosts:
     """The optimizer step on this rank's shards."""
     tokens: int = 0
     """Tokens per rank per step: with `unit_numel`, the achieved rate (`achieved_tflops`)."""
+    hook_forward_s: float = 0.0
+    """What the wrapper's own verbs add to each unit's forward ([Note: hook cost] in hooks.py)."""
+    hook_backward_s: float = 0.0
+    """The same for each unit's backward."""
 
     def achieved_tflops(self) -> float | None:
         """Dense-layer FLOPs (2·N·T forward, 4·N·T backward) over the measured seconds."""
@@ -535,7 +539,8 @@ def measured_units(cal: Calibration, config: OverlapConfig) -> list[UnitCost]:
         units.append(cal.unit(
             f"layers.{group[0]}" if len(group) == 1 else f"layers.{group[0]}-{group[-1]}",
             numel * 4, numel * 4,
-            sum(c.forward_s[i] for i in layers), sum(c.backward_s[i] for i in layers),
+            sum(c.forward_s[i] for i in layers) + c.hook_forward_s,  # hooks: once per unit
+            sum(c.backward_s[i] for i in layers) + c.hook_backward_s,
             codec=codec,
             gather_wire_bytes=param_codec.wire_bytes(numel, torch.float32),
             reduce_wire_bytes=grad_codec.wire_bytes(numel, torch.float32),
