@@ -80,9 +80,10 @@ def _assumptions(r: PlanResult) -> list[str]:
         lines.append(
             f"parallel   tp {d.tp} x pp {d.pp} x dp {lay.dp}: overlap shards over dp ({lay.dp_link.name}, "
             f"{'across nodes' if lay.dp_crosses_nodes else 'inside a node'}); tp on {lay.tp_link.name} "
-            f"({'async: hidden' if d.async_tp else 'exposed'}, sequence parallel); pp {schedule}, "
-            f"{d.num_microbatches} micro-batches of {b.microbatch_size}, sends on {lay.pp_link.name}"
-        )
+            f"({'async: hidden' if d.async_tp else 'exposed'}, sequence parallel)"
+            + (f"; pp {schedule}, {d.num_microbatches} micro-batches of {b.microbatch_size}, sends on "
+               f"{lay.pp_link.name}" if d.pp > 1 else "")
+        )  # fmt: skip
     return lines
 
 
@@ -111,6 +112,42 @@ def _memory(e: Estimate, ac: str) -> list[str]:
     return lines
 
 
+def _parallel_step(e: Estimate) -> tuple[str, str]:
+    """The step line and the breakdown of a plan with tensor or pipeline parallelism."""
+    b, pred = e.parallel, e.prediction
+    assert b is not None
+    d, m = b.layout.dims, b.layout.dims.num_microbatches
+    step = (
+        f"  step time        {e.step_s:.3f} s = compute {pred.compute_s - e.optimizer_s:.3f} s + exposed comm "
+        f"{pred.exposed_s:.3f} s ({100 * e.exposed_share:.1f}%) + bubble {b.bubble_s:.3f} s "
+        f"({100 * b.bubble_s / e.step_s:.1f}%) + optimizer {e.optimizer_s:.3f} s"
+    )
+    lines = []
+    if d.pp > 1:
+        lines.append(
+            f"  pipeline         ({m} + {d.pp - 1}/{d.virtual_stages}) x {b.microbatch_s:.3f} s per micro-batch "
+            f"(bubble {100 * b.bubble_fraction:.1f}% of the slots) + reduce tail {b.reduce_tail_s:.3f} s; "
+            f"{b.layers_per_rank} layers/rank"
+        )
+    lines.append(
+        f"  micro-batch      FSDP fwd+bwd {b.fsdp_microbatch_s:.3f} s (simulator, {pred.num_allgathers // m} all-gathers "
+        f"over {e.num_units} units + root) + TP {b.tp.exposed_s:.3f} s exposed + sends {b.p2p_microbatch_s:.4f} s"
+    )
+    if d.tp > 1:
+        lines.append(
+            f"  tensor parallel  {b.tp.num_collectives} collectives/micro-batch of {b.tp.bytes_each / 1e6:,.0f} MB, "
+            f"{m * b.tp.busy_s:.3f} s busy/step, {m * b.tp.exposed_s:.3f} s exposed"
+        )
+    if b.layout.dp > 1:
+        lines.append(
+            f"  data parallel    {pred.num_allgathers} all-gathers + {pred.num_reduce_scatters} reduce-scatters per step "
+            f"over dp {b.layout.dp} ({b.layout.dp_link.name})"
+        )
+    else:
+        lines.append("  data parallel    dp 1: no data-parallel collectives")
+    return step, "\n".join(lines)
+
+
 def _prediction(r: PlanResult) -> list[str]:
     e = r.estimate
     pred = e.prediction
@@ -123,27 +160,8 @@ def _prediction(r: PlanResult) -> list[str]:
         f"  comm             {pred.num_allgathers} all-gathers + {pred.num_reduce_scatters} "
         f"reduce-scatters over {e.num_units} units + root, {pred.comm_busy_s:.3f} s busy on one NCCL lane"
     )
-    b = e.parallel
-    if b is not None:
-        d = b.layout.dims
-        m = d.num_microbatches
-        exposed = pred.exposed_s
-        step = (
-            f"  step time        {e.step_s:.3f} s = compute {compute:.3f} s + exposed comm {exposed:.3f} s "
-            f"({100 * e.exposed_share:.1f}%) + bubble {b.bubble_s:.3f} s ({100 * b.bubble_s / e.step_s:.1f}%) "
-            f"+ optimizer {e.optimizer_s:.3f} s"
-        )
-        comm = "\n".join([
-            f"  pipeline         ({m} + {d.pp - 1}/{d.virtual_stages}) x {b.microbatch_s:.3f} s per micro-batch "
-            f"(bubble {100 * b.bubble_fraction:.1f}% of the slots) + reduce tail {b.reduce_tail_s:.3f} s; "
-            f"{b.layers_per_rank} layers/rank",
-            f"  micro-batch      FSDP fwd+bwd {b.fsdp_microbatch_s:.3f} s (simulator, {pred.num_allgathers // m} all-gathers "
-            f"over {e.num_units} units + root) + TP {b.tp.exposed_s:.3f} s exposed + sends {b.p2p_microbatch_s:.4f} s",
-            f"  tensor parallel  {b.tp.num_collectives} collectives/micro-batch of {si(b.tp.bytes_each, 'B')}, "
-            f"{m * b.tp.busy_s:.3f} s busy/step, {m * b.tp.exposed_s:.3f} s exposed",
-            f"  data parallel    {pred.num_allgathers} all-gathers + {pred.num_reduce_scatters} reduce-scatters per step "
-            f"over dp {b.layout.dp} ({b.layout.dp_link.name})",
-        ])  # fmt: skip
+    if e.parallel is not None:
+        step, comm = _parallel_step(e)
     return [
         "prediction (planned config, simulated steady-state step)",
         step,
