@@ -73,7 +73,7 @@ class ParallelDims:
     tp: int = 1
     """Tensor-parallel degree: GPUs of one node that split every matmul."""
     pp: int = 1
-    """Pipeline stages (per virtual stage count, see `virtual_stages`)."""
+    """Pipeline-parallel degree: ranks along a pipeline, each holding `virtual_stages` stages."""
     microbatches: int | None = None
     """Micro-batches per step with pp > 1; None: pp (torchtitan's default). They split the
     local batch, which must divide by them."""
