@@ -1,10 +1,12 @@
 """`overlap plan`: what a model will do on a cluster before the cluster is spent on it.
 
     overlap plan --model llama-8b --gpus 1024 --gpus-per-node 8 --link ndr400
+    overlap plan --model llama-70b --gpus 1024 --tp 8 --pp 4 --microbatches 8
 
 prints the predicted step time, tokens/s (per GPU and total), MFU, exposed communication, memory
 per GPU, the best config a small search on the simulator finds, and a scaling curve from 8 to
-4,096 GPUs (--png draws it). With --gpu-hour-price and --tokens it prices the whole run.
+4,096 GPUs (--png draws it). With --gpu-hour-price and --tokens it prices the whole run. --tp and
+--pp plan tensor and pipeline parallelism around the data-parallel FSDP step (layout.py, parallel.py).
 
 Every prediction replays the runtime's own `Schedule` on the virtual clock of
 `overlap.tools.plan.simulate`; the inputs are stated in the output with their sources (model shapes,
@@ -26,6 +28,7 @@ from overlap.tools.plan import calibrate
 from overlap.tools.plan.calibration import Calibration
 from overlap.tools.plan.cost import LINKS, Link, calibrate_from_bench
 from overlap.tools.plan.estimate import Cluster, estimate
+from overlap.tools.plan.layout import PP_SCHEDULES, fits_layout
 from overlap.tools.plan.models import AC_POLICIES, DEFAULT_MFU, GPUS, MODELS, gpu_spec, load_model
 from overlap.tools.plan.render import format_report
 from overlap.tools.plan.result import PLAN_DEFAULT_CONFIG, PlanConfig, PlanResult, RunCost
@@ -57,6 +60,7 @@ def plan(request: PlanConfig | None = None, /, **overrides: Any) -> PlanResult:
         intra=resolve_link(request.intra_link),
         inter=resolve_link(request.link),
         achieved_tflops=request.achieved_tflops,
+        dims=request.dims,
     )
     config = PLAN_DEFAULT_CONFIG if request.config is None else request.config
     notes: list[str] = []
@@ -76,6 +80,7 @@ def plan(request: PlanConfig | None = None, /, **overrides: Any) -> PlanResult:
     planned = estimate(profile, config, cluster)
     found = search(profile, config, cluster, space) if space is not None else None
     counts = scaling_gpu_counts(request.gpus_per_node, request.num_gpus, request.scaling_gpus) if request.scaling_gpus else []
+    counts = [n for n in counts if fits_layout(cluster.dims, n, request.gpus_per_node)]
     best_config = found.best.config if found is not None else None
     points = scaling_curve(profile, config, cluster, counts, space, start=best_config)
     if not planned.fits:
@@ -106,7 +111,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gpu", default=d.gpu, help=f"GPU preset: {', '.join(GPUS)}")
     parser.add_argument("--config", type=Path, default=None, help="OverlapConfig JSON to plan (default: bf16/fp32 mixed precision)")
     parser.add_argument("--seq-len", type=int, default=None, help="sequence length (default: the model preset's)")
-    parser.add_argument("--local-batch", type=int, default=None, help="sequences per GPU per step (default: the preset's)")
+    parser.add_argument("--local-batch", type=int, default=None, help="sequences per GPU per step; with --tp/--pp per data-parallel rank (default: the preset's)")
     parser.add_argument("--ac", choices=AC_POLICIES, default=None, help="activation checkpointing (default: the preset's)")
     rate = parser.add_mutually_exclusive_group()
     rate.add_argument("--mfu", type=float, default=None,
@@ -120,6 +125,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--search-codecs", action="store_true", help="also search the lossy codecs (int8/bf16 on the wire)")
     parser.add_argument("--calibration", default=None, metavar="FILE",
                         help="measured costs (from --calibrate): links of their level, contention, host work")  # fmt: skip
+    par = parser.add_argument_group("tensor and pipeline parallelism (overlap shards over the data-parallel rest)")
+    par.add_argument("--tp", type=int, default=d.tp, help="tensor-parallel degree, inside a node (default 1)")
+    par.add_argument("--pp", type=int, default=d.pp, help="pipeline stages (default 1)")
+    par.add_argument("--microbatches", type=int, default=None, help="pipeline micro-batches per step (default: --pp)")
+    par.add_argument("--pp-schedule", choices=PP_SCHEDULES, default=d.pp_schedule, help="pipeline schedule (default 1f1b)")
+    par.add_argument("--virtual-stages", type=int, default=d.virtual_stages, help="stages per rank, interleaved only")
+    par.add_argument("--async-tp", action="store_true", help="tensor-parallel collectives hidden behind the matmuls")
     calibrate.add_arguments(parser)
 
 
@@ -134,7 +146,9 @@ def request_from_args(args: argparse.Namespace) -> PlanConfig:
         intra_link=args.intra_link, gpu=args.gpu, config=config, seq_len=args.seq_len,
         local_batch=args.local_batch, ac=args.ac, mfu=args.mfu, tflops=args.tflops,
         gpu_hour_price=args.gpu_hour_price, tokens=args.tokens, search=not args.no_search,
-        search_codecs=args.search_codecs, calibration=args.calibration,
+        search_codecs=args.search_codecs, calibration=args.calibration, tp=args.tp, pp=args.pp,
+        microbatches=args.microbatches, pp_schedule=args.pp_schedule, virtual_stages=args.virtual_stages,
+        async_tp=args.async_tp,
     )
 
 

@@ -31,6 +31,7 @@ from overlap.config import OverlapConfig
 from overlap.engine.units import group_units
 from overlap.tools.plan.calibration import Calibration, codec_path, default_calibration
 from overlap.tools.plan.cost import Link, Topology, UnitCost
+from overlap.tools.plan.layout import ParallelBreakdown, ParallelDims
 from overlap.tools.plan.models import GpuSpec, ModelProfile
 from overlap.tools.plan.simulate import Prediction
 
@@ -72,6 +73,9 @@ class Cluster:
     (the level it was measured on; `with_calibration`), its contention, lanes and host work
     apply. None: NCCL on the link presets, no contention, no host work ([Note: one model] in
     calibration.py)."""
+    dims: ParallelDims = ParallelDims()
+    """Tensor and pipeline parallel degrees; overlap shards over the data-parallel rest
+    ([Note: 3-D layout] in layout.py). Default: FSDP over every GPU."""
 
     def __post_init__(self) -> None:
         check_whole_nodes(self.num_gpus, self.gpus_per_node)
@@ -144,10 +148,12 @@ class Estimate:
     num_units: int
     num_gpus: int
     optimizer_s: float
-    tokens_per_gpu_step: int
+    tokens_per_gpu_step: float
     model_flops_per_token: float
     peak_tflops: float
     hbm_bytes: float
+    parallel: ParallelBreakdown | None = None
+    """The tensor/pipeline terms of the step (None: FSDP over every GPU)."""
 
     @property
     def step_s(self) -> float:
@@ -260,7 +266,13 @@ def _error_feedback_bytes(profile: ModelProfile, config: OverlapConfig, world_si
 
 def estimate(profile: ModelProfile, config: OverlapConfig, cluster: Cluster) -> Estimate:
     """Predict one steady-state training step through the cluster's calibration (by default
-    nccl: one communicator, collectives in order; [Note: one model] in calibration.py)."""
+    nccl: one communicator, collectives in order; [Note: one model] in calibration.py). With
+    tensor or pipeline parallelism (`cluster.dims`) the step is `parallel.estimate_parallel`'s."""
+    if cluster.dims.enabled:
+        # imported here: parallel.py builds on this module's units and memory ([Note: pipeline step])
+        from overlap.tools.plan.parallel import estimate_parallel
+
+        return estimate_parallel(profile, config, cluster)
     units = build_units(profile, config, cluster)
     shard_params = profile.num_params / cluster.num_gpus
     optimizer_s = OPTIMIZER_BYTES_PER_PARAM * shard_params / (cluster.gpu.hbm_tbps * 1e12)

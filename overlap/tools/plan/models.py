@@ -61,6 +61,9 @@ class ModelProfile:
     local_batch: int
     ac: AcPolicy
     source: str = ""
+    hidden: int | None = None
+    """Model width (activation elements per token between blocks), what tensor and pipeline
+    parallelism move; None when unknown (module paths)."""
 
     @property
     def num_params(self) -> int:
@@ -170,6 +173,7 @@ class TransformerShape:
             local_batch=batch,
             ac=ac,
             source=self.source,
+            hidden=self.hidden,
         )
 
 
@@ -179,7 +183,8 @@ class TransformerShape:
 # (vocab_size 128256, intermediate_size 14336 / 28672). Sequence length 8192 is the pre-training
 # context of Llama 3 (same paper, Section 3.4) and torchtitan's llama3 training configs; local
 # batch 2 with selective AC is torchtitan's published 8B FSDP benchmark (docs/performance.md);
-# 70B at local batch 1 needs full AC to fit 80 GB (torchtitan trains it so, same page).
+# 70B at local batch 1 needs full AC to fit 80 GB (torchtitan trains it so, same page); 405B
+# (126 layers, 16384, FFN 53248, 128 / 8 heads) is trained with full AC in torchtitan's 3-D runs.
 MODELS: dict[str, TransformerShape] = {
     "llama-8b": TransformerShape(
         name="llama-8b", num_layers=32, hidden=4096, ffn_hidden=14336, num_heads=32,
@@ -190,6 +195,11 @@ MODELS: dict[str, TransformerShape] = {
         name="llama-70b", num_layers=80, hidden=8192, ffn_hidden=28672, num_heads=64,
         num_kv_heads=8, vocab_size=128256, seq_len=8192, local_batch=1, ac="full",
         source="Llama 3 paper (arXiv:2407.21783) Table 3; meta-llama/Meta-Llama-3-70B config.json",
+    ),
+    "llama-405b": TransformerShape(
+        name="llama-405b", num_layers=126, hidden=16384, ffn_hidden=53248, num_heads=128,
+        num_kv_heads=8, vocab_size=128256, seq_len=8192, local_batch=1, ac="full",
+        source="Llama 3 paper (arXiv:2407.21783) Table 3; meta-llama/Llama-3.1-405B config.json",
     ),
 }
 

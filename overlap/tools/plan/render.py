@@ -63,7 +63,7 @@ def _assumptions(r: PlanResult) -> list[str]:
         f"compute    kernels at {rate} {c.gpu.peak_tflops:g} peak bf16; HBM {c.gpu.hbm_gib:g} GiB, "
         f"{c.gpu.hbm_tbps:g} TB/s"
     )
-    return [
+    lines = [
         f"model      {p.name}: {p.num_params / 1e9:.2f} B parameters ({p.description})",
         f"           {p.model_flops_per_token / 1e9:.1f} GFLOPs/token (6N + attention); source: {p.source}",
         cluster,
@@ -71,6 +71,20 @@ def _assumptions(r: PlanResult) -> list[str]:
         compute,
         f"config     ({config}) {describe(r.config, p)}",
     ]
+    b = r.estimate.parallel
+    if b is not None:
+        d, lay = b.layout.dims, b.layout
+        schedule = d.pp_schedule + (f", {d.virtual_stages} stages/rank" if d.virtual_stages > 1 else "")
+        lines[3] = (f"batch      {p.local_batch} x {p.seq_len} per data-parallel rank = {r.estimate.tokens_per_gpu_step:,.0f} "
+                    f"tokens/GPU/step, {si(p.local_batch * p.seq_len * lay.dp)} tokens/step in all; {AC_TEXT[p.ac]}")  # fmt: skip
+        lines.append(
+            f"parallel   tp {d.tp} x pp {d.pp} x dp {lay.dp}: overlap shards over dp ({lay.dp_link.name}, "
+            f"{'across nodes' if lay.dp_crosses_nodes else 'inside a node'}); tp on {lay.tp_link.name} "
+            f"({'async: hidden' if d.async_tp else 'exposed'}, sequence parallel)"
+            + (f"; pp {schedule}, {d.num_microbatches} micro-batches of {b.microbatch_size}, sends on "
+               f"{lay.pp_link.name}" if d.pp > 1 else "")
+        )  # fmt: skip
+    return lines
 
 
 def _memory(e: Estimate, ac: str) -> list[str]:
@@ -82,7 +96,10 @@ def _memory(e: Estimate, ac: str) -> list[str]:
         act = f"{m.activation_bytes / GIB:8.2f} GiB  estimate: saved tensors per block ({ac} AC) + logits"
     lines = [
         f"  memory per GPU   {m.total_bytes / GIB:.2f} GiB of {e.hbm_bytes / GIB:g} GiB: {fits}",
-        f"    sharded params+grads+AdamW {m.sharded_state_bytes / GIB:8.2f} GiB  16 B/param / {e.num_gpus} GPUs",
+        f"    sharded params+grads+AdamW {m.sharded_state_bytes / GIB:8.2f} GiB  16 B/param / {e.num_gpus} GPUs"
+        if e.parallel is None else
+        f"    sharded params+grads+AdamW {m.sharded_state_bytes / GIB:8.2f} GiB  16 B/param of one rank's stage "
+        f"(1/{e.parallel.layout.dims.tp} wide) / dp {e.parallel.layout.dp}",
         f"    root unit, unsharded       {m.root_bytes / GIB:8.2f} GiB  embeddings, final norm, head",
         f"    units in flight (peak)     {m.units_in_flight_bytes / GIB:8.2f} GiB  "
         + f"{pred.peak_unsharded_units} units gathered at once (simulator)",
@@ -93,6 +110,42 @@ def _memory(e: Estimate, ac: str) -> list[str]:
         lines.append(f"    error-feedback residual    {m.error_feedback_bytes / GIB:8.2f} GiB")
     lines.append(f"    activations                {act}")
     return lines
+
+
+def _parallel_step(e: Estimate) -> tuple[str, str]:
+    """The step line and the breakdown of a plan with tensor or pipeline parallelism."""
+    b, pred = e.parallel, e.prediction
+    assert b is not None
+    d, m = b.layout.dims, b.layout.dims.num_microbatches
+    step = (
+        f"  step time        {e.step_s:.3f} s = compute {pred.compute_s - e.optimizer_s:.3f} s + exposed comm "
+        f"{pred.exposed_s:.3f} s ({100 * e.exposed_share:.1f}%) + bubble {b.bubble_s:.3f} s "
+        f"({100 * b.bubble_s / e.step_s:.1f}%) + optimizer {e.optimizer_s:.3f} s"
+    )
+    lines = []
+    if d.pp > 1:
+        lines.append(
+            f"  pipeline         ({m} + {d.pp - 1}/{d.virtual_stages}) x {b.microbatch_s:.3f} s per micro-batch "
+            f"(bubble {100 * b.bubble_fraction:.1f}% of the slots) + reduce tail {b.reduce_tail_s:.3f} s; "
+            f"{b.layers_per_rank} layers/rank"
+        )
+    lines.append(
+        f"  micro-batch      FSDP fwd+bwd {b.fsdp_microbatch_s:.3f} s (simulator, {pred.num_allgathers // m} all-gathers "
+        f"over {e.num_units} units + root) + TP {b.tp.exposed_s:.3f} s exposed + sends {b.p2p_microbatch_s:.4f} s"
+    )
+    if d.tp > 1:
+        lines.append(
+            f"  tensor parallel  {b.tp.num_collectives} collectives/micro-batch of {b.tp.bytes_each / 1e6:,.0f} MB, "
+            f"{m * b.tp.busy_s:.3f} s busy/step, {m * b.tp.exposed_s:.3f} s exposed"
+        )
+    if b.layout.dp > 1:
+        lines.append(
+            f"  data parallel    {pred.num_allgathers} all-gathers + {pred.num_reduce_scatters} reduce-scatters per step "
+            f"over dp {b.layout.dp} ({b.layout.dp_link.name})"
+        )
+    else:
+        lines.append("  data parallel    dp 1: no data-parallel collectives")
+    return step, "\n".join(lines)
 
 
 def _prediction(r: PlanResult) -> list[str]:
@@ -107,6 +160,8 @@ def _prediction(r: PlanResult) -> list[str]:
         f"  comm             {pred.num_allgathers} all-gathers + {pred.num_reduce_scatters} "
         f"reduce-scatters over {e.num_units} units + root, {pred.comm_busy_s:.3f} s busy on one NCCL lane"
     )
+    if e.parallel is not None:
+        step, comm = _parallel_step(e)
     return [
         "prediction (planned config, simulated steady-state step)",
         step,

@@ -9,6 +9,7 @@ import torch
 
 from overlap.config import OverlapConfig
 from overlap.tools.plan.estimate import Cluster, Estimate, check_whole_nodes
+from overlap.tools.plan.layout import ParallelDims, PpSchedule, data_parallel_degree
 from overlap.tools.plan.models import AC_POLICIES, DEFAULT_MFU, GPUS, AcPolicy, ModelProfile, gpu_spec
 from overlap.tools.plan.scaling import SCALING_GPUS, ScalingPoint
 from overlap.tools.plan.search import SearchResult
@@ -59,9 +60,23 @@ class PlanConfig:
     """A calibration JSON (`overlap plan --calibrate FILE`, or `from_trace`): its links replace
     the preset of the level it was measured on; its contention, lanes and host work apply
     ([Note: one model] in calibration.py). None: the link and GPU presets alone."""
+    tp: int = 1
+    """Tensor-parallel degree, inside a node ([Note: 3-D layout] in layout.py). With tp or pp > 1
+    `local_batch` is the sequences of one data-parallel rank, shared by its tp x pp GPUs
+    (torchtitan's convention)."""
+    pp: int = 1
+    """Pipeline-parallel degree."""
+    microbatches: int | None = None
+    """Pipeline micro-batches per step (None: pp)."""
+    pp_schedule: PpSchedule = "1f1b"
+    virtual_stages: int = 1
+    """Stages per rank under the interleaved schedule."""
+    async_tp: bool = False
+    """Tensor-parallel collectives hidden behind the matmuls (default: exposed)."""
 
     def __post_init__(self) -> None:
         check_whole_nodes(self.num_gpus, self.gpus_per_node)
+        data_parallel_degree(self.dims, self.num_gpus, self.gpus_per_node)
         if self.gpu not in GPUS:
             raise ValueError(f"unknown --gpu {self.gpu!r}; use one of {sorted(GPUS)}")
         if self.ac is not None and self.ac not in AC_POLICIES:
@@ -81,6 +96,11 @@ class PlanConfig:
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {value!r}")
+
+    @property
+    def dims(self) -> ParallelDims:
+        return ParallelDims(tp=self.tp, pp=self.pp, microbatches=self.microbatches, pp_schedule=self.pp_schedule,
+                            virtual_stages=self.virtual_stages, async_tp=self.async_tp)  # fmt: skip
 
     @property
     def achieved_tflops(self) -> float:
@@ -148,6 +168,7 @@ class PlanResult:
                 "mfu": e.mfu,
                 "memory_bytes": e.memory.total_bytes,
                 "config": e.config.to_dict() if e.config.unit_policy == "auto" else None,
+                **({} if e.parallel is None else {"parallel": parallel_dict(e)}),
             }
 
         return {
@@ -160,3 +181,20 @@ class PlanResult:
             "scaling": [{"given": row(p.given), "best": row(p.best)} for p in self.scaling],
         }
 
+
+
+def parallel_dict(e: Estimate) -> dict[str, Any]:
+    """The tensor/pipeline terms of `e` for --json (seconds per step unless per micro-batch)."""
+    b = e.parallel
+    assert b is not None
+    d, lay = b.layout.dims, b.layout
+    return {
+        "tp": d.tp, "pp": d.pp, "dp": lay.dp, "microbatches": d.num_microbatches, "pp_schedule": d.pp_schedule,
+        "virtual_stages": d.virtual_stages, "async_tp": d.async_tp, "layers_per_rank": b.layers_per_rank,
+        "microbatch_size": b.microbatch_size, "dp_link": lay.dp_link.name, "dp_crosses_nodes": lay.dp_crosses_nodes,
+        "tp_link": lay.tp_link.name, "pp_link": lay.pp_link.name,
+        "microbatch_s": b.microbatch_s, "fsdp_microbatch_s": b.fsdp_microbatch_s, "reduce_tail_s": b.reduce_tail_s,
+        "tp_collectives_per_microbatch": b.tp.num_collectives, "tp_bytes_each": b.tp.bytes_each,
+        "tp_busy_s": d.num_microbatches * b.tp.busy_s, "tp_exposed_s": d.num_microbatches * b.tp.exposed_s,
+        "p2p_s": d.num_microbatches * b.p2p_microbatch_s, "bubble_s": b.bubble_s, "bubble_fraction": b.bubble_fraction,
+    }  # fmt: skip
