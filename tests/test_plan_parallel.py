@@ -114,6 +114,17 @@ def test_cli_tp_pp_prints_and_writes_the_new_fields(tmp_path, capsys):
     assert par["tp_exposed_s"] > 0 and par["bubble_s"] > 0
 
 
+def test_issue_command_runs_with_the_preset_batch_per_microbatch(tmp_path, capsys):
+    """The issue's `overlap plan --model llama-70b --gpus 1024 --tp 8 --pp 4`: without
+    --local-batch each of the (default --pp) micro-batches is the preset's per-GPU batch."""
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--model", "llama-70b", "--gpus", "1024", "--tp", "8", "--pp", "4", "--no-search",
+                 "--json", str(out)]) == 0  # fmt: skip
+    assert "4 micro-batches of 1" in capsys.readouterr().out
+    par = json.loads(out.read_text())["planned"]["parallel"]
+    assert (par["dp"], par["microbatches"]) == (32, 4)
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [

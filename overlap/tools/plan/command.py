@@ -53,6 +53,10 @@ def plan(request: PlanConfig | None = None, /, **overrides: Any) -> PlanResult:
     started = time.perf_counter()
     request = PlanConfig(**overrides) if request is None else replace(request, **overrides)
     profile = load_model(request.model, request.seq_len, request.local_batch, request.ac)
+    if request.local_batch is None and request.dims is not None and request.dims.pp > 1:
+        # not given: each micro-batch is the preset's per-GPU batch (the whole data-parallel
+        # rank's batch is the micro-batches together, as in torchtitan)
+        profile = replace(profile, local_batch=profile.local_batch * request.dims.num_microbatches)
     cluster = Cluster(
         num_gpus=request.num_gpus,
         gpus_per_node=request.gpus_per_node,
