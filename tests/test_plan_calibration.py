@@ -13,6 +13,7 @@ import torch
 
 from overlap import OverlapConfig
 from overlap.tools.plan import calibration as calib
+from overlap.tools.plan import trace_links
 from overlap.tools.plan.calibrate import World
 from overlap.tools.plan.calibration import (
     Calibration,
@@ -216,12 +217,12 @@ def test_links_from_a_trace(tmp_path):
     events.append(span(2, "bucket0", 16 * 2**20, 0.010))
     (tmp_path / "trace_rank0.json").write_text(json.dumps({"traceEvents": events}))
     base = calib.default_world_calibration(2, "nccl", None)
-    cal = calib.from_trace(tmp_path, base)
+    cal = trace_links.from_trace(tmp_path, base)
     assert cal.gather_link.alpha_s == pytest.approx(50e-6) and cal.gather_link.busbw_gbps == pytest.approx(2.0)
     assert cal.reduce_link.alpha_s == base.gather_link.alpha_s
     assert ring_time_s("reduce_scatter", 16 * 2**20, cal.topology()) == pytest.approx(0.010)
     with pytest.raises(ValueError, match="no trace"):
-        calib.from_trace(tmp_path / "empty", base)
+        trace_links.from_trace(tmp_path / "empty", base)
 
 
 def test_cli_plans_with_a_calibration_and_refuses_a_bad_file(tmp_path, capsys):
