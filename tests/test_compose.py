@@ -262,12 +262,6 @@ class _One(nn.Module):
         self.plain = nn.Linear(4, 4)
 
 
-def _compiled_model() -> Net:
-    model = _tp_model(_mesh())
-    model.layers[1].compile()  # lazily: nothing is compiled before a call
-    return model
-
-
 def _two_meshes(cube: DeviceMesh):
     def build() -> nn.Module:
         model = _One(distribute_tensor(torch.randn(4, 4), cube["tp"], [Shard(0)]))
@@ -334,15 +328,7 @@ def _refusals(mesh: DeviceMesh) -> dict[str, tuple]:
             {"group": tesseract},
             ["'weight'", "data-parallel part of `group` is 3-D ('a', 'b', 'c')"],
         ),
-        "meta": (
-            lambda: _One(DTensor.from_local(torch.empty(2, 4, device="meta"), tp, [Shard(0)], run_check=False)).to_empty(
-                device="meta"
-            ),
-            dp,
-            ["'weight'", "meta device"],
-        ),
         "hpZ": (lambda: _tp_model(mesh), {**dp, "hybrid_mode": "secondary"}, [name, "hybrid_mode='secondary'"]),
-        "compiled block": (_compiled_model, dp, [name, "module 'layers.1' is compiled"]),
     }
 
 

@@ -132,9 +132,7 @@ def _describe(param: DTensor) -> str:
 _RECIPE = "wrap(model, group=mesh['dp']) after parallelize_module(block, mesh['tp'], plan)"
 
 
-def refusal(
-    model: nn.Module, group: dist.ProcessGroup | DeviceMesh | None, config: OverlapConfig, deferred: bool
-) -> str | None:
+def refusal(model: nn.Module, group: dist.ProcessGroup | DeviceMesh | None, config: OverlapConfig) -> str | None:
     """Why overlap cannot shard this model's DTensor parameters over `group` (as
     `data_parallel_mesh` returned it), or None when it can (or when there are none)."""
     params = _dtensor_params(model)
@@ -170,22 +168,9 @@ def refusal(
             f"{dp_mesh.mesh_dim_names}: overlap shards over one data-parallel dimension, or two "
             f"(replicate, shard: HSDP x TP), as in {_RECIPE}"
         )
-    if deferred:
-        return (
-            f"overlap.wrap: {where} on the meta device: deferred init of tensor-parallel "
-            "parameters is not supported; materialize the model (e.g. to_empty + init on the "
-            f"device) before parallelize_module, then {_RECIPE}"
-        )
     problem = _config_refusal(config)
     if problem is not None:
         return f"overlap.wrap: {where}, and {problem}"
-    compiled = next((n for n, m in model.named_modules() if _is_compiled(m)), None)
-    if compiled is not None:
-        return (
-            f"overlap.wrap: {where}, and module {compiled or '<root>'!r} is compiled "
-            "(torch.compile / module.compile()): not verified with tensor parallelism yet; "
-            "compile after a run without it, or leave the blocks eager"
-        )
     return None
 
 
@@ -255,12 +240,6 @@ def _expert_refusal(param: DTensor, dp_mesh: DeviceMesh | None) -> str | None:
             f"[Note: expert parallelism] in overlap/engine/compose.py); {_EXPERT_INSTEAD}"
         )
     return None
-
-
-def _is_compiled(module: nn.Module) -> bool:
-    """`module.compile()` sets `_compiled_call_impl`; `torch.compile(module)` wraps it in a module
-    holding the original as `_orig_mod`."""
-    return getattr(module, "_compiled_call_impl", None) is not None or getattr(module, "_orig_mod", None) is not None
 
 
 def _config_refusal(config: OverlapConfig) -> str | None:

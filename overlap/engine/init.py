@@ -21,6 +21,22 @@ builds its children, each initializing itself, then initializes its own paramete
 constructor initializes in another order, e.g. with `self.apply(fn)` at the end of the root's
 `__init__`, passes `param_init_fn=fn` (`Module.apply` is post-order too).
 
+[Note: deferred init with tensor parallelism]
+A meta-device model whose parameters are tensor-parallel DTensors (torchtitan's order:
+`parallelize_module` on the meta model, then the data-parallel wrapper, then `to_empty` and
+`init_weights`) is initialized as FSDP2 initializes it: every unit is sharded first (its shard
+zero, no full tensor anywhere), then every rank runs the init functions, in the order above, on
+its sharded parameters, DTensors on the (dp, tp) mesh with FSDP2's placements and local shapes
+([Note: tensor-parallel parameters] in compose.py). The values are therefore FSDP2's on the same
+mesh with the same seed and the same init calls, whatever DTensor's random ops do: on CUDA its
+OffsetBasedRNGTracker gives each shard its part of one draw over the global shape; on the CPU,
+where DTensor has no tracker, each rank draws its local shard from its own generator (so every
+rank must be seeded the same, as DTensor asks). "The eager model's values" has no meaning here
+(a tensor-parallel eager model's draws depend on its placement too), and there is no whole
+tensor on one rank to scatter: `sync_module_states` sends the buffers (and 0-dim parameters)
+from the source as always, while each rank's shards are its own. A whole unit is never
+materialized, so no rank holds more than its shards.
+
 Tied parameters: eager code ties after construction (`head.weight = embed.weight`), so the
 module initialized first keeps its values and the later owner's draws are thrown away. Here the
 first owner in the walk initializes the shared tensor; a later owner initializes a scratch copy
@@ -213,3 +229,16 @@ def materialize_and_shard(
         if result is None:
             done[unit] = shard(unit)  # the root unit, and units with no modules of their own
     return done
+
+
+def initialize_sharded(model: nn.Module, device: torch.device, param_init_fn: ParamInitFn | None) -> None:
+    """Initialize a meta-device model whose units are already sharded, on the shards ([Note:
+    deferred init with tensor parallelism]): what is still on the meta device (buffers, 0-dim
+    parameters) gets uninitialized storage on `device` first, then every module runs its init,
+    in post-order ([Note: init order])."""
+    walk = [module for _, module in _post_order(model)]
+    _materialize(walk, device, {}, params=True)
+    initialized = WeakIdKeyDictionary()
+    with torch.no_grad():
+        for module in walk:
+            _init_module(module, param_init_fn, initialized)
