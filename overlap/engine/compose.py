@@ -22,6 +22,12 @@ do, as FSDP2's `FSDPParam` does (torch/distributed/fsdp/_fully_shard/_fsdp_param
   redistributed to the parameter's placement, then its local tensor is reduce-scattered over dp
   (`grad_data`, FSDP2's `_get_grad_inner_tensor`).
 
+torchtitan's order works as with FSDP2: a model built on the meta device and made tensor-parallel
+there is sharded first, then initialized on its shards by every rank, to FSDP2's values ([Note:
+deferred init with tensor parallelism] in init.py); blocks compiled per block
+(`torch.compile(block)`, `block.compile()`) trace their forward over the unsharded DTensors the
+hooks swap in, as under FSDP2, with no recompile per step (tests/test_compose_meta_compile.py).
+
 Plain parameters of such a model (a norm, a head) are sharded over dp as always (1-D DTensors on
 the dp mesh, FSDP2's too). Whatever this does not cover raises at wrap on every rank, naming the
 parameter ([Note: composition refusals]); expert parallelism among them ([Note: expert
@@ -40,7 +46,6 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from overlap.config import OverlapConfig
 from overlap.engine.actions import order_hash
 from overlap.transport import collectives as comm
 
@@ -125,14 +130,14 @@ def _describe(param: DTensor) -> str:
 # [Note: composition refusals]
 # Every combination not covered by [Note: tensor-parallel parameters] raises at wrap, before
 # anything is sharded, and on every rank with the same message: the verdict is computed on each
-# rank from the model, the group and the config, then agreed over the data-parallel group and the
+# rank from the model and the group, then agreed over the data-parallel group and the
 # parameters' mesh dimensions (`agree`), so a rank whose peers refuse refuses too, instead of
 # entering a collective they will never join (the issue's SIGSEGV on two ranks and
 # CollectiveError on the other two).
 _RECIPE = "wrap(model, group=mesh['dp']) after parallelize_module(block, mesh['tp'], plan)"
 
 
-def refusal(model: nn.Module, group: dist.ProcessGroup | DeviceMesh | None, config: OverlapConfig) -> str | None:
+def refusal(model: nn.Module, group: dist.ProcessGroup | DeviceMesh | None) -> str | None:
     """Why overlap cannot shard this model's DTensor parameters over `group` (as
     `data_parallel_mesh` returned it), or None when it can (or when there are none)."""
     params = _dtensor_params(model)
@@ -168,9 +173,6 @@ def refusal(model: nn.Module, group: dist.ProcessGroup | DeviceMesh | None, conf
             f"{dp_mesh.mesh_dim_names}: overlap shards over one data-parallel dimension, or two "
             f"(replicate, shard: HSDP x TP), as in {_RECIPE}"
         )
-    problem = _config_refusal(config)
-    if problem is not None:
-        return f"overlap.wrap: {where}, and {problem}"
     return None
 
 
@@ -239,12 +241,6 @@ def _expert_refusal(param: DTensor, dp_mesh: DeviceMesh | None) -> str | None:
             "parallelism must be orthogonal to data parallelism: the two groups share one rank; "
             f"[Note: expert parallelism] in overlap/engine/compose.py); {_EXPERT_INSTEAD}"
         )
-    return None
-
-
-def _config_refusal(config: OverlapConfig) -> str | None:
-    if config.hybrid_mode == "secondary":
-        return "hybrid_mode='secondary' (hpZ) is not supported with tensor parallelism; use the default"
     return None
 
 

@@ -7,7 +7,9 @@ one unit's full parameters (plus the root unit's, kept until the end of the walk
 shards. With `sync_module_states` (the default) only the source rank initializes: it scatters
 each unit as it finishes ([Note: sync from the source] in sync.py), and the other ranks
 materialize nothing but their shards and the buffers (which the source then broadcasts), and do
-not run the init functions, so their random number generators are not advanced.
+not run the init functions, so their random number generators are not advanced. A model whose
+parameters are tensor-parallel DTensors is initialized otherwise: [Note: deferred init with
+tensor parallelism].
 
 [Note: init order]
 Values must equal those of the eager model built with the same seed, so the random number

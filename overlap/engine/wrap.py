@@ -96,7 +96,7 @@ def wrap(
         raise ValueError("overlap.wrap: param_init_fn is only used for meta-device models")
     group = compose.data_parallel_mesh(group, model)  # the whole (dp, tp) mesh: its dp part
     # [Note: composition refusals] in compose.py: before any group is made, on every rank
-    compose.agree(compose.refusal(model, group, config), model, group, device)
+    compose.agree(compose.refusal(model, group), model, group, device)
     pgs = resolve_groups(group, device, config.hybrid_mode)
     check_same_model(model, pgs.everyone, device)
     check_same_config(config, pgs.everyone, device)
