@@ -93,12 +93,9 @@ META_VARIANTS: dict[str, dict] = {
 }
 
 
-def check_meta(rank: int, world_size: int, variant: dict) -> dict:
-    mesh = _mesh()
-    init, hidden, sp = variant.get("init"), variant.get("hidden", 4 * DIM), variant.get("sequence_parallel", False)
-    torch.manual_seed(SEED)
-    ours = overlap.wrap(_meta_tp_model(mesh, hidden, sp), group=mesh["dp"], param_init_fn=init)
-    ref = _meta_tp_model(mesh, hidden, sp)
+def _fsdp2_initialized(ref: Net, mesh: DeviceMesh, init: Callable[[nn.Module], None] | None) -> Net:
+    """FSDP2 over the meta model `ref`, then torchtitan's to_empty and init, the same calls in the
+    same order as overlap's ([Note: init order]), under SEED."""
     for block in ref.layers:
         fully_shard(block, mesh=mesh["dp"])
     fully_shard(ref, mesh=mesh["dp"])
@@ -110,6 +107,15 @@ def check_meta(rank: int, world_size: int, variant: dict) -> dict:
                 init(module)
             elif hasattr(module, "reset_parameters"):
                 module.reset_parameters()
+    return ref
+
+
+def check_meta(rank: int, world_size: int, variant: dict) -> dict:
+    mesh = _mesh()
+    init, hidden, sp = variant.get("init"), variant.get("hidden", 4 * DIM), variant.get("sequence_parallel", False)
+    torch.manual_seed(SEED)
+    ours = overlap.wrap(_meta_tp_model(mesh, hidden, sp), group=mesh["dp"], param_init_fn=init)
+    ref = _fsdp2_initialized(_meta_tp_model(mesh, hidden, sp), mesh, init)
     out: dict = {"init": _differences(ours, ref), "losses": [], "params": []}
     out["nonzero"] = all(p.to_local().abs().sum().item() > 0 for n, p in ours.named_parameters() if "weight" in n)
     out.update(_train_both(ours, ref, mesh, sp))
@@ -158,25 +164,35 @@ def test_meta_tp_model_initializes_to_fsdp2s_values(world4):
             assert not r["state"], (where, r["state"])
 
 
-def check_compiled(rank: int, world_size: int, how: str, backend: str, config: dict) -> dict:
-    """STEPS AdamW steps of overlap and FSDP2 over tensor-parallel blocks compiled per block."""
+def check_compiled(rank: int, world_size: int, how: str, backend: str, config: dict, meta: bool = False) -> dict:
+    """STEPS AdamW steps of overlap and FSDP2 over tensor-parallel blocks compiled per block;
+    with `meta`, torchtitan's whole order: meta model, tensor parallelism, compile, shard, init."""
     from torch._dynamo.testing import CompileCounterWithBackend
 
     torch._dynamo.reset()
     counters = {kind: CompileCounterWithBackend(backend) for kind in ("overlap", "fsdp2")}
     mesh = _mesh()
-    model = _tp_model(mesh)
+
+    def build() -> Net:
+        return _meta_tp_model(mesh, 4 * DIM, False) if meta else _tp_model(mesh)
+
+    model = build()
     for i, block in enumerate(model.layers):
         if how == "in-place":
             block.compile(backend=counters["overlap"])
         else:
             model.layers[i] = torch.compile(block, backend=counters["overlap"])
+    torch.manual_seed(SEED)
     ours = overlap.wrap(model, group=mesh["dp"], **config)
-    ref = _tp_model(mesh)
+    ref = build()
     for block in ref.layers:
         block.compile(backend=counters["fsdp2"])
-        fully_shard(block, mesh=mesh["dp"])
-    fully_shard(ref, mesh=mesh["dp"])
+    if meta:
+        ref = _fsdp2_initialized(ref, mesh, None)
+    else:
+        for block in ref.layers:
+            fully_shard(block, mesh=mesh["dp"])
+        fully_shard(ref, mesh=mesh["dp"])
 
     def frames() -> tuple[int, int]:
         return counters["overlap"].frame_count, counters["fsdp2"].frame_count
@@ -187,14 +203,14 @@ def check_compiled(rank: int, world_size: int, how: str, backend: str, config: d
 
 
 COMPILE_CASES = [
-    pytest.param("in-place", {}, id="in-place"),
-    pytest.param("torch.compile", {"reshard_after_forward": False, "prefetch_depth": 1}, id="torch.compile-zero2"),
+    pytest.param("in-place", {}, False, id="in-place"),
+    pytest.param("torch.compile", {"reshard_after_forward": False, "prefetch_depth": 1}, True, id="meta-torch.compile-zero2"),
 ]
 
 
-@pytest.mark.parametrize("how,config", COMPILE_CASES)
-def test_compiled_tp_blocks_match_fsdp2(world4, how, config):
-    results = world4.run(check_compiled, timeout_s=150, how=how, backend="aot_eager", config=config)
+@pytest.mark.parametrize("how,config,meta", COMPILE_CASES)
+def test_compiled_tp_blocks_match_fsdp2(world4, how, config, meta):
+    results = world4.run(check_compiled, timeout_s=150, how=how, backend="aot_eager", config=config, meta=meta)
     for rank, r in enumerate(results):
         assert all(a == b for a, b in r["losses"]), (rank, r["losses"])
         assert not r["params"], (rank, r["params"])

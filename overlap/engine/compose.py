@@ -14,7 +14,8 @@ do, as FSDP2's `FSDPParam` does (torch/distributed/fsdp/_fully_shard/_fsdp_param
   parallelism shards dim 0 too (the dp rows are cut from the tp rows: FSDP2's placements, so
   `full_tensor()`, DCP and the optimizer state are those of FSDP2); under HSDP x TP (a 2-D
   data-parallel part, `group=mesh["rep", "dp"]` or the whole 3-D mesh) the mesh is (replicate,
-  dp, tp) and Replicate() comes first ([Note: hybrid sharding] in groups.py);
+  dp, tp) and Replicate() comes first, and under hpZ x TP (`hybrid_mode="secondary"`) it is
+  (flattened (replicate, dp), tp) ([Note: hybrid sharding] in groups.py);
 - the unsharded parameter forward uses: a DTensor on the tp mesh with the parameter's own
   placement, whose local tensor is the view of the unit's unsharded buffer (the all-gather over
   dp of the local shards);

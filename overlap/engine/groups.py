@@ -39,7 +39,10 @@ def resolve_groups(
     sharding over all ranks); after a unit's forward all-gather each rank keeps the parts that
     its inner group needs (1/inner of the unit), and the unit's backward all-gather runs inside
     the inner group from those copies ([Note: secondary copy] in runtime.py). Gradients are
-    reduce-scattered over every rank.
+    reduce-scattered over every rank. With tensor parallelism (`group=mesh["rep", "dp"]` of a
+    (rep, dp, tp) mesh) that 1-D mesh is the flattened (rep, dp) dimension of the whole mesh, so
+    the sharded DTensors are FSDP2's over it: (flattened dp, tp) ([Note: tensor-parallel
+    parameters] in compose.py).
     """
     if not isinstance(group, DeviceMesh) or group.ndim == 1:
         if isinstance(group, DeviceMesh):
