@@ -533,6 +533,14 @@ def check_hpz(rank: int, world_size: int) -> dict:
     return out
 
 
+def test_hsdp_and_hpz_x_tp_from_the_meta_device_match_fsdp2(world8):
+    """Deferred init on 8 ranks (tests/test_compose_meta_compile.py has the 2x2 cases): bitwise."""
+    from test_compose_meta_compile import check_meta_hybrid
+
+    for rank, result in enumerate(world8.run(check_meta_hybrid, timeout_s=120)):
+        assert not any(result.values()), (rank, result)
+
+
 def test_hpz_x_tp_matches_fsdp_x_tp(world8):
     """Bitwise equal to overlap over the flattened dp every step (clip included), the layout of
     FSDP2's, gradients within reordered_rtol of FSDP2's; backward read the secondary copies."""

@@ -93,12 +93,12 @@ META_VARIANTS: dict[str, dict] = {
 }
 
 
-def _fsdp2_initialized(ref: Net, mesh: DeviceMesh, init: Callable[[nn.Module], None] | None) -> Net:
-    """FSDP2 over the meta model `ref`, then torchtitan's to_empty and init, the same calls in the
-    same order as overlap's ([Note: init order]), under SEED."""
+def _fsdp2_initialized(ref: Net, dp: DeviceMesh, init: Callable[[nn.Module], None] | None) -> Net:
+    """FSDP2 over `dp` of the meta model `ref`, then torchtitan's to_empty and init, the same
+    calls in the same order as overlap's ([Note: init order]), under SEED."""
     for block in ref.layers:
-        fully_shard(block, mesh=mesh["dp"])
-    fully_shard(ref, mesh=mesh["dp"])
+        fully_shard(block, mesh=dp)
+    fully_shard(ref, mesh=dp)
     ref.to_empty(device="cpu")
     torch.manual_seed(SEED)
     with torch.no_grad():
@@ -115,7 +115,7 @@ def check_meta(rank: int, world_size: int, variant: dict) -> dict:
     init, hidden, sp = variant.get("init"), variant.get("hidden", 4 * DIM), variant.get("sequence_parallel", False)
     torch.manual_seed(SEED)
     ours = overlap.wrap(_meta_tp_model(mesh, hidden, sp), group=mesh["dp"], param_init_fn=init)
-    ref = _fsdp2_initialized(_meta_tp_model(mesh, hidden, sp), mesh, init)
+    ref = _fsdp2_initialized(_meta_tp_model(mesh, hidden, sp), mesh["dp"], init)
     out: dict = {"init": _differences(ours, ref), "losses": [], "params": []}
     out["nonzero"] = all(p.to_local().abs().sum().item() > 0 for n, p in ours.named_parameters() if "weight" in n)
     out.update(_train_both(ours, ref, mesh, sp))
@@ -188,7 +188,7 @@ def check_compiled(rank: int, world_size: int, how: str, backend: str, config: d
     for block in ref.layers:
         block.compile(backend=counters["fsdp2"])
     if meta:
-        ref = _fsdp2_initialized(ref, mesh, None)
+        ref = _fsdp2_initialized(ref, mesh["dp"], None)
     else:
         for block in ref.layers:
             fully_shard(block, mesh=mesh["dp"])
@@ -234,3 +234,22 @@ def test_inductor_tp_blocks_match_fsdp2(world4):
         assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in r["losses"]), (rank, r["losses"])
         frames = r["after_step"]
         assert frames == [frames[0]] * STEPS and frames[0][0] <= frames[0][1], (rank, frames)
+
+
+def check_meta_hybrid(rank: int, world_size: int) -> dict[str, list]:
+    """(rep, dp, tp) = (2, 2, 2), from the meta device: HSDP x TP (`group=mesh["rep", "dp"]`)
+    against FSDP2's HSDP x TP, and hpZ x TP against FSDP2 over the flattened (rep, dp); every
+    parameter after wrap, then one loss. Run by test_compose.py on its 8-rank world."""
+    mesh = _mesh()
+    out: dict[str, list] = {}
+    for mode in ("replicate", "secondary"):
+        dp = mesh["rep", "dp"] if mode == "replicate" else mesh["rep", "dp"]._flatten()
+        torch.manual_seed(SEED)
+        model = _meta_tp_model(mesh, 4 * DIM, True)
+        ours = overlap.wrap(model, group=mesh["rep", "dp"], hybrid_mode=mode, param_init_fn=_titan_init)
+        ref = _fsdp2_initialized(_meta_tp_model(mesh, 4 * DIM, True), dp, _titan_init)
+        out[mode] = _differences(ours, ref)
+        loss, ref_loss = _backward(ours, mesh, 0, True), _backward(ref, mesh, 0, True)
+        if loss != ref_loss:
+            out[mode].append(f"loss {loss} vs {ref_loss}")
+    return out
