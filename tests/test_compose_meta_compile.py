@@ -239,7 +239,8 @@ def test_inductor_tp_blocks_match_fsdp2(world4):
 def check_meta_hybrid(rank: int, world_size: int) -> dict[str, list]:
     """(rep, dp, tp) = (2, 2, 2), from the meta device: HSDP x TP (`group=mesh["rep", "dp"]`)
     against FSDP2's HSDP x TP, and hpZ x TP against FSDP2 over the flattened (rep, dp); every
-    parameter after wrap, then one loss. Run by test_compose.py on its 8-rank world."""
+    parameter after wrap, then one loss. Then HSDP x TP with another seed on every rank: the
+    replicas equal with sync_module_states, not without. Run by test_compose.py's 8-rank world."""
     mesh = _mesh()
     out: dict[str, list] = {}
     for mode in ("replicate", "secondary"):
@@ -252,4 +253,27 @@ def check_meta_hybrid(rank: int, world_size: int) -> dict[str, list]:
         loss, ref_loss = _backward(ours, mesh, 0, True), _backward(ref, mesh, 0, True)
         if loss != ref_loss:
             out[mode].append(f"loss {loss} vs {ref_loss}")
+    # every rank seeded otherwise: sync_module_states makes the replicas (over rep) equal
+    differ = {}
+    for sync in (True, False):
+        torch.manual_seed(SEED + rank)
+        model = _meta_tp_model(mesh, 4 * DIM, True)
+        ours = overlap.wrap(model, group=mesh["rep", "dp"], param_init_fn=_titan_init, sync_module_states=sync)
+        differ[sync] = _replica_differences(ours, mesh)
+    out["replicas synced"] = differ[True]
+    out["replicas not synced"] = [] if differ[False] else ["equal without the sync: the check proves nothing"]
     return out
+
+
+def _replica_differences(model: nn.Module, mesh: DeviceMesh) -> list[str]:
+    """Names whose local shards differ between the two replicas (over mesh["rep"])."""
+    import torch.distributed as dist
+
+    bad = []
+    for name, p in model.named_parameters():
+        local = p.to_local().detach().contiguous()
+        both = [torch.empty_like(local) for _ in range(2)]
+        dist.all_gather(both, local, group=mesh["rep"].get_group())
+        if not torch.equal(*both):
+            bad.append(name)
+    return bad

@@ -31,13 +31,16 @@ zero, no full tensor anywhere), then every rank runs the init functions, in the 
 its sharded parameters, DTensors on the (dp, tp) mesh with FSDP2's placements and local shapes
 ([Note: tensor-parallel parameters] in compose.py). The values are therefore FSDP2's on the same
 mesh with the same seed and the same init calls, whatever DTensor's random ops do: on CUDA its
-OffsetBasedRNGTracker gives each shard its part of one draw over the global shape; on the CPU,
-where DTensor has no tracker, each rank draws its local shard from its own generator (so every
-rank must be seeded the same, as DTensor asks). "The eager model's values" has no meaning here
-(a tensor-parallel eager model's draws depend on its placement too), and there is no whole
-tensor on one rank to scatter: `sync_module_states` sends the buffers (and 0-dim parameters)
-from the source as always, while each rank's shards are its own. A whole unit is never
-materialized, so no rank holds more than its shards.
+OffsetBasedRNGTracker offsets each shard's draw by the shard's place in the global tensor; on
+the CPU, where DTensor has no tracker, each rank draws its local shard from its own generator
+(so every rank must be seeded the same, as DTensor asks). "The eager model's values" has no
+meaning here (a tensor-parallel eager model's draws depend on its placement too), and there is
+no whole tensor on one rank to scatter: `sync_module_states` sends the buffers from the source
+as always (0-dim parameters come from rank 0 too: [Note: replicated parameters] in
+replicated.py), and under HSDP each shard from the source row down its replicate column, so the
+replicas start equal even where ranks were seeded otherwise; across dp and tp each rank's shard
+is its own. A whole unit is never materialized, so no rank holds more than its shards. FSDP2's values are tested on the CPU
+(tests/test_compose_meta_compile.py); on CUDA they are FSDP2's by the same construction.
 
 Tied parameters: eager code ties after construction (`head.weight = embed.weight`), so the
 module initialized first keeps its values and the later owner's draws are thrown away. Here the

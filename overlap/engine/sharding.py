@@ -151,8 +151,9 @@ def shard_unit(
     The shard holds this rank's rows of the source's values (`source`, [Note: sync from the
     source]; the full parameters need to be real on the source only) or, without a source, of
     this rank's own values; a meta parameter's rows are left zero, for the init functions to
-    fill on the shard ([Note: deferred init with tensor parallelism] in init.py). `modules` maps every module FQN (duplicates kept) to its module;
-    `packing` holds the source's rank-major copy (see ScratchBuffer in init.py)."""
+    fill on the shard ([Note: deferred init with tensor parallelism] in init.py). `modules` maps
+    every module FQN (duplicates kept) to its module; `packing` holds the source's rank-major
+    copy (see ScratchBuffer in init.py)."""
     owners, full, dtype = _unit_params(modules, layout)
     world_size = layout.world_size
     if shard is None:

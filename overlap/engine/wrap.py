@@ -30,7 +30,7 @@ from overlap.engine.replicated import is_replicated
 from overlap.transport.host import keep_freed_cpu_memory
 from overlap.engine.sharding import params_by_unit_module, shard_buffers, shard_unit, unit_label, unit_of_module
 from overlap.engine.state import HookedModules, OverlapState
-from overlap.engine.sync import SourcePlan, broadcast_tensors, plan_source
+from overlap.engine.sync import SourcePlan, broadcast_replicas, broadcast_tensors, plan_source
 from overlap.engine.unit_tensors import UnitTensors
 from overlap.engine.units import CHUNK_ALIGN_NUMEL, ParamInfo, UnitLayout, find_unit_modules, group_units, make_layout, split_by_dtype
 from overlap.transport import backend, check_settings
@@ -158,6 +158,8 @@ def wrap(
     if init_on_shards:
         units = [shard(i) for i in range(len(layouts))]
         initialize_sharded(model, device, param_init_fn)
+        if source is not None:  # HSDP: the replicas of a shard start equal, the source row's
+            broadcast_replicas(source, [unit.shard for unit in units])
     elif deferred:
         # materialized per module group, all of whose units (one per dtype) are then sharded
         root_group = 0 if root_units else None
