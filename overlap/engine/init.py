@@ -55,6 +55,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn as nn
+from torch._dynamo.eval_frame import OptimizedModule
 from torch.utils.weak import WeakIdKeyDictionary
 
 ParamInitFn = Callable[[nn.Module], None]
@@ -70,7 +71,11 @@ def _init_module(module: nn.Module, param_init_fn: ParamInitFn | None, done: Wea
     """Run the module's init; parameters already initialized (`done`) get a scratch copy.
 
     `done` is weak: a unit's parameters are freed once sharded, and a later tensor may reuse
-    their `id`, which must not make it look initialized."""
+    their `id`, which must not make it look initialized. `torch.compile(module)`'s wrapper is
+    skipped: the module it wraps is its child, initialized in the walk, and the wrapper's
+    attributes lead there, so its `reset_parameters` would draw a second time."""
+    if isinstance(module, OptimizedModule):
+        return
     shared = {name: p for name, p in module._parameters.items() if p is not None and p in done}
     for name, p in shared.items():
         module._parameters[name] = nn.Parameter(torch.empty_like(p), p.requires_grad)
