@@ -1,5 +1,6 @@
 """Composition with tensor parallelism: FSDP x TP on a 2x2 (dp, tp) mesh against FSDP2, and
-HSDP x TP on a 2x2x2 (rep, dp, tp) mesh (eight ranks, `group=mesh["rep", "dp"]`).
+HSDP x TP and hpZ x TP on a 2x2x2 (rep, dp, tp) mesh (eight ranks, `group=mesh["rep", "dp"]`).
+Meta-device init and compiled blocks with TP: tests/test_compose_meta_compile.py.
 
 Four gloo ranks, `init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))`; three residual
 MLP blocks made tensor-parallel by `parallelize_module` (ColwiseParallel up, RowwiseParallel down),

@@ -8,12 +8,17 @@ contract is FSDP2's values. The reference builds the same meta model, applies th
 the meta model with that seed. Every parameter must be equal bitwise after wrap, and losses,
 parameters and AdamW state after each of STEPS steps. (On the CPU DTensor has no RNG tracker:
 each rank draws its own shard, so the tp-local tensors are not one global draw; FSDP2's values
-are what is compared, whatever DTensor's RNG does.)
+are what is compared, whatever DTensor's RNG does.) One variant compiles the head with
+`torch.compile(head)` on overlap's side only: the wrapper must not initialize it a second time.
 
 Compiled blocks: `block.compile()` in place and `torch.compile(block)` (units are then
-`OptimizedModule`s), "aot_eager" backend as in tests/test_compat.py (OVERLAP_TEST_INDUCTOR=1 adds
-inductor); FSDP2's reference compiles its blocks in place. Bitwise every step, and overlap
-compiles no more frames than FSDP2 and nothing after the first step.
+`OptimizedModule`s; that case also starts from the meta device: torchtitan's whole order),
+"aot_eager" backend as in tests/test_compat.py (OVERLAP_TEST_INDUCTOR=1 adds inductor); FSDP2's
+reference compiles its blocks in place. Bitwise every step, and overlap compiles no more frames
+than FSDP2 and nothing after the first step.
+
+`check_meta_hybrid` (8 ranks: HSDP x TP and hpZ x TP from the meta device, and the replicas'
+sync) runs in test_compose.py, whose module holds the 8-rank world.
 """
 
 from __future__ import annotations
