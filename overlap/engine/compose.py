@@ -14,13 +14,20 @@ do, as FSDP2's `FSDPParam` does (torch/distributed/fsdp/_fully_shard/_fsdp_param
   parallelism shards dim 0 too (the dp rows are cut from the tp rows: FSDP2's placements, so
   `full_tensor()`, DCP and the optimizer state are those of FSDP2); under HSDP x TP (a 2-D
   data-parallel part, `group=mesh["rep", "dp"]` or the whole 3-D mesh) the mesh is (replicate,
-  dp, tp) and Replicate() comes first ([Note: hybrid sharding] in groups.py);
+  dp, tp) and Replicate() comes first, and under hpZ x TP (`hybrid_mode="secondary"`) it is
+  (flattened (replicate, dp), tp) ([Note: hybrid sharding] in groups.py);
 - the unsharded parameter forward uses: a DTensor on the tp mesh with the parameter's own
   placement, whose local tensor is the view of the unit's unsharded buffer (the all-gather over
   dp of the local shards);
 - its gradient, which autograd leaves as a DTensor (a Replicate() parameter's may be Partial()):
   redistributed to the parameter's placement, then its local tensor is reduce-scattered over dp
   (`grad_data`, FSDP2's `_get_grad_inner_tensor`).
+
+torchtitan's order works as with FSDP2: a model built on the meta device and made tensor-parallel
+there is sharded first, then initialized on its shards by every rank, to FSDP2's values ([Note:
+deferred init with tensor parallelism] in init.py); blocks compiled per block
+(`torch.compile(block)`, `block.compile()`) trace their forward over the unsharded DTensors the
+hooks swap in, as under FSDP2, with no recompile per step (tests/test_compose_meta_compile.py).
 
 Plain parameters of such a model (a norm, a head) are sharded over dp as always (1-D DTensors on
 the dp mesh, FSDP2's too). Whatever this does not cover raises at wrap on every rank, naming the
@@ -40,7 +47,6 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from overlap.config import OverlapConfig
 from overlap.engine.actions import order_hash
 from overlap.transport import collectives as comm
 
@@ -125,16 +131,14 @@ def _describe(param: DTensor) -> str:
 # [Note: composition refusals]
 # Every combination not covered by [Note: tensor-parallel parameters] raises at wrap, before
 # anything is sharded, and on every rank with the same message: the verdict is computed on each
-# rank from the model, the group and the config, then agreed over the data-parallel group and the
+# rank from the model and the group, then agreed over the data-parallel group and the
 # parameters' mesh dimensions (`agree`), so a rank whose peers refuse refuses too, instead of
 # entering a collective they will never join (the issue's SIGSEGV on two ranks and
 # CollectiveError on the other two).
 _RECIPE = "wrap(model, group=mesh['dp']) after parallelize_module(block, mesh['tp'], plan)"
 
 
-def refusal(
-    model: nn.Module, group: dist.ProcessGroup | DeviceMesh | None, config: OverlapConfig, deferred: bool
-) -> str | None:
+def refusal(model: nn.Module, group: dist.ProcessGroup | DeviceMesh | None) -> str | None:
     """Why overlap cannot shard this model's DTensor parameters over `group` (as
     `data_parallel_mesh` returned it), or None when it can (or when there are none)."""
     params = _dtensor_params(model)
@@ -169,22 +173,6 @@ def refusal(
             f"overlap.wrap: {where}, and the data-parallel part of `group` is {dp_mesh.ndim}-D "
             f"{dp_mesh.mesh_dim_names}: overlap shards over one data-parallel dimension, or two "
             f"(replicate, shard: HSDP x TP), as in {_RECIPE}"
-        )
-    if deferred:
-        return (
-            f"overlap.wrap: {where} on the meta device: deferred init of tensor-parallel "
-            "parameters is not supported; materialize the model (e.g. to_empty + init on the "
-            f"device) before parallelize_module, then {_RECIPE}"
-        )
-    problem = _config_refusal(config)
-    if problem is not None:
-        return f"overlap.wrap: {where}, and {problem}"
-    compiled = next((n for n, m in model.named_modules() if _is_compiled(m)), None)
-    if compiled is not None:
-        return (
-            f"overlap.wrap: {where}, and module {compiled or '<root>'!r} is compiled "
-            "(torch.compile / module.compile()): not verified with tensor parallelism yet; "
-            "compile after a run without it, or leave the blocks eager"
         )
     return None
 
@@ -254,18 +242,6 @@ def _expert_refusal(param: DTensor, dp_mesh: DeviceMesh | None) -> str | None:
             "parallelism must be orthogonal to data parallelism: the two groups share one rank; "
             f"[Note: expert parallelism] in overlap/engine/compose.py); {_EXPERT_INSTEAD}"
         )
-    return None
-
-
-def _is_compiled(module: nn.Module) -> bool:
-    """`module.compile()` sets `_compiled_call_impl`; `torch.compile(module)` wraps it in a module
-    holding the original as `_orig_mod`."""
-    return getattr(module, "_compiled_call_impl", None) is not None or getattr(module, "_orig_mod", None) is not None
-
-
-def _config_refusal(config: OverlapConfig) -> str | None:
-    if config.hybrid_mode == "secondary":
-        return "hybrid_mode='secondary' (hpZ) is not supported with tensor parallelism; use the default"
     return None
 
 

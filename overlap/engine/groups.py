@@ -39,7 +39,10 @@ def resolve_groups(
     sharding over all ranks); after a unit's forward all-gather each rank keeps the parts that
     its inner group needs (1/inner of the unit), and the unit's backward all-gather runs inside
     the inner group from those copies ([Note: secondary copy] in runtime.py). Gradients are
-    reduce-scattered over every rank.
+    reduce-scattered over every rank. With tensor parallelism (`group=mesh["rep", "dp"]` of a
+    (rep, dp, tp) mesh) that 1-D mesh is the flattened (rep, dp) dimension of the whole mesh, so
+    the sharded DTensors are FSDP2's over it: (flattened dp, tp) ([Note: tensor-parallel
+    parameters] in compose.py).
     """
     if not isinstance(group, DeviceMesh) or group.ndim == 1:
         if isinstance(group, DeviceMesh):
@@ -55,7 +58,8 @@ def resolve_groups(
             "2-D mesh (replicate, shard), e.g. init_device_mesh('cpu', (2, 2))"
         )
     ranks = group.mesh.flatten().tolist()  # once, at wrap: the mesh tensor lives on the CPU
-    everyone = _group_of_all(group, ranks)
+    flat = _mesh_of_all(group, ranks)
+    everyone = flat.get_group()
     if hybrid_mode == "replicate":
         replicate = group.get_group(0) if group.size(0) > 1 else None
         return Groups(group.get_group(1), replicate, None, group, everyone)
@@ -64,20 +68,21 @@ def resolve_groups(
             "overlap.wrap: hybrid_mode='secondary' needs a mesh laid out in rank order (as "
             f"init_device_mesh makes it); got ranks {group.mesh.tolist()}"
         )
-    flat_mesh = DeviceMesh.from_group(everyone, group.device_type)
     secondary = group.get_group(1) if group.size(0) > 1 and group.size(1) > 1 else None
-    return Groups(everyone, None, secondary, flat_mesh, everyone)
+    return Groups(everyone, None, secondary, flat, everyone)
 
 
-def _group_of_all(mesh: DeviceMesh, ranks: list[int]) -> dist.ProcessGroup:
-    """A group of every rank of the 2-D `mesh`. A whole mesh gets a new group (collective over the
-    default group, as wrap is). Part of a larger mesh, e.g. the (replicate, shard) dimensions of a
-    (replicate, shard, tp) mesh ([Note: tensor-parallel parameters] in compose.py), other ranks
-    hold other slices of it: DeviceMesh flattens it, making every slice's group together."""
+def _mesh_of_all(mesh: DeviceMesh, ranks: list[int]) -> DeviceMesh:
+    """A 1-D mesh over every rank of the 2-D `mesh` (its group: hpZ's shard group, the checks'). A
+    whole mesh gets a new group (collective over the default group, as wrap is). Part of a larger
+    mesh, e.g. the (replicate, shard) dimensions of a (replicate, shard, tp) mesh ([Note:
+    tensor-parallel parameters] in compose.py), other ranks hold other slices of it: DeviceMesh
+    flattens it, making every slice's group together, and the flattened dimension belongs to the
+    larger mesh, so that hpZ x TP's sharded DTensors live on (flattened, tp)."""
     root = mesh._get_root_mesh()
     if mesh.mesh_dim_names is not None and root is not mesh and mesh.size() < root.size():
-        return mesh._flatten().get_group()
-    return dist.new_group(ranks=sorted(ranks))
+        return mesh._flatten()
+    return DeviceMesh.from_group(dist.new_group(ranks=sorted(ranks)), mesh.device_type)
 
 
 def shard_placements(mesh: DeviceMesh) -> list[Placement]:

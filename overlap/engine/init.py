@@ -7,7 +7,9 @@ one unit's full parameters (plus the root unit's, kept until the end of the walk
 shards. With `sync_module_states` (the default) only the source rank initializes: it scatters
 each unit as it finishes ([Note: sync from the source] in sync.py), and the other ranks
 materialize nothing but their shards and the buffers (which the source then broadcasts), and do
-not run the init functions, so their random number generators are not advanced.
+not run the init functions, so their random number generators are not advanced. A model whose
+parameters are tensor-parallel DTensors is initialized otherwise: [Note: deferred init with
+tensor parallelism].
 
 [Note: init order]
 Values must equal those of the eager model built with the same seed, so the random number
@@ -20,6 +22,25 @@ builds its children, each initializing itself, then initializes its own paramete
 `reset_parameters()` (or `_reset_parameters()`, which `nn.MultiheadAttention` uses). A model whose
 constructor initializes in another order, e.g. with `self.apply(fn)` at the end of the root's
 `__init__`, passes `param_init_fn=fn` (`Module.apply` is post-order too).
+
+[Note: deferred init with tensor parallelism]
+A meta-device model whose parameters are tensor-parallel DTensors (torchtitan's order:
+`parallelize_module` on the meta model, then the data-parallel wrapper, then `to_empty` and
+`init_weights`) is initialized as FSDP2 initializes it: every unit is sharded first (its shard
+zero, no full tensor anywhere), then every rank runs the init functions, in the order above, on
+its sharded parameters, DTensors on the (dp, tp) mesh with FSDP2's placements and local shapes
+([Note: tensor-parallel parameters] in compose.py). The values are therefore FSDP2's on the same
+mesh with the same seed and the same init calls, whatever DTensor's random ops do: on CUDA its
+OffsetBasedRNGTracker offsets each shard's draw by the shard's place in the global tensor; on
+the CPU, where DTensor has no tracker, each rank draws its local shard from its own generator
+(so every rank must be seeded the same, as DTensor asks). "The eager model's values" has no
+meaning here (a tensor-parallel eager model's draws depend on its placement too), and there is
+no whole tensor on one rank to scatter: `sync_module_states` sends the buffers from the source
+as always (0-dim parameters come from rank 0 too: [Note: replicated parameters] in
+replicated.py), and under HSDP each shard from the source row down its replicate column, so the
+replicas start equal even where ranks were seeded otherwise; across dp and tp each rank's shard
+is its own. A whole unit is never materialized, so no rank holds more than its shards. FSDP2's values are tested on the CPU
+(tests/test_compose_meta_compile.py); on CUDA they are FSDP2's by the same construction.
 
 Tied parameters: eager code ties after construction (`head.weight = embed.weight`), so the
 module initialized first keeps its values and the later owner's draws are thrown away. Here the
@@ -34,6 +55,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn as nn
+from torch._dynamo.eval_frame import OptimizedModule
 from torch.utils.weak import WeakIdKeyDictionary
 
 ParamInitFn = Callable[[nn.Module], None]
@@ -49,7 +71,11 @@ def _init_module(module: nn.Module, param_init_fn: ParamInitFn | None, done: Wea
     """Run the module's init; parameters already initialized (`done`) get a scratch copy.
 
     `done` is weak: a unit's parameters are freed once sharded, and a later tensor may reuse
-    their `id`, which must not make it look initialized."""
+    their `id`, which must not make it look initialized. `torch.compile(module)`'s wrapper is
+    skipped: the module it wraps is its child, initialized in the walk, and the wrapper's
+    attributes lead there, so its `reset_parameters` would draw a second time."""
+    if isinstance(module, OptimizedModule):
+        return
     shared = {name: p for name, p in module._parameters.items() if p is not None and p in done}
     for name, p in shared.items():
         module._parameters[name] = nn.Parameter(torch.empty_like(p), p.requires_grad)
@@ -213,3 +239,16 @@ def materialize_and_shard(
         if result is None:
             done[unit] = shard(unit)  # the root unit, and units with no modules of their own
     return done
+
+
+def initialize_sharded(model: nn.Module, device: torch.device, param_init_fn: ParamInitFn | None) -> None:
+    """Initialize a meta-device model whose units are already sharded, on the shards ([Note:
+    deferred init with tensor parallelism]): what is still on the meta device (buffers, 0-dim
+    parameters) gets uninitialized storage on `device` first, then every module runs its init,
+    in post-order ([Note: init order])."""
+    walk = [module for _, module in _post_order(model)]
+    _materialize(walk, device, {}, params=True)
+    initialized = WeakIdKeyDictionary()
+    with torch.no_grad():
+        for module in walk:
+            _init_module(module, param_init_fn, initialized)

@@ -150,8 +150,10 @@ def shard_unit(
 
     The shard holds this rank's rows of the source's values (`source`, [Note: sync from the
     source]; the full parameters need to be real on the source only) or, without a source, of
-    this rank's own values. `modules` maps every module FQN (duplicates kept) to its module;
-    `packing` holds the source's rank-major copy (see ScratchBuffer in init.py)."""
+    this rank's own values; a meta parameter's rows are left zero, for the init functions to
+    fill on the shard ([Note: deferred init with tensor parallelism] in init.py). `modules` maps
+    every module FQN (duplicates kept) to its module; `packing` holds the source's rank-major
+    copy (see ScratchBuffer in init.py)."""
     owners, full, dtype = _unit_params(modules, layout)
     world_size = layout.world_size
     if shard is None:
@@ -170,7 +172,7 @@ def shard_unit(
         rows, local_rows = slot.rows_per_rank, slot.local_rows(rank)
         chunk = shard[slot.shard_offset : slot.shard_offset + slot.chunk_numel]
         local = chunk.view(rows, *slot.shape[1:])[:local_rows]
-        if source is None:
+        if source is None and not param.is_meta:  # a meta one: [Note: deferred init with tensor parallelism]
             with torch.no_grad():
                 local.copy_(_data(param).detach()[rank * rows : rank * rows + local_rows])
         tp = slot.tensor_parallel  # [Note: tensor-parallel parameters] in compose.py

@@ -110,6 +110,14 @@ def scatter_shard(plan: SourcePlan, shard: torch.Tensor, packed: torch.Tensor | 
     _broadcast_down_column(plan, shard)
 
 
+def broadcast_replicas(plan: SourcePlan, shards: Sequence[torch.Tensor]) -> None:
+    """HSDP: overwrite each replica's `shards` (every rank's own rows) with those of its member
+    of the source row, one broadcast per shard down the mesh column; nothing on a 1-D group.
+    For shards each rank made itself ([Note: deferred init with tensor parallelism] in init.py)."""
+    for shard in shards:
+        _broadcast_down_column(plan, shard)
+
+
 def broadcast_tensors(plan: SourcePlan, tensors: Sequence[torch.Tensor]) -> None:
     """Overwrite `tensors` (the same names, shapes and dtypes on every rank) with the source's,
     one broadcast per dtype (two stages on a 2-D mesh)."""

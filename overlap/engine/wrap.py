@@ -23,14 +23,14 @@ from overlap.engine import compose, teardown
 from overlap.engine.checks import check_same_config, check_same_model
 from overlap.engine.groups import Groups, resolve_groups
 from overlap.engine.guard import remember_replaced
-from overlap.engine.init import ParamInitFn, materialize_and_shard
+from overlap.engine.init import ParamInitFn, initialize_sharded, materialize_and_shard
 from overlap.engine.local_step import register_sharded
 from overlap.engine.module import as_overlap_module
 from overlap.engine.replicated import is_replicated
 from overlap.transport.host import keep_freed_cpu_memory
 from overlap.engine.sharding import params_by_unit_module, shard_buffers, shard_unit, unit_label, unit_of_module
 from overlap.engine.state import HookedModules, OverlapState
-from overlap.engine.sync import SourcePlan, broadcast_tensors, plan_source
+from overlap.engine.sync import SourcePlan, broadcast_replicas, broadcast_tensors, plan_source
 from overlap.engine.unit_tensors import UnitTensors
 from overlap.engine.units import CHUNK_ALIGN_NUMEL, ParamInfo, UnitLayout, find_unit_modules, group_units, make_layout, split_by_dtype
 from overlap.transport import backend, check_settings
@@ -65,6 +65,9 @@ def wrap(
     construction uses (see [Note: init order] in init.py): the same values as the eager model
     built with the same seed, without ever holding the whole model unsharded. With
     `sync_module_states` only rank 0 initializes; the other ranks build nothing but their shards.
+    A meta model with tensor-parallel parameters is sharded first and initialized on the shards
+    by every rank, as FSDP2 + `to_empty` + init does, to FSDP2's values ([Note: deferred init
+    with tensor parallelism] in init.py).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"overlap.wrap expects an nn.Module, got {type(model).__name__}")
@@ -93,7 +96,7 @@ def wrap(
         raise ValueError("overlap.wrap: param_init_fn is only used for meta-device models")
     group = compose.data_parallel_mesh(group, model)  # the whole (dp, tp) mesh: its dp part
     # [Note: composition refusals] in compose.py: before any group is made, on every rank
-    compose.agree(compose.refusal(model, group, config, deferred), model, group, device)
+    compose.agree(compose.refusal(model, group), model, group, device)
     pgs = resolve_groups(group, device, config.hybrid_mode)
     check_same_model(model, pgs.everyone, device)
     check_same_config(config, pgs.everyone, device)
@@ -135,11 +138,15 @@ def wrap(
         keep_freed_cpu_memory()
 
     owner_modules = dict(model.named_modules(remove_duplicate=False))
-    shards, packing = shard_buffers(owner_modules, layouts, device, source, preallocate=deferred)
+    # tensor parallelism on the meta device: each rank initializes its own shards, FSDP2's values
+    # ([Note: deferred init with tensor parallelism] in init.py); nothing is scattered
+    init_on_shards = deferred and pgs.tensor is not None
+    shard_source = None if init_on_shards else source
+    shards, packing = shard_buffers(owner_modules, layouts, device, shard_source, preallocate=deferred)
 
     def shard(index: int) -> UnitTensors:
         return shard_unit(
-            owner_modules, layouts[index], mesh, rank, config, device, source, shards[index], packing
+            owner_modules, layouts[index], mesh, rank, config, device, shard_source, shards[index], packing
         )
 
     def shard_group(group_index: int) -> list[UnitTensors]:  # in unit order: collectives pair
@@ -148,7 +155,12 @@ def wrap(
     # weakly: see guard.py; 0-dim parameters are kept as they are (replicated.py), not replaced
     remember_replaced((n, p) for n, p in model.named_parameters() if not is_replicated(p))
 
-    if deferred:
+    if init_on_shards:
+        units = [shard(i) for i in range(len(layouts))]
+        initialize_sharded(model, device, param_init_fn)
+        if source is not None:  # HSDP: the replicas of a shard start equal, the source row's
+            broadcast_replicas(source, [unit.shard for unit in units])
+    elif deferred:
         # materialized per module group, all of whose units (one per dtype) are then sharded
         root_group = 0 if root_units else None
         index_of = {
