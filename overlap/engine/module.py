@@ -64,7 +64,9 @@ class OverlapModule:
                 "set_requires_gradient_sync(recurse=False): overlap wraps the whole model as one "
                 "module, so the switch covers all its parameters; call it with recurse=True"
             )
-        state_of(self).schedule.sync_grads = bool(requires_gradient_sync)  # type: ignore[arg-type]
+        state = state_of(self)  # type: ignore[arg-type]
+        for each in (state, *state.experts):  # [Note: expert parallelism] in experts.py
+            each.schedule.sync_grads = bool(requires_gradient_sync)
 
     def unshard(self) -> None:
         """Gather every unit now and keep it: forwards until `reshard()` gather and free nothing

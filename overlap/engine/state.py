@@ -143,7 +143,10 @@ class OverlapState:
             residual_dtype=config.error_feedback_dtype if config.error_feedback else None,
             replicate_group=replicate_group,
             secondary_group=secondary_group,
+            gradient_divide_factor=groups.gradient_divide_factor,
         )
+        # the states of the experts modules ([Note: expert parallelism] in experts.py), set by wrap
+        self.experts: tuple[OverlapState, ...] = ()
         self._num_trainable = [sum(p.requires_grad for p in u.unsharded_params) for u in units]
         self._has_frozen = [not all(p.requires_grad for p in u.unsharded_params) for u in units]
         self._reduce_dtype = reduce_dtype
@@ -219,7 +222,10 @@ class OverlapState:
         previous = self.schedule.sync_grads
         self.schedule.sync_grads = False
         try:
-            yield
+            with contextlib.ExitStack() as stack:  # the experts' states too ([Note: expert parallelism])
+                for expert in self.experts:
+                    stack.enter_context(expert.no_sync())
+                yield
         finally:
             self.schedule.sync_grads = previous
 

@@ -19,7 +19,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from overlap.config import OverlapConfig
-from overlap.engine import compose, teardown
+from overlap.engine import compose, experts, teardown
 from overlap.engine.checks import check_same_config, check_same_model
 from overlap.engine.groups import Groups, resolve_groups
 from overlap.engine.guard import remember_replaced
@@ -91,10 +91,42 @@ def wrap(
         device = model_device
     if not deferred and param_init_fn is not None:
         raise ValueError("overlap.wrap: param_init_fn is only used for meta-device models")
+    if experts.is_expert_parallel(model, group):  # [Note: expert parallelism] in experts.py
+        assert isinstance(group, DeviceMesh)
+        return _wrap_expert_parallel(model, group, config, device, deferred)
     group = compose.data_parallel_mesh(group, model)  # the whole (dp, tp) mesh: its dp part
     # [Note: composition refusals] in compose.py: before any group is made, on every rank
     compose.agree(compose.refusal(model, group, config, deferred), model, group, device)
-    pgs = resolve_groups(group, device, config.hybrid_mode)
+    return _wrap_state(model, resolve_groups(group, device, config.hybrid_mode), config, device, deferred, param_init_fn)
+
+
+def _wrap_expert_parallel(
+    model: nn.Module, group: DeviceMesh, config: OverlapConfig, device: torch.device, deferred: bool
+) -> nn.Module:
+    """Each experts module a state over dp_mod_ep, then the rest over all of dp ([Note: expert
+    parallelism] in experts.py)."""
+    compose.agree(experts.refusal(model, group, config, deferred), model, group, device)
+    plan = experts.plan(model, group)
+    modules = dict(model.named_modules())
+    inner = [modules[fqn] for fqn in plan.modules]
+    for module in inner:  # in model order, the same on every rank: their wrap-time collectives pair
+        pgs = resolve_groups(plan.expert_mesh, device, config.hybrid_mode)
+        _wrap_state(module, pgs._replace(gradient_divide_factor=plan.dp_size), config, device, False, None)
+    with experts.hidden(inner):
+        _wrap_state(model, resolve_groups(plan.dense_mesh, device, config.hybrid_mode), config, device, False, None)
+    model._overlap_state.experts = tuple(m._overlap_state for m in inner)
+    return model
+
+
+def _wrap_state(
+    model: nn.Module,
+    pgs: Groups,
+    config: OverlapConfig,
+    device: torch.device,
+    deferred: bool,
+    param_init_fn: ParamInitFn | None,
+) -> nn.Module:
+    """Shard `model` over `pgs` and attach its state: the body of `wrap`, once per state."""
     check_same_model(model, pgs.everyone, device)
     check_same_config(config, pgs.everyone, device)
     composer = compose.Composer(pgs.mesh)

@@ -1,0 +1,190 @@
+"""Expert parallelism: experts sharded on their own mesh dimension, a state of their own.
+
+[Note: expert parallelism]
+torchtitan's expert parallelism (ExpertParallel, then apply_fsdp with dp_mod_ep_mesh) places the
+experts' stacked weights [num_experts, ...] Shard(0) over an `ep` mesh dimension that is *part of
+the data-parallel ranks*: each ep rank holds other tokens, dispatched to the experts' owners by an
+all-to-all over ep. The dense parameters are then sharded over all of dp (dp_mod_ep x ep), the
+experts over dp_mod_ep only, and the experts' gradients divided by the size of all of dp (FSDP2's
+`set_gradient_divide_factor`), since their tokens came from every dp rank.
+
+`wrap(model, group=mesh)` with the whole data-parallel mesh, e.g.
+`init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_mod_ep", "ep"))`: a DTensor parameter whose
+mesh dimensions are dimensions of `group` is an expert parameter (its ranks are data-parallel
+ranks; a tensor-parallel parameter's are not), whatever the dimensions are called. Then:
+
+- each module holding expert parameters (the experts module of each MoE layer) is wrapped on its
+  own, over the other dimensions of `group` (dp_mod_ep), as a state of its own (FSDP2's nested
+  `fully_shard(experts, mesh=dp_mod_ep)`): its sharded parameters are DTensors on the
+  (dp_mod_ep, ep) mesh with FSDP2's placements ([Note: tensor-parallel parameters] in compose.py:
+  the ep dimension is composed as a tp one is), its gradients divided by the size of all of dp
+  (`Groups.gradient_divide_factor`), its values synced from rank 0 of its own dp_mod_ep group
+  (ep rank j keeps ep rank j's experts), and its same-model/config checks, collective
+  fingerprints and order checks run in that group: one `Groups` per state, never two in a bucket;
+- then the rest of the model is wrapped over all of `group`, flattened (1-D DTensors on it, as
+  FSDP2's `fully_shard(model, mesh=dp)`), while the experts' parameters are hidden from it
+  (`_hidden`): the outer state owns no expert parameter, the expert states no dense one;
+- `clip_grad_norm_` needs nothing more: every element of a dense or expert gradient lives on
+  exactly one rank of all of dp, so one sum of squares over dp counts each once. Full state dicts
+  take the DTensor path (`full_tensor()`, `distribute_tensor`), which gathers an expert over its
+  own mesh; DCP checkpoints save the DTensors on their meshes.
+
+An expert module is the root of its state: unsharded from its forward to its backward (FSDP2
+reshards it after forward). A step in which some rank routes no token to some expert computes
+that expert on an empty batch (zero gradients), or leaves its gradient None ([Note: used flags]
+in reduction.py): neither skips a collective. Everything else raises at wrap on every rank
+(`refusal`, [Note: composition refusals] in compose.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+
+from overlap.config import OverlapConfig
+
+RECIPE = (
+    "wrap(model, group=mesh) with the whole data-parallel mesh, e.g. mesh = "
+    "init_device_mesh(device, (dp // ep, ep), mesh_dim_names=('dp_mod_ep', 'ep')) and the experts' "
+    "stacked weights distribute_tensor(w, mesh['ep'], [Shard(0)])"
+)
+
+
+@dataclass(frozen=True)
+class ExpertPlan:
+    """How `wrap` splits a model with expert parameters ([Note: expert parallelism])."""
+
+    modules: tuple[str, ...]  # the modules holding expert parameters, each wrapped on its own
+    expert_mesh: DeviceMesh  # what an expert module is sharded over: group's other dims (dp_mod_ep)
+    dense_mesh: DeviceMesh  # what the rest is sharded over: all of group, flattened
+    dp_size: int  # the experts' gradient divide factor: the size of all of dp
+
+
+def _expert_params(model: nn.Module, group: DeviceMesh) -> list[tuple[str, DTensor]]:
+    names = set(group.mesh_dim_names or ())
+    return [
+        (n, p)
+        for n, p in model.named_parameters()
+        if isinstance(p, DTensor) and p.device_mesh.mesh_dim_names and set(p.device_mesh.mesh_dim_names) <= names
+    ]
+
+
+def is_expert_parallel(model: nn.Module, group: object) -> bool:
+    """Whether `model` has DTensor parameters over dimensions of the mesh `group`: experts."""
+    if not isinstance(group, DeviceMesh) or group.mesh_dim_names is None or group.ndim < 2:
+        return False
+    return bool(_expert_params(model, group))
+
+
+def _owner(fqn: str) -> str:
+    return fqn.rpartition(".")[0]
+
+
+def refusal(model: nn.Module, group: DeviceMesh, config: OverlapConfig, deferred: bool) -> str | None:
+    """Why this expert-parallel model cannot be wrapped over `group`, or None."""
+    experts = _expert_params(model, group)
+    name, first = experts[0]
+    where = f"overlap.wrap: parameter {name!r} is an expert DTensor (placements {tuple(first.placements)} on mesh dims {first.device_mesh.mesh_dim_names})"
+    ep_names = first.device_mesh.mesh_dim_names or ()
+    if group.ndim != 2:
+        return (
+            f"{where}, and `group` is {group.ndim}-D {group.mesh_dim_names}: expert parallelism is "
+            f"supported on a 2-D (dp_mod_ep, ep) data-parallel mesh only (no HSDP, no tensor "
+            f"parallelism beside it yet); {RECIPE}"
+        )
+    other = [n for n in group.mesh_dim_names or () if n not in ep_names]
+    if group[tuple(other)].size() == 1:
+        return (
+            f"{where}, and the ep dimension is all of dp: the experts would not be sharded over "
+            "data-parallel ranks (dp_mod_ep of size 1), which is not supported yet; make "
+            "dp_mod_ep at least 2, or keep the experts data-parallel"
+        )
+    for fqn, param in experts:
+        mesh = param.device_mesh
+        if mesh.mesh_dim_names != ep_names:
+            return f"{where}, and expert parameter {fqn!r} is on mesh dims {mesh.mesh_dim_names}: put every expert weight on the same ep dimension"
+        if mesh.ndim != 1 or tuple(param.placements) != (Shard(0),):
+            return (
+                f"overlap.wrap: expert parameter {fqn!r} has placements {tuple(param.placements)} on "
+                f"mesh dims {mesh.mesh_dim_names}: only Shard(0) over one ep dimension (stacked "
+                f"experts [num_experts, ...], torchtitan's ExpertParallel) is supported; {RECIPE}"
+            )
+        if param.shape[0] % mesh.size() != 0:
+            return f"overlap.wrap: expert parameter {fqn!r} has {param.shape[0]} experts, not a multiple of the {mesh.size()} ep ranks; pad the experts"
+    modules = dict(model.named_modules())
+    expert_ids = {id(p) for _, p in experts}
+    owners = sorted({_owner(fqn) for fqn, _ in experts})
+    for owner in owners:
+        if owner == "":
+            return f"{where}: expert parameters held by the root module are not supported; hold them in an experts submodule"
+        other = next((n for n, p in modules[owner].named_parameters() if id(p) not in expert_ids), None)
+        if other is not None:
+            return (
+                f"overlap.wrap: module {owner!r} holds expert parameters and {other!r}, which is "
+                "not one (a plain or tensor-parallel parameter): an experts module must hold only "
+                "expert weights; move the others to a sibling module"
+            )
+        nested = next((o for o in owners if o != owner and o.startswith(owner + ".")), None)
+        if nested is not None:
+            return f"overlap.wrap: expert modules {owner!r} and {nested!r} nest; hold the expert weights in sibling modules"
+    plain_dtensor = next(
+        ((n, p) for n, p in model.named_parameters() if isinstance(p, DTensor) and id(p) not in expert_ids), None
+    )
+    if plain_dtensor is not None:
+        return (
+            f"{where}, and parameter {plain_dtensor[0]!r} is a DTensor on mesh dims "
+            f"{plain_dtensor[1].device_mesh.mesh_dim_names}, not of `group`: tensor parallelism "
+            f"beside expert parallelism is not supported yet; {RECIPE}"
+        )
+    if deferred:
+        return f"{where} on the meta device: deferred init with expert parallelism is not supported; materialize the model first"
+    problem = _config_refusal(config)
+    return None if problem is None else f"{where}, and {problem}"
+
+
+def _config_refusal(config: OverlapConfig) -> str | None:
+    """The settings not verified with expert parallelism: each raises instead of running untested."""
+    unverified = {
+        "param_compression": config.param_compression is not None,
+        "grad_compression": config.grad_compression is not None,
+        "param_dtype": config.param_dtype is not None,
+        "reduce_dtype": config.reduce_dtype is not None,
+        "autotune": bool(config.autotune),
+    }
+    named = [name for name, on in unverified.items() if on]
+    if not named:
+        return None
+    return (
+        f"{', '.join(named)} {'is' if len(named) == 1 else 'are'} not supported with expert "
+        "parallelism yet (each state would compress, cast or tune on its own group, unverified); "
+        "leave the default"
+    )
+
+
+def plan(model: nn.Module, group: DeviceMesh) -> ExpertPlan:
+    """The plan for a model `refusal` accepted."""
+    experts = _expert_params(model, group)
+    ep_names = experts[0][1].device_mesh.mesh_dim_names or ()
+    names = group.mesh_dim_names or ()
+    other = tuple(n for n in names if n not in ep_names)
+    owners = tuple(sorted({_owner(fqn) for fqn, _ in experts}))
+    return ExpertPlan(owners, group[other], group._flatten(), group.size())
+
+
+@contextlib.contextmanager
+def hidden(modules: list[nn.Module]) -> Iterator[None]:
+    """The expert modules without parameters while the rest of the model is wrapped: the outer
+    state must not see what the expert states own ([Note: expert parallelism])."""
+    saved = [dict(m._parameters) for m in modules]
+    for m in modules:
+        m._parameters.clear()
+    try:
+        yield
+    finally:
+        for m, params in zip(modules, saved):
+            m._parameters.update(params)
