@@ -207,11 +207,16 @@ _EXPERT_INSTEAD = (
 )
 
 
+def names_experts(dim_name: str) -> bool:
+    """Whether a mesh dimension's name says experts: "ep", "dp_shard_in_ep", "experts", "moe"."""
+    return bool(set(dim_name.lower().split("_")) & set(_EXPERT_DIM_WORDS))
+
+
 def _expert_refusal(param: DTensor, dp_mesh: DeviceMesh | None) -> str | None:
     """Why `param` looks expert-parallel ([Note: expert parallelism]), or None: by its mesh
     dimensions' names, and with `dp_mesh`, by its mesh being a part of the data-parallel ranks."""
     names = param.device_mesh.mesh_dim_names or ()
-    named = [n for n in names if set(n.lower().split("_")) & set(_EXPERT_DIM_WORDS)]
+    named = [n for n in names if names_experts(n)]
     if named:
         return (
             f"expert parallelism (mesh dimension {named[0]!r}) over this group is not supported: "

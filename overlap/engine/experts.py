@@ -10,8 +10,10 @@ experts over dp_mod_ep only, and the experts' gradients divided by the size of a
 
 `wrap(model, group=mesh)` with the whole data-parallel mesh, e.g.
 `init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_mod_ep", "ep"))`: a DTensor parameter whose
-mesh dimensions are dimensions of `group` is an expert parameter (its ranks are data-parallel
-ranks; a tensor-parallel parameter's are not), whatever the dimensions are called. Then:
+mesh dimensions are dimensions of `group`, one of them named as experts' are (a word "ep",
+"expert(s)" or "moe" in it: torchtitan's "ep", "dp_shard_in_ep"), is an expert parameter. The name
+decides: a whole (dp, tp) mesh has the same shape, its tp dimension holds tensor-parallel
+parameters ([Note: tensor-parallel parameters] in compose.py). Then:
 
 - each module holding expert parameters (the experts module of each MoE layer) is wrapped on its
   own, over the other dimensions of `group` (dp_mod_ep), as a state of its own (FSDP2's nested
@@ -47,6 +49,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from overlap.config import OverlapConfig
+from overlap.engine.compose import names_experts
 
 RECIPE = (
     "wrap(model, group=mesh) with the whole data-parallel mesh, e.g. mesh = "
@@ -75,10 +78,14 @@ def _expert_params(model: nn.Module, group: DeviceMesh) -> list[tuple[str, DTens
 
 
 def is_expert_parallel(model: nn.Module, group: object) -> bool:
-    """Whether `model` has DTensor parameters over dimensions of the mesh `group`: experts."""
+    """Whether `model` has DTensor parameters over dimensions of the mesh `group` that are named
+    as experts' ("ep", "dp_shard_in_ep", ...): a tensor-parallel dimension of the whole mesh
+    ("tp") is the other case, where the parameters' dimensions are not data-parallel ones."""
     if not isinstance(group, DeviceMesh) or group.mesh_dim_names is None or group.ndim < 2:
         return False
-    return bool(_expert_params(model, group))
+    return any(
+        names_experts(n) for _, p in _expert_params(model, group) for n in p.device_mesh.mesh_dim_names or ()
+    )
 
 
 def _owner(fqn: str) -> str:
