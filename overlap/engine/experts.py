@@ -1,4 +1,4 @@
-"""Expert parallelism: experts sharded on their own mesh dimension, a state of their own.
+"""Expert parallelism: experts sharded on their own mesh dimension, in a state of their own.
 
 [Note: expert parallelism]
 torchtitan's expert parallelism (ExpertParallel, then apply_fsdp with dp_mod_ep_mesh) places the
@@ -13,35 +13,40 @@ experts over dp_mod_ep only, and the experts' gradients divided by the size of a
 mesh dimensions are dimensions of `group`, one of them named as experts' are (a word "ep",
 "expert(s)" or "moe" in it: torchtitan's "ep", "dp_shard_in_ep"), is an expert parameter. The name
 decides: a whole (dp, tp) mesh has the same shape, its tp dimension holds tensor-parallel
-parameters ([Note: tensor-parallel parameters] in compose.py). Then:
+parameters ([Note: tensor-parallel parameters] in compose.py). Then `wrap` builds two states over
+the same module tree, each seeing only its own parameters (`hidden`), FSDP2's two `fully_shard`
+meshes as two groups:
 
-- each module holding expert parameters (the experts module of each MoE layer) is wrapped on its
-  own, over the other dimensions of `group` (dp_mod_ep), as a state of its own (FSDP2's nested
-  `fully_shard(experts, mesh=dp_mod_ep)`): its sharded parameters are DTensors on the
-  (dp_mod_ep, ep) mesh with FSDP2's placements ([Note: tensor-parallel parameters] in compose.py:
-  the ep dimension is composed as a tp one is), its gradients divided by the size of all of dp
-  (`Groups.gradient_divide_factor`), its values synced from rank 0 of its own dp_mod_ep group
-  (ep rank j keeps ep rank j's experts), and its same-model/config checks, collective
-  fingerprints and order checks run in that group: one `Groups` per state, never two in a bucket;
-- then the rest of the model is wrapped over all of `group`, flattened (1-D DTensors on it, as
-  FSDP2's `fully_shard(model, mesh=dp)`), while the experts' parameters are hidden from it
-  (`_hidden`): the outer state owns no expert parameter, the expert states no dense one;
-- `clip_grad_norm_` needs nothing more: every element of a dense or expert gradient lives on
-  exactly one rank of all of dp, so one sum of squares over dp counts each once. Full state dicts
-  take the DTensor path (`full_tensor()`, `distribute_tensor`), which gathers an expert over its
-  own mesh; DCP checkpoints save the DTensors on their meshes.
+- the experts' state, over the other dimensions of `group` (dp_mod_ep), built first: its units are
+  found by the config's `unit_policy` among modules that hold expert parameters (with "auto",
+  the MoE blocks), so each block's experts are gathered at its forward, resharded after it,
+  prefetched and reduce-scattered in buckets of their own, as any unit. Its sharded parameters are
+  DTensors on the (dp_mod_ep, ep) mesh with FSDP2's placements (`_StridedShard(0, sf=ep)` over
+  dp_mod_ep, `Shard(0)` over ep: the ep dimension is composed as a tp one is, [Note:
+  tensor-parallel parameters] in compose.py); its gradients are divided by the size of all of dp
+  (`Groups.gradient_divide_factor`); its values come from rank 0 of the rank's own dp_mod_ep group
+  (ep rank j keeps ep rank j's experts); its same-model/config checks, collective fingerprints,
+  order checks and deferred checks run in that group;
+- the model's state, over all of `group` flattened (1-D DTensors on it, as FSDP2's
+  `fully_shard(model, mesh=dp)`), holding every other parameter; `model._overlap_state`, with the
+  experts' state in its `experts` (no_sync, set_requires_gradient_sync and the deferred checks
+  reach it).
 
-An expert module is the root of its state: unsharded from its forward to its backward (FSDP2
-reshards it after forward). A step in which some rank routes no token to some expert computes
-that expert on an empty batch (zero gradients), or leaves its gradient None ([Note: used flags]
-in reduction.py): neither skips a collective. Everything else raises at wrap on every rank
-(`refusal`, [Note: composition refusals] in compose.py).
+Both states hook the same modules; a bucket holds units of one state, so never two groups. Every
+element of a dense or expert gradient lives on exactly one rank of all of dp, so
+`clip_grad_norm_`'s one sum of squares over dp counts each once. Full state dicts take the DTensor
+path (`full_tensor()`, `distribute_tensor`), which gathers an expert over its own mesh; DCP
+checkpoints save the DTensors on their meshes. A step in which some rank routes no token to some
+expert computes that expert on an empty batch (zero gradients), or leaves its gradient None
+([Note: used flags] in reduction.py): neither skips a collective. Everything else raises at wrap
+on every rank (`refusal`, [Note: composition refusals] in compose.py). `step_stats` and
+`memory_stats` report the model's state only.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch.nn as nn
@@ -62,19 +67,13 @@ RECIPE = (
 class ExpertPlan:
     """How `wrap` splits a model with expert parameters ([Note: expert parallelism])."""
 
-    modules: tuple[str, ...]  # the modules holding expert parameters, each wrapped on its own
     expert_mesh: DeviceMesh  # what an expert module is sharded over: group's other dims (dp_mod_ep)
     dense_mesh: DeviceMesh  # what the rest is sharded over: all of group, flattened
     dp_size: int  # the experts' gradient divide factor: the size of all of dp
 
 
 def _expert_params(model: nn.Module, group: DeviceMesh) -> list[tuple[str, DTensor]]:
-    names = set(group.mesh_dim_names or ())
-    return [
-        (n, p)
-        for n, p in model.named_parameters()
-        if isinstance(p, DTensor) and p.device_mesh.mesh_dim_names and set(p.device_mesh.mesh_dim_names) <= names
-    ]
+    return [(n, p) for n, p in model.named_parameters() if is_expert(p, group)]  # type: ignore[misc]
 
 
 def is_expert_parallel(model: nn.Module, group: object) -> bool:
@@ -179,19 +178,29 @@ def plan(model: nn.Module, group: DeviceMesh) -> ExpertPlan:
     ep_names = experts[0][1].device_mesh.mesh_dim_names or ()
     names = group.mesh_dim_names or ()
     other = tuple(n for n in names if n not in ep_names)
-    owners = tuple(sorted({_owner(fqn) for fqn, _ in experts}))
-    return ExpertPlan(owners, group[other], group._flatten(), group.size())
+    return ExpertPlan(group[other], group._flatten(), group.size())
+
+
+def is_expert(param: object, group: DeviceMesh) -> bool:
+    """Whether `param` is an expert parameter for the mesh `group` (before wrap)."""
+    names = set(group.mesh_dim_names or ())
+    dims = param.device_mesh.mesh_dim_names if isinstance(param, DTensor) else None
+    return bool(dims) and set(dims) <= names  # type: ignore[arg-type]
 
 
 @contextlib.contextmanager
-def hidden(modules: list[nn.Module]) -> Iterator[None]:
-    """The expert modules without parameters while the rest of the model is wrapped: the outer
-    state must not see what the expert states own ([Note: expert parallelism])."""
-    saved = [dict(m._parameters) for m in modules]
-    for m in modules:
-        m._parameters.clear()
+def hidden(model: nn.Module, hide: Callable[[nn.Parameter], bool]) -> Iterator[None]:
+    """`model` without the parameters `hide` selects while one state wraps it: each state sees
+    only its own ([Note: expert parallelism]). What wrap swaps in stays; the order is kept."""
+    saved = [(m, dict(m._parameters)) for m in model.modules()]
+    for m, params in saved:
+        for name, param in params.items():
+            if param is not None and hide(param):
+                del m._parameters[name]
     try:
         yield
     finally:
-        for m, params in zip(modules, saved):
-            m._parameters.update(params)
+        for m, params in saved:
+            now = dict(m._parameters)
+            m._parameters.clear()
+            m._parameters.update({name: now.get(name, param) for name, param in params.items()})

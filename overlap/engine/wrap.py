@@ -97,25 +97,32 @@ def wrap(
     group = compose.data_parallel_mesh(group, model)  # the whole (dp, tp) mesh: its dp part
     # [Note: composition refusals] in compose.py: before any group is made, on every rank
     compose.agree(compose.refusal(model, group, config, deferred), model, group, device)
-    return _wrap_state(model, resolve_groups(group, device, config.hybrid_mode), config, device, deferred, param_init_fn)
+    state = _wrap_state(model, resolve_groups(group, device, config.hybrid_mode), config, device, deferred, param_init_fn)
+    return _attach(model, state)
+
+
+def _attach(model: nn.Module, state: OverlapState) -> nn.Module:
+    model._overlap_state = state
+    as_overlap_module(model)  # ecosystem: model.no_sync(), .unshard(), ... (overlap/engine/module.py)
+    return model
 
 
 def _wrap_expert_parallel(
     model: nn.Module, group: DeviceMesh, config: OverlapConfig, device: torch.device, deferred: bool
 ) -> nn.Module:
-    """Each experts module a state over dp_mod_ep, then the rest over all of dp ([Note: expert
-    parallelism] in experts.py)."""
+    """The experts' state over dp_mod_ep, then the model's over all of dp, each wrapping the
+    model with the other's parameters hidden ([Note: expert parallelism] in experts.py)."""
     compose.agree(experts.refusal(model, group, config, deferred), model, group, device)
     plan = experts.plan(model, group)
-    modules = dict(model.named_modules())
-    inner = [modules[fqn] for fqn in plan.modules]
-    for module in inner:  # in model order, the same on every rank: their wrap-time collectives pair
+    expert_ids = {id(p) for p in model.parameters() if experts.is_expert(p, group)}
+    with experts.hidden(model, lambda p: id(p) not in expert_ids):
         pgs = resolve_groups(plan.expert_mesh, device, config.hybrid_mode)
-        _wrap_state(module, pgs._replace(gradient_divide_factor=plan.dp_size), config, device, False, None)
-    with experts.hidden(inner):
-        _wrap_state(model, resolve_groups(plan.dense_mesh, device, config.hybrid_mode), config, device, False, None)
-    model._overlap_state.experts = tuple(m._overlap_state for m in inner)
-    return model
+        expert_state = _wrap_state(model, pgs._replace(gradient_divide_factor=plan.dp_size), config, device, False, None)
+    expert_ids = {id(p) for unit in expert_state.units for p in unit.sharded_params}
+    with experts.hidden(model, lambda p: id(p) in expert_ids):
+        state = _wrap_state(model, resolve_groups(plan.dense_mesh, device, config.hybrid_mode), config, device, False, None)
+    state.experts = (expert_state,)
+    return _attach(model, state)
 
 
 def _wrap_state(
@@ -125,8 +132,9 @@ def _wrap_state(
     device: torch.device,
     deferred: bool,
     param_init_fn: ParamInitFn | None,
-) -> nn.Module:
-    """Shard `model` over `pgs` and attach its state: the body of `wrap`, once per state."""
+) -> OverlapState:
+    """Shard `model` over `pgs` and build its state (hooks installed): the body of `wrap`, once
+    per state."""
     check_same_model(model, pgs.everyone, device)
     check_same_config(config, pgs.everyone, device)
     composer = compose.Composer(pgs.mesh)
@@ -205,10 +213,8 @@ def _wrap_state(
             broadcast_tensors(source, buffers)
     state = OverlapState(model, config, pgs, units, root_units, hooked)
     teardown.watch(state)  # [Note: quiet exit], [Note: final checks] in deferred.py
-    model._overlap_state = state
     register_sharded(p for unit in units for p in unit.sharded_params)  # [Note: local optimizer step]
-    as_overlap_module(model)  # ecosystem: model.no_sync(), .unshard(), ... (overlap/engine/module.py)
-    return model
+    return state
 
 
 def _model_device(model: nn.Module) -> torch.device:
