@@ -148,6 +148,12 @@ def _batch(rank: int, step: int) -> torch.Tensor:
     return torch.randn(2 if rank < 2 else 16, DIM, generator=gen)
 
 
+def _backward(model: nn.Module, x: torch.Tensor) -> float:
+    loss = model(x).pow(2).mean()
+    loss.backward()
+    return loss.item()
+
+
 def _full(model: nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
 
@@ -162,29 +168,33 @@ def _ref_clip(model: nn.Module, max_norm: float) -> float:
     return total.item()
 
 
+def _train(rank: int, ours: nn.Module, ref: nn.Module, opts: list, out: dict, micro_batches: int = 1) -> None:
+    """STEPS steps of both models on the same batches, clipped from the third; with
+    `micro_batches`, all but the last under no_sync / set_requires_gradient_sync(False)."""
+    for step in range(STEPS):
+        for micro in range(micro_batches):
+            last = micro == micro_batches - 1
+            ours.set_requires_gradient_sync(last)
+            ref.set_requires_gradient_sync(last)
+            x = _batch(rank, 10 * step + micro)
+            out["losses"].append(tuple(_backward(model, x) for model in (ours, ref)))
+        if step >= 2:  # clipped steps: the norm is below 1 by then
+            out["norms"].append((overlap.clip_grad_norm_(ours, 0.05).item(), _ref_clip(ref, 0.05)))
+        for o in opts:
+            o.step()
+            o.zero_grad()
+        out["params"].append((_full(ours), _full(ref)))
+
+
 def check_training(rank: int, world_size: int, root: str) -> dict:
     mesh = _mesh()
     ours = overlap.wrap(_model(mesh), group=mesh)
     ref = _fsdp2(mesh)
     opt = torch.optim.AdamW(ours.parameters(), lr=1e-2)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     out: dict = {"losses": [], "norms": [], "params": [], "placements": {}}
     for name, p in ours.named_parameters():
         out["placements"][name] = (p.device_mesh.mesh_dim_names, tuple(map(str, p.placements)))
-    for step in range(STEPS):
-        x = _batch(rank, step)
-        losses = []
-        for model in (ours, ref):
-            loss = model(x).pow(2).mean()
-            loss.backward()
-            losses.append(loss.item())
-        out["losses"].append(tuple(losses))
-        if step >= 2:  # clipped steps: the norm is below 1 by then
-            out["norms"].append((overlap.clip_grad_norm_(ours, 0.05).item(), _ref_clip(ref, 0.05)))
-        for o in (opt, ref_opt):
-            o.step()
-            o.zero_grad()
-        out["params"].append((_full(ours), _full(ref)))
+    _train(rank, ours, ref, [opt, torch.optim.AdamW(ref.parameters(), lr=1e-2)], out)
     blocks = [layer.moe for layer in ours.layers]
     out["routed_none"] = any(0 in c for b in blocks for c in b.routed)
     out["received_none"] = any(0 in c for b in blocks for c in b.received)
@@ -196,7 +206,7 @@ def check_training(rank: int, world_size: int, root: str) -> dict:
     overlap.checkpoint.load(path, again, again_opt)
     x = _batch(rank, STEPS)
     for model, o in ((ours, opt), (again, again_opt)):
-        model(x).pow(2).mean().backward()
+        _backward(model, x)
         o.step()
         o.zero_grad()
     mine, resumed = _full(ours), _full(again)
@@ -212,8 +222,16 @@ def check_training(rank: int, world_size: int, root: str) -> dict:
     return out
 
 
+def _assert_parity(results: list[dict], rtol: float) -> None:
+    for rank, result in enumerate(results):
+        assert all(abs(a - b) <= rtol * abs(b) for a, b in result["losses"]), (rank, result["losses"])
+        assert all(abs(a - b) <= rtol * b for a, b in result["norms"]), (rank, result["norms"])
+        for step, (mine, theirs) in enumerate(result["params"]):
+            bad = reordered_mismatches(mine, theirs, rtol)
+            assert not bad, (rank, step, bad)
+
+
 def test_expert_parallel_matches_fsdp2(world4, tmp_path):
-    rtol = reordered_rtol(4, STEPS)
     results = world4.run(check_training, timeout_s=120, root=str(tmp_path))
     assert any(r["routed_none"] for r in results), "some rank must route no token to some expert"
     assert any(r["received_none"] for r in results), "some rank's expert must receive no token"
@@ -221,12 +239,8 @@ def test_expert_parallel_matches_fsdp2(world4, tmp_path):
     # FSDP2's: the dp_mod_ep rows cut from the ep rows; the dense parameters 1-D over all of dp
     assert placements["layers.0.moe.experts.w1"] == (("dp_mod_ep", "ep"), ("_S(0, 2)", "S(0)")), placements
     assert placements["head.weight"] == (("dp_mod_ep_ep",), ("S(0)",)), placements
+    _assert_parity(results, reordered_rtol(4, STEPS))
     for rank, result in enumerate(results):
-        assert all(abs(a - b) <= rtol * abs(b) for a, b in result["losses"]), (rank, result["losses"])
-        assert all(abs(a - b) <= rtol * b for a, b in result["norms"]), (rank, result["norms"])
-        for step, (mine, theirs) in enumerate(result["params"]):
-            bad = reordered_mismatches(mine, theirs, rtol)
-            assert not bad, (rank, step, bad)
         assert not result["resumed_differ"], (rank, result["resumed_differ"])
         assert result["full_keys_ok"], rank
         assert not result["loaded_differ"], (rank, result["loaded_differ"])
@@ -267,6 +281,18 @@ def _refused(rank: int, world_size: int) -> dict[str, str | None]:
         model.layers[1].moe.experts.scale = nn.Parameter(torch.ones(2))
         return model
 
+    def on_meta() -> Model:
+        with torch.device("meta"):
+            model = Model(mesh["ep"].get_group())
+        for layer in model.layers:
+            for name in ("w1", "w2"):
+                w = getattr(layer.moe.experts, name)
+                local = w[: EXPERTS // 2].detach()
+                dtensor = DTensor.from_local(local, mesh["ep"], [Shard(0)], run_check=False, shape=w.shape, stride=w.stride())
+                setattr(layer.moe.experts, name, nn.Parameter(dtensor))
+        return model
+
+    cases["meta device"] = (on_meta, {})
     cases["plain parameter in the experts module"] = (with_plain, {})
     cases["Replicate() over ep"] = (lambda: _model(mesh, placement=Replicate()), {})
     out: dict[str, str | None] = {}
@@ -276,6 +302,12 @@ def _refused(rank: int, world_size: int) -> dict[str, str | None]:
             out[case] = None
         except ValueError as error:
             out[case] = str(error)
+    three = init_device_mesh("cpu", (2, 2, 1), mesh_dim_names=("dp_mod_ep", "ep", "tp"))
+    try:
+        overlap.wrap(_model(three), group=three)
+        out["3-D mesh"] = None
+    except ValueError as error:
+        out["3-D mesh"] = str(error)
     whole = init_device_mesh("cpu", (1, 4), mesh_dim_names=("dp_mod_ep", "ep"))
     try:
         overlap.wrap(_model(whole), group=whole)
@@ -292,8 +324,10 @@ _REFUSALS = {
     "param_dtype": ("'layers.0.moe.experts.w1'", "param_dtype", "leave the default"),
     "reduce_dtype": ("'layers.0.moe.experts.w1'", "reduce_dtype", "leave the default"),
     "autotune": ("'layers.0.moe.experts.w1'", "autotune", "leave the default"),
+    "meta device": ("'layers.0.moe.experts.w1'", "meta device", "materialize the model first"),
     "plain parameter in the experts module": ("'layers.1.moe.experts'", "'scale'", "move the others"),
     "Replicate() over ep": ("'layers.0.moe.experts.w1'", "Replicate()", "only Shard(0)"),
+    "3-D mesh": ("'layers.0.moe.experts.w1'", "3-D ('dp_mod_ep', 'ep', 'tp')", "2-D (dp_mod_ep, ep)"),
     "ep is all of dp": ("'layers.0.moe.experts.w1'", "dp_mod_ep of size 1", "at least 2"),
 }
 
@@ -307,3 +341,21 @@ def test_unsupported_expert_parallel_raises_on_every_rank(world4):
         assert len(set(messages)) == 1, (case, messages)
         for needle in needles:
             assert needle in messages[0], (case, needle, messages[0])
+
+
+def check_variant(rank: int, world_size: int) -> dict:
+    """Units kept from forward to backward, one bucket per unit, a prefetch depth of one, and two
+    micro-batches a step (the first without gradient sync, as FSDP2's)."""
+    mesh = _mesh()
+    options = {"reshard_after_forward": False, "reduce_scatter_bucket_bytes": 1, "prefetch_depth": 1}
+    ours = overlap.wrap(_model(mesh), group=mesh, **options)
+    ref = _fsdp2(mesh)
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (ours, ref)]
+    out: dict = {"losses": [], "norms": [], "params": []}
+    _train(rank, ours, ref, opts, out, micro_batches=2)
+    return out
+
+
+def test_expert_parallel_variant_matches_fsdp2(world4):
+    results = world4.run(check_variant, timeout_s=120)
+    _assert_parity(results, reordered_rtol(4, 2 * STEPS))  # two sums a step: each micro-batch's, then theirs
