@@ -273,6 +273,7 @@ def _refused(rank: int, world_size: int) -> dict[str, str | None]:
             ("param_dtype", torch.bfloat16),
             ("reduce_dtype", torch.bfloat16),
             ("autotune", True),
+            ("hybrid_mode", "secondary"),
         )
     }
 
@@ -292,7 +293,13 @@ def _refused(rank: int, world_size: int) -> dict[str, str | None]:
                 setattr(layer.moe.experts, name, nn.Parameter(dtensor))
         return model
 
+    def compiled() -> Model:
+        model = _model(mesh)
+        model.layers[1].compile()  # never run: refused at wrap
+        return model
+
     cases["meta device"] = (on_meta, {})
+    cases["compiled block"] = (compiled, {})
     cases["plain parameter in the experts module"] = (with_plain, {})
     cases["Replicate() over ep"] = (lambda: _model(mesh, placement=Replicate()), {})
     out: dict[str, str | None] = {}
@@ -324,6 +331,8 @@ _REFUSALS = {
     "param_dtype": ("'layers.0.moe.experts.w1'", "param_dtype", "leave the default"),
     "reduce_dtype": ("'layers.0.moe.experts.w1'", "reduce_dtype", "leave the default"),
     "autotune": ("'layers.0.moe.experts.w1'", "autotune", "leave the default"),
+    "hybrid_mode": ("'layers.0.moe.experts.w1'", "hybrid_mode='secondary'", "leave the default"),
+    "compiled block": ("'layers.0.moe.experts.w1'", "'layers.1' is compiled", "leave the blocks eager"),
     "meta device": ("'layers.0.moe.experts.w1'", "meta device", "materialize the model first"),
     "plain parameter in the experts module": ("'layers.1.moe.experts'", "'scale'", "move the others"),
     "Replicate() over ep": ("'layers.0.moe.experts.w1'", "Replicate()", "only Shard(0)"),

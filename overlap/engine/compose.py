@@ -179,7 +179,7 @@ def refusal(
     problem = _config_refusal(config)
     if problem is not None:
         return f"overlap.wrap: {where}, and {problem}"
-    compiled = next((n for n, m in model.named_modules() if _is_compiled(m)), None)
+    compiled = next((n for n, m in model.named_modules() if is_compiled(m)), None)
     if compiled is not None:
         return (
             f"overlap.wrap: {where}, and module {compiled or '<root>'!r} is compiled "
@@ -236,7 +236,7 @@ def _expert_refusal(param: DTensor, dp_mesh: DeviceMesh | None) -> str | None:
     return None
 
 
-def _is_compiled(module: nn.Module) -> bool:
+def is_compiled(module: nn.Module) -> bool:
     """`module.compile()` sets `_compiled_call_impl`; `torch.compile(module)` wraps it in a module
     holding the original as `_orig_mod`."""
     return getattr(module, "_compiled_call_impl", None) is not None or getattr(module, "_orig_mod", None) is not None

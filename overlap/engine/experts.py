@@ -54,7 +54,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from overlap.config import OverlapConfig
-from overlap.engine.compose import names_experts
+from overlap.engine.compose import is_compiled, names_experts
 
 RECIPE = (
     "wrap(model, group=mesh) with the whole data-parallel mesh, e.g. mesh = "
@@ -147,6 +147,12 @@ def refusal(model: nn.Module, group: DeviceMesh, config: OverlapConfig, deferred
             f"{plain_dtensor[1].device_mesh.mesh_dim_names}, not of `group`: tensor parallelism "
             f"beside expert parallelism is not supported yet; {RECIPE}"
         )
+    compiled = next((n for n, m in model.named_modules() if is_compiled(m)), None)
+    if compiled is not None:
+        return (
+            f"{where}, and module {compiled or '<root>'!r} is compiled (torch.compile / "
+            "module.compile()): not verified with expert parallelism yet; leave the blocks eager"
+        )
     if deferred:
         return f"{where} on the meta device: deferred init with expert parallelism is not supported; materialize the model first"
     problem = _config_refusal(config)
@@ -161,6 +167,7 @@ def _config_refusal(config: OverlapConfig) -> str | None:
         "param_dtype": config.param_dtype is not None,
         "reduce_dtype": config.reduce_dtype is not None,
         "autotune": bool(config.autotune),
+        "hybrid_mode='secondary'": config.hybrid_mode == "secondary",
     }
     named = [name for name, on in unverified.items() if on]
     if not named:
