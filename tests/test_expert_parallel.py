@@ -129,13 +129,13 @@ def _model(mesh: DeviceMesh, seed: int = 0, placement: Placement = Shard(0)) -> 
     return model
 
 
-def _fsdp2(mesh: DeviceMesh) -> Model:
+def _fsdp2(mesh: DeviceMesh, dp_mod_ep: str = "dp_mod_ep") -> Model:
     from torch.distributed.fsdp import fully_shard
 
     model = _model(mesh)
     dp = mesh._flatten()
     for layer in model.layers:
-        fully_shard(layer.moe.experts, mesh=mesh["dp_mod_ep"])
+        fully_shard(layer.moe.experts, mesh=mesh[dp_mod_ep])
         layer.moe.experts.set_gradient_divide_factor(float(mesh.size()))
         layer.moe.experts.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
         fully_shard(layer, mesh=dp)
@@ -368,3 +368,28 @@ def check_variant(rank: int, world_size: int) -> dict:
 def test_expert_parallel_variant_matches_fsdp2(world4):
     results = world4.run(check_variant, timeout_s=120)
     _assert_parity(results, reordered_rtol(4, 2 * STEPS))  # two sums a step: each micro-batch's, then theirs
+
+
+_TITAN: list[DeviceMesh] = []
+
+
+def check_torchtitan_meshes(rank: int, world_size: int) -> dict:
+    """torchtitan's layout: the experts on `ep`, a 1-D mesh flattened from `dp_shard_in_ep`."""
+    if not _TITAN:
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard_mod_ep", "dp_shard_in_ep"))
+        mesh["dp_shard_in_ep"]._flatten("ep")
+        _TITAN.append(mesh)
+    mesh = _TITAN[0]
+    ours = overlap.wrap(_model(mesh), group=mesh)
+    ref = _fsdp2(mesh, "dp_shard_mod_ep")
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (ours, ref)]
+    w1 = ours.layers[0].moe.experts.w1
+    out: dict = {"losses": [], "norms": [], "params": [], "placements": (w1.device_mesh.mesh_dim_names, tuple(map(str, w1.placements)))}
+    _train(rank, ours, ref, opts, out)
+    return out
+
+
+def test_expert_parallel_on_torchtitan_meshes_matches_fsdp2(world4):
+    results = world4.run(check_torchtitan_meshes, timeout_s=120)
+    assert results[0]["placements"] == (("dp_shard_mod_ep", "ep"), ("_S(0, 2)", "S(0)")), results[0]["placements"]
+    _assert_parity(results, reordered_rtol(4, STEPS))

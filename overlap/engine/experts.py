@@ -10,9 +10,10 @@ experts over dp_mod_ep only, and the experts' gradients divided by the size of a
 
 `wrap(model, group=mesh)` with the whole data-parallel mesh, e.g.
 `init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_mod_ep", "ep"))`: a DTensor parameter whose
-mesh dimensions are dimensions of `group`, one of them named as experts' are (a word "ep",
-"expert(s)" or "moe" in it: torchtitan's "ep", "dp_shard_in_ep"), is an expert parameter. The name
-decides: a whole (dp, tp) mesh has the same shape, its tp dimension holds tensor-parallel
+mesh dimensions are dimensions of `group` (or whose 1-D mesh is one of them flattened under
+another name: torchtitan's `world_mesh["dp_shard_in_ep"]._flatten("ep")`, found by its ranks), one
+of the names saying experts (a word "ep", "expert(s)" or "moe" in it), is an expert parameter.
+The name decides: a whole (dp, tp) mesh has the same shape, its tp dimension holds tensor-parallel
 parameters ([Note: tensor-parallel parameters] in compose.py). Then `wrap` builds two states over
 the same module tree, each seeing only its own parameters (`hidden`), FSDP2's two `fully_shard`
 meshes as two groups:
@@ -49,6 +50,7 @@ import contextlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
@@ -77,14 +79,34 @@ def _expert_params(model: nn.Module, group: DeviceMesh) -> list[tuple[str, DTens
 
 
 def is_expert_parallel(model: nn.Module, group: object) -> bool:
-    """Whether `model` has DTensor parameters over dimensions of the mesh `group` that are named
-    as experts' ("ep", "dp_shard_in_ep", ...): a tensor-parallel dimension of the whole mesh
-    ("tp") is the other case, where the parameters' dimensions are not data-parallel ones."""
+    """Whether `model` has expert parameters (`is_expert`) for the mesh `group`."""
     if not isinstance(group, DeviceMesh) or group.mesh_dim_names is None or group.ndim < 2:
         return False
-    return any(
-        names_experts(n) for _, p in _expert_params(model, group) for n in p.device_mesh.mesh_dim_names or ()
-    )
+    return bool(_expert_params(model, group))
+
+
+def _group_dims(param: object, group: DeviceMesh) -> tuple[str, ...]:
+    """The dimensions of `group` that `param`'s mesh is on: by their names, or, for a 1-D mesh
+    flattened from one of them under another name (torchtitan's
+    `mesh["dp_shard_in_ep"]._flatten("ep")`), by its ranks; () for anything else."""
+    if not isinstance(param, DTensor):
+        return ()
+    dims, names = param.device_mesh.mesh_dim_names or (), group.mesh_dim_names or ()
+    if dims and set(dims) <= set(names):
+        return dims
+    if param.device_mesh.ndim == 1 and group.get_coordinate() is not None:
+        ranks = dist.get_process_group_ranks(param.device_mesh.get_group())
+        return tuple(n for n in names if dist.get_process_group_ranks(group.get_group(n)) == ranks)[:1]
+    return ()
+
+
+def is_expert(param: object, group: DeviceMesh) -> bool:
+    """Whether `param` (before wrap) is an expert parameter for the mesh `group`: a DTensor on
+    dimensions of `group`, one of them named as experts' ("ep", "dp_shard_in_ep", ...). A
+    tensor-parallel dimension of the whole mesh ("tp") is the other case."""
+    dims = _group_dims(param, group)
+    own = param.device_mesh.mesh_dim_names or () if isinstance(param, DTensor) else ()
+    return any(names_experts(n) for n in (*dims, *own)) if dims else False
 
 
 def _owner(fqn: str) -> str:
@@ -96,14 +118,14 @@ def refusal(model: nn.Module, group: DeviceMesh, config: OverlapConfig, deferred
     experts = _expert_params(model, group)
     name, first = experts[0]
     where = f"overlap.wrap: parameter {name!r} is an expert DTensor (placements {tuple(first.placements)} on mesh dims {first.device_mesh.mesh_dim_names})"
-    ep_names = first.device_mesh.mesh_dim_names or ()
+    ep_dims = _group_dims(first, group)
     if group.ndim != 2:
         return (
             f"{where}, and `group` is {group.ndim}-D {group.mesh_dim_names}: expert parallelism is "
             f"supported on a 2-D (dp_mod_ep, ep) data-parallel mesh only (no HSDP, no tensor "
             f"parallelism beside it yet); {RECIPE}"
         )
-    other = [n for n in group.mesh_dim_names or () if n not in ep_names]
+    other = [n for n in group.mesh_dim_names or () if n not in ep_dims]
     if group[tuple(other)].size() == 1:
         return (
             f"{where}, and the ep dimension is all of dp: the experts would not be sharded over "
@@ -112,7 +134,7 @@ def refusal(model: nn.Module, group: DeviceMesh, config: OverlapConfig, deferred
         )
     for fqn, param in experts:
         mesh = param.device_mesh
-        if mesh.mesh_dim_names != ep_names:
+        if _group_dims(param, group) != ep_dims:
             return f"{where}, and expert parameter {fqn!r} is on mesh dims {mesh.mesh_dim_names}: put every expert weight on the same ep dimension"
         if mesh.ndim != 1 or tuple(param.placements) != (Shard(0),):
             return (
@@ -182,17 +204,9 @@ def _config_refusal(config: OverlapConfig) -> str | None:
 def plan(model: nn.Module, group: DeviceMesh) -> ExpertPlan:
     """The plan for a model `refusal` accepted."""
     experts = _expert_params(model, group)
-    ep_names = experts[0][1].device_mesh.mesh_dim_names or ()
-    names = group.mesh_dim_names or ()
-    other = tuple(n for n in names if n not in ep_names)
+    ep_dims = _group_dims(experts[0][1], group)
+    other = tuple(n for n in group.mesh_dim_names or () if n not in ep_dims)
     return ExpertPlan(group[other], group._flatten(), group.size())
-
-
-def is_expert(param: object, group: DeviceMesh) -> bool:
-    """Whether `param` is an expert parameter for the mesh `group` (before wrap)."""
-    names = set(group.mesh_dim_names or ())
-    dims = param.device_mesh.mesh_dim_names if isinstance(param, DTensor) else None
-    return bool(dims) and set(dims) <= names  # type: ignore[arg-type]
 
 
 @contextlib.contextmanager
