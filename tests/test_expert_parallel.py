@@ -7,7 +7,12 @@ Ranks 0 and 1 (one dp_mod_ep row) hold two tokens each, so some rank routes no t
 expert and some rank's expert receives none. `overlap.wrap(model, group=mesh)` against torchtitan's
 FSDP2 recipe: `fully_shard(experts, mesh=dp_mod_ep)` with the gradient divide factor of all of dp,
 `fully_shard(block)` and `fully_shard(model)` over dp flattened (gloo has no PREMUL_SUM: the
-experts' sum is divided after it, `set_force_sum_reduction_for_comms`, as overlap does).
+experts' sum is divided after it, `set_force_sum_reduction_for_comms`, as overlap does). Trained
+with AdamW, clipped from the third step; then a checkpoint resumed and a full state dict loaded.
+The same with units kept from forward to backward, one bucket per unit, prefetch depth 1 and two
+micro-batches a step, and on torchtitan's meshes (the experts on `ep`, a 1-D mesh flattened from
+`dp_shard_in_ep`). Every rank seeded differently ends with rank 0's values. Each unsupported
+combination raises at wrap on every rank with the same message naming the parameter.
 
 Tolerance: the dense gradients are summed over four ranks in another order than gloo's
 reduce-scatter ([Note: what is bitwise] in tolerance.py), so losses and parameters are held to
