@@ -259,7 +259,17 @@ def check_sync_from_rank0(rank: int, world_size: int) -> list[str]:
     torch.manual_seed(0)
     want = dict(Model(mesh["ep"].get_group()).named_parameters())
     mine = _full(ours)
-    return [n for n in want if not torch.equal(mine[n], want[n].detach())]
+    differ = [n for n in want if not torch.equal(mine[n], want[n].detach())]
+    # unshard() gathers the experts too: an evaluation forward then gives the same output
+    x = _batch(rank, 0)
+    with torch.no_grad():
+        expected = ours(x)
+        ours.unshard()
+        held = [u.unsharded_flat.untyped_storage().nbytes() > 0 for u in ours._overlap_state.experts[0].units]
+        if not all(held) or not torch.equal(ours(x), expected):
+            differ.append(f"unshard: experts held {held}")
+        ours.reshard()
+    return differ
 
 
 def test_expert_parallel_syncs_rank0_values(world4):
