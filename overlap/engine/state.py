@@ -145,7 +145,7 @@ class OverlapState:
             secondary_group=secondary_group,
             gradient_divide_factor=groups.gradient_divide_factor,
         )
-        # the states of the experts modules ([Note: expert parallelism] in experts.py), set by wrap
+        # expert parallelism: the experts' state, set by wrap ([Note: expert parallelism] in experts.py)
         self.experts: tuple[OverlapState, ...] = ()
         self._num_trainable = [sum(p.requires_grad for p in u.unsharded_params) for u in units]
         self._has_frozen = [not all(p.requires_grad for p in u.unsharded_params) for u in units]
