@@ -10,7 +10,7 @@ FSDP2 recipe: `fully_shard(experts, mesh=dp_mod_ep)` with the gradient divide fa
 experts' sum is divided after it, `set_force_sum_reduction_for_comms`, as overlap does). Trained
 with AdamW, clipped from the third step; then a checkpoint resumed and a full state dict loaded.
 The same with units kept from forward to backward, one bucket per unit, prefetch depth 1 and two
-micro-batches a step, and on torchtitan's meshes (the experts on `ep`, a 1-D mesh flattened from
+micro-batches a step, with bf16 parameters and fp32 reduction, and on torchtitan's meshes (the experts on `ep`, a 1-D mesh flattened from
 `dp_shard_in_ep`). Every rank seeded differently ends with rank 0's values. Each unsupported
 combination raises at wrap on every rank with the same message naming the parameter.
 
@@ -134,17 +134,18 @@ def _model(mesh: DeviceMesh, seed: int = 0, placement: Placement = Shard(0)) -> 
     return model
 
 
-def _fsdp2(mesh: DeviceMesh, dp_mod_ep: str = "dp_mod_ep") -> Model:
-    from torch.distributed.fsdp import fully_shard
+def _fsdp2(mesh: DeviceMesh, dp_mod_ep: str = "dp_mod_ep", **mixed_precision: torch.dtype) -> Model:
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     model = _model(mesh)
     dp = mesh._flatten()
+    policy = MixedPrecisionPolicy(**mixed_precision)
     for layer in model.layers:
-        fully_shard(layer.moe.experts, mesh=mesh[dp_mod_ep])
+        fully_shard(layer.moe.experts, mesh=mesh[dp_mod_ep], mp_policy=policy)
         layer.moe.experts.set_gradient_divide_factor(float(mesh.size()))
         layer.moe.experts.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
-        fully_shard(layer, mesh=dp)
-    fully_shard(model, mesh=dp)
+        fully_shard(layer, mesh=dp, mp_policy=policy)
+    fully_shard(model, mesh=dp, mp_policy=policy)
     return model
 
 
@@ -285,8 +286,6 @@ def _refused(rank: int, world_size: int) -> dict[str, str | None]:
         for field, value in (
             ("param_compression", "int8"),
             ("grad_compression", "int8"),
-            ("param_dtype", torch.bfloat16),
-            ("reduce_dtype", torch.bfloat16),
             ("autotune", True),
             ("hybrid_mode", "secondary"),
         )
@@ -343,8 +342,6 @@ def _refused(rank: int, world_size: int) -> dict[str, str | None]:
 _REFUSALS = {
     "param_compression": ("'layers.0.moe.experts.w1'", "param_compression", "leave the default"),
     "grad_compression": ("'layers.0.moe.experts.w1'", "grad_compression", "leave the default"),
-    "param_dtype": ("'layers.0.moe.experts.w1'", "param_dtype", "leave the default"),
-    "reduce_dtype": ("'layers.0.moe.experts.w1'", "reduce_dtype", "leave the default"),
     "autotune": ("'layers.0.moe.experts.w1'", "autotune", "leave the default"),
     "hybrid_mode": ("'layers.0.moe.experts.w1'", "hybrid_mode='secondary'", "leave the default"),
     "compiled block": ("'layers.0.moe.experts.w1'", "'layers.1' is compiled", "leave the blocks eager"),
@@ -378,6 +375,23 @@ def check_variant(rank: int, world_size: int) -> dict:
     out: dict = {"losses": [], "norms": [], "params": []}
     _train(rank, ours, ref, opts, out, micro_batches=2)
     return out
+
+
+def check_mixed_precision(rank: int, world_size: int) -> dict:
+    """bf16 parameters, fp32 reduction: FSDP2's MixedPrecisionPolicy on every fully_shard."""
+    mesh = _mesh()
+    dtypes = {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32}
+    ours = overlap.wrap(_model(mesh), group=mesh, **dtypes)
+    ref = _fsdp2(mesh, **dtypes)
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (ours, ref)]
+    out: dict = {"losses": [], "norms": [], "params": []}
+    _train(rank, ours, ref, opts, out)
+    return out
+
+
+def test_expert_parallel_mixed_precision_matches_fsdp2(world4):
+    # the same bf16 forward and backward; the fp32 sums reordered as above
+    _assert_parity(world4.run(check_mixed_precision, timeout_s=120), reordered_rtol(4, STEPS))
 
 
 def test_expert_parallel_variant_matches_fsdp2(world4):

@@ -186,8 +186,6 @@ def _config_refusal(config: OverlapConfig) -> str | None:
     unverified = {
         "param_compression": config.param_compression is not None,
         "grad_compression": config.grad_compression is not None,
-        "param_dtype": config.param_dtype is not None,
-        "reduce_dtype": config.reduce_dtype is not None,
         "autotune": bool(config.autotune),
         "hybrid_mode='secondary'": config.hybrid_mode == "secondary",
     }
@@ -196,7 +194,7 @@ def _config_refusal(config: OverlapConfig) -> str | None:
         return None
     return (
         f"{', '.join(named)} {'is' if len(named) == 1 else 'are'} not supported with expert "
-        "parallelism yet (each state would compress, cast or tune on its own group, unverified); "
+        "parallelism yet (each state would compress or tune on its own group, unverified); "
         "leave the default"
     )
 
