@@ -10,14 +10,16 @@ FSDP2 recipe: `fully_shard(experts, mesh=dp_mod_ep)` with the gradient divide fa
 experts' sum is divided after it, `set_force_sum_reduction_for_comms`, as overlap does). Trained
 with AdamW, clipped from the third step; then a checkpoint resumed and a full state dict loaded.
 The same with units kept from forward to backward, one bucket per unit, prefetch depth 1 and two
-micro-batches a step, with bf16 parameters and fp32 reduction, and on torchtitan's meshes (the experts on `ep`, a 1-D mesh flattened from
-`dp_shard_in_ep`). Every rank seeded differently ends with rank 0's values. Each unsupported
-combination raises at wrap on every rank with the same message naming the parameter.
+micro-batches a step; with bf16 parameters and fp32 reduction; on torchtitan's meshes (the
+experts on `ep`, a 1-D mesh flattened from `dp_shard_in_ep`); and, on eight ranks, HSDP x EP
+(dp_replicate, dp_mod_ep, ep) = (2, 2, 2). Every rank seeded differently ends with rank 0's
+values. Each unsupported combination raises at wrap on every rank with the same message naming
+the parameter.
 
-Tolerance: the dense gradients are summed over four ranks in another order than gloo's
-reduce-scatter ([Note: what is bitwise] in tolerance.py), so losses and parameters are held to
-`reordered_rtol(4, steps)`; the global norm of the clipped steps is a sum of per-shard squares
-(ours) beside a sum of full gradients' squares, within the same bound.
+Tolerance: the dense gradients are summed over four ranks (eight under HSDP) in another order
+than gloo's reduce-scatter ([Note: what is bitwise] in tolerance.py), so losses and parameters are
+held to `reordered_rtol(ranks, steps)`; the global norm of the clipped steps is a sum of
+per-shard squares (ours) beside a sum of full gradients' squares, within the same bound.
 """
 
 from __future__ import annotations
@@ -134,14 +136,19 @@ def _model(mesh: DeviceMesh, seed: int = 0, placement: Placement = Shard(0)) -> 
     return model
 
 
-def _fsdp2(mesh: DeviceMesh, dp_mod_ep: str = "dp_mod_ep", **mixed_precision: torch.dtype) -> Model:
+def _fsdp2(
+    mesh: DeviceMesh, experts: DeviceMesh | None = None, dense: DeviceMesh | None = None, **mixed_precision: torch.dtype
+) -> Model:
+    """torchtitan's recipe: the experts over `experts` (dp_mod_ep by default), the rest over
+    `dense` (all of `mesh` flattened by default)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     model = _model(mesh)
-    dp = mesh._flatten()
+    dp = mesh._flatten() if dense is None else dense
     policy = MixedPrecisionPolicy(**mixed_precision)
     for layer in model.layers:
-        fully_shard(layer.moe.experts, mesh=mesh[dp_mod_ep], mp_policy=policy)
+        experts_mesh = mesh["dp_mod_ep"] if experts is None else experts
+        fully_shard(layer.moe.experts, mesh=experts_mesh, mp_policy=policy)
         layer.moe.experts.set_gradient_divide_factor(float(mesh.size()))
         layer.moe.experts.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
         fully_shard(layer, mesh=dp, mp_policy=policy)
@@ -326,9 +333,9 @@ def _refused(rank: int, world_size: int) -> dict[str, str | None]:
     three = init_device_mesh("cpu", (2, 2, 1), mesh_dim_names=("dp_mod_ep", "ep", "tp"))
     try:
         overlap.wrap(_model(three), group=three)
-        out["3-D mesh"] = None
+        out["tp beside ep"] = None
     except ValueError as error:
-        out["3-D mesh"] = str(error)
+        out["tp beside ep"] = str(error)
     whole = init_device_mesh("cpu", (1, 4), mesh_dim_names=("dp_mod_ep", "ep"))
     try:
         overlap.wrap(_model(whole), group=whole)
@@ -348,7 +355,7 @@ _REFUSALS = {
     "meta device": ("'layers.0.moe.experts.w1'", "meta device", "materialize the model first"),
     "plain parameter in the experts module": ("'layers.1.moe.experts'", "'scale'", "move the others"),
     "Replicate() over ep": ("'layers.0.moe.experts.w1'", "Replicate()", "only Shard(0)"),
-    "3-D mesh": ("'layers.0.moe.experts.w1'", "3-D ('dp_mod_ep', 'ep', 'tp')", "2-D (dp_mod_ep, ep)"),
+    "tp beside ep": ("'layers.0.moe.experts.w1'", "3-D ('dp_mod_ep', 'ep', 'tp')", "the ep dimension last"),
     "ep is all of dp": ("'layers.0.moe.experts.w1'", "dp_mod_ep of size 1", "at least 2"),
 }
 
@@ -410,7 +417,7 @@ def check_torchtitan_meshes(rank: int, world_size: int) -> dict:
         _TITAN.append(mesh)
     mesh = _TITAN[0]
     ours = overlap.wrap(_model(mesh), group=mesh)
-    ref = _fsdp2(mesh, "dp_shard_mod_ep")
+    ref = _fsdp2(mesh, experts=mesh["dp_shard_mod_ep"])
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (ours, ref)]
     w1 = ours.layers[0].moe.experts.w1
     out: dict = {"losses": [], "norms": [], "params": [], "placements": (w1.device_mesh.mesh_dim_names, tuple(map(str, w1.placements)))}
@@ -422,3 +429,42 @@ def test_expert_parallel_on_torchtitan_meshes_matches_fsdp2(world4):
     results = world4.run(check_torchtitan_meshes, timeout_s=120)
     assert results[0]["placements"] == (("dp_shard_mod_ep", "ep"), ("_S(0, 2)", "S(0)")), results[0]["placements"]
     _assert_parity(results, reordered_rtol(4, STEPS))
+
+
+_HSDP: list[DeviceMesh] = []
+
+
+def check_hsdp(rank: int, world_size: int) -> dict:
+    """HSDP x EP on (dp_replicate, dp_mod_ep, ep) = (2, 2, 2): FSDP2 with the experts over
+    (dp_replicate, dp_mod_ep) and the rest over (dp_replicate, dp_mod_ep x ep flattened)."""
+    if not _HSDP:
+        _HSDP.append(init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("dp_replicate", "dp_mod_ep", "ep")))
+    mesh = _HSDP[0]
+    ours = overlap.wrap(_model(mesh), group=mesh)
+    dense = DeviceMesh._concatenate([mesh["dp_replicate"], mesh["dp_mod_ep", "ep"]._flatten()])
+    ref = _fsdp2(mesh, experts=mesh["dp_replicate", "dp_mod_ep"], dense=dense)
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (ours, ref)]
+    out: dict = {"losses": [], "norms": [], "params": [], "placements": {}}
+    for name in ("layers.0.moe.experts.w1", "head.weight"):
+        p = ours.get_parameter(name)
+        out["placements"][name] = (p.device_mesh.mesh_dim_names, tuple(map(str, p.placements)))
+    _train(rank, ours, ref, opts, out)
+    full = overlap.full_state_dict(ours)  # then into a fresh model: bit for bit
+    fresh = overlap.wrap(_model(mesh), group=mesh)
+    overlap.load_full_state_dict(fresh, full if rank == 0 else None)
+    mine, loaded = _full(ours), _full(fresh)
+    out["loaded_differ"] = [n for n in mine if not torch.equal(mine[n], loaded[n])]
+    return out
+
+
+def test_hsdp_expert_parallel_matches_fsdp2(world8):
+    results = world8.run(check_hsdp, timeout_s=180)
+    assert all(not r["loaded_differ"] for r in results), [r["loaded_differ"] for r in results]
+    placements = results[0]["placements"]
+    assert placements["layers.0.moe.experts.w1"] == (
+        ("dp_replicate", "dp_mod_ep", "ep"),
+        ("R", "_S(0, 2)", "S(0)"),
+    ), placements
+    assert placements["head.weight"] == (("dp_replicate", "dp_mod_ep_ep"), ("R", "S(0)")), placements
+    # 8-way sums: the reduce-scatter's, then the all-reduce across replicas
+    _assert_parity(results, reordered_rtol(8, STEPS))

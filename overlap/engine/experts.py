@@ -29,7 +29,11 @@ meshes as two groups:
   (ep rank j keeps ep rank j's experts); its same-model/config checks, collective fingerprints,
   order checks and deferred checks run in that group;
 - the model's state, over all of `group` flattened (1-D DTensors on it, as FSDP2's
-  `fully_shard(model, mesh=dp)`), holding every other parameter; `model._overlap_state`, with the
+  `fully_shard(model, mesh=dp)`), holding every other parameter;
+- HSDP: a 3-D `group` (dp_replicate, dp_mod_ep, ep) gives the experts' state the 2-D mesh
+  (dp_replicate, dp_mod_ep) and the model's (dp_replicate, dp_mod_ep x ep flattened): each shards
+  over its second dimension and all-reduces across replicas ([Note: hybrid sharding] in
+  groups.py), the experts' gradients divided by the size of all of `group`; `model._overlap_state`, with the
   experts' state in its `experts` (no_sync, set_requires_gradient_sync and the deferred checks
   reach it).
 
@@ -69,8 +73,8 @@ RECIPE = (
 class ExpertPlan:
     """How `wrap` splits a model with expert parameters ([Note: expert parallelism])."""
 
-    expert_mesh: DeviceMesh  # what an expert module is sharded over: group's other dims (dp_mod_ep)
-    dense_mesh: DeviceMesh  # what the rest is sharded over: all of group, flattened
+    expert_mesh: DeviceMesh  # the experts': group's other dims (dp_mod_ep; HSDP: dp_replicate, dp_mod_ep)
+    dense_mesh: DeviceMesh  # the rest's: all of group flattened (HSDP: dp_replicate, the rest flattened)
     dp_size: int  # the experts' gradient divide factor: the size of all of dp
 
 
@@ -119,18 +123,19 @@ def refusal(model: nn.Module, group: DeviceMesh, config: OverlapConfig, deferred
     name, first = experts[0]
     where = f"overlap.wrap: parameter {name!r} is an expert DTensor (placements {tuple(first.placements)} on mesh dims {first.device_mesh.mesh_dim_names})"
     ep_dims = _group_dims(first, group)
-    if group.ndim != 2:
+    names = group.mesh_dim_names or ()
+    if group.ndim not in (2, 3) or (group.ndim == 3 and names[-1] not in ep_dims):
         return (
-            f"{where}, and `group` is {group.ndim}-D {group.mesh_dim_names}: expert parallelism is "
-            f"supported on a 2-D (dp_mod_ep, ep) data-parallel mesh only (no HSDP, no tensor "
-            f"parallelism beside it yet); {RECIPE}"
+            f"{where}, and `group` is {group.ndim}-D {names}: expert parallelism is supported on a "
+            "2-D (dp_mod_ep, ep) or a 3-D (dp_replicate, dp_mod_ep, ep) data-parallel mesh (HSDP), "
+            f"the ep dimension last; tensor parallelism beside it is not supported yet; {RECIPE}"
         )
-    other = [n for n in group.mesh_dim_names or () if n not in ep_dims]
-    if group[tuple(other)].size() == 1:
+    other = [n for n in names if n not in ep_dims]
+    if group[other[-1]].size() == 1:
         return (
-            f"{where}, and the ep dimension is all of dp: the experts would not be sharded over "
-            "data-parallel ranks (dp_mod_ep of size 1), which is not supported yet; make "
-            "dp_mod_ep at least 2, or keep the experts data-parallel"
+            f"{where}, and the ep dimension is all of the shard dimension: the experts would not be "
+            "sharded over data-parallel ranks (dp_mod_ep of size 1), which is not supported yet; "
+            "make dp_mod_ep at least 2, or keep the experts data-parallel"
         )
     for fqn, param in experts:
         mesh = param.device_mesh
@@ -204,7 +209,12 @@ def plan(model: nn.Module, group: DeviceMesh) -> ExpertPlan:
     experts = _expert_params(model, group)
     ep_dims = _group_dims(experts[0][1], group)
     other = tuple(n for n in group.mesh_dim_names or () if n not in ep_dims)
-    return ExpertPlan(group[other], group._flatten(), group.size())
+    if group.ndim == 2:
+        return ExpertPlan(group[other], group._flatten(), group.size())
+    # HSDP: (dp_replicate, dp_mod_ep x ep flattened) for the rest, (dp_replicate, dp_mod_ep) for
+    # the experts; both replicated over dp_replicate ([Note: hybrid sharding] in groups.py)
+    shard = group[(other[-1], *ep_dims)]._flatten()
+    return ExpertPlan(group[other], DeviceMesh._concatenate([group[other[0]], shard]), group.size())
 
 
 @contextlib.contextmanager
