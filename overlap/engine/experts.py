@@ -44,8 +44,9 @@ path (`full_tensor()`, `distribute_tensor`), which gathers an expert over its ow
 checkpoints save the DTensors on their meshes. A step in which some rank routes no token to some
 expert computes that expert on an empty batch (zero gradients), or leaves its gradient None
 ([Note: used flags] in reduction.py): neither skips a collective. Everything else raises at wrap
-on every rank (`refusal`, [Note: composition refusals] in compose.py). `step_stats` and
-`memory_stats` report the model's state only.
+on every rank (`refusal`, [Note: composition refusals] in compose.py). `step_stats`,
+`memory_stats`, the metrics file and the traces report the model's state only (the experts'
+state, whose ranks are numbered in its own group, would write over the files of other ranks).
 """
 
 from __future__ import annotations

@@ -117,7 +117,8 @@ def _wrap_expert_parallel(
     expert_ids = {id(p) for p in model.parameters() if experts.is_expert(p, group)}
     with experts.hidden(model, lambda p: id(p) not in expert_ids):
         pgs = resolve_groups(plan.expert_mesh, device, config.hybrid_mode)
-        expert_state = _wrap_state(model, pgs._replace(gradient_divide_factor=plan.dp_size), config, device, False, None)
+        pgs = pgs._replace(gradient_divide_factor=plan.dp_size)
+        expert_state = _wrap_state(model, pgs, config, device, False, None, writes_files=False)
     expert_ids = {id(p) for unit in expert_state.units for p in unit.sharded_params}
     with experts.hidden(model, lambda p: id(p) in expert_ids):
         state = _wrap_state(model, resolve_groups(plan.dense_mesh, device, config.hybrid_mode), config, device, False, None)
@@ -132,6 +133,7 @@ def _wrap_state(
     device: torch.device,
     deferred: bool,
     param_init_fn: ParamInitFn | None,
+    writes_files: bool = True,
 ) -> OverlapState:
     """Shard `model` over `pgs` and build its state (hooks installed): the body of `wrap`, once
     per state."""
@@ -211,7 +213,7 @@ def _wrap_state(
         buffers = list(model.buffers())
         if buffers:
             broadcast_tensors(source, buffers)
-    state = OverlapState(model, config, pgs, units, root_units, hooked)
+    state = OverlapState(model, config, pgs, units, root_units, hooked, writes_files)
     teardown.watch(state)  # [Note: quiet exit], [Note: final checks] in deferred.py
     register_sharded(p for unit in units for p in unit.sharded_params)  # [Note: local optimizer step]
     return state
