@@ -114,67 +114,22 @@ def is_expert(param: object, group: DeviceMesh) -> bool:
     return any(names_experts(n) for n in (*dims, *own)) if dims else False
 
 
-def _owner(fqn: str) -> str:
-    return fqn.rpartition(".")[0]
-
-
 def refusal(model: nn.Module, group: DeviceMesh, config: OverlapConfig, deferred: bool) -> str | None:
-    """Why this expert-parallel model cannot be wrapped over `group`, or None."""
+    """Why this expert-parallel model cannot be wrapped over `group`, or None: the mesh, the
+    expert parameters, the modules holding them, the rest of the model, then the config."""
     experts = _expert_params(model, group)
     name, first = experts[0]
-    where = f"overlap.wrap: parameter {name!r} is an expert DTensor (placements {tuple(first.placements)} on mesh dims {first.device_mesh.mesh_dim_names})"
-    ep_dims = _group_dims(first, group)
-    names = group.mesh_dim_names or ()
-    if group.ndim not in (2, 3) or (group.ndim == 3 and names[-1] not in ep_dims):
-        return (
-            f"{where}, and `group` is {group.ndim}-D {names}: expert parallelism is supported on a "
-            "2-D (dp_mod_ep, ep) or a 3-D (dp_replicate, dp_mod_ep, ep) data-parallel mesh (HSDP), "
-            f"the ep dimension last; tensor parallelism beside it is not supported yet; {RECIPE}"
-        )
-    other = [n for n in names if n not in ep_dims]
-    if group[other[-1]].size() == 1:
-        return (
-            f"{where}, and the ep dimension is all of the shard dimension: the experts would not be "
-            "sharded over data-parallel ranks (dp_mod_ep of size 1), which is not supported yet; "
-            "make dp_mod_ep at least 2, or keep the experts data-parallel"
-        )
-    for fqn, param in experts:
-        mesh = param.device_mesh
-        if _group_dims(param, group) != ep_dims:
-            return f"{where}, and expert parameter {fqn!r} is on mesh dims {mesh.mesh_dim_names}: put every expert weight on the same ep dimension"
-        if mesh.ndim != 1 or tuple(param.placements) != (Shard(0),):
-            return (
-                f"overlap.wrap: expert parameter {fqn!r} has placements {tuple(param.placements)} on "
-                f"mesh dims {mesh.mesh_dim_names}: only Shard(0) over one ep dimension (stacked "
-                f"experts [num_experts, ...], torchtitan's ExpertParallel) is supported; {RECIPE}"
-            )
-        if param.shape[0] % mesh.size() != 0:
-            return f"overlap.wrap: expert parameter {fqn!r} has {param.shape[0]} experts, not a multiple of the {mesh.size()} ep ranks; pad the experts"
-    modules = dict(model.named_modules())
-    expert_ids = {id(p) for _, p in experts}
-    owners = sorted({_owner(fqn) for fqn, _ in experts})
-    for owner in owners:
-        if owner == "":
-            return f"{where}: expert parameters held by the root module are not supported; hold them in an experts submodule"
-        other = next((n for n, p in modules[owner].named_parameters() if id(p) not in expert_ids), None)
-        if other is not None:
-            return (
-                f"overlap.wrap: module {owner!r} holds expert parameters and {other!r}, which is "
-                "not one (a plain or tensor-parallel parameter): an experts module must hold only "
-                "expert weights; move the others to a sibling module"
-            )
-        nested = next((o for o in owners if o != owner and o.startswith(owner + ".")), None)
-        if nested is not None:
-            return f"overlap.wrap: expert modules {owner!r} and {nested!r} nest; hold the expert weights in sibling modules"
-    plain_dtensor = next(
-        ((n, p) for n, p in model.named_parameters() if isinstance(p, DTensor) and id(p) not in expert_ids), None
+    where = (
+        f"overlap.wrap: parameter {name!r} is an expert DTensor (placements "
+        f"{tuple(first.placements)} on mesh dims {first.device_mesh.mesh_dim_names})"
     )
-    if plain_dtensor is not None:
-        return (
-            f"{where}, and parameter {plain_dtensor[0]!r} is a DTensor on mesh dims "
-            f"{plain_dtensor[1].device_mesh.mesh_dim_names}, not of `group`: tensor parallelism "
-            f"beside expert parallelism is not supported yet; {RECIPE}"
-        )
+    problem = (
+        _mesh_refusal(group, _group_dims(first, group))
+        or _params_refusal(experts, group)
+        or _modules_refusal(model, experts)
+    )
+    if problem is not None:
+        return f"{where}, and {problem}"
     compiled = next((n for n, m in model.named_modules() if is_compiled(m)), None)
     if compiled is not None:
         return (
@@ -185,6 +140,67 @@ def refusal(model: nn.Module, group: DeviceMesh, config: OverlapConfig, deferred
         return f"{where} on the meta device: deferred init with expert parallelism is not supported; materialize the model first"
     problem = _config_refusal(config)
     return None if problem is None else f"{where}, and {problem}"
+
+
+def _mesh_refusal(group: DeviceMesh, ep_dims: tuple[str, ...]) -> str | None:
+    names = group.mesh_dim_names or ()
+    if group.ndim not in (2, 3) or (group.ndim == 3 and names[-1] not in ep_dims):
+        return (
+            f"`group` is {group.ndim}-D {names}: expert parallelism is supported on a 2-D "
+            "(dp_mod_ep, ep) or a 3-D (dp_replicate, dp_mod_ep, ep) data-parallel mesh (HSDP), the "
+            f"ep dimension last; tensor parallelism beside it is not supported yet; {RECIPE}"
+        )
+    other = [n for n in names if n not in ep_dims]
+    if group[other[-1]].size() == 1:
+        return (
+            "the ep dimension is all of the shard dimension: the experts would not be sharded over "
+            "data-parallel ranks (dp_mod_ep of size 1), which is not supported yet; make dp_mod_ep "
+            "at least 2, or keep the experts data-parallel"
+        )
+    return None
+
+
+def _params_refusal(experts: list[tuple[str, DTensor]], group: DeviceMesh) -> str | None:
+    ep_dims = _group_dims(experts[0][1], group)
+    for fqn, param in experts:
+        mesh = param.device_mesh
+        if _group_dims(param, group) != ep_dims:
+            return f"expert parameter {fqn!r} is on mesh dims {mesh.mesh_dim_names}: put every expert weight on the same ep dimension"
+        if mesh.ndim != 1 or tuple(param.placements) != (Shard(0),):
+            return (
+                f"expert parameter {fqn!r} has placements {tuple(param.placements)} on mesh dims "
+                f"{mesh.mesh_dim_names}: only Shard(0) over one ep dimension (stacked experts "
+                f"[num_experts, ...], torchtitan's ExpertParallel) is supported; {RECIPE}"
+            )
+        if param.shape[0] % mesh.size() != 0:
+            return f"expert parameter {fqn!r} has {param.shape[0]} experts, not a multiple of the {mesh.size()} ep ranks; pad the experts"
+    return None
+
+
+def _modules_refusal(model: nn.Module, experts: list[tuple[str, DTensor]]) -> str | None:
+    modules = dict(model.named_modules())
+    expert_ids = {id(p) for _, p in experts}
+    owners = sorted({fqn.rpartition(".")[0] for fqn, _ in experts})
+    for owner in owners:
+        if owner == "":
+            return "expert parameters held by the root module are not supported; hold them in an experts submodule"
+        other = next((n for n, p in modules[owner].named_parameters() if id(p) not in expert_ids), None)
+        if other is not None:
+            return (
+                f"module {owner!r} holds expert parameters and {other!r}, which is not one (a plain "
+                "or tensor-parallel parameter): an experts module must hold only expert weights; "
+                "move the others to a sibling module"
+            )
+        nested = next((o for o in owners if o != owner and o.startswith(owner + ".")), None)
+        if nested is not None:
+            return f"expert modules {owner!r} and {nested!r} nest; hold the expert weights in sibling modules"
+    plain = next(((n, p) for n, p in model.named_parameters() if isinstance(p, DTensor) and id(p) not in expert_ids), None)
+    if plain is not None:
+        return (
+            f"parameter {plain[0]!r} is a DTensor on mesh dims {plain[1].device_mesh.mesh_dim_names}, "
+            f"not of `group`: tensor parallelism beside expert parallelism is not supported yet; {RECIPE}"
+        )
+    return None
 
 
 def _config_refusal(config: OverlapConfig) -> str | None:
