@@ -179,13 +179,9 @@ def refusal(
     problem = _config_refusal(config)
     if problem is not None:
         return f"overlap.wrap: {where}, and {problem}"
-    compiled = next((n for n, m in model.named_modules() if is_compiled(m)), None)
-    if compiled is not None:
-        return (
-            f"overlap.wrap: {where}, and module {compiled or '<root>'!r} is compiled "
-            "(torch.compile / module.compile()): not verified with tensor parallelism yet; "
-            "compile after a run without it, or leave the blocks eager"
-        )
+    problem = compiled_refusal(model, "tensor parallelism", "compile after a run without it, or leave the blocks eager")
+    if problem is not None:
+        return f"overlap.wrap: {where}, and {problem}"
     return None
 
 
@@ -234,6 +230,17 @@ def _expert_refusal(param: DTensor, dp_mesh: DeviceMesh | None) -> str | None:
             f"rank); {_EXPERT_INSTEAD}"
         )
     return None
+
+
+def compiled_refusal(model: nn.Module, parallelism: str, instead: str) -> str | None:
+    """Why a compiled module of `model` is refused beside `parallelism`, or None without one."""
+    compiled = next((n for n, m in model.named_modules() if is_compiled(m)), None)
+    if compiled is None:
+        return None
+    return (
+        f"module {compiled or '<root>'!r} is compiled (torch.compile / module.compile()): not "
+        f"verified with {parallelism} yet; {instead}"
+    )
 
 
 def is_compiled(module: nn.Module) -> bool:

@@ -61,7 +61,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from overlap.config import OverlapConfig
-from overlap.engine.compose import is_compiled, names_experts
+from overlap.engine.compose import compiled_refusal, names_experts
 
 RECIPE = (
     "wrap(model, group=mesh) with the whole data-parallel mesh, e.g. mesh = "
@@ -127,15 +127,10 @@ def refusal(model: nn.Module, group: DeviceMesh, config: OverlapConfig, deferred
         _mesh_refusal(group, _group_dims(first, group))
         or _params_refusal(experts, group)
         or _modules_refusal(model, experts)
+        or compiled_refusal(model, "expert parallelism", "leave the blocks eager")
     )
     if problem is not None:
         return f"{where}, and {problem}"
-    compiled = next((n for n, m in model.named_modules() if is_compiled(m)), None)
-    if compiled is not None:
-        return (
-            f"{where}, and module {compiled or '<root>'!r} is compiled (torch.compile / "
-            "module.compile()): not verified with expert parallelism yet; leave the blocks eager"
-        )
     if deferred:
         return f"{where} on the meta device: deferred init with expert parallelism is not supported; materialize the model first"
     problem = _config_refusal(config)
