@@ -381,6 +381,10 @@ def check_variant(rank: int, world_size: int) -> dict:
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (ours, ref)]
     out: dict = {"losses": [], "norms": [], "params": []}
     _train(rank, ours, ref, opts, out, micro_batches=2)
+    experts = ours._overlap_state.experts[0].schedule
+    with overlap.no_sync(ours):  # reaches the experts' state, and leaves it as it found it
+        out["no_sync_reaches_experts"] = not experts.sync_grads
+    out["sync_after"] = experts.sync_grads
     return out
 
 
@@ -403,6 +407,7 @@ def test_expert_parallel_mixed_precision_matches_fsdp2(world4):
 
 def test_expert_parallel_variant_matches_fsdp2(world4):
     results = world4.run(check_variant, timeout_s=120)
+    assert all(r["no_sync_reaches_experts"] and r["sync_after"] for r in results), results[0]
     _assert_parity(results, reordered_rtol(4, 2 * STEPS))  # two sums a step: each micro-batch's, then theirs
 
 
