@@ -45,7 +45,7 @@ def full_state_dict(model: nn.Module, rank0_only: bool = True) -> dict[str, torc
     state = state_of(model)
     check_deferred(state, "overlap.full_state_dict")
     own = model.state_dict()
-    if not rank0_only or state.tensor_group is not None:  # TP: see _load_tensor_parallel
+    if not rank0_only or _by_dtensor(state):  # TP, EP: see _load_tensor_parallel
         full = {
             name: (value.full_tensor() if isinstance(value, DTensor) else value).detach().cpu().clone()
             for name, value in own.items()
@@ -88,7 +88,7 @@ def load_full_state_dict(
     """
     state = state_of(model)
     own = model.state_dict()
-    if state.tensor_group is not None:
+    if _by_dtensor(state):
         _load_tensor_parallel(state, own, state_dict, strict, rank0_only)
         return
     if not rank0_only:
@@ -226,11 +226,19 @@ def _load_own_rows(state: OverlapState, own: dict[str, Any], state_dict: Mapping
 # down each dp group (`_tp_stages`), and every rank cuts its local rows out of the full
 # tensor by its own placements (`distribute_tensor` without communication). Simpler than the
 # unit-by-unit scatter of the plain path, and holding one full tensor at a time on every rank.
+# Expert parallelism takes the same path ([Note: expert parallelism] in engine/experts.py): the
+# model's state is over all of dp, which holds every rank of the experts' (dp_mod_ep, ep) mesh, so
+# a broadcast over dp reaches every rank, and `full_tensor()` gathers an expert over its own mesh.
+
+
+def _by_dtensor(state: OverlapState) -> bool:
+    """Whether the full state dict goes through DTensors (TP, EP) rather than unit by unit."""
+    return state.tensor_group is not None or bool(state.experts)
 
 
 def _is_tp_source(state: OverlapState) -> bool:
-    assert state.tensor_group is not None
-    return dist.get_rank(state.group) == 0 and dist.get_rank(state.tensor_group) == 0 and state.replica_rank == 0
+    tp_first = state.tensor_group is None or dist.get_rank(state.tensor_group) == 0
+    return dist.get_rank(state.group) == 0 and tp_first and state.replica_rank == 0
 
 
 def _tp_stages(state: OverlapState) -> list[dist.ProcessGroup]:
@@ -238,7 +246,7 @@ def _tp_stages(state: OverlapState) -> list[dist.ProcessGroup]:
     replica and dp row), replicate (HSDP, in dp row 0), dp (everywhere)."""
     first_dp = dist.get_rank(state.group) == 0
     stages = []
-    if first_dp and state.replica_rank == 0:
+    if first_dp and state.replica_rank == 0 and state.tensor_group is not None:
         stages.append(state.tensor_group)
     if first_dp and state.replicate_group is not None:
         stages.append(state.replicate_group)

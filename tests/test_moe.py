@@ -19,8 +19,9 @@ every expert run every step on the rows routed to it, possibly none):
   `reordered_rtol` of a 4-way sum (the ranks' gradients are summed in another order: gloo's
   reduce-scatter beside overlap's all-to-all sum);
 - expert parallelism (the stacked weights `Shard(0)` over an `ep` mesh dimension that splits the
-  data-parallel ranks, torchtitan's ExpertParallel): refused at wrap on every rank with the same
-  message, whichever group is passed ([Note: expert parallelism] in overlap/engine/compose.py).
+  data-parallel ranks, torchtitan's ExpertParallel) with any group but the whole (dp_mod_ep, ep)
+  mesh: refused at wrap on every rank with the same message, naming the group to pass
+  ([Note: expert parallelism] in overlap/engine/experts.py; supported, tests/test_expert_parallel.py).
 """
 
 from __future__ import annotations
@@ -212,12 +213,12 @@ def _ep_model(ep: DeviceMesh) -> GroupedMoE:
 
 
 def check_expert_parallel_refused(rank: int, world_size: int) -> dict[str, str | None]:
-    """Per case: the message wrap raised, None when it accepted the model."""
+    """Per case: the message wrap raised, None when it accepted the model. The whole
+    (dp_mod_ep, ep) mesh is expert parallelism (tests/test_expert_parallel.py)."""
     mesh = _ep_mesh()
     # the same ranks under names that say nothing of experts: refused by the ranks alone
     anonymous = DeviceMesh("cpu", mesh.mesh, mesh_dim_names=("rows", "cols"))
     cases = {
-        "whole (dp_mod_ep, ep) mesh": (mesh["ep"], mesh),
         "dp_mod_ep": (mesh["ep"], mesh["dp_mod_ep"]),
         "flattened dp": (mesh["ep"], mesh._flatten("dp")),
         "default group": (mesh["ep"], None),
@@ -233,12 +234,12 @@ def check_expert_parallel_refused(rank: int, world_size: int) -> dict[str, str |
     return out
 
 
-def test_expert_parallelism_is_refused_on_every_rank(world4):
+def test_expert_parallelism_over_another_group_is_refused_on_every_rank(world4):
     results = world4.run(check_expert_parallel_refused, timeout_s=60)
     for case in results[0]:
         messages = [r[case] for r in results]
         assert all(m is not None for m in messages), (case, messages)
         assert len(set(messages)) == 1, (case, messages)
-        for needle in ("'experts.w1'", "not supported yet", "keep the experts data-parallel", "FSDP2"):
+        for needle in ("'experts.w1'", "not supported", "pass the whole data-parallel mesh", "keep the experts data-parallel"):
             assert needle in messages[0], (case, needle, messages[0])
-        assert ("'ep'" in messages[0]) == (case != "unnamed experts dim, flattened dp"), (case, messages[0])
+        assert ("mesh dimension 'ep'" in messages[0]) == (case != "unnamed experts dim, flattened dp"), (case, messages[0])

@@ -31,8 +31,8 @@ hooks swap in, as under FSDP2, with no recompile per step (tests/test_compose_me
 
 Plain parameters of such a model (a norm, a head) are sharded over dp as always (1-D DTensors on
 the dp mesh, FSDP2's too). Whatever this does not cover raises at wrap on every rank, naming the
-parameter ([Note: composition refusals]); expert parallelism among them ([Note: expert
-parallelism]).
+parameter ([Note: composition refusals]). Expert parallelism is wrap's, before this module:
+[Note: expert parallelism] in experts.py.
 """
 
 from __future__ import annotations
@@ -177,60 +177,39 @@ def refusal(model: nn.Module, group: dist.ProcessGroup | DeviceMesh | None) -> s
     return None
 
 
-# [Note: expert parallelism]
-# torchtitan's expert parallelism (ExpertParallel, then apply_fsdp with dp_mod_ep_mesh) places the
-# experts' stacked weights [num_experts, ...] Shard(0) over an `ep` mesh dimension that is *part
-# of the data-parallel ranks*: each ep rank holds other tokens, dispatched to the experts' owners
-# by an all-to-all. The dense parameters are then sharded over all of dp (dp_mod_ep x ep), the
-# experts over dp_mod_ep only, and the experts' gradients divided by the size of all of dp
-# (`set_gradient_divide_factor`), since their tokens came from every dp rank. overlap shards every
-# unit over one group: given the mesh (dp_mod_ep, ep) it would take `ep` for tensor parallelism
-# and reduce the dense gradients over dp_mod_ep only, so the ep ranks' replicas would drift apart
-# without an error (and the experts' gradients would be divided by dp_mod_ep instead of dp);
-# given all of dp, the ep ranks are inside it. Both are refused by `_expert_refusal`: by the
-# dimension's name (torchtitan's "ep", "dp_shard_in_ep", anything naming experts), and, whatever
-# the names, by a parameter mesh that is a part of the data-parallel ranks (tensor parallelism is
-# orthogonal to dp: the two groups share this rank only).
-#
-# What runs instead: experts as plain stacked parameters ([num_experts, ...], a grouped-experts
-# module), data-parallel like the rest, every expert computed on every rank every step, an expert
-# without tokens with an empty batch (tests/test_moe.py, against FSDP2 on the same dp mesh).
-#
-# The design proposed for expert parallelism: a `Groups` per unit instead of one per state.
-# `wrap(model, group=mesh, expert_group=mesh["dp_mod_ep"], experts=policy)` would give the units
-# the policy selects (the experts modules, whose parameters are DTensors on `ep`) the shard group
-# dp_mod_ep, with the (dp_mod_ep, ep) mesh for their sharded DTensors (the Composer as for tp), and
-# every other unit the flattened dp; the schedule is unchanged (units stay units), the runtime and
-# the reductions look up the unit's transport instead of the state's, the reductions divide an
-# expert unit's sum by the size of dp instead of its own group's (FSDP2's gradient divide
-# factor), and buckets never mix units of two groups. Per-unit groups reach past the schedule:
-# `sync_module_states` must scatter an expert unit from rank 0 of its own (dp_mod_ep) group, not
-# from rank 0 of dp (which would copy ep rank 0's experts over every ep rank's); the
-# same-model/config checks, the collective fingerprints and the order check run per group;
-# `clip_grad_norm_` sums the dense units' squares over dp and the expert units' over
-# (dp_mod_ep, ep), each once; full state dicts and checkpoints gather an expert unit over its
-# own mesh. Until then, the refusal: with it bypassed, one SGD step on a (dp_mod_ep, ep) = (2, 2)
-# mesh left the dense weight of ranks 0 and 1 (other ep coordinates) different, without an error.
+# Expert parallelism ([Note: expert parallelism] in experts.py) is recognized in `wrap` before
+# this module sees the model: a DTensor parameter on dimensions of the mesh passed as `group` is an
+# expert one. What reaches `_expert_refusal` is expert parallelism given another group: the
+# dp_mod_ep dimension alone (the dense gradients would not be reduced over ep: with it bypassed,
+# one SGD step on a (2, 2) mesh left the ep ranks' dense weights different, without an error), all
+# of dp flattened (the ep ranks inside it), or no group. It is refused by the dimension's name
+# (torchtitan's "ep", "dp_shard_in_ep", anything naming experts) and, whatever the names, by a
+# parameter mesh that is a part of the data-parallel ranks (tensor parallelism is orthogonal to
+# dp: the two groups share this rank only); the message says which group to pass instead.
 _EXPERT_DIM_WORDS = ("ep", "expert", "experts", "moe")
 _EXPERT_INSTEAD = (
-    "keep the experts data-parallel (stacked expert weights as plain parameters, every expert "
-    "called every step, an expert without tokens on an empty batch) and wrap over the whole "
-    "data-parallel mesh, or shard this model with FSDP2 (torchtitan's apply_fsdp with "
-    "dp_mod_ep_mesh)"
+    "for expert parallelism pass the whole data-parallel mesh, both its dimensions, as in "
+    "wrap(model, group=init_device_mesh(device, (dp // ep, ep), mesh_dim_names=('dp_mod_ep', 'ep'))) "
+    "([Note: expert parallelism] in overlap/engine/experts.py); or keep the experts "
+    "data-parallel (plain stacked parameters) and wrap over all of dp"
 )
+
+
+def names_experts(dim_name: str) -> bool:
+    """Whether a mesh dimension's name says experts: "ep", "dp_shard_in_ep", "experts", "moe"."""
+    return bool(set(dim_name.lower().split("_")) & set(_EXPERT_DIM_WORDS))
 
 
 def _expert_refusal(param: DTensor, dp_mesh: DeviceMesh | None) -> str | None:
     """Why `param` looks expert-parallel ([Note: expert parallelism]), or None: by its mesh
     dimensions' names, and with `dp_mesh`, by its mesh being a part of the data-parallel ranks."""
     names = param.device_mesh.mesh_dim_names or ()
-    named = [n for n in names if set(n.lower().split("_")) & set(_EXPERT_DIM_WORDS)]
+    named = [n for n in names if names_experts(n)]
     if named:
         return (
-            f"expert parallelism (mesh dimension {named[0]!r}) is not supported yet: overlap "
-            "shards every parameter over one data-parallel group, and the dense parameters' "
-            f"gradients would not be reduced over {named[0]!r} ([Note: expert parallelism] in "
-            f"overlap/engine/compose.py); {_EXPERT_INSTEAD}"
+            f"expert parallelism (mesh dimension {named[0]!r}) over this group is not supported: "
+            f"the dense parameters' gradients would not be reduced over {named[0]!r}, or the "
+            f"experts would be sharded over ranks that hold other experts; {_EXPERT_INSTEAD}"
         )
     if dp_mesh is None:
         return None
@@ -238,11 +217,28 @@ def _expert_refusal(param: DTensor, dp_mesh: DeviceMesh | None) -> str | None:
     if len(own) > 1 and own < set(dp_mesh.mesh.flatten().tolist()):
         return (
             f"its mesh dimensions {names} hold other ranks of the data-parallel group, as expert "
-            "parallelism over data-parallel ranks does, which is not supported yet (tensor "
-            "parallelism must be orthogonal to data parallelism: the two groups share one rank; "
-            f"[Note: expert parallelism] in overlap/engine/compose.py); {_EXPERT_INSTEAD}"
+            "parallelism over data-parallel ranks does, which is not supported over this group "
+            "(tensor parallelism must be orthogonal to data parallelism: the two groups share one "
+            f"rank); {_EXPERT_INSTEAD}"
         )
     return None
+
+
+def compiled_refusal(model: nn.Module, parallelism: str, instead: str) -> str | None:
+    """Why a compiled module of `model` is refused beside `parallelism`, or None without one."""
+    compiled = next((n for n, m in model.named_modules() if is_compiled(m)), None)
+    if compiled is None:
+        return None
+    return (
+        f"module {compiled or '<root>'!r} is compiled (torch.compile / module.compile()): not "
+        f"verified with {parallelism} yet; {instead}"
+    )
+
+
+def is_compiled(module: nn.Module) -> bool:
+    """`module.compile()` sets `_compiled_call_impl`; `torch.compile(module)` wraps it in a module
+    holding the original as `_orig_mod`."""
+    return getattr(module, "_compiled_call_impl", None) is not None or getattr(module, "_orig_mod", None) is not None
 
 
 def _param_refusal(param: DTensor, dp_mesh: DeviceMesh) -> str | None:

@@ -100,6 +100,8 @@ def check_deferred(state: OverlapState, where: str) -> None:
                 "trail] in overlap/transport/fingerprint.py). Every rank must run the same "
                 "units in the same order."
             )
+    for expert in state.experts:  # each over its own group ([Note: expert parallelism] in experts.py)
+        check_deferred(expert, where)
 
 
 def _device_done(state: OverlapState, timeout_s: float, poll_s: float = 0.01) -> bool:

@@ -20,6 +20,9 @@ class Groups(NamedTuple):
     everyone: dist.ProcessGroup  # every rank of the model: the same-model/config checks
     # the parameters' tensor-parallel group: [Note: tensor-parallel parameters] in compose.py
     tensor: dist.ProcessGroup | None = None
+    # experts: gradients divided by the size of all of dp, not of `shard` ([Note: expert
+    # parallelism] in experts.py); None: by the ranks the gradients are reduced over
+    gradient_divide_factor: int | None = None
 
 
 def resolve_groups(

@@ -74,7 +74,9 @@ class OverlapModule:
                 "set_requires_gradient_sync(recurse=False): overlap wraps the whole model as one "
                 "module, so the switch covers all its parameters; call it with recurse=True"
             )
-        state_of(self).schedule.sync_grads = bool(requires_gradient_sync)  # type: ignore[arg-type]
+        state = state_of(self)  # type: ignore[arg-type]
+        for each in (state, *state.experts):  # [Note: expert parallelism] in experts.py
+            each.schedule.sync_grads = bool(requires_gradient_sync)
 
     def unshard(self) -> None:
         """Gather every unit now and keep it: forwards until `reshard()` gather and free nothing
@@ -84,13 +86,15 @@ class OverlapModule:
         state = state_of(self)  # type: ignore[arg-type]
         _check_between_steps(state.schedule.phase, "unshard")
         with torch.no_grad():  # forward gathers: no hpZ secondary copy is kept for a backward
-            state.runtime.run(state.schedule.unshard_all())
+            for each in (state, *state.experts):  # [Note: expert parallelism] in experts.py
+                each.runtime.run(each.schedule.unshard_all())
 
     def reshard(self) -> None:
         """Free what `unshard()` gathered. Local (no collective). Between steps only."""
         state = state_of(self)  # type: ignore[arg-type]
         _check_between_steps(state.schedule.phase, "reshard")
-        state.runtime.run(state.schedule.reshard_all())
+        for each in (state, *state.experts):
+            each.runtime.run(each.schedule.reshard_all())
 
     def _apply(self, fn: Any, recurse: bool = True) -> Any:
         """`model.to(...)`, `.cuda()`, `.half()`, `.double()` and the like, on the wrapped model.

@@ -150,8 +150,10 @@ class Reductions:
             self._copy_in(indices, used, srcs, full, sizes, data_cols)
             del srcs
             transport = self.transport
-            native_ok = self.grad_codec is None and fused is None and transport.averages(dtype)
-            pre, post, native = gradient_divisors(n * self.num_replicas, dtype, native_ok)
+            ranks = n * self.num_replicas  # the mean over them, or over all of dp for experts:
+            divide_by = self.gradient_divide_factor or ranks  # [Note: expert parallelism] in experts.py
+            native_ok = self.grad_codec is None and fused is None and transport.averages(dtype) and divide_by == ranks
+            pre, post, native = gradient_divisors(divide_by, dtype, native_ok)
             if pre != 1:  # fp16: [Note: dividing the sum]; the used flags stay > 0 (1/pre, exact)
                 full[:, :reduce_cols].div_(pre)
             if fused is not None:

@@ -79,6 +79,8 @@ class Runtime(Reductions):
     secondary_group: dist.ProcessGroup | None = None
     """hpZ: backward all-gathers run here, from the secondary copies ([Note: secondary copy])."""
     memory: MemoryAccount = field(default_factory=MemoryAccount)
+    gradient_divide_factor: int | None = None
+    """Experts: what the summed gradients are divided by ([Note: expert parallelism] in experts.py)."""
     _pending: dict[int, PendingReduce] = field(init=False, default_factory=dict)
     _pending_units: dict[int, tuple[int, ...]] = field(init=False, default_factory=dict)
     step: int = field(init=False, default=0)  # steps begun on this rank, in the tags

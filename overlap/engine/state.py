@@ -57,6 +57,7 @@ class OverlapState:
         units: list[UnitTensors],
         root_units: tuple[int, ...],
         hooked: list[HookedModules],
+        writes_files: bool = True,  # metrics and trace files; not the experts' state (experts.py)
     ) -> None:
         self.config = config
         group = self.group = groups.shard  # all-gathers and reduce-scatters run here
@@ -94,13 +95,13 @@ class OverlapState:
         self.monitor = Monitor(
             self.rank,
             device,
-            metrics_file=config.metrics_file,
+            metrics_file=config.metrics_file if writes_files else None,
             alert_exposed_comm_share=config.alert_exposed_comm_share,
             alert_collective_slowdown=config.alert_collective_slowdown,
             alert_step_gap_ms=config.alert_step_gap_ms,
             alert_memory_bytes=config.alert_memory_bytes,
         )
-        trace_dir = trace_dir_from(config.trace_dir)
+        trace_dir = trace_dir_from(config.trace_dir) if writes_files else None
         self.trace = TraceRecorder(trace_dir, self.rank) if trace_dir is not None else None
         # exact completion times only where they are read ([Note: completion callbacks cost latency])
         self.timer = make_timer(
@@ -143,7 +144,10 @@ class OverlapState:
             residual_dtype=config.error_feedback_dtype if config.error_feedback else None,
             replicate_group=replicate_group,
             secondary_group=secondary_group,
+            gradient_divide_factor=groups.gradient_divide_factor,
         )
+        # expert parallelism: the experts' state, set by wrap ([Note: expert parallelism] in experts.py)
+        self.experts: tuple[OverlapState, ...] = ()
         self._num_trainable = [sum(p.requires_grad for p in u.unsharded_params) for u in units]
         self._has_frozen = [not all(p.requires_grad for p in u.unsharded_params) for u in units]
         self._reduce_dtype = reduce_dtype
@@ -219,7 +223,10 @@ class OverlapState:
         previous = self.schedule.sync_grads
         self.schedule.sync_grads = False
         try:
-            yield
+            with contextlib.ExitStack() as stack:  # the experts' states too ([Note: expert parallelism])
+                for expert in self.experts:
+                    stack.enter_context(expert.no_sync())
+                yield
         finally:
             self.schedule.sync_grads = previous
 

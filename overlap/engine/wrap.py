@@ -19,7 +19,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from overlap.config import OverlapConfig
-from overlap.engine import compose, teardown
+from overlap.engine import compose, experts, teardown
 from overlap.engine.checks import check_same_config, check_same_model
 from overlap.engine.groups import Groups, resolve_groups
 from overlap.engine.guard import remember_replaced
@@ -94,10 +94,52 @@ def wrap(
         device = model_device
     if not deferred and param_init_fn is not None:
         raise ValueError("overlap.wrap: param_init_fn is only used for meta-device models")
+    if experts.is_expert_parallel(model, group):  # [Note: expert parallelism] in experts.py
+        assert isinstance(group, DeviceMesh)
+        return _wrap_expert_parallel(model, group, config, device, deferred)
     group = compose.data_parallel_mesh(group, model)  # the whole (dp, tp) mesh: its dp part
     # [Note: composition refusals] in compose.py: before any group is made, on every rank
     compose.agree(compose.refusal(model, group), model, group, device)
-    pgs = resolve_groups(group, device, config.hybrid_mode)
+    state = _wrap_state(model, resolve_groups(group, device, config.hybrid_mode), config, device, deferred, param_init_fn)
+    return _attach(model, state)
+
+
+def _attach(model: nn.Module, state: OverlapState) -> nn.Module:
+    model._overlap_state = state
+    as_overlap_module(model)  # ecosystem: model.no_sync(), .unshard(), ... (overlap/engine/module.py)
+    return model
+
+
+def _wrap_expert_parallel(
+    model: nn.Module, group: DeviceMesh, config: OverlapConfig, device: torch.device, deferred: bool
+) -> nn.Module:
+    """The experts' state over dp_mod_ep, then the model's over all of dp, each wrapping the
+    model with the other's parameters hidden ([Note: expert parallelism] in experts.py)."""
+    compose.agree(experts.refusal(model, group, config, deferred), model, group, device)
+    plan = experts.plan(model, group)
+    expert_ids = {id(p) for p in model.parameters() if experts.is_expert(p, group)}
+    with experts.hidden(model, lambda p: id(p) not in expert_ids):
+        pgs = resolve_groups(plan.expert_mesh, device, config.hybrid_mode)
+        pgs = pgs._replace(gradient_divide_factor=plan.dp_size)
+        expert_state = _wrap_state(model, pgs, config, device, False, None, writes_files=False)
+    expert_ids = {id(p) for unit in expert_state.units for p in unit.sharded_params}
+    with experts.hidden(model, lambda p: id(p) in expert_ids):
+        state = _wrap_state(model, resolve_groups(plan.dense_mesh, device, config.hybrid_mode), config, device, False, None)
+    state.experts = (expert_state,)
+    return _attach(model, state)
+
+
+def _wrap_state(
+    model: nn.Module,
+    pgs: Groups,
+    config: OverlapConfig,
+    device: torch.device,
+    deferred: bool,
+    param_init_fn: ParamInitFn | None,
+    writes_files: bool = True,
+) -> OverlapState:
+    """Shard `model` over `pgs` and build its state (hooks installed): the body of `wrap`, once
+    per state."""
     check_same_model(model, pgs.everyone, device)
     check_same_config(config, pgs.everyone, device)
     composer = compose.Composer(pgs.mesh)
@@ -183,12 +225,10 @@ def wrap(
         buffers = list(model.buffers())
         if buffers:
             broadcast_tensors(source, buffers)
-    state = OverlapState(model, config, pgs, units, root_units, hooked)
+    state = OverlapState(model, config, pgs, units, root_units, hooked, writes_files)
     teardown.watch(state)  # [Note: quiet exit], [Note: final checks] in deferred.py
-    model._overlap_state = state
     register_sharded(p for unit in units for p in unit.sharded_params)  # [Note: local optimizer step]
-    as_overlap_module(model)  # ecosystem: model.no_sync(), .unshard(), ... (overlap/engine/module.py)
-    return model
+    return state
 
 
 def _model_device(model: nn.Module) -> torch.device:
