@@ -1,4 +1,4 @@
-"""`overlap demo`'s config (`DemoConfig`, one field per flag) and what rank 0 reports (`DemoResult`).
+"""`overlap demo`'s config (`DemoConfig`) and what rank 0 reports (`DemoResult`).
 
 Split out of overlap/tools/demo.py, whose docstring holds [Note: demo resume].
 """
