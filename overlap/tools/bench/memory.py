@@ -23,8 +23,9 @@ bench step`; the first three are the default)
 Measured in each rank at the end, then the largest rank (all ranks in the JSON)
   peak RSS      the OS's high-water mark of the rank process's resident memory (VmHWM; not
                 ru_maxrss, which in a spawned rank also counts its launcher: see [Note: ru_maxrss
-                of a spawned rank] in step.py): torch import, model build before sharding, every
-                step; read before the train-RSS reset and at the end, the larger of the two
+                of a spawned rank] in step_protocol.py): torch import, model build before
+                sharding, every step; read before the train-RSS reset and at the end, the larger
+                of the two
   base RSS      RSS after the process group is up, before the model is built (the same for all)
   train RSS     the high-water mark from the first step on: VmHWM reset after setup
                 (/proc/self/clear_refs), None where the kernel does not allow it

@@ -56,24 +56,86 @@ runs of `overlap bench step --contenders ddp,ddp-fp16,ddp-powersgd1`). `serializ
 waits for each bucket's chain before DDP launches the next one, so every collective is issued in
 one order on every rank; PowerSGD then overlaps no communication with backward here. On NCCL the
 callbacks run in stream order and the race does not arise.
+
+Layout: `TrainSetup`, `Trainer`, the state accounting and the plain trainer are in
+peers_trainer.py, the DDP-hook peers in peers_ddp_hooks.py, the DeepSpeed peers in
+peers_deepspeed.py; this module names the contenders, checks their packages and builds them
+(overlap, DDP and FSDP2 here). Every name those modules define is importable from here as before.
 """
 
 from __future__ import annotations
 
 import ast
 import importlib.util
-import logging
-import os
-import typing
-import warnings
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
+
+# Re-exported: these lived in this module before it was split; importers keep using peers.X.
+# Setup, trainer, accounting, plain trainer: overlap/tools/bench/peers_trainer.py
+from overlap.tools.bench.peers_trainer import (
+    TrainSetup,
+    Trainer,
+    ddp,
+    local_bytes,
+    plain_trainer,
+    state_bytes,
+    storage_bytes,
+)
+
+# DDP with torch's communication hooks: overlap/tools/bench/peers_ddp_hooks.py
+from overlap.tools.bench.peers_ddp_hooks import (
+    POWERSGD_RANKS,
+    bf16_hook,
+    ddp_hook_trainer,
+    powersgd_memory,
+    serialized_powersgd_hook,
+)
+
+# DeepSpeed ZeRO-3: overlap/tools/bench/peers_deepspeed.py
+from overlap.tools.bench.peers_deepspeed import (
+    DEEPSPEED_QUIET_STEPS,
+    deepspeed_config,
+    deepspeed_trainer,
+    import_deepspeed,
+)
+
+__all__ = [
+    "BASELINES",
+    "DDP_HOOK_PEERS",
+    "DEEPSPEED_PEERS",
+    "DEEPSPEED_QUIET_STEPS",
+    "LOSSY_OVERRIDES",
+    "PEERS",
+    "POWERSGD_RANKS",
+    "REQUIRES",
+    "TrainSetup",
+    "Trainer",
+    "available",
+    "bf16_hook",
+    "build_trainer",
+    "ddp",
+    "ddp_hook_trainer",
+    "deepspeed_config",
+    "deepspeed_trainer",
+    "import_deepspeed",
+    "import_requirements",
+    "is_known",
+    "local_bytes",
+    "missing_package",
+    "overlap_spec",
+    "overlap_trainer",
+    "parse_overrides",
+    "plain_trainer",
+    "powersgd_memory",
+    "serialized_powersgd_hook",
+    "shard_fsdp2",
+    "state_bytes",
+    "storage_bytes",
+]
 
 DEEPSPEED_PEERS = ("deepspeed", "deepspeed-tuned")
 DDP_HOOK_PEERS = ("ddp-bf16", "ddp-fp16", "ddp-powersgd1", "ddp-powersgd4")
@@ -87,69 +149,10 @@ REQUIRES: dict[str, str] = {
     "ddp-powersgd4": "numpy",
 }
 """The package (beyond torch) a contender imports: `pip install 'overlap[bench]'` brings both."""
-POWERSGD_RANKS = {"ddp-powersgd1": 1, "ddp-powersgd4": 4}
+
+
 LOSSY_OVERRIDES = ("param_dtype", "reduce_dtype", "param_compression", "grad_compression")
 """overlap overrides that change the numbers on the wire (the loss then drifts from DDP's)."""
-DEEPSPEED_QUIET_STEPS = 10**9
-"""`steps_per_print`: DeepSpeed's periodic log line, never in a benchmark."""
-
-
-# ---------------------------------------------------------------------------------------------
-# what every contender trains with, and the trainer it becomes
-
-
-@dataclass(frozen=True, kw_only=True)
-class TrainSetup:
-    """What every contender shares. The model itself is passed to `build_trainer`, fresh and
-    identically initialized for each contender."""
-
-    make_optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
-    """Builds the optimizer over the parameters it is given (the same AdamW for everyone)."""
-    units_of: Callable[[nn.Module], list[nn.Module]]
-    """The model's blocks in forward order: FSDP2's `fully_shard` units."""
-    micro_batch: int
-    """Sequences per rank per step (DeepSpeed's `train_micro_batch_size_per_gpu`)."""
-    hidden_size: int
-    """The model's width: deepspeed-tuned's bucket sizes ([Note: DeepSpeed ZeRO-3 configs])."""
-    max_grad_norm: float | None = None
-    """Clip gradients by their global norm before each optimizer step (None: no clipping)."""
-    powersgd_start_iter: int = 2
-    """First iteration PowerSGD compresses ([Note: PowerSGD settings]); must be >= 2."""
-    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
-    """Where the model lives; "cuda" also selects DeepSpeed's CUDA accelerator."""
-
-    def __post_init__(self) -> None:
-        if self.micro_batch < 1 or self.hidden_size < 1:
-            raise ValueError("TrainSetup: micro_batch and hidden_size must be >= 1")
-        if self.powersgd_start_iter < 2:
-            raise ValueError(
-                f"TrainSetup.powersgd_start_iter={self.powersgd_start_iter}: torch's PowerSGD "
-                "needs >= 2 with error feedback and warm start"
-            )
-
-
-@dataclass
-class Trainer:
-    """A model trained the way one contender trains it. Per step: call `model` for the forward
-    (it may be a wrapper: DDP, a DeepSpeed engine), then `backward(loss)`, `step()` (clips when
-    the setup asks, then updates) and `zero_grad()`."""
-
-    name: str
-    model: nn.Module
-    optimizer: torch.optim.Optimizer
-    """The torch optimizer `TrainSetup.make_optimizer` built: LR schedulers act on it (also
-    under DeepSpeed, which steps it as its inner optimizer)."""
-    backward: Callable[[torch.Tensor], None]
-    step: Callable[[], None]
-    zero_grad: Callable[[], None]
-    state_bytes: Callable[[], int]
-    """Parameters + gradients + optimizer state + communication state (error feedback, PowerSGD
-    memories) this rank holds, by accounting; transient buffers (DDP buckets, gathered units,
-    DeepSpeed's reduce bucket) excluded."""
-    lossy: bool = False
-    """Its communication changes the numbers (compression, low precision): not DDP-exact."""
-    settings: dict[str, Any] = field(default_factory=dict)
-    """What it was configured with beyond its defaults, for the report (JSON-safe)."""
 
 
 def parse_overrides(spec: str) -> dict[str, Any]:
@@ -223,70 +226,7 @@ def import_requirements(name: str, device: torch.device) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# memory accounting
-
-
-def local_bytes(t: torch.Tensor | None) -> int:
-    if t is None:
-        return 0
-    if isinstance(t, DTensor):
-        t = t.to_local()
-    return t.numel() * t.element_size()
-
-
-def state_bytes(model: nn.Module, opt: torch.optim.Optimizer) -> int:
-    """Parameters + gradients + optimizer state, per rank (local shards of DTensors)."""
-    total = 0
-    for p in model.parameters():
-        total += local_bytes(p) + local_bytes(p.grad)
-    for per_param in opt.state.values():
-        total += sum(local_bytes(v) for v in per_param.values() if isinstance(v, torch.Tensor))
-    return total
-
-
-def storage_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
-    """Bytes of the distinct storages behind `tensors` (views of one buffer count once)."""
-    seen: dict[int, int] = {}
-    for t in tensors:
-        if t is None or t.numel() == 0:
-            continue
-        storage = t.untyped_storage()
-        seen[storage.data_ptr()] = storage.nbytes()
-    return sum(seen.values())
-
-
-# ---------------------------------------------------------------------------------------------
 # builders
-
-
-def plain_trainer(
-    name: str,
-    model: nn.Module,
-    setup: TrainSetup,
-    clip: Callable[[float], object] | None = None,
-    extra_state_bytes: Callable[[], int] = lambda: 0,
-    **kw: Any,
-) -> Trainer:
-    """`model` under the setup's optimizer with autograd's backward; `clip(max_norm)` clips
-    (default: torch's clip_grad_norm_ over `model.parameters()`)."""
-    opt = setup.make_optimizer(model.parameters())
-    clip = clip or (lambda max_norm: nn.utils.clip_grad_norm_(model.parameters(), max_norm))
-
-    def step() -> None:
-        if setup.max_grad_norm is not None:
-            clip(setup.max_grad_norm)
-        opt.step()
-
-    return Trainer(
-        name=name,
-        model=model,
-        optimizer=opt,
-        backward=torch.Tensor.backward,
-        step=step,
-        zero_grad=lambda: opt.zero_grad(set_to_none=True),
-        state_bytes=lambda: state_bytes(model, opt) + extra_state_bytes(),
-        **kw,
-    )
 
 
 def build_trainer(name: str, model: nn.Module, setup: TrainSetup) -> Trainer:
@@ -333,11 +273,6 @@ def overlap_trainer(
     )
 
 
-def ddp(model: nn.Module, setup: TrainSetup) -> nn.parallel.DistributedDataParallel:
-    ids = [setup.device.index] if setup.device.type == "cuda" else None
-    return nn.parallel.DistributedDataParallel(model, device_ids=ids)
-
-
 def shard_fsdp2(
     model: nn.Module,
     setup: TrainSetup,
@@ -363,154 +298,3 @@ def shard_fsdp2(
                 unit.set_modules_to_backward_prefetch([units[i - 1]])
         root._set_unshard_async_op(True)
     return root
-
-
-def bf16_hook(
-    process_group: dist.ProcessGroup | None, bucket: dist.GradBucket
-) -> torch.futures.Future[torch.Tensor]:
-    """torch's `bf16_compress_hook`, registered under another name.
-
-    [Note: bf16 hook on CPU] DDP.register_comm_hook refuses a hook *named* bf16_compress_hook
-    unless torch was built with CUDA and NCCL >= 2.10 (a guard from before gloo reduced bf16);
-    torch's gloo backend all-reduces bf16 now, so on CPU we run the same hook through this
-    one-line wrapper. (Gloo keeps the running sum in bf16 between hops, as NCCL does.)"""
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-
-    return default_hooks.bf16_compress_hook(process_group, bucket)
-
-
-# DDP checks a hook's annotations as objects; this module's are strings (future annotations).
-bf16_hook.__annotations__ = typing.get_type_hints(bf16_hook)
-
-
-def serialized_powersgd_hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """torch's `powerSGD_hook`, waited for before DDP launches the next bucket
-    ([Note: PowerSGD settings]: its chained collectives race across buckets on gloo)."""
-    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
-
-    future = psgd.powerSGD_hook(state, bucket)
-    future.wait()
-    return future
-
-
-serialized_powersgd_hook.__annotations__ = typing.get_type_hints(serialized_powersgd_hook)
-
-
-def ddp_hook_trainer(name: str, model: nn.Module, setup: TrainSetup) -> Trainer:
-    """DDP with one of torch's communication hooks ([Note: PowerSGD settings])."""
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
-
-    wrapped = ddp(model, setup)
-    state: psgd.PowerSGDState | None = None
-    settings: dict[str, Any]
-    if name == "ddp-bf16":
-        wrapped.register_comm_hook(None, bf16_hook)
-        settings = {"hook": "bf16_compress_hook"}
-    elif name == "ddp-fp16":
-        wrapped.register_comm_hook(None, default_hooks.fp16_compress_hook)
-        settings = {"hook": "fp16_compress_hook"}
-    else:
-        state = psgd.PowerSGDState(
-            process_group=None,
-            matrix_approximation_rank=POWERSGD_RANKS[name],
-            start_powerSGD_iter=setup.powersgd_start_iter,
-            use_error_feedback=True,
-            warm_start=True,
-            random_seed=0,
-        )
-        wrapped.register_comm_hook(state, serialized_powersgd_hook)
-        settings = {
-            "hook": "powerSGD_hook (each bucket waited for: [Note: PowerSGD settings])",
-            "matrix_approximation_rank": state.matrix_approximation_rank,
-            "start_powerSGD_iter": state.start_powerSGD_iter,
-            "min_compression_rate": state.min_compression_rate,
-            "use_error_feedback": True,
-            "warm_start": True,
-        }
-    return plain_trainer(
-        name,
-        wrapped,
-        setup,
-        extra_state_bytes=lambda: 0 if state is None else storage_bytes(powersgd_memory(state)),
-        lossy=True,
-        settings=settings,
-    )
-
-
-def powersgd_memory(state: Any) -> Iterator[torch.Tensor]:
-    """What a PowerSGDState keeps across steps: error feedback and the warm-start P and Q, per
-    bucket (allocated at the first compressed step)."""
-    for per_bucket in (state.error_dict, state.p_memory_dict, state.q_memory_dict):
-        yield from per_bucket.values()
-
-
-def deepspeed_config(name: str, setup: TrainSetup) -> dict[str, Any]:
-    """The DeepSpeed config of contender `name` ([Note: DeepSpeed ZeRO-3 configs])."""
-    zero: dict[str, Any] = {"stage": 3}
-    if name == "deepspeed-tuned":
-        h = setup.hidden_size
-        zero |= {
-            "overlap_comm": True,
-            "reduce_bucket_size": h * h,
-            "stage3_prefetch_bucket_size": int(0.9 * h * h),
-            "stage3_param_persistence_threshold": 10 * h,
-        }
-    config: dict[str, Any] = {
-        "train_micro_batch_size_per_gpu": setup.micro_batch,
-        "zero_optimization": zero,
-        "steps_per_print": DEEPSPEED_QUIET_STEPS,
-    }
-    if setup.max_grad_norm is not None:
-        config["gradient_clipping"] = setup.max_grad_norm
-    return config
-
-
-def import_deepspeed(device: torch.device) -> Any:
-    """deepspeed, imported for `device` and joined to the default process group."""
-    os.environ.setdefault("DS_ACCELERATOR", "cuda" if device.type == "cuda" else "cpu")
-    # A spawned local world has no LOCAL_RANK (torchrun and the link launcher set it); every
-    # rank of such a world is on this machine, so its local rank is its rank.
-    os.environ.setdefault("LOCAL_RANK", str(dist.get_rank()))
-    # DeepSpeed calls torch's deprecated collective names (all_gather_into_tensor,
-    # reduce_scatter_tensor) on every step, and the FutureWarning would repeat each time.
-    warnings.filterwarnings(
-        "ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning
-    )
-    import deepspeed
-
-    deepspeed.utils.logger.setLevel(logging.WARNING)
-    backend = dist.get_backend()
-    deepspeed.init_distributed(dist_backend=backend)  # reuses the initialized default group
-    return deepspeed
-
-
-def deepspeed_trainer(name: str, model: nn.Module, setup: TrainSetup) -> Trainer:
-    """DeepSpeed ZeRO-3 around `model`; its engine runs backward, clipping, step and zeroing."""
-    deepspeed = import_deepspeed(setup.device)
-    opt = setup.make_optimizer(model.parameters())
-    config = deepspeed_config(name, setup)
-    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=config)
-    zero_opt = engine.optimizer  # DeepSpeedZeroOptimizer_Stage3 around `opt`
-
-    def state() -> int:
-        """Partitions (persisted small parameters are whole), the flat fp32 partitions the
-        optimizer updates (the same storage as the partitions in fp32), the gradient partitions
-        and AdamW's moments."""
-        params = list(engine.module.parameters())
-        tensors: list[torch.Tensor | None] = [p.ds_tensor for p in params] + [p.data for p in params]
-        tensors += zero_opt.fp32_partitioned_groups_flat
-        tensors.append(zero_opt.grad_partitions_flat_buffer)
-        tensors += [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
-        return storage_bytes(tensors)
-
-    return Trainer(
-        name=name,
-        model=engine,
-        optimizer=opt,
-        backward=engine.backward,
-        step=engine.step,  # clips (config "gradient_clipping"), steps, zeroes the gradients
-        zero_grad=lambda: None,
-        state_bytes=state,
-        settings={"deepspeed": deepspeed.__version__, **config["zero_optimization"]},
-    )

@@ -5,7 +5,7 @@
     overlap tune --model w1 --link 1gbit --allow-compression --out w1_link.json
     overlap tune --model w1 --prefetch-depth 1,2 --bucket-bytes 0,50e6 --out small.json
 
-The workloads are `overlap bench step`'s (overlap/tools/bench/step.py): W1, a stack of
+The workloads are `overlap bench step`'s (overlap/tools/bench/step_workload.py): W1, a stack of
 nn.TransformerEncoderLayer on a fixed random batch, or the package GPT on stdlib bytes, trained
 with AdamW. Under torchrun the tuner runs in torchrun's world instead of spawning one. The JSON
 at `--out` is an OverlapConfig (`OverlapConfig.load(path)`, or `overlap bench step

@@ -14,6 +14,9 @@ A trial rebuilds the model with `model_fn()`, wraps it under the candidate confi
 optimizer with `optimizer_fn`, runs `warmup_steps` untimed and then the round's timed steps of
 `step_fn(model, optimizer)`. `step_fn` must also run the plain, unwrapped model (the profile uses
 it): forward, backward, optimizer step, zero_grad.
+
+`TuneConfig` lives in options.py and `TuneResult`, `RoundResult` in result.py; both are
+importable from here as before.
 """
 
 from __future__ import annotations
@@ -21,10 +24,9 @@ from __future__ import annotations
 import dataclasses
 import time
 import warnings
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Literal, cast
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -34,7 +36,6 @@ from torch.distributed.device_mesh import DeviceMesh
 from overlap.transport.backend import semantics
 from overlap.config import OverlapConfig
 from overlap.tools.plan.calibration import Calibration
-from overlap.tools.plan.cost import Topology
 from overlap.tools.tune.cache import (
     TuneKey,
     cache_path,
@@ -72,249 +73,25 @@ from overlap.tools.tune.predict import (
 )
 from overlap.tools.tune.space import Codec, TuneSpace, default_space, describe, tuned_fields
 
-CachePolicy = Literal["use", "refresh", "off"]
+# Re-exported: these lived in this module before it was split; importers keep using tuner.X.
+# How tune searches: overlap/tools/tune/options.py
+from overlap.tools.tune.options import CachePolicy, TuneConfig
 
+# What it decided: overlap/tools/tune/result.py
+from overlap.tools.tune.result import RoundResult, TuneResult
+
+__all__ = [
+    "CachePolicy",
+    "RoundResult",
+    "TuneConfig",
+    "TuneResult",
+    "default_optimizer",
+    "tune",
+]
 
 def default_optimizer(params: Any) -> torch.optim.Optimizer:
     """AdamW(lr=1e-4): what a trial trains with unless the caller passes `optimizer_fn`."""
     return torch.optim.AdamW(params, lr=1e-4)
-
-
-@dataclass(frozen=True, kw_only=True)
-class TuneConfig:
-    """How `overlap.tune.tune` searches. Keyword overrides of `tune(...)` replace fields."""
-
-    space: TuneSpace | None = None
-    """The grid. None: `default_space(model, base=base, allow_compression=...)`."""
-
-    base: OverlapConfig = field(default_factory=OverlapConfig)
-    """Every field the space does not set (unit policy, mixed precision, ...) comes from here.
-    The base config itself is always measured when it lies in the grid."""
-
-    allow_compression: bool = False
-    """Lossy codecs change the numerics; a space holding one raises unless this is True."""
-
-    keep_fraction: float = 0.25
-    """Share of the (distinct) grid the planner passes on to measurement."""
-
-    max_candidates: int | None = 8
-    """At most this many measured candidates, whatever the fraction (None: no limit)."""
-
-    first_round_steps: int = 1
-    """Timed steps per candidate in the first round; each later round doubles them."""
-
-    total_steps: int | None = None
-    """Budget: timed steps per rank over all rounds. When set, the first round gets as many steps
-    as fit (at least one) and `first_round_steps` is ignored."""
-
-    warmup_steps: int = 1
-    """Untimed steps per trial after building the model (the first step records the unit order)."""
-
-    profile_steps: int = 1
-    """Timed local steps of the plain model (after one untimed) for the planner's compute costs."""
-
-    max_unsharded_bytes: int | None = None
-    """Drop candidates whose predicted peak of unsharded parameters exceeds this (a memory cap)."""
-
-    cache: CachePolicy = "use"
-    """"use": return a cached config for the same key, else tune and store; "refresh": tune and
-    overwrite; "off": neither read nor write."""
-
-    cache_dir: str | None = None
-    """Where entries live (None: `overlap.tools.tune.cache.default_cache_dir()`)."""
-
-    key_extra: Mapping[str, Any] = field(default_factory=dict)
-    """More of the cache key: what the model signature cannot see (batch size, sequence length)."""
-
-    calibration: Calibration | str | Path | None = None
-    """The planner's costs: a `Calibration` or its JSON file (`overlap plan --calibrate FILE`);
-    None: the defaults for this world (`default_world_calibration`). See [Note: one model] in
-    overlap/tools/plan/calibration.py."""
-
-    topology: Topology | None = None
-    """The planner's links, over the calibration's (None: the calibration's, on this world's
-    ranks; without a calibration on NCCL, NVLink within a node and NDR across nodes)."""
-
-    survivor_models: Literal["auto", "keep", "rebuild"] = "auto"
-    """"keep": a candidate's wrapped model lives on while it survives, so later rounds skip
-    building and warming up (memory: one sharded model per first-round candidate);
-    "rebuild": every trial builds its model afresh (one model in memory at a time);
-    "auto": keep on CPU, rebuild on GPUs (where several copies of a large model do not fit)."""
-
-    progress: bool = True
-    """A tqdm bar on rank 0."""
-
-    def __post_init__(self) -> None:
-        if not 0.0 < self.keep_fraction <= 1.0:
-            raise ValueError(
-                f"TuneConfig.keep_fraction must be in (0, 1], got {self.keep_fraction}"
-            )
-        for name in ("first_round_steps", "profile_steps"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"TuneConfig.{name} must be an int >= 1, got {value!r}")
-        if not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
-            raise ValueError(
-                f"TuneConfig.warmup_steps must be an int >= 0, got {self.warmup_steps!r}"
-            )
-        for name in ("max_candidates", "total_steps", "max_unsharded_bytes"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value < 1):
-                raise ValueError(f"TuneConfig.{name} must be None or an int >= 1, got {value!r}")
-        if self.cache not in ("use", "refresh", "off"):
-            raise ValueError(
-                f"TuneConfig.cache must be 'use', 'refresh' or 'off', got {self.cache!r}"
-            )
-        if self.space is not None and not self.space.lossless and not self.allow_compression:
-            raise ValueError(
-                f"TuneConfig: the space holds lossy codecs {[str(c) for c in self.space.codecs]}, "
-                "which change the numerics; pass allow_compression=True to search them"
-            )
-        if self.survivor_models not in ("auto", "keep", "rebuild"):
-            raise ValueError(
-                "TuneConfig.survivor_models must be 'auto', 'keep' or 'rebuild', "
-                f"got {self.survivor_models!r}"
-            )
-        if isinstance(self.calibration, (str, Path)):  # read once, here: a bad file fails early
-            object.__setattr__(self, "calibration", Calibration.load(self.calibration))
-
-    def replace(self, **overrides: Any) -> TuneConfig:
-        names = {f.name for f in dataclasses.fields(self)}
-        unknown = sorted(set(overrides) - names)
-        if unknown:
-            raise TypeError(f"unknown TuneConfig field(s) {unknown}; fields are {sorted(names)}")
-        return dataclasses.replace(self, **overrides)
-
-
-@dataclass(frozen=True)
-class RoundResult:
-    """One round of successive halving, as rank 0 decided it (identical on every rank)."""
-
-    num_steps: int
-    candidates: tuple[int, ...]
-    """Grid indices measured, in the order they ran."""
-    step_ms: tuple[float, ...]
-    """Score of each candidate (same order): median over steps of the slowest rank's step."""
-    survivors: tuple[int, ...]
-    """Grid indices kept, best first."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class TuneResult:
-    """What `tune` decided, and how. Identical on every rank."""
-
-    config: OverlapConfig
-    """The tuned config: the base config with the winner's tuned fields."""
-    key: str
-    cached: bool
-    """True: returned from the cache, nothing measured in this call."""
-    space: TuneSpace
-    grid: tuple[str, ...]
-    """Every grid candidate's label (`overlap.tools.tune.space.describe`), by grid index."""
-    predicted_ms: tuple[float, ...]
-    """The planner's step time per grid index."""
-    candidates: tuple[int, ...]
-    """Grid indices passed on to measurement, fastest predicted first."""
-    rounds: tuple[RoundResult, ...]
-    winner: int
-    """Grid index of the chosen candidate."""
-    profile_s: float
-    measure_s: float
-    """Wall time of all trials (building, warm-up and timed steps)."""
-    elapsed_s: float
-    """Wall time of the whole call."""
-    measured_steps: int
-    """Timed steps per rank over all rounds."""
-    cache_file: str | None = None
-
-    @property
-    def step_ms(self) -> float | None:
-        """The winner's score in the last round it was measured in (None: nothing measured)."""
-        for rnd in reversed(self.rounds):
-            if self.winner in rnd.candidates:
-                return rnd.step_ms[rnd.candidates.index(self.winner)]
-        return None
-
-    @property
-    def final_round_steps(self) -> int | None:
-        return self.rounds[-1].num_steps if self.rounds else None
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "key": self.key,
-            "cached": self.cached,
-            "config": config_fields(self.config),
-            "tuned": tuned_fields(self.config),
-            "space": self.space.to_dict(),
-            "grid": list(self.grid),
-            "predicted_ms": list(self.predicted_ms),
-            "candidates": list(self.candidates),
-            "rounds": [dataclasses.asdict(r) for r in self.rounds],
-            "winner": self.winner,
-            "profile_s": self.profile_s,
-            "measure_s": self.measure_s,
-            "elapsed_s": self.elapsed_s,
-            "measured_steps": self.measured_steps,
-            "cache_file": self.cache_file,
-        }
-
-    @classmethod
-    def from_json(cls, data: Mapping[str, Any], base: OverlapConfig, **changes: Any) -> TuneResult:
-        """Rebuild a result stored by `to_json`; the config is `base` with the stored tuned fields."""
-        fields: dict[str, Any] = {
-            "config": base.replace(**data["tuned"]),
-            "key": data["key"],
-            "cached": data["cached"],
-            "space": TuneSpace.from_dict(data["space"]),
-            "grid": tuple(data["grid"]),
-            "predicted_ms": tuple(data["predicted_ms"]),
-            "candidates": tuple(data["candidates"]),
-            "rounds": tuple(
-                RoundResult(
-                    r["num_steps"],
-                    tuple(r["candidates"]),
-                    tuple(r["step_ms"]),
-                    tuple(r["survivors"]),
-                )
-                for r in data["rounds"]
-            ),
-            "winner": data["winner"],
-            "profile_s": data["profile_s"],
-            "measure_s": data["measure_s"],
-            "elapsed_s": data["elapsed_s"],
-            "measured_steps": data["measured_steps"],
-            "cache_file": data.get("cache_file"),
-        }
-        fields.update(changes)
-        return cls(**fields)
-
-    def format(self) -> str:
-        """Rounds as a table, then the decision."""
-        if self.cached:
-            head = f"overlap tune: cache hit {self.key} ({self.cache_file}); nothing measured"
-        else:
-            head = (
-                f"overlap tune: {len(self.grid)} grid candidates, {len(self.candidates)} measured "
-                f"after pruning, {len(self.rounds)} rounds, {self.measured_steps} timed steps per "
-                f"rank; profile {self.profile_s:.1f} s, trials {self.measure_s:.1f} s, total "
-                f"{self.elapsed_s:.1f} s"
-            )
-        width = max(len(label) for label in self.grid)
-        lines = [
-            head,
-            f"{'round':>5} {'steps':>5}  {'candidate':<{width}} {'predicted ms':>12} {'step ms':>9}",
-        ]
-        for r, rnd in enumerate(self.rounds):
-            for idx, ms in sorted(
-                zip(rnd.candidates, rnd.step_ms, strict=True), key=lambda x: x[1]
-            ):
-                mark = " *" if idx in rnd.survivors else ""
-                lines.append(
-                    f"{r:>5} {rnd.num_steps:>5}  {self.grid[idx]:<{width}} "
-                    f"{self.predicted_ms[idx]:>12.1f} {ms:>9.1f}{mark}"
-                )
-        lines.append(f"chosen: [{self.winner}] {self.grid[self.winner]}   (* = survived the round)")
-        return "\n".join(lines)
 
 
 def _make_key(
