@@ -722,3 +722,47 @@ def _assert_pipeline(per_rank: list[dict], last_stage_ranks: tuple[int, ...]) ->
             losses, params = result[schedule, "overlap"]
             assert all(abs(a - b) <= rtol * abs(b) for a, b in zip(losses, ref_losses, strict=True)), where
             assert not reordered_mismatches(params, ref_params, rtol), where
+
+
+# ---------------------------------------------------------------- autotune with tensor parallelism
+
+
+AUTOTUNE_STEPS = 40
+
+
+def check_autotune(rank: int, world_size: int, config_json: str | None) -> dict:
+    """AUTOTUNE_STEPS AdamW steps of the TP model with autotune on (or, with `config_json`, with
+    the knobs it settled on from the start): losses and shards per step, and its decisions."""
+    import json
+
+    mesh = _mesh()
+    options = json.loads(config_json) if config_json else {"autotune": True}
+    ours = overlap.wrap(_tp_model(mesh), group=_dp(mesh), **options)
+    opt = torch.optim.AdamW(ours.parameters(), lr=1e-2)
+    out: dict = {"losses": [], "params": []}
+    for step in range(AUTOTUNE_STEPS):
+        out["losses"].append(_backward(ours, mesh, step))
+        opt.step()
+        opt.zero_grad()
+        out["params"].append([p.to_local().detach().clone() for p in ours.parameters()])
+    tuner = ours._overlap_state.autotuner
+    if tuner is not None:
+        out["group_size"] = dist.get_world_size(tuner.group)
+        out["decisions"] = [(d.step, d.action, d.knob, d.new) for d in tuner.policy.decisions]
+        out["knobs_seen"] = len({tuple(h.items())[5:] for h in tuner.history})
+        out["config"] = json.dumps(overlap.tuned_config(ours).to_dict())
+    return out
+
+
+def test_autotune_with_tp_decides_once_for_every_rank(world4):
+    """The tuner decides over the data- and tensor-parallel ranks together (one decision at the
+    same step on all four), and the tuned run is bitwise the run with its final knobs."""
+    tuned = world4.run(check_autotune, config_json=None, timeout_s=150)
+    assert [r["group_size"] for r in tuned] == [4] * 4
+    assert all(r["decisions"] == tuned[0]["decisions"] for r in tuned), [r["decisions"] for r in tuned]
+    assert tuned[0]["decisions"][0][1] == "baseline" and tuned[0]["knobs_seen"] > 1, tuned[0]
+    plain = world4.run(check_autotune, config_json=tuned[0]["config"], timeout_s=150)
+    for rank in range(4):
+        assert tuned[rank]["losses"] == plain[rank]["losses"], f"rank {rank}"
+        for step, (a, b) in enumerate(zip(tuned[rank]["params"], plain[rank]["params"])):
+            assert all(torch.equal(x, y) for x, y in zip(a, b)), f"rank {rank} step {step}"

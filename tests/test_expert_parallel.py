@@ -385,6 +385,13 @@ def check_variant(rank: int, world_size: int) -> dict:
     with overlap.no_sync(ours):  # reaches the experts' state, and leaves it as it found it
         out["no_sync_reaches_experts"] = not experts.sync_grads
     out["sync_after"] = experts.sync_grads
+    with overlap.no_sync(ours):  # what no_sync accumulated, dropped by model.zero_grad() in both states
+        ours(_batch(rank, 99)).pow(2).mean().backward()
+    states = (ours._overlap_state, *ours._overlap_state.experts)
+    held = [sum(p.grad is not None for u in s.runtime.units for p in u.grad_params) for s in states]
+    ours.zero_grad()
+    left = [sum(p.grad is not None for u in s.runtime.units for p in u.grad_params) for s in states]
+    out["zero_grad"] = (held, left)
     return out
 
 
@@ -408,6 +415,9 @@ def test_expert_parallel_mixed_precision_matches_fsdp2(world4):
 def test_expert_parallel_variant_matches_fsdp2(world4):
     results = world4.run(check_variant, timeout_s=120)
     assert all(r["no_sync_reaches_experts"] and r["sync_after"] for r in results), results[0]
+    for rank, r in enumerate(results):  # [Note: zero_grad after no_sync] in overlap/engine/module.py
+        held, left = r["zero_grad"]
+        assert all(held) and not any(left), (rank, "gradients accumulated / left after zero_grad per state", held, left)
     _assert_parity(results, reordered_rtol(4, 2 * STEPS))  # two sums a step: each micro-batch's, then theirs
 
 

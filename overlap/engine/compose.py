@@ -308,6 +308,14 @@ class Composer:
         sharded = DTensorSpec(spmd_mesh, placements, tensor_meta=spec.tensor_meta)
         return TensorParallel(spec, sharded)
 
+    def job_group(self) -> dist.ProcessGroup | None:
+        """The data- and tensor-parallel ranks together (the (dp, tp) mesh flattened), None without
+        tensor parallelism. Collective over them at the first call: at wrap, on every rank."""
+        if not self._meshes:
+            return None
+        (spmd_mesh,) = self._meshes.values()
+        return spmd_mesh._flatten().get_group()
+
     def tensor_group(self) -> dist.ProcessGroup | None:
         """The tensor-parallel group of the parameters (one tp mesh), None without any."""
         assert len(self._meshes) <= 1, f"rank {dist.get_rank()}: parameters on several tp meshes {list(self._meshes)}"

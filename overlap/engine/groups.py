@@ -23,6 +23,9 @@ class Groups(NamedTuple):
     # experts: gradients divided by the size of all of dp, not of `shard` ([Note: expert
     # parallelism] in experts.py); None: by the ranks the gradients are reduced over
     gradient_divide_factor: int | None = None
+    # every rank of the job the model spans: with tensor parallelism the data- and tensor-parallel
+    # ranks together (autotune decides over it, one decision for all); None: `everyone`
+    job: dist.ProcessGroup | None = None
 
 
 def resolve_groups(

@@ -125,7 +125,9 @@ class OverlapModule:
         """nn.Module's, plus the gradients accumulated under no_sync ([Note: zero_grad after
         no_sync])."""
         super().zero_grad(set_to_none)  # type: ignore[misc]
-        state_of(self).runtime.discard_accumulated(set_to_none)  # type: ignore[arg-type]
+        state = state_of(self)  # type: ignore[arg-type]
+        for each in (state, *state.experts):  # [Note: expert parallelism] in experts.py
+            each.runtime.discard_accumulated(set_to_none)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> NoReturn:
         raise TypeError(

@@ -160,7 +160,7 @@ class OverlapState:
         # ecosystem: 0-dim parameters, whole on every rank ([Note: replicated parameters])
         self.replicated = ReplicatedParams(model, groups.everyone, self.runtime.timeout, self.stats)
         self.autotuner = None if not config.autotune else AutoTuner(
-            self.schedule, self.stats, config, groups.everyone, device, self.runtime.timeout,
+            self.schedule, self.stats, config, groups.job or groups.everyone, device, self.runtime.timeout,
             self.runtime.memory.total, tune_buckets=config.grad_compression is None,
         )
         self._install_hooks(model, hooked)

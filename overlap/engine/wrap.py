@@ -151,7 +151,7 @@ def _wrap_state(
     unit_fqns = find_unit_modules(model, config.unit_policy)
     modules = dict(model.named_modules())
     params_of = params_by_unit_module(model, unit_fqns, composer)
-    pgs = pgs._replace(tensor=composer.tensor_group())
+    pgs = pgs._replace(tensor=composer.tensor_group(), job=composer.job_group() if config.autotune else None)
     numels = {fqn: sum(math.prod(p.shape) for p in params_of[fqn]) for fqn in unit_fqns}
     groups = group_units(unit_fqns, numels, config.min_unit_numel)
 
