@@ -46,6 +46,13 @@ class EvalConfig:
     link: str | None = None
     json_path: str | None = None
 
+    @property
+    def timeout_s(self) -> float:
+        """The world's deadline behind an emulated link: 5 s a step (W1 steps ~1.5 s behind
+        1 Gbit), for the trials and every round's steps, plus 10 minutes."""
+        steps = self.rounds * (2 * self.first_steps + 3 * self.steady_steps + 20)
+        return 600.0 + 5.0 * steps
+
 
 @dataclass
 class Rounds:
