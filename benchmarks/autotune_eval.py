@@ -142,6 +142,7 @@ def pick_summary(config: Any) -> dict[str, Any]:
         "prefetch_depth": config.prefetch_depth,
         "bucket_bytes": config.reduce_scatter_bucket_bytes,
         "max_inflight": config.max_inflight_allgather_bytes,
+        "max_reduce_inputs": config.max_reduce_inputs,
     }
 
 
