@@ -168,14 +168,14 @@ def mesh_rank(rank: int, world_size: int, cfg: MeshBenchConfig) -> dict | None:
                 times.append((time.perf_counter() - start) * 1e3)
             slowest = torch.tensor(times, dtype=torch.float64)
             dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # a step ends when its slowest rank ends
-            t.step_ms.append(slowest.tolist())
+            t.step_ms.append(slowest.tolist())  # once per round, after the timed steps (a CPU tensor)
     state = torch.tensor([state_bytes(t.model, t.opt) for t in trainers], dtype=torch.int64)
     dist.all_reduce(state, op=dist.ReduceOp.MAX)
     if rank != 0:
         return None
     out = {}
     base = [statistics.median(r) for r in trainers[-1].step_ms]  # fsdp2's round medians
-    for t, nbytes in zip(trainers, state.tolist()):
+    for t, nbytes in zip(trainers, state.tolist()):  # once, at the report (a CPU tensor)
         medians = [statistics.median(r) for r in t.step_ms]
         ratios = [m / b for m, b in zip(medians, base)]  # within a round: the same load on the machine
         out[t.name] = {
