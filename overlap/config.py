@@ -241,7 +241,15 @@ class OverlapConfig:
     """With `autotune`: rank 0 writes `autotune.json` (each decision, and per step the knobs and
     times; `overlap report DIR` draws it) and `tuned_config.json` (this config with the best knobs
     so far, autotune off) here at each decision. None: `trace_dir` when set, else nothing is written (the
-    decisions are still logged, logger "overlap.autotune")."""
+    decisions are still logged, logger "overlap.autotune"). Also `calibration.json`: the model
+    fitted to this run's first steps, for `overlap plan --calibration` and `overlap tune
+    --calibration` ([Note: the model fitted online] in overlap/tools/plan/online.py)."""
+
+    autotune_calibration: str | None = None
+    """With `autotune`: a calibration file (`overlap plan --calibrate FILE`, or an earlier run's
+    `calibration.json`) the tuner's model starts from: its links, contention and host work; the
+    link and compute scales are then fitted to this run's first steps. None: the tools' defaults
+    for the backend. See [Note: the model fitted online]."""
 
     def __post_init__(self) -> None:
         policy = self.unit_policy
@@ -325,6 +333,9 @@ class OverlapConfig:
         cap = self.autotune_memory_bytes
         if cap is not None and (not isinstance(cap, int) or isinstance(cap, bool) or cap <= 0):
             raise ValueError(f"autotune_memory_bytes must be None or an int > 0, got {cap!r}")
+        cal = self.autotune_calibration
+        if cal is not None and not isinstance(cal, str):
+            raise ValueError(f"autotune_calibration must be None or a file path, got {cal!r}")
 
     def replace(self, **overrides: Any) -> OverlapConfig:
         """A copy with `overrides` applied; unknown names raise `TypeError`."""

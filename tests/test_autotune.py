@@ -12,20 +12,25 @@ import argparse
 import json
 import math
 
+import pytest
 import torch
 
 import overlap
 from harness import World
 from models import batch, loss_of, tiny_lm
+from overlap.engine.autotune import TunerView
 from overlap.engine.autotune_policy import (
     HYSTERESIS,
+    MAX_PREFETCH_DEPTH,
     RECHECK,
     Knobs,
     Measurement,
     Mode,
+    Proposal,
     TunePolicy,
     WARMUP,
 )
+from overlap.tools.plan.online import TIE, StepModel, exposed
 
 DEFAULTS = Knobs(prefetch_depth=1, max_inflight_bytes=None, bucket_bytes=0, keep_bytes=128 << 20, max_reduce_inputs=1)
 
@@ -106,6 +111,102 @@ def test_policy_searches_again_when_the_step_drifts():
     assert not [d for d in quiet.decisions if d.action == "retune"]  # no drift, no search
 
 
+def test_policy_tries_the_models_joint_move_first():
+    """Each knob alone is flat; only the two together are fast. Coordinate moves keep nothing,
+    the model's joint proposal is measured first and kept."""
+    joint = Knobs(3, None, 0, 128 << 20, 2)
+
+    def step_ms(k: Knobs) -> float:
+        return 80.0 if (k.prefetch_depth, k.max_reduce_inputs) == (3, 2) else 100.0
+
+    calls = []
+
+    def ranker(start: Knobs, measured: Measurement) -> list[Proposal]:
+        calls.append((start, measured.step_ms))
+        slower = Proposal(Knobs(0, None, 0, 128 << 20, 1), 120.0, 100.0, 0)  # predicted slower: never tried
+        return [Proposal(joint, 90.0, 100.0, 0, " (test)"), slower]
+
+    alone = TunePolicy(DEFAULTS, None, signature)
+    drive(alone, step_ms)
+    assert alone.best == DEFAULTS  # no single move helps
+    policy = TunePolicy(DEFAULTS, None, signature, ranker=ranker)
+    drive(policy, step_ms)
+    assert policy.best == joint and policy.mode is Mode.SETTLED
+    tries = [d for d in policy.decisions if d.action == "try"]
+    assert tries[0].knob == "model" and "model predicts 90.00 ms vs 100.00 ms" in tries[0].reason, tries[0]
+    assert not any(d.new == Knobs(0, None, 0, 128 << 20, 1) for d in tries)
+    assert calls == [(DEFAULTS, 100.0)]  # once, at the baseline, with its score
+
+
+def test_policy_model_proposal_over_the_memory_cap_is_not_tried():
+    def ranker(start: Knobs, measured: Measurement) -> list[Proposal]:
+        return [Proposal(Knobs(4, None, 0, 128 << 20, 1), 50.0, 100.0, extra_bytes=2000)]
+
+    policy = TunePolicy(DEFAULTS, 1000, signature, ranker=ranker)
+    drive(policy, lambda k: 100.0)
+    assert not [d for d in policy.decisions if d.knob == "model" and d.action == "try"]
+    assert [d.action for d in policy.decisions][:2] == ["baseline", "model"]
+
+
+def test_policy_tries_the_deepest_prefetch_after_a_flat_step():
+    """Depth 2 is as fast as 1 (within the hysteresis); the deepest is faster: one step at a
+    time never gets there, the stride does."""
+    policy = TunePolicy(DEFAULTS, None, signature)
+    drive(policy, lambda k: 80.0 if k.prefetch_depth == MAX_PREFETCH_DEPTH else 100.0)
+    assert policy.best.prefetch_depth == MAX_PREFETCH_DEPTH, policy.decisions
+
+
+W1_LIKE = TunerView((1 << 20,) + (12 << 20,) * 8, (1 << 20,) + (12 << 20,) * 8, tuple(range(9)), 0, True, "gloo", 2, 1, True)
+
+
+def test_online_model_fit_reproduces_the_baseline_and_recovers_its_scales():
+    """A step made by the simulator itself (compute 0.5 s, links 4x the defaults'): the fit
+    finds those scales back from the step and the exposed waits alone."""
+    model = StepModel(W1_LIKE)
+    made = model.predict(DEFAULTS, 0.5, 4.0)
+    gather, reduce = exposed(made)
+    fit = model.fit_to(DEFAULTS, Measurement(made.step_s * 1e3, gather * 1e3, reduce * 1e3, 0))
+    assert math.isclose(fit.compute_s, 0.5, rel_tol=0.02), fit
+    assert math.isclose(fit.link_scale, 4.0, rel_tol=0.02), fit
+    assert math.isclose(fit.predicted_step_s, made.step_s, rel_tol=0.001), fit
+
+
+def test_online_model_proposes_prefetch_behind_a_slow_link_and_nothing_where_comm_is_hidden():
+    model = StepModel(W1_LIKE)
+    slow = model.predict(DEFAULTS, 0.5, 20.0)  # comm far longer than compute: exposed
+    proposals = model.propose(DEFAULTS, Measurement(slow.step_s * 1e3, *(x * 1e3 for x in exposed(slow)), 0))
+    assert proposals and proposals[0].predicted_ms < proposals[0].baseline_predicted_ms * (1 - HYSTERESIS)
+    assert proposals[0].knobs.prefetch_depth > DEFAULTS.prefetch_depth, proposals[0]
+    fastest = min(p.predicted_ms for p in proposals)  # first, or tied with it and holding less
+    assert proposals[0].predicted_ms <= fastest * (1 + TIE)
+    assert proposals[0].extra_bytes <= min(p.extra_bytes for p in proposals if p.predicted_ms <= fastest * (1 + TIE))
+    fast = model.predict(DEFAULTS, 0.5, 0.01)  # comm hidden under compute
+    proposals = model.propose(DEFAULTS, Measurement(fast.step_s * 1e3, *(x * 1e3 for x in exposed(fast)), 0))
+    assert not [p for p in proposals if p.predicted_ms < p.baseline_predicted_ms * (1 - HYSTERESIS)]
+
+
+def test_online_model_starts_from_a_calibration_file_and_writes_what_it_fitted(tmp_path):
+    from dataclasses import replace
+
+    from overlap.tools.plan.calibration import Calibration, default_world_calibration
+    from overlap.tools.plan.cost import Link
+
+    given = replace(default_world_calibration(4, "gloo", None), gather_link=Link("mine", 1e-4, 0.5))
+    given.save(tmp_path / "given.json")
+    view = replace(W1_LIKE, calibration=str(tmp_path / "given.json"), folder=str(tmp_path))
+    model = StepModel(view)
+    assert model.base.gather_link == Link("mine", 1e-4, 0.5) and model.base.num_ranks == 2
+    made = model.predict(DEFAULTS, 0.5, 3.0)
+    model.propose(DEFAULTS, Measurement(made.step_s * 1e3, *(x * 1e3 for x in exposed(made)), 0))
+    fitted = Calibration.load(tmp_path / "calibration.json")  # what `overlap plan --calibration` reads
+    assert fitted.source.startswith("fitted by autotune")
+    assert math.isclose(fitted.gather_link.busbw_gbps, 0.5 / 3.0, rel_tol=0.02), fitted.gather_link
+    nccl = StepModel(replace(view, backend="nccl", folder=None))  # a gloo file on an nccl run: the defaults
+    assert nccl.base.backend == "nccl" and nccl.base.gather_link.name != "mine"
+    with pytest.raises(ValueError, match="autotune_calibration"):
+        overlap.OverlapConfig(autotune=True, autotune_calibration=3)
+
+
 STEPS = 60
 
 
@@ -143,6 +244,8 @@ def test_tuned_run_is_bitwise_the_run_with_its_final_knobs(tmp_path, capsys):
         tuned = world.run(train, autotune=True, folder=str(tmp_path))
         assert tuned[0]["decisions"] == tuned[1]["decisions"]  # the same decision at the same step
         assert [a for _, a, _, _ in tuned[0]["decisions"]][0] == "baseline"
+        # the tools' model was fitted at the baseline and said what it predicts
+        assert [a for _, a, _, _ in tuned[0]["decisions"]][1] == "model", tuned[0]["decisions"]
         assert tuned[0]["knobs_seen"] > 1  # it did move the knobs during the run
         final = json.loads(tuned[0]["config"])
         assert final["autotune"] is False
@@ -155,6 +258,9 @@ def test_tuned_run_is_bitwise_the_run_with_its_final_knobs(tmp_path, capsys):
         world.close()
     # what it wrote: the config to reuse, and the decisions `overlap report` prints and draws
     assert overlap.OverlapConfig.load(tmp_path / "tuned_config.json") == overlap.OverlapConfig(**final)
+    from overlap.tools.plan.calibration import Calibration
+
+    assert Calibration.load(tmp_path / "calibration.json").source.startswith("fitted by autotune")
     from overlap.observe import report
 
     parser = argparse.ArgumentParser()

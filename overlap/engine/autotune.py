@@ -15,6 +15,11 @@ Each decision is logged (logger "overlap.autotune", rank 0). With `autotune_dir`
 `trace_dir`), rank 0 writes there at each decision `autotune.json` (decisions and per-step knobs
 and times, for `overlap report`) and `tuned_config.json` (the OverlapConfig with the best knobs
 so far, autotune off, to reuse).
+
+The policy's proposals come from the model the tools use ([Note: the model fitted online] in
+overlap/tools/plan/online.py). The engine does not import the tools (imports point down):
+`overlap/__init__.py` installs that model here with `use_step_model` when the package is
+imported; without one the search is the coordinate moves alone.
 """
 
 from __future__ import annotations
@@ -23,7 +28,8 @@ import json
 import logging
 import math
 import os
-from dataclasses import asdict, replace
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, replace
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -32,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from overlap.config import OverlapConfig
-from overlap.engine.autotune_policy import TRIAL, Decision, Knobs, Measurement, Mode, TunePolicy
+from overlap.engine.autotune_policy import TRIAL, Decision, Knobs, Measurement, Mode, Proposal, TunePolicy
 from overlap.engine.schedule import Schedule, ScheduleConfig
 from overlap.observe.stats import StatsRecorder, StepStats
 from overlap.transport import collectives as comm
@@ -40,6 +46,38 @@ from overlap.transport import collectives as comm
 log = logging.getLogger("overlap.autotune")
 
 _FIELDS = 4  # per step: step_ms, exposed gather, exposed reduce, memory peak
+
+
+@dataclass(frozen=True)
+class TunerView:
+    """What the step model knows of a wrapped model and its world: the same on every rank."""
+
+    unit_bytes: tuple[int, ...]
+    """Unsharded bytes of each unit in the gather dtype, by unit index."""
+    grad_bytes: tuple[int, ...]
+    forward_order: tuple[int, ...]
+    """The units in the order the first step's forward ran them."""
+    root: int | None
+    reshard_after_forward: bool
+    backend: str  # "nccl" or "gloo"
+    num_ranks: int  # of the shard group
+    num_replicas: int  # HSDP replicas (1: none)
+    tune_buckets: bool  # whether the tuner may move the bucket size
+    calibration: str | None = None
+    """The file the model starts from (`OverlapConfig.autotune_calibration`); None: defaults."""
+    folder: str | None = None
+    """Where the fitted model is written (`calibration.json`); None: nowhere (ranks but 0)."""
+
+
+StepModel = Callable[[TunerView], Callable[[Knobs, Measurement], list[Proposal]]]
+_step_model: StepModel | None = None
+
+
+def use_step_model(model: StepModel | None) -> None:
+    """Install the model the tuner proposes with (None: coordinate moves alone). The package
+    installs the tools' (overlap/tools/plan/online.py) at import."""
+    global _step_model
+    _step_model = model
 
 
 def knobs_of(config: ScheduleConfig) -> Knobs:
@@ -55,6 +93,7 @@ def with_knobs(config: OverlapConfig, knobs: Knobs) -> OverlapConfig:
         keep_for_backward_bytes=knobs.keep_bytes,
         max_reduce_inputs=knobs.max_reduce_inputs,
         autotune=False,
+        autotune_calibration=None,
     )
 
 
@@ -82,13 +121,22 @@ class AutoTuner:
         timeout: timedelta | None,
         library_bytes: int,
         tune_buckets: bool,
+        num_ranks: int = 1,
+        num_replicas: int = 1,
     ) -> None:
         self.schedule, self.stats, self.config = schedule, stats, config
         self.group, self.device, self.timeout = group, device, timeout
         self.rank = dist.get_rank(group)
         self.lag = stats.max_lag_steps if device.type == "cuda" else 0
+        self.num_ranks, self.num_replicas, self.tune_buckets = num_ranks, num_replicas, tune_buckets
+        if config.autotune_calibration is not None and not os.path.isfile(config.autotune_calibration):
+            raise ValueError(
+                f"overlap.wrap: autotune_calibration={config.autotune_calibration!r}: no such file (write one "
+                "with `overlap plan --calibrate FILE`, or use an earlier run's calibration.json)"
+            )
         cap = config.autotune_memory_bytes or default_memory_cap(device, library_bytes)
-        self.policy = TunePolicy(knobs_of(schedule.config), cap, self._signature, tune_buckets)
+        ranker = self._propose if _step_model is not None else None
+        self.policy = TunePolicy(knobs_of(schedule.config), cap, self._signature, tune_buckets, ranker)
         self._stats_step: dict[int, int] = {}  # training step -> StatsRecorder step
         self._knobs_at: dict[int, Knobs] = {}  # training step -> knobs it ran with
         self._published: dict[int, StepStats] = {}  # StatsRecorder step -> its stats
@@ -115,6 +163,19 @@ class AutoTuner:
                 buckets.append(unit)
                 size = 0
         return (knobs.prefetch_depth, knobs.max_inflight_bytes, tuple(buckets), kept, knobs.max_reduce_inputs)
+
+    def _propose(self, knobs: Knobs, measured: Measurement) -> list[Proposal]:
+        """The installed model's proposals from the baseline `measured` under `knobs`."""
+        s = self.schedule
+        if _step_model is None or s.forward_order is None:
+            return []
+        view = TunerView(
+            tuple(s.unit_bytes), tuple(s.grad_bytes), tuple(s.forward_order), s.root,
+            s.config.reshard_after_forward, "nccl" if self.device.type == "cuda" else "gloo",
+            self.num_ranks, self.num_replicas, self.tune_buckets, self.config.autotune_calibration,
+            None if self.folder is None else str(self.folder),
+        )  # fmt: skip
+        return _step_model(view)(knobs, measured)
 
     def _schedule_config(self, knobs: Knobs) -> ScheduleConfig:
         return replace(

@@ -13,14 +13,27 @@ the gathered parameters are the same bytes whenever they arrive). So a tuned run
 run that had its final knobs from the start (tests/test_autotune.py). The bucket size is not
 moved under a gradient codec: its blocks and error-feedback residuals follow the buckets.
 
-The search is a coordinate descent from the configured knobs, one move at a time:
+The search starts from the configured knobs and the model's proposals, then descends one
+coordinate at a time:
 
     WARMUP steps (first step's checks and allocations) -> a window of the configured knobs
+    the model's proposals (`Ranker`, at most MODEL_TRIALS): joint moves of several knobs at once
+        that the simulator, fitted to this window, predicts at least HYSTERESIS faster; each
+        tried as a move is (below)
     for each knob, each move (up, then down): a window of the move, then one of the best knobs;
         keep the move when its step is at least HYSTERESIS faster than the best's windows just
         before and after it, and the library's memory peak stays under the cap; a kept move is
         tried again in the same direction, else reverted
+        a prefetch depth one deeper that was flat (within HYSTERESIS either way) is followed,
+        at the end of the pass, by the deepest one: gathers that already arrive in time one
+        unit ahead can still be late in backward, where a deeper queue starts them earlier
     a pass over every knob without a kept move -> settled
+
+The model proposes, measurement decides: a proposal is kept only as any move is, so a model
+that is wrong costs its trial windows and never the run's speed. It is the one the tools use
+(overlap/tools/plan/online.py: the simulator of `overlap plan` and `overlap tune`, its compute
+and links fitted to the baseline window's step and exposed waits), registered by the package
+at import (`overlap/engine/autotune.py`, `use_step_model`): the engine does not import tools.
 
 A window is SETTLE steps under its knobs (not measured: the first step after a change allocates
 differently) and TRIAL measured steps; its score is the median over those steps of the slowest
@@ -48,6 +61,7 @@ RECHECK = 50
 DRIFT = 0.10
 MAX_PREFETCH_DEPTH = 4
 MAX_REDUCE_INPUTS = 3
+MODEL_TRIALS = 2
 
 
 @dataclass(frozen=True)
@@ -80,8 +94,26 @@ class Decision:
     knob: str
     old: object
     new: object
-    action: str  # "try", "keep", "revert", "settle", "retune"
+    action: str  # "baseline", "model", "try", "keep", "revert", "settle", "retune"
     reason: str
+
+
+@dataclass(frozen=True)
+class Proposal:
+    """A setting the model predicts faster than the baseline's: what it costs in memory above
+    the baseline's and why (logged with the trial)."""
+
+    knobs: Knobs
+    predicted_ms: float
+    baseline_predicted_ms: float
+    extra_bytes: int
+    reason: str = ""
+
+
+Ranker = Callable[[Knobs, Measurement], list[Proposal]]
+"""(the baseline knobs, the baseline window's score as a Measurement) -> proposals, fastest
+predicted first. Called at every baseline (the first and each re-tune's); deterministic, so
+every rank proposes the same."""
 
 
 class Mode(enum.Enum):
@@ -107,12 +139,14 @@ class TunePolicy:
         memory_cap: int | None,
         signature: Callable[[Knobs], Hashable],
         tune_buckets: bool = True,
+        ranker: Ranker | None = None,
     ) -> None:
         self.best = self.current = start
         self.best_score = math.inf
         self.memory_cap = memory_cap
         self.signature = signature
         self.tune_buckets = tune_buckets
+        self.ranker = ranker
         self.mode = Mode.WARMUP
         self.decisions: list[Decision] = []
         self._trial_start = WARMUP  # step at which the current trial's measured steps begin
@@ -123,6 +157,9 @@ class TunePolicy:
         self._trying = start  # the knobs of the trial under way
         self._candidate: tuple[float, int, str] | None = None  # its score, peak, exposed: measured, not yet compared
         self._reference = math.inf  # the best knobs' latest score
+        self._flat: set[Hashable] = set()  # signatures of reverted moves within HYSTERESIS
+        self._baseline_peak = 0  # the baseline window's memory peak
+        self._model_reason: dict[Knobs, str] = {}  # why the model proposed each proposal
 
     # ------------------------------------------------------------ when
     def window(self) -> tuple[int, int] | None:
@@ -164,6 +201,24 @@ class TunePolicy:
             yield "max_reduce_inputs", replace(knobs, max_reduce_inputs=inputs + 1)
         if inputs > 1:
             yield "max_reduce_inputs", replace(knobs, max_reduce_inputs=inputs - 1)
+        if depth + 1 < MAX_PREFETCH_DEPTH and self.signature(replace(knobs, prefetch_depth=depth + 1)) in self._flat:
+            yield "prefetch_depth", replace(knobs, prefetch_depth=MAX_PREFETCH_DEPTH)  # one deeper was flat
+
+    def _proposals(self, proposals: list[Proposal]) -> Iterator[tuple[str, Knobs]]:
+        """The model's proposals (at most MODEL_TRIALS: predicted HYSTERESIS faster, under the
+        memory cap, not measured yet), then the coordinate moves from the best knobs."""
+        taken = 0
+        for p in proposals:
+            if taken == MODEL_TRIALS:
+                break
+            over = self.memory_cap is not None and self._baseline_peak + p.extra_bytes > self.memory_cap
+            faster = p.predicted_ms <= p.baseline_predicted_ms * (1 - HYSTERESIS)
+            if over or not faster or self.signature(p.knobs) in self._tried:
+                continue
+            taken += 1
+            self._model_reason[p.knobs] = f"model predicts {p.predicted_ms:.2f} ms vs {p.baseline_predicted_ms:.2f} ms{p.reason}"
+            yield "model", p.knobs
+        yield from self.moves(self.best)
 
     def _next_trial(self, step: int) -> Knobs:
         """The next untried move from the best knobs; settles when a pass kept nothing."""
@@ -176,7 +231,11 @@ class TunePolicy:
                     continue
                 self._tried.add(key)
                 self._knob = knob
-                return self._start(step, knob, knobs, "try", f"{knob}: {getattr(self.best, knob)} -> {getattr(knobs, knob)}")
+                if knob == "model":
+                    why = f"{_changes(self.best, knobs)}: {self._model_reason.get(knobs, '')}"
+                else:
+                    why = f"{knob}: {getattr(self.best, knob)} -> {getattr(knobs, knob)}"
+                return self._start(step, knob, knobs, "try", why)
             if not self._kept_this_pass:
                 self.mode = Mode.SETTLED
                 self._trial_start = step + 1
@@ -186,7 +245,7 @@ class TunePolicy:
             self._pending, self._kept_this_pass = None, False  # another pass from the new best
 
     def _start(self, step: int, knob: str, knobs: Knobs, action: str, reason: str) -> Knobs:
-        self._log(step, knob, getattr(self.current, knob, None), getattr(knobs, knob, None), action, reason)
+        self._log(step, knob, _value(self.current, knob), _value(knobs, knob), action, reason)
         self.current = self._trying = knobs
         self._trial_start = step + 1 + SETTLE
         return knobs
@@ -203,7 +262,14 @@ class TunePolicy:
             self.mode = Mode.TRIAL
             self.best_score = self._reference = value
             self._tried.add(self.signature(self.best))
-            self._log(step, "-", None, None, "baseline", f"{self.best}: step {value:.2f} ms")
+            self._baseline_peak = max(m.memory_peak_bytes for m in trial)
+            self._log(step, "-", None, None, "baseline", f"{self.best}: step {value:.2f} ms; {_exposed(trial)}")
+            proposals: list[Proposal] = []
+            if self.ranker is not None:
+                proposals = self.ranker(self.best, Measurement(value, *_median_waits(trial), self._baseline_peak))
+                lead = f"fastest predicted {_changes(self.best, proposals[0].knobs)}: {proposals[0].predicted_ms:.2f} ms vs {proposals[0].baseline_predicted_ms:.2f} ms{proposals[0].reason}" if proposals else "nothing to propose"
+                self._log(step, "model", None, None, "model", f"{len(proposals)} settings simulated; {lead}")
+            self._pending = self._proposals(proposals)
             return self._next_trial(step)
         if self._candidate is None:  # the candidate's window: now the best again, beside it
             self._candidate = (value, max(m.memory_peak_bytes for m in trial), _exposed(trial))
@@ -219,13 +285,15 @@ class TunePolicy:
         over = self.memory_cap is not None and peak > self.memory_cap
         versus = f"step {value:.2f} ms vs {reference:.2f} ms ({value / reference - 1:+.1%}); {exposed}"
         if value < reference * (1 - HYSTERESIS) and not over:
-            self._log(step, knob, getattr(self.best, knob), getattr(candidate, knob), "keep", versus)
+            self._log(step, knob, _value(self.best, knob), _value(candidate, knob), "keep", versus)
             self.best, self.best_score, self._reference = candidate, value, value
             self._kept_this_pass = True
             self._pending = _same_first(self.moves(self.best), knob)  # the same direction again first
         else:
             why = f"memory peak {peak} B over the cap {self.memory_cap} B" if over else f"{versus}: not {HYSTERESIS:.0%} faster"
-            self._log(step, knob, getattr(candidate, knob), getattr(self.best, knob), "revert", why)
+            if not over and value < reference * (1 + HYSTERESIS):
+                self._flat.add(self.signature(candidate))
+            self._log(step, knob, _value(candidate, knob), _value(self.best, knob), "revert", why)
             self.best_score = reference
         return self._next_trial(step)
 
@@ -237,14 +305,29 @@ class TunePolicy:
         self._log(step, "-", None, None, "retune", f"step {value:.2f} ms vs settled {self.best_score:.2f} ms: searching again")
         self.mode = Mode.WARMUP
         self._pending, self._tried, self._kept_this_pass, self._candidate = None, set(), False, None
+        self._flat = set()
         self._trial_start = step + 1
         return self.current
 
 
+def _median_waits(trial: list[Measurement]) -> tuple[float, float]:
+    return statistics.median(m.gather_wait_ms for m in trial), statistics.median(m.reduce_wait_ms for m in trial)
+
+
 def _exposed(trial: list[Measurement]) -> str:
-    gather = statistics.median(m.gather_wait_ms for m in trial)
-    reduce = statistics.median(m.reduce_wait_ms for m in trial)
+    gather, reduce = _median_waits(trial)
     return f"exposed gather {gather:.2f} ms, reduce {reduce:.2f} ms"
+
+
+def _value(knobs: Knobs, knob: str) -> object:
+    """A knob's value for the log; a model move changes several: the knobs themselves."""
+    return knobs if knob == "model" else getattr(knobs, knob, None)
+
+
+def _changes(old: Knobs, new: Knobs) -> str:
+    """'prefetch_depth 1 -> 4, max_reduce_inputs 1 -> 2'."""
+    names = [f for f in Knobs.__dataclass_fields__ if getattr(old, f) != getattr(new, f)]
+    return ", ".join(f"{f} {getattr(old, f)} -> {getattr(new, f)}" for f in names)
 
 
 def _same_first(moves: Iterator[tuple[str, Knobs]], knob: str) -> Iterator[tuple[str, Knobs]]:

@@ -162,6 +162,8 @@ class OverlapState:
         self.autotuner = None if not config.autotune else AutoTuner(
             self.schedule, self.stats, config, groups.job or groups.everyone, device, self.runtime.timeout,
             self.runtime.memory.total, tune_buckets=config.grad_compression is None,
+            num_ranks=dist.get_world_size(groups.shard),
+            num_replicas=1 if groups.replicate is None else dist.get_world_size(groups.replicate),
         )
         self._install_hooks(model, hooked)
 
