@@ -207,6 +207,33 @@ def test_online_model_starts_from_a_calibration_file_and_writes_what_it_fitted(t
         overlap.OverlapConfig(autotune=True, autotune_calibration=3)
 
 
+def test_a_model_that_fails_leaves_the_coordinate_moves(caplog):
+    """A model that raises must not stop training: the tuner logs it and proposes nothing."""
+    from types import SimpleNamespace
+
+    import overlap.engine.autotune as autotune
+
+    def broken(view: TunerView):
+        raise RuntimeError("no simulator here")
+
+    schedule = SimpleNamespace(
+        unit_bytes=[8], grad_bytes=[8], forward_order=(0,), root=None,
+        config=SimpleNamespace(reshard_after_forward=True),
+    )  # fmt: skip
+    tuner = SimpleNamespace(
+        schedule=schedule, device=torch.device("cpu"), num_ranks=2, num_replicas=1, tune_buckets=True,
+        config=overlap.OverlapConfig(), folder=None,
+    )  # fmt: skip
+    installed = autotune._step_model
+    autotune.use_step_model(broken)
+    try:
+        with caplog.at_level("WARNING", logger="overlap.autotune"):
+            assert autotune.AutoTuner._propose(tuner, DEFAULTS, Measurement(100.0, 1.0, 1.0, 0)) == []
+    finally:
+        autotune.use_step_model(installed)
+    assert "no simulator here" in caplog.text
+
+
 STEPS = 60
 
 

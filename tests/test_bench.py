@@ -187,8 +187,13 @@ def test_link_setup_and_teardown() -> None:
 @needs_netns
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_link_cleaned_up_on_signal(sig: signal.Signals) -> None:
+    # Python leaves SIGINT ignored when it starts with it ignored (a background job, as CI runs
+    # the suite): the child would then sleep its 60 s out and exit cleanly, and this test would
+    # pass without a signal ever arriving. So the child takes SIGINT back, and the exit must be
+    # the signal's (not 0).
     code = (
-        "import time\nfrom overlap.tools.bench.link import EmulatedLink, LinkSpec\n"
+        "import signal, time\nsignal.signal(signal.SIGINT, signal.default_int_handler)\n"
+        "from overlap.tools.bench.link import EmulatedLink, LinkSpec\n"
         "with EmulatedLink(LinkSpec.parse('100mbit'), 2):\n"
         "    print('up', flush=True)\n    time.sleep(60)\n"
     )
@@ -206,6 +211,7 @@ def test_link_cleaned_up_on_signal(sig: signal.Signals) -> None:
         watchdog.cancel()
         if proc.poll() is None:
             proc.kill()
+    assert proc.returncode != 0, "the child slept its time out: the signal never reached it"
     assert _ours(f"ovl{proc.pid}") == []
 
 

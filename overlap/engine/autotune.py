@@ -175,7 +175,11 @@ class AutoTuner:
             self.num_ranks, self.num_replicas, self.tune_buckets, self.config.autotune_calibration,
             None if self.folder is None else str(self.folder),
         )  # fmt: skip
-        return _step_model(view)(knobs, measured)
+        try:
+            return _step_model(view)(knobs, measured)
+        except Exception as e:  # noqa: BLE001  the same on every rank: all go on without proposals
+            log.warning("overlap autotune: the model could not propose (%s: %s); coordinate moves only", type(e).__name__, e)
+            return []
 
     def _schedule_config(self, knobs: Knobs) -> ScheduleConfig:
         return replace(
