@@ -224,8 +224,9 @@ class OverlapConfig:
     autotune: bool = False
     """Tune the schedule's knobs while training: `prefetch_depth`, `max_inflight_allgather_bytes`
     (when set), `reduce_scatter_bucket_bytes` (not with `grad_compression`),
-    `keep_for_backward_bytes` and `max_reduce_inputs` move, one at a time, toward a faster step,
-    measured on every rank, within `autotune_memory_bytes`; every rank takes the same decision at
+    `keep_for_backward_bytes` and `max_reduce_inputs` move toward a faster step (first the
+    settings the tools' model, fitted to the first steps, predicts fastest; then one knob at a
+    time), measured on every rank, within `autotune_memory_bytes`; every rank takes the same decision at
     the same step, and the numbers do not change (the knobs decide when collectives run, not what
     they carry). It settles after a few dozen steps, then looks again every 50 steps and
     searches again when the step drifts by more than 10%. The configured values are where it
