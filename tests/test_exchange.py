@@ -48,11 +48,10 @@ def exchanges_agree(rank: int, world: int, slack_bytes: int) -> dict:
     expected = everyone[0, rank].clone()
     for r in range(1, world):
         expected += everyone[r, rank]
-    # [Note: own part stays home]: the first and last rank neither send nor receive their own
-    # chunk; a rank in the middle does (as every rank did before)
-    home = rank in (0, world - 1)
+    # [Note: receive before send]: on gloo every rank's own chunk stays home (no message to
+    # itself), so it receives only its peers' parts
     peers_part = max(24, slack_bytes // 4)
-    expected_received = (world - 1) * peers_part + (0 if home else 24)
+    expected_received = (world - 1) * peers_part
     return {
         "receive_buffer": received == expected_received,
         "a2a_gather": torch.equal(native_gather, a2a_gather),
@@ -112,3 +111,61 @@ def test_receive_slack_turns_an_abort_into_wrong_bytes():
     assert sums[0] == [3.0] * 8  # its 8 expected elements arrived from rank 1 (of 16 sent)
     with pytest.raises(RuntimeError, match="SIGABRT|signal 6|exit code -6"):
         run_local_world(mismatched_pair, 2, 0, timeout_s=30, deadline_s=120)
+
+
+def receive_first(rank: int, world: int) -> dict:
+    """[Note: receive before send]: on gloo an all-to-all exchange is point-to-point messages,
+    receives posted first; sends of a large exchange are posted by the sender thread ([Note:
+    sends posted off the training thread]), a small one's in place; both land as the
+    backend's own all-to-all would."""
+    from overlap.transport import pairwise
+
+    group = dist.group.WORLD
+    out = {}
+    for label, numel in (("small", 64), ("large", pairwise.POST_OFF_THREAD_BYTES // 4 * world)):
+        grads = _data(rank, numel, 3)
+        result = comm.reduce_scatter_flat(grads.clone(), group, world, "all_to_all")
+        out[f"{label}_is_exchange"] = isinstance(result.work, pairwise.ExchangeWork)
+        out[f"{label}_off_thread"] = result.work._posting is not None
+        reduced = comm.wait(result)
+        everyone = comm.wait(comm.all_gather_flat(grads, group, world, torch.float32)).view(world, world, -1)
+        out[f"{label}_sum"] = torch.equal(reduced, everyone[0, rank] + everyone[1, rank])
+    return out
+
+
+def test_exchanges_go_receive_first_on_gloo(world2):
+    for rank, r in enumerate(world2.run(receive_first)):
+        assert r == {
+            "small_is_exchange": True, "small_off_thread": False, "small_sum": True,
+            "large_is_exchange": True, "large_off_thread": True, "large_sum": True,
+        }, (rank, r)
+
+
+def silent_peer(rank: int, world: int) -> float:
+    """Rank 1 never posts its side; rank 0's wait must end at its timeout, not hang."""
+    import time
+    from datetime import timedelta
+
+    from overlap.transport import pairwise
+
+    if rank == 1:  # alive and silent past rank 0's timeout (an exit would close the socket)
+        time.sleep(10)
+        return 0.0
+    receives, sends = [None, torch.empty(1 << 20)], [None, torch.ones(1 << 20)]
+    work = pairwise.exchange(dist.group.WORLD, receives, sends)
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError):
+        work.wait(timedelta(seconds=2))
+    return time.monotonic() - t0
+
+
+def test_exchange_wait_ends_at_its_timeout():
+    waited = run_local_world(silent_peer, 2, timeout_s=60, deadline_s=180)
+    assert 1.5 <= waited[0] < 8, waited  # its own 2 s, not the peer's exit at 10 s
+
+
+def test_exchange_refuses_unequal_peer_lists():
+    from overlap.transport import pairwise
+
+    with pytest.raises(ValueError, match="2 receives against 3 sends"):
+        pairwise.exchange(None, [None, None], [None, None, None])  # type: ignore[arg-type]

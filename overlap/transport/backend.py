@@ -87,6 +87,13 @@ class CommSemantics:
         """Whether wall time around a wait measures the collective (gloo) or only its enqueue."""
         return not self.stream_ordered
 
+    @property
+    def receive_first(self) -> bool:
+        """An all-to-all goes as point-to-point messages, every receive posted before any send
+        ([Note: receive before send] in pairwise.py): gloo, whose own all-to-all can run the
+        two directions of a link one after the other."""
+        return self.backend == "gloo"
+
     def auto_reduce_impl(self) -> str:
         """See [Note: reduce-scatter through all-to-all] in collectives.py: gloo's own reduce-scatter
         sends twice the bytes, so CPU tensors over gloo go through all-to-all."""

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from overlap import kernels
 from overlap.compression import Codec
 from overlap.compression.feedback import FeedbackResidual
+from overlap.transport import backend, pairwise
 from overlap.transport.fingerprint import TAG_BYTES, TAG_NUMEL, write_tag
 from overlap.transport.results import (  # re-exported: callers use collectives' one namespace
     CollectiveError,  # noqa: F401
@@ -50,6 +51,9 @@ def _exchange(
     starts): what rank r sent here is `received[starts[r] : starts[r] + part]`; starts is None
     when `received` is simply rank-major (no slack needed, every part travelled), and
     `starts[rank]` is None when this rank's own part stayed home (read it from `send`: `_rows`).
+    On gloo the exchange is point-to-point messages posted receives first ([Note: receive
+    before send] in pairwise.py), and every rank's own part stays home; elsewhere it is the
+    backend's all-to-all.
 
     [Note: own part stays home]
     An all-to-all sends each rank's own part to itself too: a copy of 1/world_size of the
@@ -75,6 +79,16 @@ def _exchange(
     """
     part = send.numel() // world_size
     floor = 0 if slack is None else -(-slack.floor_bytes // send.element_size())
+    if world_size > 1 and _receive_first(group, send):  # [Note: receive before send]
+        me = rank if rank is not None else _rank(group, slack)
+        sizes = [0 if r == me else max(part, floor) for r in range(world_size)]
+        received = torch.empty(sum(sizes), dtype=send.dtype, device=send.device)
+        starts: list[int | None] = [sum(sizes[:r]) for r in range(world_size)]
+        starts[me] = None  # every rank's own part stays home: no message to itself
+        flat = send.view(-1)
+        receives = [None if r == me else received[start : start + sizes[r]] for r, start in enumerate(starts)]
+        sends = [None if r == me else flat[r * part : (r + 1) * part] for r in range(world_size)]
+        return received, pairwise.exchange(group, receives, sends), starts
     home = rank is not None and world_size > 1 and rank in (0, world_size - 1)
     if (floor <= part and not home) or world_size == 1:
         received = torch.empty_like(send)
@@ -92,10 +106,16 @@ def _exchange(
     work = _all_to_all(
         received, travel, output_split_sizes=sizes, input_split_sizes=splits, group=group, async_op=True
     )
-    starts: list[int | None] = [sum(sizes[:r]) for r in range(world_size)]
+    starts = [sum(sizes[:r]) for r in range(world_size)]
     if home:
         starts[me] = None
     return received, work, starts
+
+
+def _receive_first(group: dist.ProcessGroup, send: torch.Tensor) -> bool:
+    """Whether an exchange over `group` goes receive-first, point to point (gloo; see
+    `backend.CommSemantics.receive_first`) instead of through the backend's all-to-all."""
+    return backend.semantics(group, send.device).receive_first
 
 
 def _rows(
@@ -159,7 +179,7 @@ def all_gather_flat(
         if starts is None:
             return CommResult(received, work, (copies,))
         numel = send.numel()
-        return CommResult(received, work, (copies,), lambda buf: torch.cat(_rows(buf, world_size, numel, starts)))
+        return CommResult(received, work, (copies,), lambda buf: torch.cat(_rows(buf, world_size, numel, starts, copies)))
     work = _all_gather(out, send, group=group, async_op=True)
     return CommResult(out, work, (send,))
 
@@ -201,11 +221,17 @@ def all_gather_pair(
     peer = 1 - rank
     floor = 0 if slack is None else -(-slack.floor_bytes // send.element_size())
     received = torch.empty(max(n, floor), dtype=dtype, device=send.device)
-    out_sizes, in_sizes = [0, 0], [0, 0]
-    out_sizes[peer], in_sizes[peer] = received.numel(), n
-    work = _all_to_all(
-        received, send, output_split_sizes=out_sizes, input_split_sizes=in_sizes, group=group, async_op=True
-    )
+    if _receive_first(group, send):  # [Note: receive before send]
+        receives: list[torch.Tensor | None] = [None, None]
+        sends: list[torch.Tensor | None] = [None, None]
+        receives[peer], sends[peer] = received, send
+        work = pairwise.exchange(group, receives, sends)
+    else:
+        out_sizes, in_sizes = [0, 0], [0, 0]
+        out_sizes[peer], in_sizes[peer] = received.numel(), n
+        work = _all_to_all(
+            received, send, output_split_sizes=out_sizes, input_split_sizes=in_sizes, group=group, async_op=True
+        )
 
     def rows(buf: torch.Tensor) -> list[torch.Tensor]:
         return [send, buf[:n]] if rank == 0 else [buf[:n], send]
@@ -377,6 +403,12 @@ def all_gather_encoded(
     work = None
     if _local(world_size):
         received.copy_(send)
+    elif _receive_first(group, send):  # gloo: [Note: receive before send]; the own row copied here
+        me = dist.get_rank(group)
+        rows = received.view(world_size, row)
+        rows[me].copy_(send)
+        receives = [None if r == me else rows[r] for r in range(world_size)]
+        work = pairwise.exchange(group, receives, [None if r == me else send for r in range(world_size)])
     else:
         work = _all_gather(received, send, group=group, async_op=True)
 

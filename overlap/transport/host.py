@@ -6,6 +6,9 @@ copies itself. What makes gloo cheaper on a CPU, all decided here from sizes eve
 
 - small units gathered through all-to-all ([Note: all-gather through all-to-all] in
   collectives.py), and gradients reduced through it ([Note: reduce-scatter through all-to-all]);
+- every all-to-all as point-to-point messages, receives posted first, sends off the training
+  thread ([Note: receive before send], [Note: sends posted off the training thread] in
+  pairwise.py);
 - the receive slack every all-to-all leaves ([Note: receive slack] in collectives.py);
 - the backward all-gather travelling in a reduction's all-to-all ([Note: fused exchange]);
 - at two ranks, the gather of a pair ([Note: gather of a pair] in collectives.py);

@@ -46,6 +46,10 @@ parameters have accumulated gradients. The root's own parameters (gpt: embedding
 head) are gathered once before the forward and reduce-scattered once, as FSDP2 keeps the root
 unsharded between forward and backward. All are async_op=True on preallocated buffers that
 nothing reads, so no compute ever waits on them; the step waits for all of them at its end.
+On gloo they are the exchanges overlap's CPU transport uses, the cheapest gloo has: at two ranks
+the gather of a pair, and the reduction through all-to-all, both posted receives first
+([Note: receive before send] in overlap/transport/pairwise.py); gloo's own all-gather and
+reduce-scatter (twice the bytes) would make the floor slower than what overlap reaches.
 Launching them at the hooks spreads the traffic over the step like a real ZeRO-3 schedule would,
 instead of front-loading it all at step start. On 2 cores the gloo worker threads take CPU from
 compute, so this is "the best this machine can overlap", not compute time alone.

@@ -19,6 +19,8 @@ from torch import nn
 from overlap.tools.bench import peers
 from overlap.tools.bench.comm import all_gather_single, reduce_scatter_single
 from overlap.tools.bench.peers import parse_overrides
+from overlap.transport import backend
+from overlap.transport import collectives as comm
 from overlap.tools.bench.step_workload import (
     ALL_CONTENDERS,
     Batch,
@@ -178,11 +180,21 @@ def attach_zero3_comm(
     grad_flat, grad_shard = torch.zeros(padded_numel), torch.zeros(padded_numel // world)
     num_grads_ready = 0
 
+    # gloo: the exchanges overlap's CPU transport uses, the cheapest this backend has (a pair's
+    # gather, the all-to-all reduction, both receive-first); elsewhere the native collectives
+    group = dist.group.WORLD
+    gloo = backend.semantics(group, shard.device).backend == "gloo"
+
+    def gather(out: torch.Tensor) -> Any:
+        if gloo and world == 2:
+            return comm.all_gather_pair(shard, group, dist.get_rank(), torch.float32).work
+        return all_gather_single(out, shard, async_op=True)
+
     def gather_fwd(_module: nn.Module, _inputs: Any) -> None:
-        works.append(all_gather_single(gathered_fwd, shard, async_op=True))
+        works.append(gather(gathered_fwd))
 
     def gather_bwd(_grad: torch.Tensor) -> None:
-        works.append(all_gather_single(gathered_bwd, shard, async_op=True))
+        works.append(gather(gathered_bwd))
 
     def arm_gather_bwd(_module: nn.Module, _inputs: Any, output: torch.Tensor) -> None:
         output.register_hook(gather_bwd)
@@ -192,7 +204,10 @@ def attach_zero3_comm(
         num_grads_ready += 1
         if num_grads_ready == len(params):
             num_grads_ready = 0
-            works.append(reduce_scatter_single(grad_shard, grad_flat, async_op=True))
+            if gloo and world > 1:
+                works.append(comm.reduce_scatter_flat(grad_flat, group, world, "all_to_all").work)
+            else:
+                works.append(reduce_scatter_single(grad_shard, grad_flat, async_op=True))
 
     module.register_forward_pre_hook(gather_fwd)
     if gather_in_backward:

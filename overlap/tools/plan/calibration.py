@@ -46,14 +46,15 @@ def codec_path(param_compression: str | None, grad_compression: str | None) -> s
 def gather_op(backend: str, num_ranks: int, compressed: bool, wire_bytes: int) -> str:
     """The collective a unit's all-gather goes through, as the transports decide it: gloo
     gathers an uncompressed unit of a two-rank group as a pair exchange ([Note: gather of a
-    pair] in overlap/transport/collectives.py) and small shards through all-to-all
-    (`CommSemantics.auto_gather_impl`); both put the bytes of an all-to-all on the wire and are
+    pair] in overlap/transport/collectives.py), compressed units as an exchange ([Note:
+    receive before send] in pairwise.py) and small shards through all-to-all
+    (`CommSemantics.auto_gather_impl`); all put the bytes of an all-to-all on the wire and are
     timed by the all-to-all link ("all_to_all"). Everything else: "all_gather"."""
     from overlap.transport.backend import ALL_TO_ALL_GATHER_MAX_BYTES
 
     if backend != "gloo":
         return "all_gather"
-    if num_ranks == 2 and not compressed:
+    if compressed or num_ranks == 2:
         return "all_to_all"
     return "all_to_all" if wire_bytes <= ALL_TO_ALL_GATHER_MAX_BYTES else "all_gather"
 
