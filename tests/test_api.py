@@ -52,7 +52,7 @@ def test_state_dicts(world2):
 
 def collectives_and_labels(rank: int, world: int, config: dict) -> dict:
     calls: list[str] = []  # the backend collectives issued, by kind
-    ag, rs, a2a = comm._all_gather, comm._reduce_scatter, comm._all_to_all
+    ag, rs, a2a, p2p = comm._all_gather, comm._reduce_scatter, comm._all_to_all, comm._p2p_exchange
 
     def count_ag(*a, **k):
         calls.append("all_gather")
@@ -66,7 +66,12 @@ def collectives_and_labels(rank: int, world: int, config: dict) -> dict:
         calls.append("all_to_all")
         return a2a(*a, **k)
 
+    def count_p2p(*a, **k):  # gloo's all-to-all: point to point, receives first
+        calls.append("all_to_all")
+        return p2p(*a, **k)
+
     comm._all_gather, comm._reduce_scatter, comm._all_to_all = count_ag, count_rs, count_a2a
+    comm._p2p_exchange = count_p2p
     model = overlap.wrap(tiny_lm(layers=4), **config)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     per_step = []
@@ -82,7 +87,7 @@ def collectives_and_labels(rank: int, world: int, config: dict) -> dict:
         opt.zero_grad()
         per_step.append(list(calls))
     stats = overlap.step_stats(model)
-    comm._all_gather, comm._reduce_scatter, comm._all_to_all = ag, rs, a2a
+    comm._all_gather, comm._reduce_scatter, comm._all_to_all, comm._p2p_exchange = ag, rs, a2a, p2p
     return {"calls": per_step, "labels": labels, "stats": stats}
 
 

@@ -34,6 +34,7 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 _all_to_all = dist.all_to_all_single
+_p2p_exchange = pairwise.exchange  # gloo's all-to-all, receives first ([Note: receive before send])
 _local = runs_locally
 
 
@@ -88,7 +89,7 @@ def _exchange(
         flat = send.view(-1)
         receives = [None if r == me else received[start : start + sizes[r]] for r, start in enumerate(starts)]
         sends = [None if r == me else flat[r * part : (r + 1) * part] for r in range(world_size)]
-        return received, pairwise.exchange(group, receives, sends), starts
+        return received, _p2p_exchange(group, receives, sends), starts
     home = rank is not None and world_size > 1 and rank in (0, world_size - 1)
     if (floor <= part and not home) or world_size == 1:
         received = torch.empty_like(send)
@@ -225,7 +226,7 @@ def all_gather_pair(
         receives: list[torch.Tensor | None] = [None, None]
         sends: list[torch.Tensor | None] = [None, None]
         receives[peer], sends[peer] = received, send
-        work = pairwise.exchange(group, receives, sends)
+        work = _p2p_exchange(group, receives, sends)
     else:
         out_sizes, in_sizes = [0, 0], [0, 0]
         out_sizes[peer], in_sizes[peer] = received.numel(), n
@@ -408,7 +409,7 @@ def all_gather_encoded(
         rows = received.view(world_size, row)
         rows[me].copy_(send)
         receives = [None if r == me else rows[r] for r in range(world_size)]
-        work = pairwise.exchange(group, receives, [None if r == me else send for r in range(world_size)])
+        work = _p2p_exchange(group, receives, [None if r == me else send for r in range(world_size)])
     else:
         work = _all_gather(received, send, group=group, async_op=True)
 
