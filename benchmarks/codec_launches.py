@@ -33,6 +33,7 @@ import triton  # noqa: E402
 from overlap.compression import FeedbackResidual, Int8Codec, make_residual_format  # noqa: E402
 from overlap.kernels import quantize  # noqa: E402
 from overlap.transport import collectives as comm  # noqa: E402
+from overlap.transport import coded  # noqa: E402
 
 NO_KERNEL = {  # views, metadata and allocation: no device work
     "view", "_unsafe_view", "slice", "select", "as_strided", "unbind", "expand", "alias", "detach", "empty",
@@ -92,18 +93,18 @@ def one_bucket(world_size: int, numel: int, feedback: bool) -> dict[str, Any]:
     residual = None
     if feedback:
         residual = FeedbackResidual.zeros(make_residual_format(torch.float32, codec), me, world_size, numel, grads.device)
-    comm.wait(comm.reduce_scatter_encoded(grads, tail, None, world_size, codec, residual))  # warm: caches
+    comm.wait(coded.reduce_scatter_encoded(grads, tail, None, world_size, codec, residual))  # warm: caches
     mode = Launches()
     with mode:
-        result = comm.reduce_scatter_encoded(grads, tail, None, world_size, codec, residual)
+        result = coded.reduce_scatter_encoded(grads, tail, None, world_size, codec, residual)
         encode = sum(mode.ops.values())
         comm.wait(result)
     decode = sum(mode.ops.values()) - encode
     shard = torch.randn(numel)
     gather = Launches()
     with gather:
-        send = comm.encode_shard(shard, codec, tag_room=False)
-        comm.wait(comm.all_gather_encoded(send, numel, None, world_size, torch.float32, codec))
+        send = coded.encode_shard(shard, codec, tag_room=False)
+        comm.wait(coded.all_gather_encoded(send, numel, None, world_size, torch.float32, codec))
     return {"world_size": world_size, "error_feedback": feedback, "reduce_encode": encode,
             "reduce_decode": decode, "gather": sum(gather.ops.values()),
             "ops": dict(mode.ops), "gather_ops": dict(gather.ops)}  # fmt: skip

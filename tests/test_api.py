@@ -14,6 +14,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import overlap
 from models import STRICT_ZERO3, Block, TinyLM, batch, loss_of, tiny_lm
+from overlap.transport import coded
 from overlap.transport import collectives as comm
 
 
@@ -162,9 +163,10 @@ def no_sync_matches_ddp(rank: int, world: int) -> dict:
     calls = []
     # every gradient reduction goes through one of these (small gathers use all-to-all too)
     reductions = ("reduce_scatter_flat", "reduce_scatter_and_gather", "reduce_scatter_encoded")
-    originals = {name: getattr(comm, name) for name in reductions}
+    owner = {name: coded if name.endswith("_encoded") else comm for name in reductions}
+    originals = {name: getattr(owner[name], name) for name in reductions}
     for name, fn in originals.items():
-        setattr(comm, name, lambda *a, _fn=fn, **k: (calls.append(1), _fn(*a, **k))[1])
+        setattr(owner[name], name, lambda *a, _fn=fn, **k: (calls.append(1), _fn(*a, **k))[1])
     for micro in range(3):
         x = batch(base, rank, micro)
         if micro < 2:
@@ -178,7 +180,7 @@ def no_sync_matches_ddp(rank: int, world: int) -> dict:
             loss_of(ours(x)).backward()
             assert calls, "the synced micro-batch reduced nothing: the counter sees no reduction"
     for name, fn in originals.items():
-        setattr(comm, name, fn)
+        setattr(owner[name], name, fn)
     named = dict(ref.module.named_parameters())
     for name, p in ours.named_parameters():
         local = p.grad.to_local()

@@ -114,7 +114,7 @@ def test_error_feedback_residuals_are_checkpointed(world2, tmp_path):
 def encodes_per_step(rank: int, world: int) -> dict:
     """Compressed weights: each unit's shard is encoded once per step (the backward gather
     resends the forward's bytes), and again after the optimizer changed it."""
-    from overlap.transport import collectives as comm
+    from overlap.transport import coded as comm
 
     base = tiny_lm(dim=32, hidden=64)
     ours = overlap.wrap(base, param_compression="int8")

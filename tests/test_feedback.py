@@ -216,11 +216,12 @@ def test_config_accepts_int8_residuals_for_blockwise_codecs_only():
 
 
 def encoded_reduce_scatter(rank: int, world: int, fmt_name: str | None, steps: int) -> dict:
-    """comm.reduce_scatter_encoded with a residual, `steps` times on the biased input of
+    """coded.reduce_scatter_encoded with a residual, `steps` times on the biased input of
     `feedback_drift`: this rank's received sum against the exact sum of every rank's chunk."""
     import torch.distributed as dist
 
     from overlap.transport import collectives as comm
+    from overlap.transport import coded
 
     codec = Int8Codec(64)
     numel = 64 * 8
@@ -239,7 +240,7 @@ def encoded_reduce_scatter(rank: int, world: int, fmt_name: str | None, steps: i
     for step in range(steps):
         tail = torch.full((world, 1), float(rank + 1))
         grads = grads_of(rank, step)
-        out = comm.wait(comm.reduce_scatter_encoded(grads, tail, dist.group.WORLD, world, codec, residual))
+        out = comm.wait(coded.reduce_scatter_encoded(grads, tail, dist.group.WORLD, world, codec, residual))
         assert out[numel].item() == sum(range(1, world + 1))  # the tail, summed exactly
         received += out[:numel].double()
         exact += sum(grads_of(r, step)[rank].double() for r in range(world))

@@ -166,13 +166,15 @@ def test_three_dim_mesh_is_refused(world4):
 def hpz_vs_ddp(rank: int, world: int, config: dict, steps: int = 3) -> dict:
     """hybrid_mode="secondary": sharded over all 4 ranks; backward gathers inside each pair."""
     from overlap.transport import collectives as comm
+    from overlap.transport import coded
 
     mesh = init_device_mesh("cpu", (2, world // 2))
     base = tiny_lm()
     ours = overlap.wrap(copy.deepcopy(base), group=mesh, hybrid_mode="secondary", **config)
     sizes: list[int] = []  # group size of every all-gather of the last step
     # every all-gather, native or through all-to-all, compressed or not, secondary ones too
-    originals = {"all_gather_flat": comm.all_gather_flat, "all_gather_encoded": comm.all_gather_encoded}
+    owners = {"all_gather_flat": comm, "all_gather_encoded": coded}
+    originals = {name: getattr(module, name) for name, module in owners.items()}
 
     def counting(name):
         def gather(*args, **kwargs):
@@ -185,13 +187,13 @@ def hpz_vs_ddp(rank: int, world: int, config: dict, steps: int = 3) -> dict:
     def check_param(name: str, p: torch.Tensor) -> None:
         assert p.placements == (Shard(0),) and p.device_mesh.size() == world, name
 
-    for name in originals:
-        setattr(comm, name, counting(name))
+    for name, module in owners.items():
+        setattr(module, name, counting(name))
     try:
         worst = _steps_vs_ddp(rank, base, ours, steps, rank, world, check_param, on_step=sizes.clear)
     finally:
         for name, fn in originals.items():
-            setattr(comm, name, fn)
+            setattr(owners[name], name, fn)
     del worst["ref"]
     secondary_peak = overlap.memory_stats(ours).peak["secondary"]  # of the last step
     held = [u.secondary is not None for u in ours._overlap_state.units]

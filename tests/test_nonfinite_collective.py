@@ -110,6 +110,7 @@ def encoded_reduce_scatter_paths(rank: int, world: int) -> dict:
 
     from overlap.compression import Int8Codec
     from overlap.transport import collectives as comm
+    from overlap.transport import coded
 
     numel = 64 * 6
     grads = torch.randn(world, numel, generator=torch.Generator().manual_seed(rank))
@@ -117,20 +118,20 @@ def encoded_reduce_scatter_paths(rank: int, world: int) -> dict:
         grads[:, 70] = float("nan")  # block 1 of every row
     tail = torch.ones(world, 3)
     outs, layouts = [], []
-    peer_rows = comm._peer_rows
+    peer_rows = coded._peer_rows
 
     def recorded(buf: torch.Tensor, *args: object) -> torch.Tensor:
         rows = peer_rows(buf, *args)  # type: ignore[arg-type]
         layouts.append("view" if rows.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr() else "copy")
         return rows
 
-    comm._peer_rows = recorded
+    coded._peer_rows = recorded
     try:
         for slack in (None, comm.RecvSlack(rank, 1 << 16)):
-            out = comm.wait(comm.reduce_scatter_encoded(grads, tail, dist.group.WORLD, world, Int8Codec(64), None, slack))
+            out = comm.wait(coded.reduce_scatter_encoded(grads, tail, dist.group.WORLD, world, Int8Codec(64), None, slack))
             outs.append(out)
     finally:
-        comm._peer_rows = peer_rows
+        coded._peer_rows = peer_rows
     return {"outs": outs, "layouts": layouts}
 
 

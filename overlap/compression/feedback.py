@@ -4,7 +4,7 @@
 The residual lives on the sender, before the reduce-scatter: per bucket, one row per peer rank
 (the chunk that rank r receives from this rank), `world_size - 1` rows, because this rank's own
 chunk never crosses the wire, is never encoded and would always carry a zero residual (see
-`comm.reduce_scatter_encoded`). All rows of a bucket are updated by one fused encode where the
+`coded.reduce_scatter_encoded`). All rows of a bucket are updated by one fused encode where the
 codec has one (`kernel_rows`, [Note: rows per launch] in kernels/triton_kernels.py).
 `FeedbackResidual` maps a peer rank to its row. How a row is stored is a `ResidualFormat`,
 chosen once by `OverlapConfig.error_feedback_dtype`:

@@ -30,7 +30,7 @@ Between checks the blocks pass through as NaN, as with `check_finite=False`.
 
 [Note: collective finite check]
 Each rank encodes only the gradient rows it sends, so its own count would be its own business. So
-the count travels: `reduce_scatter_encoded` (transport/collectives.py) writes this rank's count so
+the count travels: `reduce_scatter_encoded` (transport/coded.py) writes this rank's count so
 far this step (the device counter, after the bucket's encodes in stream order) into an int64 slot
 of every row it sends, sums the slots it receives, and appends that sum to the reduced shard as
 one more element. Each rank sends the same value to everyone, so every rank receives the same

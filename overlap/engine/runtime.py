@@ -53,6 +53,7 @@ from overlap.observe.timing import HostTimer, SpanTimer
 from overlap.observe.trace import TraceRecorder
 from overlap.transport import Transport, UnitWire
 from overlap.transport import collectives as comm
+from overlap.transport import coded
 from overlap.transport.fingerprint import TAG_NUMEL, Tag, tag_view
 
 
@@ -277,7 +278,7 @@ class Runtime(Reductions):
         assert self.param_codec is not None
         if not for_backward or unit.encoded is None:
             self._drop_encoded(unit)
-            unit.encoded = comm.encode_shard(unit.shard, self.param_codec, tag_room=self.world_size > 1)
+            unit.encoded = coded.encode_shard(unit.shard, self.param_codec, tag_room=self.world_size > 1)
             self.memory.add("gather_buffers", nbytes(unit.encoded))
         return unit.encoded
 

@@ -2,7 +2,8 @@
 
 `backend` decides what a process group's collectives mean for a device; `collectives` issues
 them (pure functions), on gloo through `pairwise` (an all-to-all as point-to-point messages,
-receives first); `fingerprint` is the tag every all-gather carries and its check; `base`
+receives first), and `coded` those that go through a codec; `fingerprint` is the tag every
+all-gather carries and its check; `base`
 is the interface the runtime drives, `streams` (CUDA) and `host` (CPU/gloo) its two
 implementations, one chosen at wrap by `make_transport`. The engine imports this package, never
 the reverse.

@@ -34,6 +34,7 @@ from overlap.compression import Codec
 from overlap.compression.feedback import FeedbackResidual
 from overlap.transport import backend
 from overlap.transport import collectives as comm
+from overlap.transport import coded
 from overlap.transport.fingerprint import FingerprintCheck
 
 
@@ -144,7 +145,7 @@ class Transport:
     def all_gather_encoded(
         self, encoded: torch.Tensor, numel: int, dtype: torch.dtype, codec: Codec, shard_dtype: torch.dtype, tag: int | None
     ) -> comm.CommResult:
-        return comm.all_gather_encoded(encoded, numel, self.group, self.world_size, dtype, codec, shard_dtype, tag)
+        return coded.all_gather_encoded(encoded, numel, self.group, self.world_size, dtype, codec, shard_dtype, tag)
 
     def all_gather_secondary(self, secondary: torch.Tensor) -> comm.CommResult:
         """hpZ: a backward all-gather from the secondary copies ([Note: secondary copy])."""
@@ -208,7 +209,7 @@ class Transport:
     def reduce_scatter_encoded(
         self, full: torch.Tensor, flags: torch.Tensor, codec: Codec, residual: FeedbackResidual | None
     ) -> comm.CommResult:
-        return comm.reduce_scatter_encoded(full, flags, self.group, self.world_size, codec, residual, None)
+        return coded.reduce_scatter_encoded(full, flags, self.group, self.world_size, codec, residual, None)
 
     def reduce_issued(self, result: comm.CommResult, span: Any) -> tuple[torch.cuda.Event | None, torch.Tensor | None]:
         """A reduction was just issued (inside `on(reduce_stream)`): (event, reduced shard) where

@@ -24,7 +24,7 @@ rank receives every rank's tag in the same collective, without a collective of i
   ([Note: final checks] in engine/deferred.py).
 
 Compressed all-gathers carry the same tag in the last `TAG_BYTES` of each rank's byte row
-(`comm.encode_shard` leaves the room, `byte_tags` reads it).
+(`coded.encode_shard` leaves the room, `byte_tags` reads it).
 
 [Note: reduction trail]
 Gradient reductions carry no tag (a reduce-scatter sums what it receives; there is nothing to
@@ -124,7 +124,7 @@ def received_tags(gathered: torch.Tensor, world_size: int) -> torch.Tensor:
 
 def byte_tags(received: torch.Tensor, world_size: int) -> torch.Tensor:
     """Every rank's tag bytes in a tagged compressed all-gather's uint8 output: a (world_size,
-    TAG_BYTES) view, no copy (each rank's row ends in its tag: `comm.all_gather_encoded`)."""
+    TAG_BYTES) view, no copy (each rank's row ends in its tag: `coded.all_gather_encoded`)."""
     return received.view(world_size, -1)[:, -TAG_BYTES:]
 
 

@@ -30,6 +30,7 @@ import torch.distributed as dist
 from overlap.compression import Codec
 from overlap.compression.feedback import FeedbackResidual
 from overlap.transport import collectives as comm
+from overlap.transport import coded
 from overlap.transport.base import GatherDone, Transport, UnitWire
 from overlap.transport.fingerprint import TAG_NUMEL, FingerprintCheck, HostTags, host_byte_tags
 
@@ -202,7 +203,7 @@ class HostTransport(Transport):
     def reduce_scatter_encoded(
         self, full: torch.Tensor, flags: torch.Tensor, codec: Codec, residual: FeedbackResidual | None
     ) -> comm.CommResult:
-        return comm.reduce_scatter_encoded(full, flags, self.group, self.world_size, codec, residual, self.slack)
+        return coded.reduce_scatter_encoded(full, flags, self.group, self.world_size, codec, residual, self.slack)
 
     def reduce_issued(self, result: comm.CommResult, span: Any) -> tuple[torch.cuda.Event | None, torch.Tensor | None]:
         self.timer.stop(span, work=result.work)
