@@ -177,6 +177,7 @@ from overlap.kernels.triton_copy import (  # which copy variant a layout gets
     _plan,
     _segments,
 )
+from overlap.transport import coded as _coded
 from overlap.transport import collectives as _comm
 from overlap.transport.fingerprint import TAG_NUMEL  # the tag slot after each gathered row
 
@@ -378,7 +379,8 @@ def patched_comm(wrap_fn: Callable[[Callable[..., Any]], Callable[..., Any]]) ->
     return patched([(_comm, n, wrap_fn) for n in ("all_gather_flat", "reduce_scatter_flat")])
 
 
-COLLECTIVES = ("all_gather_flat", "reduce_scatter_flat", "all_reduce_flat", "all_gather_encoded", "reduce_scatter_encoded")
+COLLECTIVES = ((_comm, "all_gather_flat"), (_comm, "reduce_scatter_flat"), (_comm, "all_reduce_flat"),
+               (_coded, "all_gather_encoded"), (_coded, "reduce_scatter_encoded"))
 
 
 @contextlib.contextmanager
@@ -417,7 +419,7 @@ def injected_delays(device: torch.device, counts: Counter, seed: int) -> Iterato
 
         return call
 
-    patches: list[tuple[Any, str, Any]] = [(_comm, n, before("before_collective")) for n in COLLECTIVES]
+    patches: list[tuple[Any, str, Any]] = [(module, n, before("before_collective")) for module, n in COLLECTIVES]
     patches += [(_comm, "wait", after_wait), (_Runtime, "free", before("before_free")),
                 (_Reductions, "release_reduce", before("before_release_reduce"))]  # fmt: skip
     with patched(patches):
