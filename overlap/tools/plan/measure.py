@@ -21,6 +21,15 @@ LINK_SIZES_BYTES = tuple(k * 2**20 for k in (1, 4, 12, 24))
 2x slower per byte than 16 MiB on loopback here, and a fit is only as good as its range."""
 CONCURRENCY_OPS = 8
 PROFILE_WARMUP = 1
+CONTENTION_REPS = 3
+"""Alternations of `measure_contention`. With 2, the comm stretch of one world ranged 1.29x to
+1.97x between calibration rounds and moved its predicted step by up to 5% (RESULTS.md, "The
+model's own noise")."""
+CONTENTION_SOLO_COMMS = 8
+"""Collectives in the loop that times one alone (4 before: two of them were warm-up in effect)."""
+CONCURRENCY_REPS = 5
+"""Batches `measure_concurrency` takes the median of (2 before: the throughput of one round on
+the 1 Gbit link came out 1.58x where the others found 1.0x, a 25% slower prediction)."""
 
 
 def launcher(op: str, num_bytes: int, group: dist.ProcessGroup) -> Callable[[bool], Any]:
@@ -213,7 +222,7 @@ def measure_host(model: nn.Module, reps: int = 3) -> HostCosts:
     )  # fmt: skip
 
 
-def measure_contention(layer: nn.Module, x: torch.Tensor, group: dist.ProcessGroup, op: str, reps: int = 2) -> tuple[float, float, float, float]:
+def measure_contention(layer: nn.Module, x: torch.Tensor, group: dist.ProcessGroup, op: str, reps: int = CONTENTION_REPS) -> tuple[float, float, float, float]:
     """(compute alone, compute beside an all-gather loop, one all-gather alone, one all-gather
     beside compute), seconds; medians over `reps` alternations, means over ranks.
 
@@ -242,7 +251,7 @@ def measure_contention(layer: nn.Module, x: torch.Tensor, group: dist.ProcessGro
         compute_alone += [work() for _ in range(2)]
         dist.barrier()
         span: list[float] = []
-        comm_loop(4, threading.Event(), span)
+        comm_loop(CONTENTION_SOLO_COMMS, threading.Event(), span)
         comm_alone.append(span[0])
         count = 1 + int(max_over_ranks([4 * max(compute_alone) / span[0]])[0])
         done, span = threading.Event(), []
@@ -262,7 +271,7 @@ def measure_contention(layer: nn.Module, x: torch.Tensor, group: dist.ProcessGro
     return a, b, c, d
 
 
-def measure_concurrency(layer_bytes: int, group: dist.ProcessGroup, op: str, reps: int = 2) -> float:
+def measure_concurrency(layer_bytes: int, group: dist.ProcessGroup, op: str, reps: int = CONCURRENCY_REPS) -> float:
     """Seconds for `CONCURRENCY_OPS` one-layer collectives, all-gathers (through `op`) and
     all-to-alls in turn, issued at once on the shard group: gloo's two worker threads run two
     at a time, kept busy as training keeps them when the link is the bottleneck (a gather beside
