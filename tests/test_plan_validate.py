@@ -163,3 +163,19 @@ def test_summary_signs_errors_per_world():
     assert list(s["targets"].values()) == [False, False, True]
     table = pv.format_table(results)
     assert "+12.0%" in table and "-10.0%" in table and "target: every config within 10%: NO" in table
+    assert s["worlds"]["a"]["round_mean_signed"] == [] and "by round" not in table  # no rounds carried
+
+
+def test_summary_pairs_each_round_with_its_own_calibration():
+    """Round k's error is round k's prediction against round k's measured step, averaged over
+    the configs; the medians' error is unchanged by it."""
+    rows = [
+        {"config": "c0", "measured_ms": 100, "predicted_ms": 100, "defaults_ms": 100, "spread_ms": [90, 110],
+         "round_ms": [90, 100, 110], "predicted_per_round_ms": [99, 100, 99]},
+        {"config": "c1", "measured_ms": 200, "predicted_ms": 200, "defaults_ms": 200, "spread_ms": [200, 200],
+         "round_ms": [200, 200, 200], "predicted_per_round_ms": [220, 200, 180]},
+    ]  # fmt: skip
+    w = pv.summarize([{"world": "a", "rows": rows}])["worlds"]["a"]
+    assert w["mean_signed"] == pytest.approx(0.0)
+    assert w["round_mean_signed"] == pytest.approx([(0.10 + 0.10) / 2, 0.0, (-0.10 - 0.10) / 2])
+    assert "by round -10.0% to +10.0%" in pv.format_table([{"world": "a", "rows": rows}])
