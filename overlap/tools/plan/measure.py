@@ -35,12 +35,12 @@ the 1 Gbit link came out 1.58x where the others found 1.0x, a 25% slower predict
 def launcher(op: str, num_bytes: int, group: dist.ProcessGroup) -> Callable[[bool], Any]:
     """`launch(async_op)` issuing one `op` of `num_bytes` (the cost model's S: unsharded output
     of an all-gather, all ranks' parts of an all-to-all, the tensor of an all-reduce) on
-    `group`. The all-to-all leaves each rank's own part home, as the runtime's reductions and
-    pair gathers do ([Note: own part stays home] in overlap/transport/collectives.py), and
-    goes the way theirs go: on gloo, receives first ([Note: receive before send] in
+    `group`. The all-to-all is the runtime's own exchange (`collectives._exchange`): each
+    rank's own part stays home ([Note: own part stays home] in overlap/transport/collectives.py)
+    and, on gloo, receives are posted first ([Note: receive before send] in
     overlap/transport/pairwise.py)."""
     from overlap.tools.bench.comm import all_gather_single
-    from overlap.transport import backend, pairwise
+    from overlap.transport import collectives as comm
 
     n, me = group.size(), group.rank()
     numel = max(n, num_bytes // 4 // n * n)
@@ -48,21 +48,13 @@ def launcher(op: str, num_bytes: int, group: dist.ProcessGroup) -> Callable[[boo
         inp, out = torch.randn(numel // n), torch.empty(numel)
         return lambda async_op=False: all_gather_single(out, inp, group=group, async_op=async_op)
     if op == "all_to_all":
-        splits = [0 if r == me else numel // n for r in range(n)]
-        inp, out = torch.randn(sum(splits)), torch.empty(sum(splits))
-        if backend.semantics(group, inp.device).receive_first:
-            at = [sum(splits[:r]) for r in range(n)]
-            receives = [None if s == 0 else out[a : a + s] for a, s in zip(at, splits)]
-            sends = [None if s == 0 else inp[a : a + s] for a, s in zip(at, splits)]
+        send = torch.randn(numel)
 
-            def exchange(async_op: bool = False) -> Any:
-                work = pairwise.exchange(group, receives, sends)
-                return work if async_op else work.wait()
+        def exchange(async_op: bool = False) -> Any:
+            _, work, _ = comm._exchange(send, n, group, None, me)
+            return work if async_op else work.wait()
 
-            return exchange
-        return lambda async_op=False: dist.all_to_all_single(
-            out, inp, output_split_sizes=splits, input_split_sizes=splits, group=group, async_op=async_op
-        )
+        return exchange
     if op == "all_reduce":
         buf = torch.randn(numel)
         return lambda async_op=False: dist.all_reduce(buf, group=group, async_op=async_op)
