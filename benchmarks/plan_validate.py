@@ -12,14 +12,28 @@ namespace behind tc tbf, overlap/tools/bench/link.py; needs root and iproute2), 
    measures (links, compute, optimizer, host work, contention, concurrency; its docstring
    says how), never from the steps validated below.
 2. Time every config of `configs()` (all wrapped up front), in rotated order: a warm-up step and
-   `--steps` timed steps each (barrier before each; the slowest rank's time; the median).
+   `--steps` timed steps each (barrier before each; the slowest rank's time; the median). The
+   plain W1's compute is profiled again before the first segment and after every segment (one
+   step after a warm-up, all ranks at once, as the calibration profiles it).
 
-Calibrating in every round puts calibration and measurement under the same machine load. The
-table gives the median over rounds, the min-max of the round medians, and two predictions of the
-one model the tools use ([Note: one model] in overlap/tools/plan/calibration.py):
-   calibrated  the median calibration (`median_calibration`), through `predict_measured`
-   defaults    the same measured compute with the tools' uncalibrated links and gloo terms
-               (`default_world_calibration`): what `overlap tune` predicts without a file
+[Note: compute beside the segment] Calibrating in every round puts calibration and measurement
+under the same machine load, but not close enough: this shared 2-core machine's speed drifts
+within a round (one round's calibration profiled 572 ms of compute and its steps measured 778 ms
+for the default config; the round before, 618 and 717 ms), and compute is most of W1's step, so
+a round's prediction erred by -10% to +6% from load alone (RESULTS.md, "The model's own noise").
+So each segment is predicted from its round's calibration with the compute profiled just before
+and just after it (their mean): the model, its links, contention and host terms are the
+calibration's; only the machine's speed at that minute comes from beside the segment, never
+from the validated steps. The table gives the median over rounds, the min-max of the round
+medians, and predictions of the one model the tools use ([Note: one model] in
+overlap/tools/plan/calibration.py):
+   calibrated  per round, that round's calibration with the compute beside the segment
+               (`predict_measured`); the median over rounds
+   one cal     the median calibration (`median_calibration`) with its own compute, for every
+               config: what `overlap plan --calibrate` then `overlap plan` would predict here
+               (summary only)
+   defaults    the median calibration's compute with the tools' uncalibrated links and gloo
+               terms (`default_world_calibration`): what `overlap tune` predicts without a file
 Errors are signed (predicted / measured - 1); "exposed ms" compares the measured exposed
 communication (`overlap.step_stats`, slowest rank) with the calibrated prediction's. Targets (issue 25): every runnable config within
 10%, mean |error| <= 5%, mean signed error within +-2% in every world.
@@ -78,6 +92,18 @@ def predict_ms(cal: Calibration, overrides: dict[str, Any]) -> float:
     from overlap.tools.plan.calibration import predict_measured
 
     return predict_measured(cal, _config(overrides)).step_s * 1e3
+
+
+def with_compute(cal: Calibration, compute: tuple[list[float], list[float]]) -> Calibration:
+    """`cal` with its per-layer forward and backward seconds replaced by `compute`."""
+    assert cal.compute is not None
+    fwd, bwd = compute
+    return replace(cal, compute=replace(cal.compute, forward_s=tuple(fwd), backward_s=tuple(bwd)))
+
+
+def bracket(before: tuple[list[float], list[float]], after: tuple[list[float], list[float]]) -> tuple[list[float], list[float]]:
+    """The compute profiles taken before and after a segment, layer by layer: their mean."""
+    return tuple([(a + b) / 2 for a, b in zip(x, y, strict=True)] for x, y in zip(before, after, strict=True))  # type: ignore[return-value]
 
 
 def uncalibrated(cal: Calibration, world: World) -> Calibration:
@@ -162,6 +188,15 @@ def time_segment(model: nn.Module, opt: torch.optim.Optimizer, batch: tuple[torc
     return statistics.median(max_over_ranks(times)), statistics.median(max_over_ranks(exposed))
 
 
+def profile_beside(rig: Rig) -> tuple[list[float], list[float]]:
+    """The plain W1's per-layer compute now (one profiled step after a warm-up, all ranks at
+    once; the slowest rank's, as the calibration takes it), for [Note: compute beside the
+    segment]."""
+    from overlap.tools.plan.measure import profile_slowest
+
+    return profile_slowest(rig.plain, rig.batch, 1)
+
+
 def validate_rank(rank: int, world_size: int, cfg: ValidateConfig, world: World) -> dict[str, Any] | None:
     """One world: rounds of (calibration, every config's segment in rotated order), then the
     predictions from the median calibration; rank 0 returns everything."""
@@ -190,13 +225,18 @@ def validate_rank(rank: int, world_size: int, cfg: ValidateConfig, world: World)
     cals: list[Calibration] = []
     rounds: dict[str, list[float]] = {name: [] for name in names}
     exposed: dict[str, list[float]] = {name: [] for name in names}
+    beside: dict[str, list[tuple[list[float], list[float]]]] = {name: [] for name in names}
     for r in range(cfg.rounds):
         cals.append(calibrate_round(rig, cfg.profile_steps))
         k = r % len(names)
+        before = profile_beside(rig)
         for i in list(range(k, len(names))) + list(range(k)):
             step_ms, exposed_ms = time_segment(*contenders[i], rig.batch, cfg.steps)
+            after = profile_beside(rig)
             rounds[names[i]].append(step_ms)
             exposed[names[i]].append(exposed_ms)
+            beside[names[i]].append(bracket(before, after))
+            before = after
         if rank == 0:
             print(f"  round {r + 1}/{cfg.rounds} done ({time.perf_counter() - t0:.0f} s)", flush=True)
     if rank != 0:
@@ -208,6 +248,7 @@ def validate_rank(rank: int, world_size: int, cfg: ValidateConfig, world: World)
     print(f"  compute per layer, each rank alone (once): forward {per_layer[0]:.1f} ms, backward {per_layer[1]:.1f} ms")
     rows = []
     for name, overrides in table.items():
+        per_round = [predict_measured(with_compute(c, b), _config(overrides)) for c, b in zip(cals, beside[name], strict=True)]
         rows.append({
             "config": name,
             "overrides": overrides,
@@ -215,10 +256,12 @@ def validate_rank(rank: int, world_size: int, cfg: ValidateConfig, world: World)
             "measured_ms": statistics.median(rounds[name]),
             "spread_ms": [min(rounds[name]), max(rounds[name])],
             "round_ms": rounds[name],
-            "predicted_ms": predict_ms(cal, overrides),
+            "predicted_ms": statistics.median(p.step_s * 1e3 for p in per_round),
             "exposed_ms": statistics.median(exposed[name]),
-            "predicted_exposed_ms": predict_measured(cal, _config(overrides)).exposed_s * 1e3,
-            "predicted_per_round_ms": [predict_ms(c, overrides) for c in cals],
+            "predicted_exposed_ms": statistics.median(p.exposed_s * 1e3 for p in per_round),
+            "predicted_per_round_ms": [p.step_s * 1e3 for p in per_round],
+            "compute_beside_ms": [[sum(f) * 1e3, sum(b) * 1e3] for f, b in beside[name]],
+            "one_calibration_ms": predict_ms(cal, overrides),
             "defaults_ms": predict_ms(defaults, overrides),
         })  # fmt: skip
     return {
@@ -304,7 +347,10 @@ def format_table(results: list[dict[str, Any]]) -> str:
                 f"{row['defaults_ms']:>8.1f} {signed_error(row['defaults_ms'], m):>+7.1%} "
                 f"{_exposed(row):>15}"
             )
-    for key, label in (("predicted_ms", "calibrated"), ("defaults_ms", "defaults")):
+    keys = [("predicted_ms", "calibrated"), ("defaults_ms", "defaults")]
+    if all("one_calibration_ms" in row for res in results for row in res["rows"]):
+        keys.insert(1, ("one_calibration_ms", "one cal (the median calibration's own compute)"))
+    for key, label in keys:
         s = summarize(results, key)
         lines.append(f"\n{label}: mean |error| {s['mean_abs']:.1%}, max |error| {s['max_abs']:.1%}")
         for world, w in s["worlds"].items():

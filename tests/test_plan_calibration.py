@@ -259,3 +259,21 @@ def test_gathers_are_timed_by_the_collective_that_carries_them():
     assert plain.gather_op == "all_to_all" and plain.gather_s(topo) == pytest.approx(ring_time_s("all_to_all", 4e6, topo))
     assert int8.gather_op == "all_to_all" and int8.gather_s(topo) == pytest.approx(ring_time_s("all_to_all", 1e6 + 16 * 2**10, topo), rel=0.05)
     assert measured_units(replace(slow_a2a, num_ranks=4), OverlapConfig())[0].gather_op == "all_gather"
+
+
+def test_compute_profile_takes_each_steps_slowest_rank():
+    """[Note: slowest rank per step]: in each step the rank with the largest forward+backward
+    sum gives all its layers; per layer, the median over steps."""
+    from overlap.tools.plan.measure import slowest_per_step
+
+    # 2 ranks x 3 steps x (2 forward layers, 2 backward layers)
+    samples = torch.tensor([
+        [[1.0, 1.0, 2.0, 2.0], [1.0, 1.0, 2.0, 2.0], [3.0, 1.0, 2.0, 2.0]],  # sums 6, 6, 8
+        [[1.0, 2.0, 2.0, 2.0], [1.0, 1.0, 1.0, 2.0], [1.0, 1.0, 2.0, 2.0]],  # sums 7, 5, 6
+    ], dtype=torch.float64)  # fmt: skip
+    fwd, bwd = slowest_per_step(samples, 2)
+    # slowest: rank 1, rank 0, rank 0 -> forward [1,1,3] and [2,1,1], backward [2,2,2] twice
+    assert fwd == [1.0, 1.0] and bwd == [2.0, 2.0]
+    samples[1, 1, 0] = 9.0  # rank 1 is now the slowest in step 1 too: [1,2,2,2], [9,1,1,2], [3,1,2,2]
+    assert slowest_per_step(samples, 2) == ([3.0, 1.0], [2.0, 2.0])
+    assert slowest_per_step(samples[:1], 2) == ([1.0, 1.0], [2.0, 2.0])  # one rank: its own medians

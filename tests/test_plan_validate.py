@@ -5,6 +5,7 @@ calibration arithmetic is in tests/test_plan_calibration.py. No process group; <
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -179,3 +180,26 @@ def test_summary_pairs_each_round_with_its_own_calibration():
     assert w["mean_signed"] == pytest.approx(0.0)
     assert w["round_mean_signed"] == pytest.approx([(0.10 + 0.10) / 2, 0.0, (-0.10 - 0.10) / 2])
     assert "by round -10.0% to +10.0%" in pv.format_table([{"world": "a", "rows": rows}])
+
+
+def test_segments_are_predicted_with_the_compute_beside_them():
+    """[Note: compute beside the segment]: the profiles before and after a segment, averaged
+    layer by layer, replace the calibration's compute; nothing else of it changes."""
+    before = ([1.0, 2.0], [4.0, 4.0])
+    after = ([3.0, 2.0], [2.0, 6.0])
+    assert pv.bracket(before, after) == ([2.0, 2.0], [3.0, 5.0])
+    from overlap.tools.plan.calibration import Calibration, ComputeCosts, default_world_calibration
+
+    cal = replace(default_world_calibration(2, "gloo", None),
+                  compute=ComputeCosts(unit_numel=10, forward_s=(9.0, 9.0), backward_s=(9.0, 9.0), optimizer_s=0.5))  # fmt: skip
+    out = pv.with_compute(cal, pv.bracket(before, after))
+    assert isinstance(out, Calibration) and out.compute is not None
+    assert out.compute.forward_s == (2.0, 2.0) and out.compute.backward_s == (3.0, 5.0)
+    assert replace(out, compute=cal.compute) == cal
+
+
+def test_table_adds_the_one_calibration_summary_when_rows_carry_it():
+    row = {"config": "c0", "measured_ms": 100, "predicted_ms": 101, "defaults_ms": 90, "spread_ms": [99, 101],
+           "one_calibration_ms": 95}  # fmt: skip
+    table = pv.format_table([{"world": "a", "rows": [row]}])
+    assert "one cal" in table and "mean signed  -5.0%" in table and "mean signed  +1.0%" in table

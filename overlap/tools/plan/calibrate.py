@@ -13,8 +13,8 @@ same order; each one is separate from the training steps it will predict:
                gathers use the all-gather fit, gradient reductions (an all-to-all on gloo) the
                all-to-all fit; HSDP: the all-reduce of a layer's shard over the replicas, likewise
    compute     forward and backward per layer of the plain (unwrapped) W1, timed by hooks, all
-               ranks computing at once as in training; the slower rank's median, since ranks
-               meet in every collective
+               ranks computing at once as in training; in each step the slowest rank's, since
+               ranks meet in every collective (`profile_slowest`); the median over steps
    optimizer   AdamW's step on a wrapped W1's shards, timed alone
    host        the training thread's work around one unit's collectives, timed on the runtime's
                own verbs driven by hand (`measure_host`): gather issue (encode), copy-out
@@ -64,6 +64,7 @@ from overlap.tools.plan.measure import (  # the measurements (measure.py)
     measure_host,
     measure_optimizer,
     profile_compute,
+    profile_slowest,
 )
 from overlap.tools.plan.world import World, groups, max_over_ranks, mean_over_ranks, set_up_rank, w1  # re-exported
 
@@ -72,6 +73,10 @@ CODEC_OVERRIDES: dict[str, dict[str, Any]] = {
     "int8/int8": {"param_compression": "int8", "grad_compression": "int8", "error_feedback": True},
 }
 """The codec paths whose host work is measured (others fall back to "none")."""
+HOST_WARMUP_STEPS = 2
+"""Forward + backward passes of each `Rig.host_models` model before `measure_host` times its
+verbs. Without them `overlap plan --calibrate` (2 rounds, a fresh process) measured the int8 + EF
+reduction's issue at 21 ms per unit, the median of a cold round (43 ms) and a warm one (4 ms)."""
 
 
 @dataclass
@@ -107,6 +112,10 @@ class Rig:
         plain = bench_step.build_model(bench)
         host_models = {path: overlap.wrap(bench_step.build_model(bench), group=group, **o)
                        for path, o in (codecs or CODEC_OVERRIDES).items()}  # fmt: skip
+        for model in host_models.values():  # warm, as training is before anything is timed: a
+            for _ in range(HOST_WARMUP_STEPS):  # cold int8 + EF reduction issued in 43 ms, warm 4
+                model(batch[0]).pow(2).mean().backward()
+                model.zero_grad(set_to_none=True)
         opt_model = overlap.wrap(bench_step.build_model(bench), group=group)
         opt = torch.optim.AdamW(opt_model.parameters(), lr=bench.lr)
         opt_model(batch[0]).pow(2).mean().backward()
@@ -118,8 +127,7 @@ def calibrate_round(rig: Rig, profile_steps: int = 2) -> Calibration:
     """One calibration of every cost in the module docstring, in this world."""
     world, layer_numel = rig.world, rig.layer_numel
     gather_link, reduce_link, replica_link, rows = calibrate_links(rig.shard, rig.replicas, 4 * layer_numel)
-    fwd, bwd = profile_compute(rig.plain, rig.batch, profile_steps)
-    fwd, bwd = max_over_ranks(fwd), max_over_ranks(bwd)  # the slower rank paces the step
+    fwd, bwd = profile_slowest(rig.plain, rig.batch, profile_steps)
     host = {path: measure_host(model) for path, model in rig.host_models.items()}
     hooks = mean_over_ranks(list(measure_hooks(next(iter(rig.host_models.values())), rig.plain, rig.batch)))
     op = layer_gather_op(world, 4 * layer_numel)

@@ -19,6 +19,10 @@ from overlap.tools.plan.world import World, max_over_ranks, mean_over_ranks, w1
 LINK_SIZES_BYTES = tuple(k * 2**20 for k in (1, 4, 12, 24))
 """Up to what W1 moves: 12 MiB (a layer) and 24 MiB (two). A 32 MiB all-gather measured up to
 2x slower per byte than 16 MiB on loopback here, and a fit is only as good as its range."""
+LINK_MIN_ITERS = 5
+"""Timed collectives per link size at least. Two 24 MiB all-to-alls, averaged, let one slow
+exchange (165 ms where 105-115 was usual, 1 Gbit) into a round's fit and its predictions up 20%;
+the median of five keeps one out."""
 CONCURRENCY_OPS = 8
 PROFILE_WARMUP = 1
 CONTENTION_REPS = 3
@@ -67,8 +71,8 @@ def layer_gather_op(world: World, layer_bytes: int) -> str:
 
 
 def time_collective(op: str, num_bytes: int, group: dist.ProcessGroup) -> float:
-    """Seconds of one `op` of `num_bytes` (`launcher`) on `group`, back to back; every group of
-    the world at once; the slowest rank's mean."""
+    """Seconds of one `op` of `num_bytes` (`launcher`) on `group`, back to back (at least
+    `LINK_MIN_ITERS`); every group of the world at once; each rank's median, the slowest rank's."""
     from overlap.tools.bench.comm import iters_for
 
     launch = launcher(op, num_bytes, group)
@@ -76,10 +80,12 @@ def time_collective(op: str, num_bytes: int, group: dist.ProcessGroup) -> float:
     for _ in range(warmup):
         launch()
     dist.barrier()
-    t0 = time.perf_counter()
-    for _ in range(iters):
+    times = []
+    for _ in range(max(iters, LINK_MIN_ITERS)):
+        t0 = time.perf_counter()
         launch()
-    return max_over_ranks([(time.perf_counter() - t0) / iters])[0]
+        times.append(time.perf_counter() - t0)
+    return max_over_ranks([statistics.median(times)])[0]
 
 
 def calibrate_links(shard: dist.ProcessGroup, replicas: dist.ProcessGroup | None, layer_bytes: int) -> tuple[Any, Any, Any, dict[str, list[tuple[int, float]]]]:
@@ -99,7 +105,39 @@ def calibrate_links(shard: dist.ProcessGroup, replicas: dist.ProcessGroup | None
 
 
 def profile_compute(model: nn.Module, batch: tuple[torch.Tensor, ...], steps: int) -> tuple[list[float], list[float]]:
-    """Per-layer forward and backward seconds of the plain model (medians over `steps`).
+    """Per-layer forward and backward seconds of the plain model on this rank (medians over
+    `steps`; `profile_steps` says how they are timed)."""
+    fwd, bwd = profile_steps(model, batch, steps)
+    return [statistics.median(x) for x in fwd], [statistics.median(x) for x in bwd]
+
+
+def profile_slowest(model: nn.Module, batch: tuple[torch.Tensor, ...], steps: int) -> tuple[list[float], list[float]]:
+    """The per-layer compute that paces a step, every rank profiling at once: in each profiled
+    step the layers of the rank whose forward + backward took longest in that step; per layer,
+    the median over steps. Every rank returns the same.
+
+    [Note: slowest rank per step] Ranks meet in every collective, so a step waits for the rank
+    slowest in it, and on a shared host which rank that is changes from step to step. The
+    slowest rank's median (each rank's median, then the max) misses that: 12 plain W1 steps on
+    2 ranks here paced at 632 ms by each step's slowest rank, 624 ms by the slower median."""
+    fwd, bwd = profile_steps(model, batch, steps)
+    local = torch.tensor([[*f, *b] for f, b in zip(zip(*fwd), zip(*bwd), strict=True)], dtype=torch.float64)
+    every = [torch.empty_like(local) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, local)
+    return slowest_per_step(torch.stack(every), len(fwd))
+
+
+def slowest_per_step(samples: torch.Tensor, num_layers: int) -> tuple[list[float], list[float]]:
+    """`samples`: ranks x steps x (forward seconds of each layer, then backward). In each step
+    the rank with the largest sum; per layer, the median over steps of that rank's seconds."""
+    slowest = samples.sum(dim=2).argmax(dim=0)
+    chosen = samples[slowest, torch.arange(samples.shape[1])].T.tolist()  # per layer: one value per step
+    return [statistics.median(x) for x in chosen[:num_layers]], [statistics.median(x) for x in chosen[num_layers:]]
+
+
+def profile_steps(model: nn.Module, batch: tuple[torch.Tensor, ...], steps: int) -> tuple[list[list[float]], list[list[float]]]:
+    """Per layer, the forward and backward seconds of the plain model in each of `steps` steps
+    (after `PROFILE_WARMUP`), on this rank.
 
     Forward: module pre/post hooks. Backward: a hook on each layer's output fires when its
     gradient is ready, i.e. when that layer's backward starts; it ends when the previous
@@ -140,7 +178,7 @@ def profile_compute(model: nn.Module, batch: tuple[torch.Tensor, ...], steps: in
     finally:
         for h in handles:
             h.remove()
-    return [statistics.median(x) for x in fwd], [statistics.median(x) for x in bwd]
+    return fwd, bwd
 
 
 def measure_optimizer(opt: torch.optim.Optimizer, grads: list[tuple[nn.Parameter, torch.Tensor]], reps: int = 3) -> float:
