@@ -131,6 +131,7 @@ def slowest_per_step(samples: torch.Tensor, num_layers: int) -> tuple[list[float
     """`samples`: ranks x steps x (forward seconds of each layer, then backward). In each step
     the rank with the largest sum; per layer, the median over steps of that rank's seconds."""
     slowest = samples.sum(dim=2).argmax(dim=0)
+    # calibration only, once per profile (CPU tensors of a few dozen numbers), never in a training step
     chosen = samples[slowest, torch.arange(samples.shape[1])].T.tolist()  # per layer: one value per step
     return [statistics.median(x) for x in chosen[:num_layers]], [statistics.median(x) for x in chosen[num_layers:]]
 
