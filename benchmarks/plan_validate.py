@@ -12,23 +12,25 @@ namespace behind tc tbf, overlap/tools/bench/link.py; needs root and iproute2), 
    measures (links, compute, optimizer, host work, contention, concurrency; its docstring
    says how), never from the steps validated below.
 2. Time every config of `configs()` (all wrapped up front), in rotated order: a warm-up step and
-   `--steps` timed steps each (barrier before each; the slowest rank's time; the median). The
-   plain W1's compute is profiled again before the first segment and after every segment (one
-   step after a warm-up, all ranks at once, as the calibration profiles it).
+   `--steps` timed steps each (barrier before each; the slowest rank's time), a plain W1 step
+   profiled before the first timed step and after every timed step (all ranks at once, as the
+   calibration profiles it).
 
-[Note: compute beside the segment] Calibrating in every round puts calibration and measurement
+[Note: compute beside each step] Calibrating in every round puts calibration and measurement
 under the same machine load, but not close enough: this shared 2-core machine's speed drifts
 within a round (one round's calibration profiled 572 ms of compute and its steps measured 778 ms
 for the default config; the round before, 618 and 717 ms), and compute is most of W1's step, so
 a round's prediction erred by -10% to +6% from load alone (RESULTS.md, "The model's own noise").
-So each segment is predicted from its round's calibration with the compute profiled just before
-and just after it (their mean): the model, its links, contention and host terms are the
-calibration's; only the machine's speed at that minute comes from beside the segment, never
-from the validated steps. The table gives the median over rounds, the min-max of the round
-medians, and predictions of the one model the tools use ([Note: one model] in
-overlap/tools/plan/calibration.py):
-   calibrated  per round, that round's calibration with the compute beside the segment
-               (`predict_measured`); the median over rounds
+So each timed step is predicted from its round's calibration with the compute profiled just
+before and just after it (their mean): the model, its links, contention and host terms are the
+calibration's; only the machine's speed at that second comes from beside the step, never from
+the validated steps. (A profile beside a whole segment of four steps, the previous design, let
+a slow burst in one profile move a round's prediction by up to 15% on loopback 2 while the
+segment's steps missed it.) The table gives, per config, the median over every timed step of the
+measured and of the predicted step, the min-max of the round medians, and predictions of the
+one model the tools use ([Note: one model] in overlap/tools/plan/calibration.py):
+   calibrated  per timed step, its round's calibration with the compute beside the step
+               (`predict_measured`); the median over steps
    one cal     the median calibration (`median_calibration`) with its own compute, for every
                config: what `overlap plan --calibrate` then `overlap plan` would predict here
                (summary only)
@@ -60,6 +62,9 @@ from torch import nn
 if TYPE_CHECKING:  # at run time imported in the functions, after entry.py put this checkout first
     from overlap.tools.plan.calibrate import Rig, World
     from overlap.tools.plan.calibration import Calibration
+
+Profile = tuple[list[float], list[float]]
+"""Per-layer forward and backward seconds of the plain W1 (`profile_beside`)."""
 
 WORLDS = ("loopback", "1gbit", "loopback,4", "hsdp2x2")
 TARGET_MAX_ERROR = 0.10
@@ -94,15 +99,15 @@ def predict_ms(cal: Calibration, overrides: dict[str, Any]) -> float:
     return predict_measured(cal, _config(overrides)).step_s * 1e3
 
 
-def with_compute(cal: Calibration, compute: tuple[list[float], list[float]]) -> Calibration:
+def with_compute(cal: Calibration, compute: Profile) -> Calibration:
     """`cal` with its per-layer forward and backward seconds replaced by `compute`."""
     assert cal.compute is not None
     fwd, bwd = compute
     return replace(cal, compute=replace(cal.compute, forward_s=tuple(fwd), backward_s=tuple(bwd)))
 
 
-def bracket(before: tuple[list[float], list[float]], after: tuple[list[float], list[float]]) -> tuple[list[float], list[float]]:
-    """The compute profiles taken before and after a segment, layer by layer: their mean."""
+def bracket(before: Profile, after: Profile) -> Profile:
+    """The compute profiles taken just before and just after a step, layer by layer: their mean."""
     return tuple([(a + b) / 2 for a, b in zip(x, y, strict=True)] for x, y in zip(before, after, strict=True))  # type: ignore[return-value]
 
 
@@ -168,33 +173,39 @@ def build_contenders(table: dict[str, dict[str, Any]], rig: Rig) -> list[tuple[n
     return out
 
 
-def time_segment(model: nn.Module, opt: torch.optim.Optimizer, batch: tuple[torch.Tensor, ...], steps: int) -> tuple[float, float]:
-    """One config's turn in a round: a warm-up step, then `steps` timed steps (barrier before
-    each; a step is the slowest rank's). (Median step ms, median exposed communication ms: the
-    slowest rank's all-gather and reduction waits, `overlap.step_stats`.)"""
+def time_segment(model: nn.Module, opt: torch.optim.Optimizer, rig: Rig, steps: int) -> list[tuple[float, float, Profile]]:
+    """One config's turn in a round: a warm-up step, then `steps` timed steps, each between two
+    plain profiles ([Note: compute beside each step]; barrier before each step; a step is the
+    slowest rank's). Per timed step: (step ms, exposed communication ms: the slowest rank's
+    all-gather and reduction waits, `overlap.step_stats`, the compute beside it)."""
     import overlap
     from overlap.tools.bench import step as bench_step
     from overlap.tools.plan.calibrate import max_over_ranks
 
-    bench_step.train_step(model, opt, batch)
-    times, exposed = [], []
+    bench_step.train_step(model, opt, rig.batch)
+    before = profile_beside(rig)
+    out = []
     for _ in range(steps):
         dist.barrier()
         t0 = time.perf_counter()
-        bench_step.train_step(model, opt, batch)
-        times.append((time.perf_counter() - t0) * 1e3)
+        bench_step.train_step(model, opt, rig.batch)
+        step_ms = (time.perf_counter() - t0) * 1e3
         stats = overlap.step_stats(model)
-        exposed.append(stats.allgather_wait_ms + stats.reduce_wait_ms)
-    return statistics.median(max_over_ranks(times)), statistics.median(max_over_ranks(exposed))
+        step_ms, exposed_ms = max_over_ranks([step_ms, stats.allgather_wait_ms + stats.reduce_wait_ms])
+        after = profile_beside(rig)
+        out.append((step_ms, exposed_ms, bracket(before, after)))
+        before = after
+    return out
 
 
-def profile_beside(rig: Rig) -> tuple[list[float], list[float]]:
-    """The plain W1's per-layer compute now (one profiled step after a warm-up, all ranks at
-    once; the slowest rank's, as the calibration takes it), for [Note: compute beside the
-    segment]."""
+def profile_beside(rig: Rig) -> Profile:
+    """The plain W1's per-layer compute now: one step, all ranks at once, the slowest rank's
+    (as the calibration takes it), for [Note: compute beside each step]. No warm-up step: right
+    after a wrapped step the plain step measured 0.2% slower than the one after it (median of 8
+    pairs, loopback 2 ranks), and a warm-up would double the profiles' cost."""
     from overlap.tools.plan.measure import profile_slowest
 
-    return profile_slowest(rig.plain, rig.batch, 1)
+    return profile_slowest(rig.plain, rig.batch, 1, warmup=0)
 
 
 def validate_rank(rank: int, world_size: int, cfg: ValidateConfig, world: World) -> dict[str, Any] | None:
@@ -223,20 +234,13 @@ def validate_rank(rank: int, world_size: int, cfg: ValidateConfig, world: World)
     contenders = build_contenders(table, rig)
     alone = profile_alone(rig, cfg.profile_steps)
     cals: list[Calibration] = []
-    rounds: dict[str, list[float]] = {name: [] for name in names}
-    exposed: dict[str, list[float]] = {name: [] for name in names}
-    beside: dict[str, list[tuple[list[float], list[float]]]] = {name: [] for name in names}
+    # per config, per round, per timed step: (step ms, exposed ms, the compute beside the step)
+    timed: dict[str, list[list[tuple[float, float, Profile]]]] = {name: [] for name in names}
     for r in range(cfg.rounds):
         cals.append(calibrate_round(rig, cfg.profile_steps))
         k = r % len(names)
-        before = profile_beside(rig)
         for i in list(range(k, len(names))) + list(range(k)):
-            step_ms, exposed_ms = time_segment(*contenders[i], rig.batch, cfg.steps)
-            after = profile_beside(rig)
-            rounds[names[i]].append(step_ms)
-            exposed[names[i]].append(exposed_ms)
-            beside[names[i]].append(bracket(before, after))
-            before = after
+            timed[names[i]].append(time_segment(*contenders[i], rig, cfg.steps))
         if rank == 0:
             print(f"  round {r + 1}/{cfg.rounds} done ({time.perf_counter() - t0:.0f} s)", flush=True)
     if rank != 0:
@@ -248,19 +252,26 @@ def validate_rank(rank: int, world_size: int, cfg: ValidateConfig, world: World)
     print(f"  compute per layer, each rank alone (once): forward {per_layer[0]:.1f} ms, backward {per_layer[1]:.1f} ms")
     rows = []
     for name, overrides in table.items():
-        per_round = [predict_measured(with_compute(c, b), _config(overrides)) for c, b in zip(cals, beside[name], strict=True)]
+        # each timed step predicted from its round's calibration and the compute beside it
+        predicted = [[predict_measured(with_compute(c, beside), _config(overrides)) for _, _, beside in segment]
+                     for c, segment in zip(cals, timed[name], strict=True)]  # fmt: skip
+        steps_ms = [[ms for ms, _, _ in segment] for segment in timed[name]]
+        step_pred_ms = [[p.step_s * 1e3 for p in segment] for segment in predicted]
+        round_ms = [statistics.median(x) for x in steps_ms]
         rows.append({
             "config": name,
             "overrides": overrides,
             "codec": codec_path(overrides.get("param_compression"), overrides.get("grad_compression")),
-            "measured_ms": statistics.median(rounds[name]),
-            "spread_ms": [min(rounds[name]), max(rounds[name])],
-            "round_ms": rounds[name],
-            "predicted_ms": statistics.median(p.step_s * 1e3 for p in per_round),
-            "exposed_ms": statistics.median(exposed[name]),
-            "predicted_exposed_ms": statistics.median(p.exposed_s * 1e3 for p in per_round),
-            "predicted_per_round_ms": [p.step_s * 1e3 for p in per_round],
-            "compute_beside_ms": [[sum(f) * 1e3, sum(b) * 1e3] for f, b in beside[name]],
+            "measured_ms": statistics.median(ms for x in steps_ms for ms in x),
+            "spread_ms": [min(round_ms), max(round_ms)],
+            "round_ms": round_ms,
+            "predicted_ms": statistics.median(ms for x in step_pred_ms for ms in x),
+            "exposed_ms": statistics.median(e for segment in timed[name] for _, e, _ in segment),
+            "predicted_exposed_ms": statistics.median(p.exposed_s * 1e3 for segment in predicted for p in segment),
+            "predicted_per_round_ms": [statistics.median(x) for x in step_pred_ms],
+            "step_ms": steps_ms,
+            "step_predicted_ms": step_pred_ms,
+            "compute_beside_ms": [[(sum(f) + sum(b)) * 1e3 for _, _, (f, b) in segment] for segment in timed[name]],
             "one_calibration_ms": predict_ms(cal, overrides),
             "defaults_ms": predict_ms(defaults, overrides),
         })  # fmt: skip
@@ -366,6 +377,19 @@ def format_table(results: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def host_cpu() -> str:
+    """This machine's CPU model and widest vector extension (from /proc/cpuinfo; "" elsewhere):
+    the validation's numbers belong to one machine, and these machines differ."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return ""
+    model = next((line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("model name")), "?")
+    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
+    vector = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "no AVX2"
+    return f"{model}, {vector}, {os.cpu_count()} cores"
+
+
 def runnable(world: World) -> str | None:
     """Why this world cannot run here (None: it can)."""
     if world.link == "loopback":
@@ -402,6 +426,8 @@ def main() -> int:
 
     t0 = time.perf_counter()
     load = os.getloadavg()
+    cpu = host_cpu()
+    print(f"plan_validate on {cpu}", flush=True)
     results, skipped = [], {}
     for text in cfg.worlds:
         world = World.parse(text)
@@ -421,7 +447,7 @@ def main() -> int:
     if cfg.json_path:
         path = Path(cfg.json_path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        out = {"config": asdict(cfg), "load_average": [load[0], os.getloadavg()[0]], "total_s": total_s,
+        out = {"config": asdict(cfg), "cpu": cpu, "load_average": [load[0], os.getloadavg()[0]], "total_s": total_s,
                "skipped": skipped, "summary": summarize(results), "results": results}  # fmt: skip
         path.write_text(json.dumps(out, indent=2, default=str) + "\n")
         print(f"wrote {path}")

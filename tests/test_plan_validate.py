@@ -183,7 +183,7 @@ def test_summary_pairs_each_round_with_its_own_calibration():
 
 
 def test_segments_are_predicted_with_the_compute_beside_them():
-    """[Note: compute beside the segment]: the profiles before and after a segment, averaged
+    """[Note: compute beside each step]: the profiles before and after a step, averaged
     layer by layer, replace the calibration's compute; nothing else of it changes."""
     before = ([1.0, 2.0], [4.0, 4.0])
     after = ([3.0, 2.0], [2.0, 6.0])
@@ -203,3 +203,12 @@ def test_table_adds_the_one_calibration_summary_when_rows_carry_it():
            "one_calibration_ms": 95}  # fmt: skip
     table = pv.format_table([{"world": "a", "rows": [row]}])
     assert "one cal" in table and "mean signed  -5.0%" in table and "mean signed  +1.0%" in table
+
+
+def test_host_cpu_names_the_machine():
+    """The validation's numbers belong to one machine: the JSON and the log name its CPU."""
+    text = pv.host_cpu()
+    if Path("/proc/cpuinfo").exists():
+        assert text.endswith(" cores") and ("AVX" in text)
+    else:
+        assert text == ""

@@ -111,7 +111,7 @@ def profile_compute(model: nn.Module, batch: tuple[torch.Tensor, ...], steps: in
     return [statistics.median(x) for x in fwd], [statistics.median(x) for x in bwd]
 
 
-def profile_slowest(model: nn.Module, batch: tuple[torch.Tensor, ...], steps: int) -> tuple[list[float], list[float]]:
+def profile_slowest(model: nn.Module, batch: tuple[torch.Tensor, ...], steps: int, warmup: int = PROFILE_WARMUP) -> tuple[list[float], list[float]]:
     """The per-layer compute that paces a step, every rank profiling at once: in each profiled
     step the layers of the rank whose forward + backward took longest in that step; per layer,
     the median over steps. Every rank returns the same.
@@ -120,7 +120,7 @@ def profile_slowest(model: nn.Module, batch: tuple[torch.Tensor, ...], steps: in
     slowest in it, and on a shared host which rank that is changes from step to step. The
     slowest rank's median (each rank's median, then the max) misses that: 12 plain W1 steps on
     2 ranks here paced at 632 ms by each step's slowest rank, 624 ms by the slower median."""
-    fwd, bwd = profile_steps(model, batch, steps)
+    fwd, bwd = profile_steps(model, batch, steps, warmup)
     local = torch.tensor([[*f, *b] for f, b in zip(zip(*fwd), zip(*bwd), strict=True)], dtype=torch.float64)
     every = [torch.empty_like(local) for _ in range(dist.get_world_size())]
     dist.all_gather(every, local)
@@ -136,9 +136,9 @@ def slowest_per_step(samples: torch.Tensor, num_layers: int) -> tuple[list[float
     return [statistics.median(x) for x in chosen[:num_layers]], [statistics.median(x) for x in chosen[num_layers:]]
 
 
-def profile_steps(model: nn.Module, batch: tuple[torch.Tensor, ...], steps: int) -> tuple[list[list[float]], list[list[float]]]:
+def profile_steps(model: nn.Module, batch: tuple[torch.Tensor, ...], steps: int, warmup: int = PROFILE_WARMUP) -> tuple[list[list[float]], list[list[float]]]:
     """Per layer, the forward and backward seconds of the plain model in each of `steps` steps
-    (after `PROFILE_WARMUP`), on this rank.
+    (after `warmup` untimed ones), on this rank.
 
     Forward: module pre/post hooks. Backward: a hook on each layer's output fires when its
     gradient is ready, i.e. when that layer's backward starts; it ends when the previous
@@ -161,13 +161,13 @@ def profile_steps(model: nn.Module, batch: tuple[torch.Tensor, ...], steps: int)
 
     handles = [h for i, layer in enumerate(layers) for h in arm(i, layer)]
     try:
-        for step in range(PROFILE_WARMUP + steps):
+        for step in range(warmup + steps):
             model.zero_grad(set_to_none=True)
             loss = model(batch[0]).pow(2).mean()
             t_loss = time.perf_counter()
             loss.backward()
             t_end = time.perf_counter()
-            if step < PROFILE_WARMUP:
+            if step < warmup:
                 continue
             last = len(layers) - 1
             for i in range(len(layers)):
