@@ -127,8 +127,9 @@ def uncalibrated(cal: Calibration, world: World) -> Calibration:
 
 @dataclass(frozen=True, kw_only=True)
 class ValidateConfig:
-    """One validation run. The defaults: about 30 minutes for the four worlds on a quiet 2-core
-    machine (1,778 s on 2026-12-04; 3 rounds took 1,124 s)."""
+    """One validation run. The defaults: 30 to 50 minutes for the four worlds on a quiet 2-core
+    machine (2,841 s on an AMD EPYC with a profile beside each step; 1,778 s on an Intel machine
+    with one beside each segment)."""
 
     worlds: tuple[str, ...] = WORLDS
     """`World.parse` texts: "loopback", "1gbit", "loopback,4", "hsdp2x2", "1gbit,200us", ..."""
