@@ -1,8 +1,8 @@
 """Kernel throughput: blockwise quantize / dequantize-accumulate, fused copy-out / copy-in.
 
-    python benchmarks/kernels.py                          # CPU: every op, 3 sizes, 7 rounds
-    python benchmarks/kernels.py --sizes 1M,16M --rounds 11 --compile --json out/kernels.json
-    python benchmarks/kernels.py --ops copy_out,copy_in,memcpy --sizes 4M --rounds 5
+    python benchmarks/kernel_bench.py                          # CPU: every op, 3 sizes, 7 rounds
+    python benchmarks/kernel_bench.py --sizes 1M,16M --rounds 11 --compile --json out/kernels.json
+    python benchmarks/kernel_bench.py --ops copy_out,copy_in,memcpy --sizes 4M --rounds 5
 
 Rounds interleave the backends (order rotated each round); each round times one call per
 backend after one untimed warm-up call per (op, size, backend), which compiles the kernels and
