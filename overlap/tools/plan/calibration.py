@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 import statistics
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -89,6 +89,15 @@ class HostCosts:
     def __post_init__(self) -> None:
         if self.unit_bytes <= 0:
             raise ValueError(f"HostCosts.unit_bytes must be > 0, got {self.unit_bytes}")
+
+    def scaled(self, k: float) -> HostCosts:
+        """Every cost times `k`."""
+        if k == 1.0:
+            return self
+        return HostCosts(
+            unit_bytes=self.unit_bytes, gather_issue_s=k * self.gather_issue_s, regather_issue_s=k * self.regather_issue_s,
+            gather_wait_s=k * self.gather_wait_s, reduce_issue_s=k * self.reduce_issue_s, reduce_wait_s=k * self.reduce_wait_s,
+        )  # fmt: skip
 
     def for_unit(self, param_bytes: int) -> dict[str, float]:
         """`UnitCost`'s host fields for a unit of `param_bytes`."""
@@ -162,6 +171,9 @@ class Calibration:
     independent lanes."""
     host: Mapping[str, HostCosts] = field(default_factory=dict)
     """Host work per codec path (`codec_path`); empty: none charged (GPUs: comm-stream kernels)."""
+    host_scale: float = 1.0
+    """What the host work costs inside training steps per what `host` measured outside them
+    ([Note: host work in a step] in calibrate.py); `host_costs` applies it."""
     compute: ComputeCosts | None = None
     """The calibrated model's compute (None: calibrated from collectives only)."""
     measured: Mapping[str, Any] = field(default_factory=dict)
@@ -174,6 +186,8 @@ class Calibration:
             raise ValueError(f"Calibration.level must be 'intra' or 'inter', got {self.level!r}")
         if self.num_ranks < 1 or self.num_replicas < 1:
             raise ValueError(f"Calibration: num_ranks and num_replicas must be >= 1, got {self.num_ranks}, {self.num_replicas}")
+        if not self.host_scale > 0:
+            raise ValueError(f"Calibration.host_scale must be > 0, got {self.host_scale!r}")
         self.contention()  # validates the contention terms
 
     # ------------------------------------------------------------------ the simulator's inputs
@@ -197,8 +211,10 @@ class Calibration:
         )  # fmt: skip
 
     def host_costs(self, codec: str) -> HostCosts | None:
-        """Host work for this codec path; a codec not measured gets the uncompressed path's."""
-        return self.host.get(codec, self.host.get(NO_CODEC))
+        """Host work in a step for this codec path (`host_scale` applied); a codec not measured
+        gets the uncompressed path's."""
+        host = self.host.get(codec, self.host.get(NO_CODEC))
+        return None if host is None else host.scaled(self.host_scale)
 
     def unit(
         self,
@@ -418,6 +434,25 @@ def contention_share(alone_s: float, loaded_s: float) -> float:
     return min(0.95, max(0.0, 1.0 - alone_s / loaded_s))
 
 
+SOLVE_BISECTIONS = 12
+
+
+def solve_increasing(f: Callable[[float], float], target: float, lo: float, hi: float, *, log: bool) -> float:
+    """x in [lo, hi] with f(x) = target for an increasing f, by bisection (the end it is
+    beyond, when it is)."""
+    if f(lo) >= target:
+        return lo
+    if f(hi) <= target:
+        return hi
+    for _ in range(SOLVE_BISECTIONS):
+        mid = (lo * hi) ** 0.5 if log else (lo + hi) / 2
+        if f(mid) < target:
+            lo = mid
+        else:
+            hi = mid
+    return (lo * hi) ** 0.5 if log else (lo + hi) / 2
+
+
 def median_calibration(cals: Sequence[Calibration]) -> Calibration:
     """Calibrations of several rounds combined: the median of every measured number (element
     by element for sequences, field by field for links, host and compute costs)."""
@@ -488,6 +523,13 @@ def predict_measured(cal: Calibration, config: OverlapConfig, *, record: bool = 
     it with the measured step)."""
     assert cal.compute is not None, "predict_measured: the calibration holds no compute profile"
     return cal.predict(measured_units(cal, config), config, optimizer_s=cal.compute.optimizer_s, record=record)
+
+
+def with_compute(cal: Calibration, forward_s: Sequence[float], backward_s: Sequence[float]) -> Calibration:
+    """`cal` with its per-layer forward and backward seconds replaced (a profile taken beside
+    the steps it predicts)."""
+    assert cal.compute is not None, "with_compute: the calibration holds no compute profile"
+    return replace(cal, compute=replace(cal.compute, forward_s=tuple(forward_s), backward_s=tuple(backward_s)))
 
 
 def with_links(cal: Calibration, link: Link) -> Calibration:

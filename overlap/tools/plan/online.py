@@ -39,11 +39,10 @@ from pathlib import Path
 from overlap.config import OverlapConfig
 from overlap.engine.autotune import TunerView
 from overlap.engine.autotune_policy import MAX_PREFETCH_DEPTH, MAX_REDUCE_INPUTS, Knobs, Measurement, Proposal
-from overlap.tools.plan.calibration import Calibration, default_world_calibration
+from overlap.tools.plan.calibration import Calibration, default_world_calibration, solve_increasing
 from overlap.tools.plan.cost import Link, UnitCost
 from overlap.tools.plan.simulate import Prediction
 
-BISECTIONS = 12
 log = logging.getLogger("overlap.autotune")
 
 SCALE_RANGE = (1e-3, 1e3)  # link times fitted within these multiples of the defaults'
@@ -120,12 +119,12 @@ class StepModel:
         waits = (measured.gather_wait_ms + measured.reduce_wait_ms) / 1e3
 
         def compute_for(link: float) -> float:  # the compute that makes the step `step`
-            return _solve(lambda c: self.predict(knobs, c, link).step_s, step, step * 1e-3, step * 2, log=False)
+            return solve_increasing(lambda c: self.predict(knobs, c, link).step_s, step, step * 1e-3, step * 2, log=False)
 
         def exposed_at(link: float) -> float:
             return sum(exposed(self.predict(knobs, compute_for(link), link)))
 
-        link = _solve(exposed_at, waits, *SCALE_RANGE, log=True)
+        link = solve_increasing(exposed_at, waits, *SCALE_RANGE, log=True)
         compute = compute_for(link)
         p = self.predict(knobs, compute, link)
         self.fit = Fit(compute, link, p.step_s, sum(exposed(p)))
@@ -210,22 +209,6 @@ def exposed(p: Prediction) -> tuple[float, float]:
         elif (lane == "wait" and name.startswith(("reduce [", "all-reduce ["))) or (lane == "host" and name.startswith("sum [")):
             reduce += t1 - t0
     return gather, reduce
-
-
-def _solve(f: Callable[[float], float], target: float, lo: float, hi: float, *, log: bool) -> float:
-    """x in [lo, hi] with f(x) = target for an increasing f, by bisection (the end it is
-    beyond, when it is)."""
-    if f(lo) >= target:
-        return lo
-    if f(hi) <= target:
-        return hi
-    for _ in range(BISECTIONS):
-        mid = (lo * hi) ** 0.5 if log else (lo + hi) / 2
-        if f(mid) < target:
-            lo = mid
-        else:
-            hi = mid
-    return (lo * hi) ** 0.5 if log else (lo + hi) / 2
 
 
 def _ties_by_memory(found: list[Proposal]) -> list[Proposal]:
