@@ -125,27 +125,6 @@ def test_file_round_trip_and_errors(tmp_path):
         replace(cal, backend="mpi")
 
 
-def test_host_scale_multiplies_every_host_cost_and_old_files_load_at_1x(tmp_path):
-    """[Note: host work in a step]: `host_scale` scales what the units are charged, not the
-    measured `host` itself; a file written before the field existed loads at 1x."""
-    cal = _cal(1.0)
-    base = cal.unit("u", 4 * LAYER_NUMEL, 4 * LAYER_NUMEL, 0.01, 0.02)
-    double = replace(cal, host_scale=2.0)
-    assert double.host == cal.host
-    twice = double.unit("u", 4 * LAYER_NUMEL, 4 * LAYER_NUMEL, 0.01, 0.02)
-    for name in ("gather_issue_host_s", "backward_gather_issue_host_s", "gather_wait_host_s", "reduce_issue_host_s", "reduce_wait_host_s"):
-        assert getattr(base, name) > 0 and getattr(twice, name) == pytest.approx(2 * getattr(base, name))
-    slower = predict_measured(double, OverlapConfig()).step_s
-    assert slower > predict_measured(cal, OverlapConfig()).step_s
-    data = double.to_dict()
-    assert Calibration.from_dict(data).host_scale == 2.0
-    data.pop("host_scale")
-    assert Calibration.from_dict(data).host_scale == 1.0
-    for bad in (0.0, -1.0, float("nan")):
-        with pytest.raises(ValueError, match="host_scale"):
-            replace(cal, host_scale=bad)
-
-
 def test_solve_increasing_finds_the_crossing_and_stops_at_the_ends():
     from overlap.tools.plan.calibration import solve_increasing
 

@@ -214,3 +214,36 @@ def test_host_cpu_names_the_machine():
         assert text.endswith(" cores") and ("AVX" in text)
     else:
         assert text == ""
+
+
+def test_repredict_recovers_a_known_host_factor_from_stored_steps():
+    """benchmarks/plan_repredict.py: steps 'measured' as the model predicts them with the host
+    work x1.5 re-predict at +0% with the factor fitted to one config, and below 0% as stored (1x)."""
+    import plan_repredict as rp
+
+    from overlap.tools.plan.calibration import ComputeCosts, HostCosts, predict_measured, with_compute
+
+    link = Link("hand", alpha_s=1e-4, busbw_gbps=1.0)
+    host = HostCosts(unit_bytes=4 * 1000, gather_issue_s=1e-3, regather_issue_s=1e-3, gather_wait_s=2e-3,
+                     reduce_issue_s=3e-3, reduce_wait_s=2e-3)  # fmt: skip
+    from overlap.tools.plan.calibration import Calibration
+
+    cal = Calibration(source="hand", backend="gloo", num_ranks=2, gather_link=link, compute_share_lost=0.3,
+                      comm_stretch=1.5, host={"none": host},
+                      compute=ComputeCosts(unit_numel=1000, forward_s=(0.01,) * 4, backward_s=(0.02,) * 4, optimizer_s=0.005))  # fmt: skip
+    beside = [[100.0, 140.0], [120.0, 110.0]]  # per round, per step: the compute total, ms
+    rows = []
+    for name, overrides in (("default", {}), ("prefetch_depth=2", {"prefetch_depth": 2}), ("no reshard", {"reshard_after_forward": False})):
+        truth = rp.with_host(cal, 1.5)
+        steps = [[predict_measured(with_compute(truth, [ms / 3e3 / 4] * 4, [2 * ms / 3e3 / 4] * 4), OverlapConfig(**overrides)).step_s * 1e3
+                  for ms in r] for r in beside]  # fmt: skip
+        rows.append({"config": name, "overrides": overrides, "step_ms": steps, "compute_beside_ms": beside})
+    res = rp.repredict({"world": "hand", "calibration_rounds": [cal.to_dict()] * 2, "rows": rows}, "prefetch_depth=2")
+    assert res["host_scale"] == pytest.approx(1.5, rel=1e-2)
+    assert set(res["fitted_errors"]) == {"default", "no reshard"}
+    assert all(abs(e) < 2e-3 for e in res["fitted_errors"].values())
+    assert all(e < -0.01 for e in res["errors"].values())  # 1x under-predicts steps taken at 1.5x
+    with pytest.raises(ValueError, match="no config"):
+        rp.repredict({"world": "hand", "calibration_rounds": [cal.to_dict()] * 2, "rows": rows}, "missing")
+    with pytest.raises(ValueError, match="2 rounds of steps, 1 calibration"):
+        rp.repredict({"world": "hand", "calibration_rounds": [cal.to_dict()], "rows": rows})

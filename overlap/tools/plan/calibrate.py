@@ -26,9 +26,6 @@ same order; each one is separate from the training steps it will predict:
                beside that compute: how much longer comm takes (stretch)
    concurrency 8 one-layer all-gathers and all-to-alls in turn, issued at once (gloo runs two
                at a time): the link's throughput with two in flight (`concurrent_throughput`)
-   host in a step  a few training steps of a wrapped W1 (`HOST_FIT_OVERRIDES`), each beside a
-               plain profile: the factor on the host work that makes the model's step the
-               measured one (`host_scale`, [Note: host work in a step])
 
 The measurements live in measure.py (the wrapper's in hooks.py), the worlds in world.py; this
 module runs them (`calibrate_round`) and is the `--calibrate` command. `calibrate_round` is one pass; benchmarks/plan_validate.py interleaves passes with the steps it
@@ -55,9 +52,6 @@ from overlap.tools.plan.calibration import (
     concurrent_throughput,
     contention_share,
     median_calibration,
-    predict_measured,
-    solve_increasing,
-    with_compute,
 )
 from overlap.tools.plan.cost import Topology, ring_time_s
 from overlap.tools.plan.hooks import measure_hooks
@@ -69,7 +63,6 @@ from overlap.tools.plan.measure import (  # the measurements (measure.py)
     measure_contention,
     measure_host,
     measure_optimizer,
-    profile_beside,
     profile_compute,
     profile_slowest,
 )
@@ -84,29 +77,6 @@ HOST_WARMUP_STEPS = 2
 """Forward + backward passes of each `Rig.host_models` model before `measure_host` times its
 verbs. Without them `overlap plan --calibrate` (2 rounds, a fresh process) measured the int8 + EF
 reduction's issue at 21 ms per unit, the median of a cold round (43 ms) and a warm one (4 ms)."""
-HOST_FIT_OVERRIDES: dict[str, Any] = {"prefetch_depth": 2}
-"""The config whose steps `fit_host_scale` times ([Note: host work in a step])."""
-HOST_FIT_STEPS = 3
-"""Timed steps per calibration round (after one warm-up), each with a plain profile after it."""
-HOST_SCALE_RANGE = (0.5, 2.0)
-"""`host_scale` is clamped to this: beyond it the misfit is not host work."""
-
-# [Note: host work in a step]
-# `measure_host` times the runtime's verbs alone, every other rank waiting in a barrier. In a
-# training step the same verbs run beside the other ranks' compute and gloo's copies, and what
-# that costs is the machine's (its caches, its memory bandwidth), not the link's. Re-predicting
-# the stored validations (benchmarks/plan_repredict.py) with the host work times one factor
-# fitted to one config's steps: the factor came out 1.26-1.58 on an Intel machine and 0.62-1.30
-# on an AMD EPYC, in every world, and the other configs' mean signed error per world went from
-# -4.7..-1.3% (Intel) and -1.4..+1.9% (EPYC) to within +-1.6% on both. So every calibration
-# round times `HOST_FIT_STEPS` steps of a wrapped W1 under `HOST_FIT_OVERRIDES`, profiles the
-# plain W1 before the first and after each (`profile_beside`: the machine's speed at that
-# second), and fits `Calibration.host_scale`: the factor that makes the model's median step,
-# each predicted with the compute beside it, the measured median. The config is the deepest
-# prefetch: with its communication hidden as far as the schedule lets it, the step's overhead
-# is host work and contention rather than link waits, which a host factor must not absorb
-# (fitted to the defaults' steps on the 1 Gbit link it took up the link's error, 2.7x, and
-# missed the int8 config by 10-16%).
 
 
 @dataclass
@@ -126,9 +96,6 @@ class Rig:
     opt: torch.optim.Optimizer
     grads: list[tuple[nn.Parameter, torch.Tensor]]
     """A wrapped W1's parameters and gradients from one backward, for `measure_optimizer`."""
-    fit_model: nn.Module
-    fit_opt: torch.optim.Optimizer
-    """A wrapped W1 under `HOST_FIT_OVERRIDES` and its AdamW, trained by `fit_host_scale`."""
 
     @property
     def layer_numel(self) -> int:
@@ -153,11 +120,7 @@ class Rig:
         opt = torch.optim.AdamW(opt_model.parameters(), lr=bench.lr)
         opt_model(batch[0]).pow(2).mean().backward()
         grads = [(p, p.grad) for p in opt_model.parameters() if p.grad is not None]
-        fit_model = overlap.wrap(bench_step.build_model(bench), group=group, **HOST_FIT_OVERRIDES)
-        fit_opt = torch.optim.AdamW(fit_model.parameters(), lr=bench.lr)
-        for _ in range(HOST_WARMUP_STEPS):
-            bench_step.train_step(fit_model, fit_opt, batch)
-        return cls(world, group, shard, replicas, batch, plain, host_models, opt, grads, fit_model, fit_opt)
+        return cls(world, group, shard, replicas, batch, plain, host_models, opt, grads)
 
 
 def calibrate_round(rig: Rig, profile_steps: int = 2) -> Calibration:
@@ -178,7 +141,7 @@ def calibrate_round(rig: Rig, profile_steps: int = 2) -> Calibration:
     solos = [concurrency[i % 2] for i in range(CONCURRENCY_OPS)]
     optimizer_s = max_over_ranks([measure_optimizer(rig.opt, rig.grads)])[0]
     bench = w1()
-    cal = Calibration(
+    return Calibration(
         source=f"measured: W1 on {world}, gloo, {time.strftime('%Y-%m-%d %H:%M')}",
         backend="gloo",
         num_ranks=world.shard_size,
@@ -200,40 +163,6 @@ def calibrate_round(rig: Rig, profile_steps: int = 2) -> Calibration:
             "concurrency_ms": [x * 1e3 for x in concurrency],
         },
     )
-    return fit_host_scale(rig, cal)
-
-
-def fit_host_scale(rig: Rig, cal: Calibration) -> Calibration:
-    """`cal` with `host_scale` fitted to `HOST_FIT_STEPS` training steps of `rig.fit_model`
-    ([Note: host work in a step]); the steps, their predictions at 1x and the fit go to
-    `measured["host_fit"]`. Every rank fits the same numbers (the slowest rank's steps and
-    profiles) and gets the same factor."""
-    from overlap.config import OverlapConfig
-    from overlap.tools.bench import step as bench_step
-    from overlap.tools.plan.measure import bracket
-
-    bench_step.train_step(rig.fit_model, rig.fit_opt, rig.batch)
-    before = profile_beside(rig.plain, rig.batch)
-    steps, profiles = [], []
-    for _ in range(HOST_FIT_STEPS):
-        dist.barrier()
-        t0 = time.perf_counter()
-        bench_step.train_step(rig.fit_model, rig.fit_opt, rig.batch)
-        steps.append(max_over_ranks([time.perf_counter() - t0])[0])
-        after = profile_beside(rig.plain, rig.batch)
-        profiles.append(bracket(before, after))
-        before = after
-    config = OverlapConfig(**HOST_FIT_OVERRIDES)
-
-    def predicted_s(k: float) -> float:
-        scaled = replace(cal, host_scale=k)
-        return statistics.median(predict_measured(with_compute(scaled, *p), config).step_s for p in profiles)
-
-    measured_s = statistics.median(steps)
-    k = solve_increasing(predicted_s, measured_s, *HOST_SCALE_RANGE, log=True)
-    record = {"config": HOST_FIT_OVERRIDES, "step_ms": [s * 1e3 for s in steps],
-              "predicted_at_1x_ms": predicted_s(1.0) * 1e3, "host_scale": k}  # fmt: skip
-    return replace(cal, host_scale=k, measured={**cal.measured, "host_fit": record})
 
 
 def profile_alone(rig: Rig, steps: int) -> tuple[list[float], list[float]]:
@@ -304,7 +233,6 @@ def format_calibration(cal: Calibration, rounds: list[Calibration] | None = None
     lines.append(f"  contention: compute share lost {cal.compute_share_lost:.2f}{spread(lambda x: x.compute_share_lost, 1)}, "
                  f"comm stretch {cal.comm_stretch:.2f}x{spread(lambda x: x.comm_stretch, 1)}, concurrent throughput "
                  f"{cal.concurrent_throughput or 0:.2f}x{spread(lambda x: x.concurrent_throughput or 0, 1)}")  # fmt: skip
-    lines.append(f"  host work in a step: x{cal.host_scale:.2f}{spread(lambda x: x.host_scale, 1)} what it costs alone (below)")
     for path, h in cal.host.items():
         lines.append(f"  host per {h.unit_bytes / 2**20:.1f} MiB unit [{path}]: gather issue {h.gather_issue_s * ms:.2f} "
                      f"(re-gather {h.regather_issue_s * ms:.2f}), wait {h.gather_wait_s * ms:.2f} ms; reduce issue "

@@ -91,9 +91,7 @@ class HostCosts:
             raise ValueError(f"HostCosts.unit_bytes must be > 0, got {self.unit_bytes}")
 
     def scaled(self, k: float) -> HostCosts:
-        """Every cost times `k`."""
-        if k == 1.0:
-            return self
+        """Every cost times `k` (benchmarks/plan_repredict.py's `--fit-host`)."""
         return HostCosts(
             unit_bytes=self.unit_bytes, gather_issue_s=k * self.gather_issue_s, regather_issue_s=k * self.regather_issue_s,
             gather_wait_s=k * self.gather_wait_s, reduce_issue_s=k * self.reduce_issue_s, reduce_wait_s=k * self.reduce_wait_s,
@@ -171,9 +169,6 @@ class Calibration:
     independent lanes."""
     host: Mapping[str, HostCosts] = field(default_factory=dict)
     """Host work per codec path (`codec_path`); empty: none charged (GPUs: comm-stream kernels)."""
-    host_scale: float = 1.0
-    """What the host work costs inside training steps per what `host` measured outside them
-    ([Note: host work in a step] in calibrate.py); `host_costs` applies it."""
     compute: ComputeCosts | None = None
     """The calibrated model's compute (None: calibrated from collectives only)."""
     measured: Mapping[str, Any] = field(default_factory=dict)
@@ -186,8 +181,6 @@ class Calibration:
             raise ValueError(f"Calibration.level must be 'intra' or 'inter', got {self.level!r}")
         if self.num_ranks < 1 or self.num_replicas < 1:
             raise ValueError(f"Calibration: num_ranks and num_replicas must be >= 1, got {self.num_ranks}, {self.num_replicas}")
-        if not self.host_scale > 0:
-            raise ValueError(f"Calibration.host_scale must be > 0, got {self.host_scale!r}")
         self.contention()  # validates the contention terms
 
     # ------------------------------------------------------------------ the simulator's inputs
@@ -211,10 +204,8 @@ class Calibration:
         )  # fmt: skip
 
     def host_costs(self, codec: str) -> HostCosts | None:
-        """Host work in a step for this codec path (`host_scale` applied); a codec not measured
-        gets the uncompressed path's."""
-        host = self.host.get(codec, self.host.get(NO_CODEC))
-        return None if host is None else host.scaled(self.host_scale)
+        """Host work for this codec path; a codec not measured gets the uncompressed path's."""
+        return self.host.get(codec, self.host.get(NO_CODEC))
 
     def unit(
         self,
