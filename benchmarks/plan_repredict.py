@@ -98,6 +98,9 @@ def repredict(result: dict[str, Any], fit_config: str | None = None) -> dict[str
     # pv_hostfit_r5 (commit 8215219) fitted a host factor per round, since removed: replayed at 1x
     cals = [Calibration.from_dict({k: v for k, v in c.items() if k != "host_scale"}) for c in result["calibration_rounds"]]
     for row in result["rows"]:
+        if "compute_beside_ms" not in row:
+            raise ValueError(f"{result['world']}, {row['config']}: no compute stored beside the steps "
+                             "(a plan_validate run before 2026-12-04): nothing to predict them with")  # fmt: skip
         if len(row["compute_beside_ms"]) != len(cals):
             raise ValueError(f"{result['world']}, {row['config']}: {len(row['compute_beside_ms'])} rounds of steps, "
                              f"{len(cals)} calibrations")  # fmt: skip

@@ -245,5 +245,8 @@ def test_repredict_recovers_a_known_host_factor_from_stored_steps():
     assert all(e < -0.01 for e in res["errors"].values())  # 1x under-predicts steps taken at 1.5x
     with pytest.raises(ValueError, match="no config"):
         rp.repredict({"world": "hand", "calibration_rounds": [cal.to_dict()] * 2, "rows": rows}, "missing")
+    old = [{k: v for k, v in r.items() if k != "compute_beside_ms"} for r in rows]
+    with pytest.raises(ValueError, match="no compute stored beside"):
+        rp.repredict({"world": "hand", "calibration_rounds": [cal.to_dict()] * 2, "rows": old})
     with pytest.raises(ValueError, match="2 rounds of steps, 1 calibration"):
         rp.repredict({"world": "hand", "calibration_rounds": [cal.to_dict()], "rows": rows})
