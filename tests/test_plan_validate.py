@@ -188,13 +188,12 @@ def test_segments_are_predicted_with_the_compute_beside_them():
     before = ([1.0, 2.0], [4.0, 4.0])
     after = ([3.0, 2.0], [2.0, 6.0])
     from overlap.tools.plan.calibration import Calibration, ComputeCosts, default_world_calibration
-    from overlap.tools.plan.measure import bracket
 
-    assert bracket(before, after) == ([2.0, 2.0], [3.0, 5.0])
+    assert pv.bracket(before, after) == ([2.0, 2.0], [3.0, 5.0])
 
     cal = replace(default_world_calibration(2, "gloo", None),
                   compute=ComputeCosts(unit_numel=10, forward_s=(9.0, 9.0), backward_s=(9.0, 9.0), optimizer_s=0.5))  # fmt: skip
-    out = pv.with_compute(cal, bracket(before, after))
+    out = pv.with_compute(cal, pv.bracket(before, after))
     assert isinstance(out, Calibration) and out.compute is not None
     assert out.compute.forward_s == (2.0, 2.0) and out.compute.backward_s == (3.0, 5.0)
     assert replace(out, compute=cal.compute) == cal

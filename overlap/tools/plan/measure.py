@@ -127,22 +127,6 @@ def profile_slowest(model: nn.Module, batch: tuple[torch.Tensor, ...], steps: in
     return slowest_per_step(torch.stack(every), len(fwd))
 
 
-def profile_beside(model: nn.Module, batch: tuple[torch.Tensor, ...]) -> tuple[list[float], list[float]]:
-    """The plain model's per-layer compute now: one step, all ranks at once, the slowest rank's
-    (as the calibration profiles it), to predict the step just before or after it with the
-    machine's speed at that second ([Note: compute beside each step] in
-    benchmarks/plan_validate.py). No warm-up step: right after a wrapped step the plain step
-    measured 0.2% slower than the one after it (median of 8 pairs, loopback 2 ranks), and a
-    warm-up would double the profiles' cost."""
-    return profile_slowest(model, batch, 1, warmup=0)
-
-
-def bracket(before: tuple[list[float], list[float]], after: tuple[list[float], list[float]]) -> tuple[list[float], list[float]]:
-    """The compute profiles taken just before and just after a step, layer by layer: their mean."""
-    fwd, bwd = ([(a + b) / 2 for a, b in zip(x, y, strict=True)] for x, y in zip(before, after, strict=True))
-    return fwd, bwd
-
-
 def slowest_per_step(samples: torch.Tensor, num_layers: int) -> tuple[list[float], list[float]]:
     """`samples`: ranks x steps x (forward seconds of each layer, then backward). In each step
     the rank with the largest sum; per layer, the median over steps of that rank's seconds."""
