@@ -4,9 +4,10 @@
     python benchmarks/plan_validate.py --worlds loopback --rounds 1 --steps 1   # a quick look
 
 W1 (8 x TransformerEncoderLayer(512, ff 2048), batch 4 x 128, fp32, AdamW; one gloo thread per
-rank) in each world of `--worlds`: `loopback` (2 ranks), `1gbit` (2 ranks, each in a network
-namespace behind tc tbf, overlap/tools/bench/link.py; needs root and iproute2), `loopback,4`
-(4 ranks) and `hsdp2x2` (2 replicas x 2 shards on loopback). In each world, `--rounds` rounds of:
+rank; `--seq N`: N tokens per sequence, the compute scaled and the bytes moved kept) in each
+world of `--worlds`: `loopback` (2 ranks), `1gbit` (2 ranks, each in a network namespace behind
+tc tbf, overlap/tools/bench/link.py; needs root and iproute2), `loopback,4` (4 ranks) and
+`hsdp2x2` (2 replicas x 2 shards on loopback). In each world, `--rounds` rounds of:
 
 1. Calibrate: `overlap.tools.plan.calibrate.calibrate_round`, what `overlap plan --calibrate`
    measures (links, compute, optimizer, host work, contention, concurrency; its docstring
@@ -141,13 +142,18 @@ class ValidateConfig:
     """Plain W1 forward+backward steps profiled per round (after one warm-up)."""
     configs: tuple[str, ...] = ()
     """Only these configs of `configs()` (empty: all)."""
+    seq: int = 128
+    """W1's tokens per sequence. Another length scales the compute and leaves the bytes moved
+    as they are: the model checked at another compute-to-communication ratio (at 80, the AMD
+    EPYC's compute per step is the Intel machine's at 128; RESULTS.md, "The model at the Intel
+    machine's compute")."""
     json_path: str | None = None
 
     def __post_init__(self) -> None:
         from overlap.tools.plan.calibrate import World
 
-        if min(self.rounds, self.steps, self.profile_steps) < 1:
-            raise ValueError("ValidateConfig: rounds, steps and profile_steps must be >= 1")
+        if min(self.rounds, self.steps, self.profile_steps, self.seq) < 1:
+            raise ValueError("ValidateConfig: rounds, steps, profile_steps and seq must be >= 1")
         if not self.worlds:
             raise ValueError("ValidateConfig.worlds: give at least one world")
         for world in self.worlds:
@@ -161,9 +167,8 @@ def build_contenders(table: dict[str, dict[str, Any]], rig: Rig) -> list[tuple[n
     """One wrapped W1 and AdamW per config, two steps taken (order check, allocator warm)."""
     import overlap
     from overlap.tools.bench import step as bench_step
-    from overlap.tools.plan.calibrate import w1
 
-    bench = w1()
+    bench = rig.bench
     out: list[tuple[nn.Module, torch.optim.Optimizer]] = []
     for overrides in table.values():
         model = overlap.wrap(bench_step.build_model(bench), group=rig.group, **overrides)
@@ -218,6 +223,7 @@ def validate_rank(rank: int, world_size: int, cfg: ValidateConfig, world: World)
         format_calibration,
         profile_alone,
         set_up_rank,
+        w1,
     )
     from overlap.tools.plan.calibration import (
         codec_path,
@@ -227,7 +233,7 @@ def validate_rank(rank: int, world_size: int, cfg: ValidateConfig, world: World)
 
     set_up_rank()
     t0 = time.perf_counter()
-    rig = Rig.build(world)
+    rig = Rig.build(world, bench=w1(seq=cfg.seq))
     table = configs(rig.layer_numel)
     if cfg.configs:
         table = {name: table[name] for name in cfg.configs}
@@ -413,13 +419,14 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=d.steps, help="timed steps per config per round")
     parser.add_argument("--profile-steps", type=int, default=d.profile_steps)
     parser.add_argument("--configs", default="", help="';'-separated config names (default: all)")
+    parser.add_argument("--seq", type=int, default=d.seq, help="W1's tokens per sequence (the compute scales, the bytes do not)")
     parser.add_argument("--json", dest="json_path", default=None, metavar="PATH")
     args = parser.parse_args()
     try:
         cfg = ValidateConfig(
             worlds=tuple(x.strip() for x in args.worlds.split(";") if x.strip()),
             rounds=args.rounds, steps=args.steps, profile_steps=args.profile_steps,
-            configs=tuple(x.strip() for x in args.configs.split(";") if x.strip()), json_path=args.json_path,
+            configs=tuple(x.strip() for x in args.configs.split(";") if x.strip()), seq=args.seq, json_path=args.json_path,
         )  # fmt: skip
     except ValueError as e:
         raise SystemExit(f"plan_validate: {e}") from None
@@ -428,7 +435,7 @@ def main() -> int:
     t0 = time.perf_counter()
     load = os.getloadavg()
     cpu = host_cpu()
-    print(f"plan_validate on {cpu}", flush=True)
+    print(f"plan_validate on {cpu}" + (f"; W1 at {cfg.seq} tokens per sequence" if cfg.seq != ValidateConfig().seq else ""), flush=True)
     results, skipped = [], {}
     for text in cfg.worlds:
         world = World.parse(text)

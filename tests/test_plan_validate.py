@@ -150,6 +150,17 @@ def test_hsdp_all_reduce_follows_the_reduction():
     assert p.num_reduce_scatters == 1
 
 
+def test_validate_config_checks_its_sizes():
+    from overlap.tools.plan.world import w1
+
+    assert pv.ValidateConfig().seq == w1().seq  # the default validates W1 itself
+    other = w1(seq=80)
+    assert other.seq == 80 and (other.layers, other.dim, other.batch) == (w1().layers, w1().dim, w1().batch)
+    for bad in ({"seq": 0}, {"rounds": 0}, {"worlds": ()}, {"configs": ("no such config",)}):
+        with pytest.raises(ValueError):
+            pv.ValidateConfig(**bad)
+
+
 def test_summary_signs_errors_per_world():
     def rows(*pairs: tuple[float, float]) -> list[dict[str, Any]]:
         return [{"config": f"c{i}", "measured_ms": m, "predicted_ms": p, "defaults_ms": p, "spread_ms": [m, m]}

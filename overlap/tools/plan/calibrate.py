@@ -96,17 +96,20 @@ class Rig:
     opt: torch.optim.Optimizer
     grads: list[tuple[nn.Parameter, torch.Tensor]]
     """A wrapped W1's parameters and gradients from one backward, for `measure_optimizer`."""
+    bench: Any
+    """The W1 every model here is built from (`w1()`, or one with other sizes)."""
 
     @property
     def layer_numel(self) -> int:
         return sum(p.numel() for p in next(self.plain.children()).parameters())
 
     @classmethod
-    def build(cls, world: World, codecs: dict[str, dict[str, Any]] | None = None) -> Rig:
+    def build(cls, world: World, codecs: dict[str, dict[str, Any]] | None = None, bench: Any = None) -> Rig:
+        """`bench`: the W1 to build (default `w1()`)."""
         import overlap
         from overlap.tools.bench import step as bench_step
 
-        bench = w1()
+        bench = bench or w1()
         group, shard, replicas = groups(world)
         batch = bench_step.make_batch(bench, dist.get_rank())
         plain = bench_step.build_model(bench)
@@ -120,7 +123,7 @@ class Rig:
         opt = torch.optim.AdamW(opt_model.parameters(), lr=bench.lr)
         opt_model(batch[0]).pow(2).mean().backward()
         grads = [(p, p.grad) for p in opt_model.parameters() if p.grad is not None]
-        return cls(world, group, shard, replicas, batch, plain, host_models, opt, grads)
+        return cls(world, group, shard, replicas, batch, plain, host_models, opt, grads, bench)
 
 
 def calibrate_round(rig: Rig, profile_steps: int = 2) -> Calibration:
@@ -140,7 +143,7 @@ def calibrate_round(rig: Rig, profile_steps: int = 2) -> Calibration:
     )
     solos = [concurrency[i % 2] for i in range(CONCURRENCY_OPS)]
     optimizer_s = max_over_ranks([measure_optimizer(rig.opt, rig.grads)])[0]
-    bench = w1()
+    bench = rig.bench
     return Calibration(
         source=f"measured: W1 on {world}, gloo, {time.strftime('%Y-%m-%d %H:%M')}",
         backend="gloo",

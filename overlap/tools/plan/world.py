@@ -76,10 +76,12 @@ def groups(world: World) -> tuple[Any, dist.ProcessGroup, dist.ProcessGroup | No
     return mesh, mesh.get_group(1), mesh.get_group(0)
 
 
-def w1() -> Any:
+def w1(**sizes: Any) -> Any:
+    """W1, `overlap bench step`'s default model (`sizes`: other `StepBenchConfig` fields, such
+    as `seq`)."""
     from overlap.tools.bench.step import StepBenchConfig
 
-    return StepBenchConfig()
+    return StepBenchConfig(**sizes)
 
 
 def mean_over_ranks(values: list[float]) -> list[float]:
