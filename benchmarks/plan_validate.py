@@ -214,6 +214,67 @@ def profile_beside(rig: Rig) -> Profile:
     return profile_slowest(rig.plain, rig.batch, 1, warmup=0)
 
 
+# [Note: contention in bursts]
+# The calibration measures contention beside a loop of collectives that saturates both cores for
+# seconds (`measure_contention`); a step has one collective beside a layer, a few ms of it. On
+# the AMD EPYC the two agreed: one loopback exchange beside one layer added 2.2 ms to its forward
+# and 2.2-3.9 ms to its backward, where the loop's terms charge 3.4 ms. On the Intel machine the
+# wrapped backward's layers took 58-64 ms against 50-52 ms plain, more than the loop's terms
+# charge, and the model was 3-5% fast there (RESULTS.md). So every round here also times one
+# layer beside one collective and prints it next to the charge: a run on another machine then
+# says whether contention in bursts is its bias. Measured beside, never used by the model.
+BURST_REPS = 8
+"""Alternations of `measure_bursts` per round."""
+BURST_KEYS = ("forward", "forward_beside_gather", "backward", "backward_beside_reduce", "gather", "reduce")
+
+
+def measure_bursts(rig: Rig, reps: int = BURST_REPS) -> dict[str, float]:
+    """[Note: contention in bursts] One W1 layer's forward and backward, alone and with one
+    collective of that layer's bytes issued just before (an all-gather, through the op the runtime
+    gathers it with, beside the forward; the runtime's reduction exchange beside the backward),
+    and each collective alone; ms, medians over `reps` alternations, means over ranks."""
+    from overlap.tools.plan.calibrate import mean_over_ranks
+    from overlap.tools.plan.measure import launcher, layer_gather_op
+
+    layer, x = next(rig.plain.children()), rig.batch[0]
+    nbytes = 4 * rig.layer_numel
+    gather = launcher(layer_gather_op(rig.world, nbytes), nbytes, rig.shard)
+    reduce = launcher("all_to_all", nbytes, rig.shard)
+
+    def forward_backward(beside_forward: Any = None, beside_backward: Any = None) -> tuple[float, float]:
+        dist.barrier()
+        work = beside_forward(True) if beside_forward else None
+        t0 = time.perf_counter()
+        y = layer(x)
+        t1 = time.perf_counter()
+        if work is not None:
+            work.wait()
+        dist.barrier()
+        work = beside_backward(True) if beside_backward else None
+        t2 = time.perf_counter()
+        y.pow(2).mean().backward()
+        t3 = time.perf_counter()
+        if work is not None:
+            work.wait()
+        layer.zero_grad(set_to_none=True)
+        return t1 - t0, t3 - t2
+
+    def alone(launch: Any) -> float:
+        dist.barrier()
+        t0 = time.perf_counter()
+        launch(False)
+        return time.perf_counter() - t0
+
+    forward_backward(gather, reduce)  # warm-up
+    samples: dict[str, list[float]] = {k: [] for k in BURST_KEYS}
+    for _ in range(reps):
+        f, b = forward_backward()
+        fg, br = forward_backward(gather, reduce)
+        for key, value in zip(BURST_KEYS, (f, fg, b, br, alone(gather), alone(reduce)), strict=True):
+            samples[key].append(value * 1e3)
+    return dict(zip(BURST_KEYS, mean_over_ranks([statistics.median(samples[k]) for k in BURST_KEYS]), strict=True))
+
+
 def validate_rank(rank: int, world_size: int, cfg: ValidateConfig, world: World) -> dict[str, Any] | None:
     """One world: rounds of (calibration, every config's segment in rotated order), then the
     predictions from the median calibration; rank 0 returns everything."""
@@ -243,8 +304,10 @@ def validate_rank(rank: int, world_size: int, cfg: ValidateConfig, world: World)
     cals: list[Calibration] = []
     # per config, per round, per timed step: (step ms, exposed ms, the compute beside the step)
     timed: dict[str, list[list[tuple[float, float, Profile]]]] = {name: [] for name in names}
+    bursts: list[dict[str, float]] = []
     for r in range(cfg.rounds):
         cals.append(calibrate_round(rig, cfg.profile_steps))
+        bursts.append(measure_bursts(rig))
         k = r % len(names)
         for i in list(range(k, len(names))) + list(range(k)):
             timed[names[i]].append(time_segment(*contenders[i], rig, cfg.steps))
@@ -257,6 +320,7 @@ def validate_rank(rank: int, world_size: int, cfg: ValidateConfig, world: World)
     per_layer = [statistics.fmean(x) * 1e3 for x in alone]
     print(format_calibration(cal, cals), flush=True)
     print(f"  compute per layer, each rank alone (once): forward {per_layer[0]:.1f} ms, backward {per_layer[1]:.1f} ms")
+    print(format_bursts(burst_summary(bursts, cals)))
     rows = []
     for name, overrides in table.items():
         # each timed step predicted from its round's calibration and the compute beside it
@@ -287,6 +351,7 @@ def validate_rank(rank: int, world_size: int, cfg: ValidateConfig, world: World)
         "calibration": cal.to_dict(),
         "calibration_rounds": [c.to_dict() for c in cals],
         "profile_alone_s": {"forward": alone[0], "backward": alone[1]},
+        "bursts_ms": bursts,
         "seconds": time.perf_counter() - t0,
         "rows": rows,
     }
@@ -341,6 +406,41 @@ def summarize(results: list[dict[str, Any]], key: str = "predicted_ms") -> dict[
             ),
         },
     }
+
+
+def burst_charge_ms(compute_ms: float, comm_ms: float, share_lost: float, stretch: float) -> float:
+    """What the fluid clock adds to `compute_ms` of work with one collective of `comm_ms` (solo)
+    in flight from its start ([Note: fluid clock] in overlap/tools/plan/simulate.py): the work runs
+    at 1 - `share_lost` while the collective, stretched by `stretch`, lasts; at full speed after."""
+    in_flight = comm_ms * stretch
+    if in_flight * (1 - share_lost) >= compute_ms:  # the collective outlasts the work
+        return compute_ms * share_lost / (1 - share_lost)
+    return share_lost * in_flight
+
+
+def burst_summary(bursts: list[dict[str, float]], cals: list[Calibration]) -> dict[str, float]:
+    """[Note: contention in bursts] Per layer, medians over rounds (ms): what one collective
+    beside it added to the forward and the backward, and what the model charges for it (each
+    round's calibration with that round's collective, `burst_charge_ms`)."""
+    med, pairs = statistics.median, list(zip(bursts, cals, strict=True))
+
+    def charged(phase: str, comm: str) -> float:
+        return med(burst_charge_ms(b[phase], b[comm], c.compute_share_lost, c.comm_stretch) for b, c in pairs)
+
+    return {
+        "forward_added": med(b["forward_beside_gather"] - b["forward"] for b in bursts),
+        "forward_charged": charged("forward", "gather"),
+        "backward_added": med(b["backward_beside_reduce"] - b["backward"] for b in bursts),
+        "backward_charged": charged("backward", "reduce"),
+        "gather": med(b["gather"] for b in bursts),
+        "reduce": med(b["reduce"] for b in bursts),
+    }
+
+
+def format_bursts(s: dict[str, float]) -> str:
+    return (f"  one collective beside one layer: forward {s['forward_added']:+.1f} ms measured, {s['forward_charged']:+.1f} "
+            f"charged (gather {s['gather']:.1f} ms alone); backward {s['backward_added']:+.1f} measured, "
+            f"{s['backward_charged']:+.1f} charged (reduction {s['reduce']:.1f} ms alone)")  # fmt: skip
 
 
 def _exposed(row: dict[str, Any]) -> str:

@@ -161,6 +161,25 @@ def test_validate_config_checks_its_sizes():
             pv.ValidateConfig(**bad)
 
 
+def test_burst_charge_is_the_fluid_clocks():
+    """One collective beside one layer: share x its stretched time while it ends within the work,
+    the whole work slowed once it outlasts it; the two agree where they meet."""
+    assert pv.burst_charge_ms(40.0, 5.0, 0.45, 1.5) == pytest.approx(0.45 * 7.5)
+    assert pv.burst_charge_ms(40.0, 100.0, 0.2, 1.0) == pytest.approx(40.0 * 0.2 / 0.8)
+    edge = 40.0 / 0.8  # in flight exactly as long as the slowed work
+    assert pv.burst_charge_ms(40.0, edge - 1e-9, 0.2, 1.0) == pytest.approx(pv.burst_charge_ms(40.0, edge, 0.2, 1.0))
+    from overlap.tools.plan.calibration import default_world_calibration
+
+    bursts = [{"forward": 40.0, "forward_beside_gather": 43.0, "backward": 80.0, "backward_beside_reduce": 81.0,
+               "gather": 5.0, "reduce": 6.0}]  # fmt: skip
+    cal = replace(default_world_calibration(2, "gloo", None), compute_share_lost=0.4, comm_stretch=2.0)
+    s = pv.burst_summary(bursts, [cal])
+    assert s["forward_added"] == pytest.approx(3.0) and s["backward_added"] == pytest.approx(1.0)
+    assert s["forward_charged"] == pytest.approx(4.0) and s["backward_charged"] == pytest.approx(4.8)
+    text = pv.format_bursts(s)
+    assert "forward +3.0 ms measured, +4.0 charged" in text and "backward +1.0 measured, +4.8 charged" in text
+
+
 def test_summary_signs_errors_per_world():
     def rows(*pairs: tuple[float, float]) -> list[dict[str, Any]]:
         return [{"config": f"c{i}", "measured_ms": m, "predicted_ms": p, "defaults_ms": p, "spread_ms": [m, m]}
