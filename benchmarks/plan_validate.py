@@ -220,7 +220,7 @@ def profile_beside(rig: Rig) -> Profile:
 # the AMD EPYC the two agreed: one loopback exchange beside one layer added 2.2 ms to its forward
 # and 2.2-3.9 ms to its backward, where the loop's terms charge 3.4 ms. On the Intel machine the
 # wrapped backward's layers took 58-64 ms against 50-52 ms plain, more than the loop's terms
-# charge, and the model was 3-5% fast there (RESULTS.md). So every round here also times one
+# charge, and the model was 1-5% fast there (RESULTS.md). So every round here also times one
 # layer beside one collective and prints it next to the charge: a run on another machine then
 # says whether contention in bursts is its bias. Measured beside, never used by the model.
 BURST_REPS = 8
