@@ -535,7 +535,7 @@ def main() -> int:
     t0 = time.perf_counter()
     load = os.getloadavg()
     cpu = host_cpu()
-    print(f"plan_validate on {cpu}" + (f"; W1 at {cfg.seq} tokens per sequence" if cfg.seq != ValidateConfig().seq else ""), flush=True)
+    print(f"plan_validate on {cpu}" + (f"; W1 at {cfg.seq} tokens per sequence" if cfg.seq != d.seq else ""), flush=True)
     results, skipped = [], {}
     for text in cfg.worlds:
         world = World.parse(text)
