@@ -38,7 +38,10 @@ one model the tools use ([Note: one model] in overlap/tools/plan/calibration.py)
    defaults    the median calibration's compute with the tools' uncalibrated links and gloo
                terms (`default_world_calibration`): what `overlap tune` predicts without a file
 Errors are signed (predicted / measured - 1); "exposed ms" compares the measured exposed
-communication (`overlap.step_stats`, slowest rank) with the calibrated prediction's. Targets (issue 25): every runnable config within
+communication (`overlap.step_stats`, slowest rank) with the calibrated prediction's. Per world it
+also prints one layer beside one collective against the model's charge ([Note: contention in
+bursts]) and where the error lies: forward, backward and optimizer, predicted against measured
+([Note: the error by phase]). Targets (issue 25): every runnable config within
 10%, mean |error| <= 5%, mean signed error within +-2% in every world.
 
 `--json PATH` writes the calibrations (median and per round), measurements and predictions.
@@ -179,11 +182,16 @@ def build_contenders(table: dict[str, dict[str, Any]], rig: Rig) -> list[tuple[n
     return out
 
 
-def time_segment(model: nn.Module, opt: torch.optim.Optimizer, rig: Rig, steps: int) -> list[tuple[float, float, Profile]]:
+Phases = tuple[float, float, float]
+"""A step's forward, backward and optimizer, ms ([Note: the error by phase])."""
+
+
+def time_segment(model: nn.Module, opt: torch.optim.Optimizer, rig: Rig, steps: int) -> list[tuple[float, float, Profile, Phases]]:
     """One config's turn in a round: a warm-up step, then `steps` timed steps, each between two
     plain profiles ([Note: compute beside each step]; barrier before each step; a step is the
     slowest rank's). Per timed step: (step ms, exposed communication ms: the slowest rank's
-    all-gather and reduction waits, `overlap.step_stats`, the compute beside it)."""
+    all-gather and reduction waits, `overlap.step_stats`, the compute beside it, the phases of
+    the rank whose step was slowest)."""
     import overlap
     from overlap.tools.bench import step as bench_step
     from overlap.tools.plan.calibrate import max_over_ranks
@@ -193,15 +201,24 @@ def time_segment(model: nn.Module, opt: torch.optim.Optimizer, rig: Rig, steps: 
     out = []
     for _ in range(steps):
         dist.barrier()
-        t0 = time.perf_counter()
-        bench_step.train_step(model, opt, rig.batch)
-        step_ms = (time.perf_counter() - t0) * 1e3
+        marks = [time.perf_counter()]
+        bench_step.train_step(model, opt, rig.batch, marks=marks)
+        step_ms = (marks[-1] - marks[0]) * 1e3
         stats = overlap.step_stats(model)
+        phases = slowest_rank_phases(step_ms, [(b - a) * 1e3 for a, b in zip(marks, marks[1:])])
         step_ms, exposed_ms = max_over_ranks([step_ms, stats.allgather_wait_ms + stats.reduce_wait_ms])
         after = profile_beside(rig)
-        out.append((step_ms, exposed_ms, bracket(before, after)))
+        out.append((step_ms, exposed_ms, bracket(before, after), phases))
         before = after
     return out
+
+
+def slowest_rank_phases(step_ms: float, phases: list[float]) -> Phases:
+    """The phases of the rank whose step took longest (every rank calls this)."""
+    every = torch.zeros(dist.get_world_size(), 1 + len(phases), dtype=torch.float64)
+    dist.all_gather(list(every.unbind(0)), torch.tensor([step_ms, *phases], dtype=torch.float64))
+    f, b, o = every[int(every[:, 0].argmax())][1:].tolist()
+    return f, b, o
 
 
 def profile_beside(rig: Rig) -> Profile:
@@ -302,8 +319,8 @@ def validate_rank(rank: int, world_size: int, cfg: ValidateConfig, world: World)
     contenders = build_contenders(table, rig)
     alone = profile_alone(rig, cfg.profile_steps)
     cals: list[Calibration] = []
-    # per config, per round, per timed step: (step ms, exposed ms, the compute beside the step)
-    timed: dict[str, list[list[tuple[float, float, Profile]]]] = {name: [] for name in names}
+    # per config, per round, per timed step: (step ms, exposed ms, the compute beside the step, phases)
+    timed: dict[str, list[list[tuple[float, float, Profile, Phases]]]] = {name: [] for name in names}
     bursts: list[dict[str, float]] = []
     for r in range(cfg.rounds):
         cals.append(calibrate_round(rig, cfg.profile_steps))
@@ -324,9 +341,9 @@ def validate_rank(rank: int, world_size: int, cfg: ValidateConfig, world: World)
     rows = []
     for name, overrides in table.items():
         # each timed step predicted from its round's calibration and the compute beside it
-        predicted = [[predict_measured(with_compute(c, beside), _config(overrides)) for _, _, beside in segment]
+        predicted = [[predict_measured(with_compute(c, beside), _config(overrides)) for _, _, beside, _ in segment]
                      for c, segment in zip(cals, timed[name], strict=True)]  # fmt: skip
-        steps_ms = [[ms for ms, _, _ in segment] for segment in timed[name]]
+        steps_ms = [[ms for ms, *_ in segment] for segment in timed[name]]
         step_pred_ms = [[p.step_s * 1e3 for p in segment] for segment in predicted]
         round_ms = [statistics.median(x) for x in steps_ms]
         rows.append({
@@ -337,15 +354,19 @@ def validate_rank(rank: int, world_size: int, cfg: ValidateConfig, world: World)
             "spread_ms": [min(round_ms), max(round_ms)],
             "round_ms": round_ms,
             "predicted_ms": statistics.median(ms for x in step_pred_ms for ms in x),
-            "exposed_ms": statistics.median(e for segment in timed[name] for _, e, _ in segment),
+            "exposed_ms": statistics.median(e for segment in timed[name] for _, e, *_ in segment),
             "predicted_exposed_ms": statistics.median(p.exposed_s * 1e3 for segment in predicted for p in segment),
             "predicted_per_round_ms": [statistics.median(x) for x in step_pred_ms],
             "step_ms": steps_ms,
             "step_predicted_ms": step_pred_ms,
-            "compute_beside_ms": [[(sum(f) + sum(b)) * 1e3 for _, _, (f, b) in segment] for segment in timed[name]],
+            "compute_beside_ms": [[(sum(f) + sum(b)) * 1e3 for _, _, (f, b), _ in segment] for segment in timed[name]],
+            "phase_ms": [[list(ph) for *_, ph in segment] for segment in timed[name]],
+            "phase_predicted_ms": [[[p.forward_s * 1e3, p.backward_s * 1e3, (p.step_s - p.forward_s - p.backward_s) * 1e3]
+                                    for p in segment] for segment in predicted],
             "one_calibration_ms": predict_ms(cal, overrides),
             "defaults_ms": predict_ms(defaults, overrides),
         })  # fmt: skip
+    print(f"  {format_phase_errors(phase_errors(rows))}", flush=True)  # type: ignore[arg-type]
     return {
         "world": str(world),
         "calibration": cal.to_dict(),
@@ -406,6 +427,42 @@ def summarize(results: list[dict[str, Any]], key: str = "predicted_ms") -> dict[
             ),
         },
     }
+
+
+# [Note: the error by phase]
+# A world's signed error is one number for the whole step; on the Intel machine the model was 1-5%
+# fast and on the AMD EPYC 0-2% slow, and a step-level number cannot say where. Every timed step
+# also records its rank's forward (to the loss), backward (to `backward()`'s return: the last
+# reduction waited for) and optimizer (step and zero_grad), for the rank whose step was slowest,
+# and the simulator says the same three of its predicted step (`Prediction.forward_s`,
+# `backward_s`; the rest is the optimizer). Summed over the three, the phase errors are the step's
+# error (each a difference of medians, so up to the noise of a median). A run on another machine
+# then says in which phase its bias lives: the forward (gathers, their host work, contention
+# beside them), the backward (reductions, re-gathers, the last reduction's wait) or the optimizer.
+PHASES = ("forward", "backward", "optimizer")
+
+
+def phase_errors(rows: list[dict[str, Any]]) -> dict[str, float] | None:
+    """[Note: the error by phase] Per phase, the mean over configs of (median predicted - median
+    measured) ms, and the mean measured step ("step"); None when the rows carry no phases (runs
+    before 2026-12-05)."""
+    if not rows or not all("phase_ms" in r for r in rows):
+        return None
+    out = {}
+    for k, phase in enumerate(PHASES):
+        out[phase] = statistics.fmean(
+            statistics.median(ph[k] for seg in r["phase_predicted_ms"] for ph in seg)
+            - statistics.median(ph[k] for seg in r["phase_ms"] for ph in seg)
+            for r in rows
+        )
+    out["step"] = statistics.fmean(r["measured_ms"] for r in rows)
+    return out
+
+
+def format_phase_errors(e: dict[str, float]) -> str:
+    return "where the error lies (predicted - measured, ms per step, mean over configs): " + ", ".join(
+        f"{phase} {e[phase]:+.1f} ({e[phase] / e['step']:+.1%})" for phase in PHASES
+    )
 
 
 def burst_charge_ms(compute_ms: float, comm_ms: float, share_lost: float, stretch: float) -> float:
@@ -479,6 +536,10 @@ def format_table(results: list[dict[str, Any]]) -> str:
                    if w["round_mean_signed"] else "")
             )  # fmt: skip
         if key == "predicted_ms":
+            for res in results:
+                phases = phase_errors(res["rows"])
+                if phases is not None:
+                    lines.append(f"  {res['world']:<26} {format_phase_errors(phases)}")
             for target, ok in s["targets"].items():
                 lines.append(f"  target: {target}: {'yes' if ok else 'NO'}")
     return "\n".join(lines)

@@ -69,6 +69,22 @@ def test_counts_and_memory_follow_the_schedule(depth, reshard, keep):
     assert all(b0 <= a1 + 1e-12 for (_, b0), (a1, _) in zip(compute, compute[1:]))
 
 
+def test_the_step_splits_into_forward_backward_and_optimizer():
+    opt_s = 0.003
+    for depth in (0, 2):
+        p = simulate(units(fwd=0.02), OverlapConfig(prefetch_depth=depth), TOPO, optimizer_s=opt_s, record=True)
+        assert p.forward_s + p.backward_s + opt_s == pytest.approx(p.step_s)
+        # the forward ends after the last forward compute and before the first backward compute
+        fwd_end = max(b for lane, name, _, b in p.events if lane == "compute" and name.startswith("forward"))
+        bwd_start = min(a for lane, name, a, _ in p.events if lane == "compute" and name.startswith("backward"))
+        assert fwd_end <= p.forward_s + 1e-12 <= bwd_start + 1e-12
+        assert p.forward_s >= 6 * 0.02 and p.backward_s >= 6 * 0.04
+    # without prefetch every forward gather is exposed in the forward: it is longer
+    none = simulate(units(fwd=0.02), OverlapConfig(prefetch_depth=0), TOPO)
+    deep = simulate(units(fwd=0.02), OverlapConfig(prefetch_depth=2), TOPO)
+    assert none.forward_s > deep.forward_s + 4 * ring_time_s("all_gather", 10_000_000, TOPO)
+
+
 def test_byte_cap_bounds_memory():
     cap = 25_000_000  # two and a half units
     p = simulate(units(6), OverlapConfig(prefetch_depth=4, max_inflight_allgather_bytes=cap), TOPO)

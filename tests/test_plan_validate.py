@@ -212,6 +212,29 @@ def test_summary_pairs_each_round_with_its_own_calibration():
     assert "by round -10.0% to +10.0%" in pv.format_table([{"world": "a", "rows": rows}])
 
 
+def test_phase_errors_split_the_step_error():
+    """[Note: the error by phase]: per phase, predicted - measured of the medians over every step,
+    averaged over configs; they add up to the step's error when each phase is steady; rows
+    without phases (older runs) give None and the table leaves the line out."""
+    def row(measured, predicted):  # per round, per step: (forward, backward, optimizer) ms
+        return {"config": "c", "measured_ms": sum(measured[0][0]), "predicted_ms": sum(predicted[0][0]),
+                "defaults_ms": 1.0, "spread_ms": [1, 1], "phase_ms": measured, "phase_predicted_ms": predicted}  # fmt: skip
+
+    a = row([[[30, 60, 10], [31, 61, 10]], [[29, 59, 10]]], [[[33, 50, 10]] * 2, [[33, 50, 10]]])
+    b = row([[[40, 80, 20]] * 3], [[[40, 90, 18]] * 3])
+    e = pv.phase_errors([a, b])
+    assert e is not None
+    assert e["forward"] == pytest.approx(((33 - 30) + 0) / 2)
+    assert e["backward"] == pytest.approx(((50 - 60) + 10) / 2)
+    assert e["optimizer"] == pytest.approx((0 - 2) / 2)
+    assert e["step"] == pytest.approx((100 + 140) / 2)
+    table = pv.format_table([{"world": "w", "rows": [a, b]}])
+    assert "where the error lies" in table and "forward +1.5 (+1.2%)" in table and "optimizer -1.0" in table
+    old = {k: v for k, v in a.items() if k not in ("phase_ms", "phase_predicted_ms")}
+    assert pv.phase_errors([old, b]) is None
+    assert "where the error lies" not in pv.format_table([{"world": "w", "rows": [old]}])
+
+
 def test_segments_are_predicted_with_the_compute_beside_them():
     """[Note: compute beside each step]: the profiles before and after a step, averaged
     layer by layer, replace the calibration's compute; nothing else of it changes."""

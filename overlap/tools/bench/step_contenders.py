@@ -7,6 +7,7 @@ out of overlap/tools/bench/step.py, whose docstring lists the contenders.
 from __future__ import annotations
 
 import tempfile
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -64,13 +65,23 @@ def train_step(
     opt: torch.optim.Optimizer,
     batch: Batch,
     on_stepped: Callable[[], None] | None = None,
+    marks: list[float] | None = None,
 ) -> torch.Tensor:
+    """One step; `marks`, if given, gets `time.perf_counter()` at the end of the forward (the
+    loss computed), of the backward and of the optimizer step (benchmarks/plan_validate.py's
+    phases)."""
     loss = compute_loss(model, batch)
+    if marks is not None:
+        marks.append(time.perf_counter())
     loss.backward()
+    if marks is not None:
+        marks.append(time.perf_counter())
     opt.step()
     if on_stepped is not None:  # gradients still alive here: the accounting hook
         on_stepped()
     opt.zero_grad(set_to_none=True)
+    if marks is not None:
+        marks.append(time.perf_counter())
     return loss.detach()
 
 

@@ -86,6 +86,11 @@ class Prediction:
     """(lane, name, start_s, end_s) of the simulated step, for plots and invariant checks."""
     host_s: float = 0.0
     """Training-thread seconds spent on collectives' host work ([Note: host work])."""
+    forward_s: float = 0.0
+    """From the step's start to the end of its forward (its last forward action run)."""
+    backward_s: float = 0.0
+    """From the end of the forward to the end of the backward (its last reduction waited for):
+    `step_s` is `forward_s + backward_s` + the optimizer."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -390,6 +395,7 @@ def simulate(
             clock.compute_for(u, units[u].forward_s, "forward")
             clock.run(schedule.post_forward(u, True))
         clock.run(schedule.end_forward(True))
+        forward_end = clock.now
         schedule.begin_backward()
         if root is not None:
             clock.run(schedule.pre_backward(root))
@@ -400,6 +406,7 @@ def simulate(
         if root is not None:
             clock.compute_for(root, units[root].backward_s, "backward")
         clock.run(schedule.end_backward())
+        backward_end = clock.now
         clock.now += optimizer_s  # after every wait: no collective in flight
     peak_units, peak_bytes = schedule.max_unsharded()
     step_s = clock.now
@@ -416,4 +423,6 @@ def simulate(
         peak_reduce_bytes=clock.peak_reduce_bytes(),
         events=clock.events,
         host_s=clock.host,
+        forward_s=forward_end,
+        backward_s=backward_end - forward_end,
     )
