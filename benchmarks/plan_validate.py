@@ -445,7 +445,7 @@ PHASES = ("forward", "backward", "optimizer")
 def phase_errors(rows: list[dict[str, Any]]) -> dict[str, float] | None:
     """[Note: the error by phase] Per phase, the mean over configs of (median predicted - median
     measured) ms, and the mean measured step ("step"); None when the rows carry no phases (runs
-    before 2026-12-05)."""
+    before 2026-12-04 22:30)."""
     if not rows or not all("phase_ms" in r for r in rows):
         return None
     out = {}
