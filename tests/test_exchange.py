@@ -169,3 +169,50 @@ def test_exchange_refuses_unequal_peer_lists():
 
     with pytest.raises(ValueError, match="2 receives against 3 sends"):
         pairwise.exchange(None, [None, None], [None, None, None])  # type: ignore[arg-type]
+
+
+def test_only_cpu_tensors_go_point_to_point():
+    """gloo's send/recv take a CUDA tensor's device pointer as host memory: with CUDA tensors an
+    exchange goes through gloo's all-to-all, which stages them through host copies."""
+    from overlap.transport import backend
+
+    assert backend.semantics_of("gloo", torch.device("cpu")).receive_first
+    assert not backend.semantics_of("gloo", torch.device("cuda", 0)).receive_first
+    assert not backend.semantics_of("nccl", torch.device("cuda", 0)).receive_first
+
+
+def exchanges_as_for_cuda(rank: int, world: int) -> dict:
+    """A gloo group whose semantics are those of CUDA tensors (the data stays on the CPU, which
+    gloo's all-to-all serves the same way): every exchange the runtime issues, plain, with the
+    own part home, with slack, and the encoded reduce-scatter, completes without a single
+    point-to-point message and sums as the point-to-point path does."""
+    from overlap.transport import backend
+
+    group = dist.group.WORLD
+    grads = _data(rank, world * 24, 2)
+    expected = comm.wait(comm.reduce_scatter_flat(grads.clone(), group, world, "all_to_all"))
+    real_semantics, real_exchange = backend.semantics, comm._p2p_exchange
+
+    def refuse(*args, **kwargs):
+        raise AssertionError(f"rank {rank}: a point-to-point exchange was issued")
+
+    backend.semantics = lambda g, device: real_semantics(g, torch.device("cuda", 0))
+    comm._p2p_exchange = refuse
+    try:
+        plain = comm.wait(comm.reduce_scatter_flat(grads.clone(), group, world, "all_to_all"))
+        slack = comm.wait(comm.reduce_scatter_flat(grads.clone(), group, world, "all_to_all", comm.RecvSlack(rank, 4096)))
+        received, work, starts = comm._exchange(grads.clone(), world, group, None, rank)
+        work.wait()
+        home = comm._rows(received, world, 24, starts, grads)
+    finally:
+        backend.semantics, comm._p2p_exchange = real_semantics, real_exchange
+    return {
+        "plain": torch.equal(plain, expected),
+        "slack": torch.equal(slack, expected),
+        "home": torch.equal(home[0] + home[1] + home[2], expected),
+    }
+
+
+def test_gloo_with_cuda_semantics_never_goes_point_to_point(world3):
+    for rank, r in enumerate(world3.run(exchanges_as_for_cuda)):
+        assert all(r.values()), (rank, r)

@@ -90,9 +90,12 @@ class CommSemantics:
     @property
     def receive_first(self) -> bool:
         """An all-to-all goes as point-to-point messages, every receive posted before any send
-        ([Note: receive before send] in pairwise.py): gloo, whose own all-to-all can run the
-        two directions of a link one after the other."""
-        return self.backend == "gloo"
+        ([Note: receive before send] in pairwise.py): gloo with CPU tensors, whose own all-to-all
+        can run the two directions of a link one after the other. Not gloo with CUDA tensors:
+        gloo's point-to-point path hands the tensor's data pointer to its TCP pair as host memory
+        and never synchronizes with the stream that writes it; its all-to-all (and all-gather)
+        stage CUDA tensors through host copies in stream order."""
+        return self.backend == "gloo" and self.device_type == "cpu"
 
     def auto_reduce_impl(self) -> str:
         """See [Note: reduce-scatter through all-to-all] in collectives.py: gloo's own reduce-scatter

@@ -113,6 +113,9 @@ def exchange(
     receives first ([Note: receive before send])."""
     if len(receives) != len(sends):
         raise ValueError(f"exchange: {len(receives)} receives against {len(sends)} sends")
+    devices = {buf.device.type for buf in (*receives, *sends) if buf is not None}
+    # gloo's send/recv read and write the data pointer as host memory (CommSemantics.receive_first)
+    assert devices <= {"cpu"}, f"rank {dist.get_rank()}: point-to-point exchange of {devices} tensors"
     works = [
         dist.irecv(buf, group=group, tag=EXCHANGE_TAG, group_src=r)
         for r, buf in enumerate(receives)
