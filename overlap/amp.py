@@ -29,13 +29,14 @@ other (skip, halve the scale). bfloat16 has fp32's exponent range and needs no s
 
 [Note: found-inf across ranks]
 `unscale_` unscales every gradient's local shard in place (one fused check-and-unscale per
-device and dtype) and then makes exactly one all-reduce (MAX) of the found-inf flag over the
-model's process group(s), on every rank, whatever gradients it holds. `step` then skips on all
-ranks or on none, and `update` moves the scale identically everywhere. torch's own GradScaler
-on DTensor gradients gets a found-inf all-reduce from DTensor's dispatcher instead, one per
-(device, dtype) group of gradients that a rank holds, over the first gradient's mesh: a rank
-without gradients of some dtype then skips a collective the others make (a hang), and an
-optimizer mixing DTensor and plain gradients cannot run the fused op at all.
+device and dtype) and then makes one all-reduce (MAX) of the found-inf flag per process group of
+the model (shard, replicate, tensor-parallel, in turn: the max over the whole job), on every
+rank, whatever gradients it holds. `step` then skips on all ranks or on none, and `update` moves
+the scale identically everywhere. torch's own GradScaler on DTensor gradients gets a found-inf
+all-reduce from DTensor's dispatcher instead, one per (device, dtype) group of gradients that a
+rank holds, over the first gradient's mesh: a rank without gradients of some dtype then skips a
+collective the others make (a hang), and an optimizer mixing DTensor and plain gradients cannot
+run the fused op at all.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from overlap.engine.state import state_of
+from overlap.engine.verdict import job_groups
 
 
 class ShardedGradScaler(torch.amp.GradScaler):
@@ -55,8 +57,8 @@ class ShardedGradScaler(torch.amp.GradScaler):
 
     Arguments as `torch.amp.GradScaler`, plus:
       model: the wrapped model; the found-inf flag is reduced over its process groups (the
-        shard group, and the replicate group of a 2-D mesh), and `device` defaults to its
-        device type.
+        shard group, the replicate group of a 2-D mesh and the tensor-parallel group), and
+        `device` defaults to its device type.
       process_group: reduce over this group instead (e.g. several wrapped models in one
         optimizer). Default without `model`: the default (world) group.
     """
@@ -78,8 +80,10 @@ class ShardedGradScaler(torch.amp.GradScaler):
         groups: list[dist.ProcessGroup | None] = [process_group]
         if model is not None:
             state = state_of(model)
-            # MAX over the shard group, then over the replicate group: the max over the mesh.
-            groups = [g for g in (state.group, state.replicate_group) if g is not None]
+            # MAX over the shard, replicate and tensor-parallel groups in turn: the max over the
+            # whole job ([Note: job-wide verdicts] in engine/verdict.py); the experts' state is
+            # inside the model's, whose shard group spans all of dp ([Note: expert parallelism])
+            groups = job_groups(state.group, state.replicate_group, state.tensor_group)
             if device is None:
                 device = state.units[0].shard.device.type if state.units else "cpu"
         super().__init__(

@@ -52,6 +52,7 @@ from overlap.observe.stats import StatsRecorder
 from overlap.observe.timing import HostTimer, SpanTimer
 from overlap.observe.trace import TraceRecorder
 from overlap.transport import Transport, UnitWire
+from overlap.engine.verdict import DIFFERS, agree_value, job_groups
 from overlap.transport import collectives as comm
 from overlap.transport import coded
 from overlap.transport.fingerprint import TAG_NUMEL, Tag, tag_view
@@ -77,6 +78,8 @@ class Runtime(Reductions):
     """Error-feedback residual per bucket (its units): a row of gradient columns per peer rank."""
     replicate_group: dist.ProcessGroup | None = None
     """HSDP: reduced shards are summed across replicas here. See [Note: hybrid sharding] in groups.py."""
+    tensor_group: dist.ProcessGroup | None = None
+    """TP (the experts' state: ep): the order checks span it too ([Note: job-wide verdicts] in verdict.py)."""
     secondary_group: dist.ProcessGroup | None = None
     """hpZ: backward all-gathers run here, from the secondary copies ([Note: secondary copy])."""
     memory: MemoryAccount = field(default_factory=MemoryAccount)
@@ -406,13 +409,14 @@ class Runtime(Reductions):
         return f"bucket{bucket} [{names}]"
 
     def check_order(self, what: str, order_hash: int, order: tuple[int, ...]) -> None:
-        hashes = comm.all_gather_int(order_hash, self.group, self.device, self.timeout)
-        if self.replicate_group is not None:  # both checks on every rank: all raise, none hangs
-            across = comm.all_gather_int(order_hash, self.replicate_group, self.device, self.timeout)
-            hashes = hashes if len(set(hashes)) != 1 else across
-        if len(set(hashes)) != 1:
+        # over the shard, replicate and tp groups in turn, on every rank: all raise, none hangs
+        # ([Note: job-wide verdicts] in verdict.py)
+        groups = job_groups(self.group, self.replicate_group, self.tensor_group)
+        agreed, hashes = agree_value(order_hash, groups, self.device, self.timeout)
+        if agreed == DIFFERS:
+            seen = f"order hashes by rank in a group of this rank: {hashes}" if hashes else "another group differs"
             raise ValueError(
                 f"overlap: the {what} order of units differs across ranks (rank {self.rank} ran "
-                f"units {list(order)}; order hashes by rank: {hashes}). Every rank must run the "
-                "same modules in the same order, or the collectives would exchange wrong data."
+                f"units {list(order)}; {seen}). Every rank must run the same modules in the same "
+                "order, or the collectives would exchange wrong data."
             )

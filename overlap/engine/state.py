@@ -145,6 +145,7 @@ class OverlapState:
             replicate_group=replicate_group,
             secondary_group=secondary_group,
             gradient_divide_factor=groups.gradient_divide_factor,
+            tensor_group=groups.tensor,
         )
         # expert parallelism: the experts' state, set by wrap ([Note: expert parallelism] in experts.py)
         self.experts: tuple[OverlapState, ...] = ()
