@@ -38,17 +38,20 @@ parameter ([Note: composition refusals]). Expert parallelism is wrap's, before t
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
-from torch.distributed.tensor.placement_types import _StridedShard
 
+from overlap.engine import torch_compat
 from overlap.engine.actions import order_hash
 from overlap.transport import collectives as comm
+
+if TYPE_CHECKING:  # at run time through torch_compat: [Note: private torch APIs] there
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
 
 @dataclass(frozen=True)
@@ -61,21 +64,16 @@ class TensorParallel:
     @property
     def local_shape(self) -> torch.Size:
         """The shape of this rank's tensor-parallel local tensor: what overlap shards over dp."""
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
         assert self.spec.tensor_meta is not None
-        shape, _ = compute_local_shape_and_global_offset(
-            self.spec.tensor_meta.shape, self.spec.mesh, self.spec.placements
-        )
-        return torch.Size(shape)
+        return torch_compat.local_shape(self.spec.tensor_meta.shape, self.spec.mesh, self.spec.placements)
 
     def sharded(self, local: torch.Tensor) -> DTensor:
         """The optimizer's DTensor over this rank's rows of the tp local tensor."""
-        return DTensor(local, self.sharded_spec, requires_grad=False)  # type: ignore[call-arg]
+        return torch_compat.dtensor(local, self.sharded_spec)
 
     def unsharded(self, local: torch.Tensor) -> DTensor:
         """Forward's DTensor on the tp mesh over the gathered local tensor (of the gather dtype)."""
-        return DTensor(local, _with_dtype(self.spec, local.dtype), requires_grad=False)  # type: ignore[call-arg]
+        return torch_compat.dtensor(local, _with_dtype(self.spec, local.dtype))
 
 
 def _with_dtype(spec: DTensorSpec, dtype: torch.dtype) -> DTensorSpec:
@@ -83,7 +81,8 @@ def _with_dtype(spec: DTensorSpec, dtype: torch.dtype) -> DTensorSpec:
     assert meta is not None
     if meta.dtype == dtype:
         return spec
-    return DTensorSpec(spec.mesh, spec.placements, tensor_meta=TensorMeta(meta.shape, meta.stride, dtype))
+    meta = torch_compat.tensor_meta(meta.shape, meta.stride, dtype)
+    return torch_compat.dtensor_spec(spec.mesh, spec.placements, meta)
 
 
 def grad_data(param: torch.Tensor, grad: torch.Tensor | None) -> torch.Tensor | None:
@@ -277,7 +276,7 @@ def _param_refusal(param: DTensor, dp_mesh: DeviceMesh) -> str | None:
     if problem is not None:
         return problem
     try:
-        DeviceMesh._concatenate([dp_mesh, mesh])
+        torch_compat.concatenate([dp_mesh, mesh], "TP")
     except RuntimeError as error:
         return (
             f"its mesh and the data-parallel mesh {dp_mesh.mesh_dim_names} do not form one mesh "
@@ -300,12 +299,12 @@ class Composer:
         spec = param._spec
         spmd_mesh = self._meshes.get(spec.mesh)
         if spmd_mesh is None:
-            spmd_mesh = self._meshes[spec.mesh] = DeviceMesh._concatenate([self.dp_mesh, spec.mesh])
+            spmd_mesh = self._meshes[spec.mesh] = torch_compat.concatenate([self.dp_mesh, spec.mesh], "TP / EP")
         split = spec.num_shards_map[0]
-        dp_placement = _StridedShard(0, split_factor=split) if split > 1 else Shard(0)
+        dp_placement = torch_compat.strided_shard(0, split, "TP / EP") if split > 1 else Shard(0)
         replicas = (Replicate(),) * (self.dp_mesh.ndim - 1)  # HSDP x TP: (replicate, shard, tp)
         placements = (*replicas, dp_placement, *spec.placements)
-        sharded = DTensorSpec(spmd_mesh, placements, tensor_meta=spec.tensor_meta)
+        sharded = torch_compat.dtensor_spec(spmd_mesh, placements, spec.tensor_meta)
         return TensorParallel(spec, sharded)
 
     def job_group(self) -> dist.ProcessGroup | None:
@@ -314,7 +313,7 @@ class Composer:
         if not self._meshes:
             return None
         (spmd_mesh,) = self._meshes.values()
-        return spmd_mesh._flatten().get_group()
+        return torch_compat.flatten(spmd_mesh, "TP").get_group()
 
     def tensor_group(self) -> dist.ProcessGroup | None:
         """The tensor-parallel group of the parameters (one tp mesh), None without any."""

@@ -61,6 +61,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from overlap.config import OverlapConfig
+from overlap.engine import torch_compat
 from overlap.engine.compose import compiled_refusal, names_experts
 
 RECIPE = (
@@ -222,11 +223,11 @@ def plan(model: nn.Module, group: DeviceMesh) -> ExpertPlan:
     ep_dims = _group_dims(experts[0][1], group)
     other = tuple(n for n in group.mesh_dim_names or () if n not in ep_dims)
     if group.ndim == 2:
-        return ExpertPlan(group[other], group._flatten(), group.size())
+        return ExpertPlan(group[other], torch_compat.flatten(group, "EP"), group.size())
     # HSDP: (dp_replicate, dp_mod_ep x ep flattened) for the rest, (dp_replicate, dp_mod_ep) for
     # the experts; both replicated over dp_replicate ([Note: hybrid sharding] in groups.py)
-    shard = group[(other[-1], *ep_dims)]._flatten()
-    return ExpertPlan(group[other], DeviceMesh._concatenate([group[other[0]], shard]), group.size())
+    shard = torch_compat.flatten(group[(other[-1], *ep_dims)], "EP")
+    return ExpertPlan(group[other], torch_compat.concatenate([group[other[0]], shard], "EP"), group.size())
 
 
 @contextlib.contextmanager

@@ -9,6 +9,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Placement, Replicate, Shard
 
+from overlap.engine import torch_compat
+
 
 class Groups(NamedTuple):
     """The process groups `wrap` runs on. See [Note: hybrid sharding]."""
@@ -85,9 +87,9 @@ def _mesh_of_all(mesh: DeviceMesh, ranks: list[int]) -> DeviceMesh:
     tensor-parallel parameters] in compose.py), other ranks hold other slices of it: DeviceMesh
     flattens it, making every slice's group together, and the flattened dimension belongs to the
     larger mesh, so that hpZ x TP's sharded DTensors live on (flattened, tp)."""
-    root = mesh._get_root_mesh()
+    root = torch_compat.root_mesh(mesh, "HSDP")
     if mesh.mesh_dim_names is not None and root is not mesh and mesh.size() < root.size():
-        return mesh._flatten()
+        return torch_compat.flatten(mesh, "HSDP")
     return DeviceMesh.from_group(dist.new_group(ranks=sorted(ranks)), mesh.device_type)
 
 
