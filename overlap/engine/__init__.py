@@ -7,6 +7,7 @@ parameters to flat shards), `units` (the flat layout), `unit_tensors` (a unit's 
 `init` and `sync` (deferred init; rank 0's values to every rank), `schedule` (the state
 machine), `runtime` and `reduction` (carry out its actions through a transport),
 `guard` (optimizer checks), `deferred` (the checks a step reports late, read before a
-checkpoint, an export or exit), `local_step`, `replicated`, `step_hooks`, `teardown`. It imports `overlap.transport`, `overlap.observe`,
+checkpoint, an export or exit), `local_step`, `replicated`, `step_hooks`, `teardown`,
+`torch_compat` (the private torch APIs it uses, [Note: private torch APIs]). It imports `overlap.transport`, `overlap.observe`,
 `overlap.compression` and `overlap.kernels`; nothing below it imports the engine.
 """
