@@ -40,17 +40,23 @@ def full_state_dict(model: nn.Module, rank0_only: bool = True) -> dict[str, torc
 
     With `rank0_only`, each unit's shards are gathered to rank 0 (one collective per unit; on a
     2-D mesh only row 0 takes part, the replicas hold the same values) and ranks other than 0
-    get an empty dict. Without it, every rank all-gathers every parameter. The checks the last
-    step left unread run first, on every rank ([Note: final checks] in engine/deferred.py)."""
+    get an empty dict. With tensor or expert parallelism every rank gathers each parameter's
+    `full_tensor()` in turn, and only rank 0 copies it to the host: no other rank holds more than
+    one full tensor, nor any host copy. Without `rank0_only`, every rank all-gathers every
+    parameter and keeps the dict. The checks the last step left unread run first, on every rank
+    ([Note: final checks] in engine/deferred.py)."""
     state = state_of(model)
     check_deferred(state, "overlap.full_state_dict")
     own = model.state_dict()
-    if not rank0_only or _by_dtensor(state):  # TP, EP: see _load_tensor_parallel
-        full = {
-            name: (value.full_tensor() if isinstance(value, DTensor) else value).detach().cpu().clone()
-            for name, value in own.items()
-        }
-        return full if not rank0_only or _is_tp_source(state) else {}
+    if not rank0_only or _by_dtensor(state):  # TP, EP: [Note: full state dicts with tensor parallelism]
+        keeps = not rank0_only or _is_tp_source(state)
+        full = {}
+        for name, value in own.items():
+            whole = value.full_tensor() if isinstance(value, DTensor) else value  # collective: every rank
+            if keeps:
+                full[name] = _host_copy(whole, value)
+            del whole  # one full tensor at a time on the ranks that keep nothing
+        return full
     plan = _plan(state)
     if not plan.in_source_row:
         return {}
@@ -66,9 +72,19 @@ def full_state_dict(model: nn.Module, rank0_only: bool = True) -> dict[str, torc
     if not plan.is_source:
         return {}
     return {
-        name: gathered[name] if isinstance(value, DTensor) else value.detach().cpu().clone()
-        for name, value in own.items()
+        name: gathered[name] if isinstance(value, DTensor) else _host_copy(value, value) for name, value in own.items()
     }
+
+
+def _host_copy(tensor: torch.Tensor, owned: torch.Tensor) -> torch.Tensor:
+    """`tensor` on the host, sharing no memory with `owned` (the model's tensor it came from): one
+    device-to-host copy, or a clone where `tensor` is already the model's own host memory (a buffer
+    on the CPU, or a `full_tensor()` that had nothing to gather); never both."""
+    host = tensor.detach().cpu()
+    local = owned.to_local() if isinstance(owned, DTensor) else owned
+    if host.untyped_storage().data_ptr() == local.untyped_storage().data_ptr():
+        host = host.clone()
+    return host
 
 
 @torch.no_grad()
@@ -221,7 +237,10 @@ def _load_own_rows(state: OverlapState, own: dict[str, Any], state_dict: Mapping
 # A tensor-parallel model's sharded parameters are DTensors on the (dp, tp) mesh ([Note:
 # tensor-parallel parameters] in engine/compose.py), so a unit's gathered shards are tp-local
 # tensors, not full ones. Exporting takes each parameter's `full_tensor()` (one at a time, on every
-# rank, kept on the source: rank 0 of dp, tp and, under HSDP, the replicas); loading sends each
+# rank: a collective), and only the source (rank 0 of dp, tp and, under HSDP, the replicas) copies
+# it to the host and keeps it; every other rank drops it before the next, so that no rank but the
+# source holds more than one full tensor, and none but the source any host copy (with
+# `rank0_only=False` every rank keeps the dict it asked for); loading sends each
 # tensor from the source down the tp group, then (HSDP) down the replicate groups of dp row 0, then
 # down each dp group (`_tp_stages`), and every rank cuts its local rows out of the full
 # tensor by its own placements (`distribute_tensor` without communication). Simpler than the
