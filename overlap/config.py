@@ -208,8 +208,10 @@ class OverlapConfig:
     0.189 with an int8 residual, 0.178 float32, 0.430 without feedback; a 100-step GPT run
     of benchmarks/convergence.py within noise of float32), and costs ~1.7x the encode time of
     the fused float32 path on CPU (a decode and an encode of the residual per chunk). float32
-    stays the default: exact, and the cheapest encode. Names ("float32", "bfloat16", "int8")
-    are accepted too."""
+    stays the default: exact, and the cheapest encode. It is about (world_size - 1) / world_size
+    of the fp32 model per device, often more than the sharded state beside it: on an accelerator
+    `wrap` warns the bytes it will take and this knob (on the CPU it says nothing). Names
+    ("float32", "bfloat16", "int8") are accepted too."""
 
     sync_module_states: bool = True
     """Every rank starts from rank 0's parameter and buffer values, as DDP promises: `wrap`

@@ -40,6 +40,7 @@ drift is up to T * bound. The residuals are training state: checkpoints save the
 
 from __future__ import annotations
 
+import warnings
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -218,6 +219,30 @@ def make_residual_format(dtype: torch.dtype, codec: Codec) -> ResidualFormat:
             )
         return Int8Residual(codec.block_size)
     raise ValueError(f"error_feedback_dtype must be one of {RESIDUAL_DTYPES}, got {dtype!r}")
+
+
+def warn_residual_memory(
+    residual_dtype: torch.dtype | None, world_size: int, shard_numel: int, device: torch.device
+) -> str | None:
+    """At wrap, on an accelerator: warn what a float32 residual will take (what the warning says,
+    or None). It is the default because it is exact (no drift, and the numerics the CPU tests
+    pin), but at (world_size - 1) rows of this rank's gradient columns it is about (W - 1) / W of
+    the fp32 model per device, often more than the sharded parameters and optimizer state it
+    sits beside, so a run that fits without error feedback may not fit with it. The warning
+    names the bytes and the knob; it changes nothing."""
+    if residual_dtype != torch.float32 or device.type == "cpu" or world_size < 2:
+        return None
+    num_bytes = (world_size - 1) * DenseResidual(torch.float32).row_nbytes(shard_numel)
+    message = (
+        f"overlap.wrap: error feedback will keep up to {num_bytes / 2**30:.2f} GiB ({num_bytes} bytes) "
+        f"of float32 residuals per {device.type} device ({world_size - 1} peer rows of this rank's "
+        f"{shard_numel} gradient elements, 4 bytes each); OverlapConfig(error_feedback_dtype="
+        "torch.bfloat16) halves it, torch.int8 (grad_compression 'int8' or 'int4') takes about a "
+        "quarter, each a small bounded rounding of the residual ([Note: error feedback residual] "
+        "in overlap/compression/feedback.py)"
+    )
+    warnings.warn(message, stacklevel=2)
+    return message
 
 
 def format_from_params(params: dict[str, Any]) -> ResidualFormat:

@@ -30,6 +30,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from overlap.compression import make_grad_codec, make_param_codec
+from overlap.compression.feedback import warn_residual_memory
 from overlap.config import OverlapConfig
 from overlap.engine.autograd_hooks import BackwardDone, GradReady
 from overlap.engine.autotune import AutoTuner
@@ -147,6 +148,8 @@ class OverlapState:
             gradient_divide_factor=groups.gradient_divide_factor,
             tensor_group=groups.tensor,
         )
+        shard_numel = sum(u.layout.shard_numel for u in units)  # what a float32 residual costs: say so
+        warn_residual_memory(self.runtime.residual_dtype, self.world_size, shard_numel, device)
         # expert parallelism: the experts' state, set by wrap ([Note: expert parallelism] in experts.py)
         self.experts: tuple[OverlapState, ...] = ()
         self._num_trainable = [sum(p.requires_grad for p in u.unsharded_params) for u in units]
