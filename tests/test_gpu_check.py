@@ -1,8 +1,12 @@
-"""benchmarks/gpu_check.py cannot rot while no GPU is lent: its `--device cpu` dry run runs every
-part that can run on CPU (Triton under its interpreter, the 2-rank and 2x2 worlds on gloo with CPU
-tensors and `time.sleep` delays, the world-size-1 parts on gloo, tiny bandwidth rows) and writes
-the JSON the GPU run would; its part runner records a crash or an overrun as that part's result,
-keeps what a part published before it was cut, and goes on; its comparison tells bits from ulps."""
+"""benchmarks/gpu_check.py cannot rot while no GPU runs it: its `--device cpu` dry run runs every
+part that can run on CPU (Triton under its interpreter; the 2-rank, 2x2, 3-rank and dp x tp worlds
+on gloo with CPU tensors and `time.sleep` delays; the memory table; autotune under a tight cap;
+the world-size-1 parts on gloo; tiny bandwidth rows) and writes the JSON the GPU run would; its
+part runner records a crash or an overrun as that part's result, keeps what a part published
+before it was cut, and goes on; its comparison tells bits from ulps. The compile part's driver
+(benchmarks/gpu_compile.py) runs the compile checks without pytest and warms the numerics
+part's exact kernel specializations, checked here as far as Triton compiles for sm_90 without a
+GPU."""
 
 from __future__ import annotations
 
@@ -21,8 +25,11 @@ import torch
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "benchmarks" / "gpu_check.py"
-RUN_TIMEOUT_S = 240
-PARTS = ["compile", "numerics", "world2", "hsdp2x2", "nccl_path", "sync_free", "overlap", "parity", "bandwidth"]
+COMPILE_SCRIPT = REPO / "benchmarks" / "gpu_compile.py"
+RUN_TIMEOUT_S = 600
+PARTS = ["compile", "numerics", "world2", "hsdp2x2", "world3", "tp2x2", "memory", "autotune", "nccl_path", "sync_free",
+         "overlap", "parity", "bandwidth"]  # fmt: skip
+WORLD_CONFIGS = {"plain", "bf16_no_sync", "int8_grads_ef", "int8_params", "fp16_scaler"}
 
 
 def load_gpu_check() -> ModuleType:
@@ -45,10 +52,12 @@ def test_dry_run(tmp_path: Path) -> None:
     env = report["environment"]
     assert env["env"]["OVERLAP_FORCE_COLLECTIVES"] == "1" and env["TRITON_INTERPRET"] == "1"
     assert env["torch"] == torch.__version__
+    api = env["torch_private_api"]  # the private torch APIs, probed on this torch
+    assert isinstance(api, dict) and "DeviceMesh._concatenate" in api and all(v.startswith("ok") for v in api.values()), api
     has_triton = importlib.util.find_spec("triton") is not None
     if os.environ.get("OVERLAP_REQUIRE_TRITON", "") not in ("", "0"):
         assert has_triton, "OVERLAP_REQUIRE_TRITON=1 but triton is not installed"
-    if has_triton:  # review 2, #16: the Triton the checks ran on is on record
+    if has_triton:  # the Triton the checks ran on is on record
         import triton
 
         assert env["triton"] == triton.__version__, env
@@ -97,30 +106,54 @@ def check_numerics(numerics: dict) -> None:
     assert any(" sr " in name for name in cases) and all(c["class"] == "bitwise" for c in cases.values())
     plans = numerics["measured"]["plans"]
     assert set(plans) == {f"copy_{k} ws={n}" for k in ("out", "in") for n in (1, 2, 8)}
-    assert plans["copy_out ws=1"]["launches"][0]["aligned"]  # untagged: aligned, as the runtime gets it
+    # untagged, the padded chunks take the vector branch, as the runtime's do
+    assert any(launch["aligned_segments"] for launch in plans["copy_out ws=1"]["launches"]), plans["copy_out ws=1"]
     assert numerics["measured"]["skipped"]  # fp8 (the interpreter's cast)
 
 
 def check_worlds(parts: dict) -> None:
-    for key, nproc in (("world2", 2), ("hsdp2x2", 4)):
+    for key, nproc, configs in (("world2", 2, WORLD_CONFIGS), ("hsdp2x2", 4, WORLD_CONFIGS),
+                                ("world3", 3, {"plain", "int8_grads_ef", "fp16_scaler"})):  # fmt: skip
         world = parts[key]
         assert world["status"] == "passed", world
         measured = world["measured"]
         assert measured["probe"]["overrides"] == {"reduce_scatter_impl": "native", "all_gather_impl": "native"}
-        assert set(measured["configs"]) == {"plain", "bf16_no_sync", "int8_grads_ef", "int8_params"}
+        assert set(measured["configs"]) == configs
         for name, config in measured["configs"].items():
             assert config["ok"] and len(config["ranks"]) == nproc, (key, name, config)
             for rank in config["ranks"].values():
                 assert rank["bitwise_delayed"], (key, name, rank)
                 assert all(rank["delays"].get(k, 0) > 0 for k in
                            ("before_collective", "after_wait", "before_free", "before_release_reduce")), rank  # fmt: skip
+                assert rank["memory"]["library_peak_bytes"] > rank["memory"]["sharded_param_bytes"] > 0, rank
+        scales = [r["scales"] for r in measured["configs"]["fp16_scaler"]["ranks"].values()]
+        assert len(scales[0]) == 3 and all(s == scales[0] for s in scales)  # stepped (or skipped) alike
         plain = measured["configs"]["plain"]["ranks"]
+        if nproc == 3:  # the backend's summation order: within fp32 rounding of the reference
+            assert all(r["close_vs_reference"] for r in plain.values()), plain
+            continue
         assert all(r["bitwise_vs_reference"] and r["vs_reference"]["bitwise"] for r in plain.values())
         assert {p["kind"] for p in plain["0"]["copy_plans"]} == {"copy_out", "copy_in"}
         assert all(p["num_rows"] == 2 for p in plain["0"]["copy_plans"])  # the shard group
         # the layouts numerics and bandwidth build are the ones this runtime issued
         assert plain["0"]["layout_mirror"]["matches"], plain["0"]["layout_mirror"]
-    assert measured["configs"]["plain"]["ranks"]["0"]["stats"]["num_allreduces"] > 0  # HSDP's
+    assert parts["hsdp2x2"]["measured"]["configs"]["plain"]["ranks"]["0"]["stats"]["num_allreduces"] > 0  # HSDP's
+
+    tp = parts["tp2x2"]
+    assert tp["status"] == "passed", tp
+    assert set(tp["measured"]["configs"]) == {"plain", "fp16_scaler"}
+    for rank in tp["measured"]["configs"]["plain"]["ranks"].values():
+        assert rank["close_vs_reference"] and rank["bitwise_delayed"] and rank["delays"]["before_collective"] > 0, rank
+
+    memory = parts["memory"]
+    assert memory["status"] == "measured", memory  # the allocator's peak: CUDA only
+    rows = memory["measured"]["rows"]
+    assert {(r["world"], r["config"]) for r in rows} >= {("world2", "plain"), ("world3", "fp16_scaler")}
+
+    autotune = parts["autotune"]
+    assert autotune["status"] == "passed", autotune
+    a = autotune["measured"]
+    assert a["limit_bytes"] == a["cap_bytes"] and a["peak_bytes"] <= a["cap_bytes"] and a["actions"]["baseline"] == 1, a
 
 
 def test_part_errors_are_recorded_and_the_run_goes_on(tmp_path: Path) -> None:
@@ -213,34 +246,93 @@ def test_patches_are_undone() -> None:
 
 
 def test_compile_part_runs_every_variant_once_over_its_processes(monkeypatch) -> None:
-    """The compile part (first on a GPU machine, review 2 #16) splits tests/test_triton_compile.py
-    over processes with OVERLAP_COMPILE_SHARD; the shards cover every variant exactly once and
-    only the first runs the file's other checks. Checked without compiling: Popen is faked."""
+    """The compile part (first on a GPU machine) starts benchmarks/gpu_compile.py once per process:
+    process 0 runs the file's other checks, the others share the variants, each exactly once.
+    Checked without compiling: Popen is faked; one process's failed check fails the part."""
     pytest.importorskip("triton")
     gc = load_gpu_check()
     calls = []
 
     class FakePopen:
         def __init__(self, cmd: list, cwd: object, env: dict, **kwargs: object) -> None:
-            calls.append((cmd, env["OVERLAP_COMPILE_SHARD"], "TRITON_INTERPRET" in env))
-            self.returncode = 0
+            calls.append((cmd, "TRITON_INTERPRET" in env))
+            self.returncode = 1 if cmd[-1] == "2/3" else 0
+            failed = {"test_kernel_compiles[x]": "AssertionError"} if self.returncode else {}
+            self.out = json.dumps({"checks": {"passed": ["test_kernel_compiles[y]"], "failed": failed, "skipped": {}},
+                                   "warm": {"cases": 5, "compiled": 4, "errors": {}}})  # fmt: skip
 
         def communicate(self, timeout: float | None = None) -> tuple:
-            return "1 passed", None
+            return f"some output\n{self.out}\n", ""
 
     monkeypatch.setattr(gc.subprocess, "Popen", FakePopen)
     monkeypatch.setattr(gc, "COMPILE_PROCESSES", 3)
     monkeypatch.setattr(gc.os, "cpu_count", lambda: 16)
     status, _bar, measured = gc.part_compile(gc.Check(torch.device("cpu"), gc.SIZES["cpu"], Path("/dev/null")), 20)
-    assert status == "passed" and measured["processes"] == 3 and measured["triton"], measured
-    assert [shard for _, shard, _ in calls] == ["0/3", "1/3", "2/3"]
-    assert "-k" not in calls[0][0] and all(cmd[-2:] == ["-k", "test_kernel_compiles"] for cmd, _, _ in calls[1:])
-    assert not any(interpreted for _, _, interpreted in calls)  # the real compiler, never the interpreter
+    assert status == "failed" and measured["processes"] == 3 and measured["triton"], measured
+    assert measured["checks_passed"] == 3 and list(measured["checks_failed"]) == ["test_kernel_compiles[x]"]
+    assert measured["warm_cases"] == 15 and measured["warm_compiled"] == 12
+    assert [cmd[-1] for cmd, _ in calls] == ["0/3", "1/3", "2/3"]
+    assert all(Path(cmd[1]) == COMPILE_SCRIPT and "pytest" not in cmd for cmd, _ in calls)
+    assert all(cmd[cmd.index("--warm") + 1] == "none" for cmd, _ in calls)  # a CPU check warms nothing
+    assert not any(interpreted for _, interpreted in calls)  # the real compiler, never the interpreter
     monkeypatch.syspath_prepend(str(REPO / "tests"))
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     compile_test = importlib.import_module("test_triton_compile")
     names = []
-    for index in range(3):
-        monkeypatch.setenv("OVERLAP_COMPILE_SHARD", f"{index}/3")
+    for index in range(1, 3):  # the processes' shares, as gpu_compile.py sets them
+        monkeypatch.setenv("OVERLAP_COMPILE_SHARD", f"{index - 1}/2")
         names += [v.name for v in compile_test._shard(compile_test.VARIANTS)]
     assert sorted(names) == sorted(v.name for v in compile_test.VARIANTS)
+
+
+def _compile_script(args: list[str], env: dict[str, str] | None = None, hide_pytest: bool = False) -> dict:
+    """benchmarks/gpu_compile.py in a fresh process (pytest hidden from it: `hide_pytest`)."""
+    run = f"import runpy, sys; sys.argv = {[str(COMPILE_SCRIPT), *args]!r}; "
+    if hide_pytest:  # as on a machine without pytest: find_spec says so, an import fails
+        run += ("import importlib.util as u; find = u.find_spec; "
+                "u.find_spec = lambda name, *a: None if name.split('.')[0] == 'pytest' else find(name, *a); "
+                "sys.modules['pytest'] = None; ")  # fmt: skip
+    run += f"runpy.run_path({str(COMPILE_SCRIPT)!r}, run_name='__main__')"
+    full_env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | (env or {})
+    proc = subprocess.run([sys.executable, "-c", run], cwd=REPO, env=full_env, capture_output=True, text=True,
+                          timeout=600, check=False)  # fmt: skip
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert lines, f"rc {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return {"rc": proc.returncode, **json.loads(lines[-1])}
+
+
+def test_compile_checks_run_without_pytest(monkeypatch) -> None:
+    """Where pytest is not installed, the driver imports tests/test_triton_compile.py with a
+    stand-in and calls every check itself: each parametrized case, monkeypatch given; a shard of
+    the variants and the file's other checks all pass."""
+    pytest.importorskip("triton")
+    result = _compile_script(["--shard", "1/60", "--checks", "all", "--warm", "none"], hide_pytest=True)
+    checks = result["checks"]
+    assert result["rc"] == 0 and checks["pytest"] == "stand-in" and not checks["failed"], checks
+    passed = set(checks["passed"])
+    monkeypatch.syspath_prepend(str(REPO / "tests"))
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    share = importlib.import_module("test_triton_compile").VARIANTS[0::59]  # process 1 of 60: variant share 0 of 59
+    assert {n for n in passed if n.startswith("test_kernel_compiles[")} == {f"test_kernel_compiles[{v.name}]" for v in share}
+    assert {f"test_fp8_rejected_exactly_where_dispatch_falls_back[{a}]" for a in (80, 86, 89, 90)} <= passed
+    assert {"test_fusion_check_can_fail", "test_every_launch_uses_the_launch_options_under_the_tensors_device"} <= passed
+    assert sum(name.startswith("test_row_kernels_vectorize_on_aligned_sizes[") for name in passed) == 5
+
+
+def test_warm_up_compiles_the_numerics_launches_into_the_cache(tmp_path: Path) -> None:
+    """[Note: warm Triton cache]: the numerics part's own cases, with the kernels warm-only,
+    compile through Triton's launcher (for sm_90 here: no GPU) into the on-disk cache, and a second
+    process that builds the same cases finds every kernel there: the keys are the launcher's,
+    computed from the same arguments as the numerics part's launches."""
+    pytest.importorskip("triton")
+    env = {"TRITON_CACHE_DIR": str(tmp_path / "cache")}
+    args = ["--shard", "0/1", "--checks", "none", "--warm", "sm90", "--only", "int8", "--limit", "3"]
+    first = _compile_script(args, env)
+    warm = first["warm"]
+    assert first["rc"] == 0 and warm["cases"] == 3 and warm["compiled"] >= 3 and not warm["errors"], warm
+    entries = {p.name for p in (tmp_path / "cache").iterdir()}
+    cubins = list((tmp_path / "cache").glob("*/*.cubin"))
+    assert entries and len(cubins) == len(entries), entries  # each a kernel compiled to a cubin
+    second = _compile_script(args, env)
+    assert second["warm"]["compiled"] == warm["compiled"] and not second["warm"]["errors"]
+    assert {p.name for p in (tmp_path / "cache").iterdir()} == entries  # all found: no new compile
