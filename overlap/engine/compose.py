@@ -37,6 +37,7 @@ parameter ([Note: composition refusals]). Expert parallelism is wrap's, before t
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -85,16 +86,53 @@ def _with_dtype(spec: DTensorSpec, dtype: torch.dtype) -> DTensorSpec:
     return torch_compat.dtensor_spec(spec.mesh, spec.placements, meta)
 
 
-def grad_data(param: torch.Tensor, grad: torch.Tensor | None) -> torch.Tensor | None:
-    """The plain gradient the reduction copies in for `param` (an unsharded parameter): a DTensor
-    gradient redistributed to the parameter's placement (a Partial() one summed over tp), then
-    its local tensor ([Note: tensor-parallel parameters]); a plain gradient as it is."""
-    if not isinstance(grad, DTensor):
-        return grad
-    placements = param.placements  # type: ignore[attr-defined]
-    if grad.placements != placements:
-        grad = grad.redistribute(param.device_mesh, placements)  # type: ignore[attr-defined]
-    return grad._local_tensor
+def grad_data(
+    params: list[torch.Tensor], grads: list[torch.Tensor | None], sum_over: Callable[[torch.Tensor, dist.ProcessGroup], None]
+) -> list[torch.Tensor | None]:
+    """The plain gradients a reduction copies in for `params` (unsharded parameters): a DTensor
+    gradient redistributed to its parameter's placement, then its local tensor ([Note:
+    tensor-parallel parameters]); a plain gradient as it is.
+
+    A Partial() gradient of a Replicate() parameter (a norm's under SequenceParallel) is summed
+    over tp with the bucket's others of its mesh and dtype: one flat buffer, one all-reduce per
+    mesh dimension by `sum_over` (the transport's, on its reduce stream), where a redistribute
+    each would issue one all-reduce per parameter on the compute stream. Every tp rank has the
+    same Partial() gradients in the same order, so their all-reduces match."""
+    out: list[torch.Tensor | None] = []
+    partial: dict[tuple[DeviceMesh, tuple[int, ...], torch.dtype], list[int]] = {}
+    for i, (param, grad) in enumerate(zip(params, grads)):
+        if not isinstance(grad, DTensor):
+            out.append(grad)
+            continue
+        placements = param.placements  # type: ignore[attr-defined]
+        if grad.placements != placements:
+            dims = _summed_dims(grad.placements, placements)
+            if dims is None:
+                grad = grad.redistribute(param.device_mesh, placements)  # type: ignore[attr-defined]
+            else:
+                partial.setdefault((grad.device_mesh, dims, grad.dtype), []).append(i)
+        out.append(grad._local_tensor)
+    for (mesh, dims, _), members in partial.items():
+        locals_ = [out[i] for i in members]
+        flat = torch.cat([t.reshape(-1) for t in locals_])  # type: ignore[union-attr]
+        for dim in dims:
+            sum_over(flat, mesh.get_group(dim))
+        for i, t, summed in zip(members, locals_, flat.split([t.numel() for t in locals_])):  # type: ignore[union-attr]
+            out[i] = summed.view(t.shape)  # type: ignore[union-attr]
+    return out
+
+
+def _summed_dims(have: tuple, want: tuple) -> tuple[int, ...] | None:
+    """The mesh dimensions a sum turns `have` into `want` on (Partial("sum") -> Replicate()), or
+    None where another redistribution is needed too."""
+    dims = []
+    for dim, (h, w) in enumerate(zip(have, want)):
+        if h == w:
+            continue
+        if not (h.is_partial() and h.reduce_op == "sum" and w.is_replicate()):
+            return None
+        dims.append(dim)
+    return tuple(dims)
 
 
 def data_parallel_mesh(group: dist.ProcessGroup | DeviceMesh | None, model: nn.Module) -> dist.ProcessGroup | DeviceMesh | None:

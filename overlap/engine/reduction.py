@@ -81,8 +81,8 @@ class PendingReduce:
     shard (`reduced`, 1/N of the input) and, under HSDP, its all-reduce across replicas."""
 
     result: comm.CommResult | None  # the reduce-scatter while its input is alive
-    event: torch.cuda.Event | None  # CUDA: the reduce stream after the reduce-scatter and its sum
-    all_used: bool  # this rank produced a gradient for every trainable parameter of the bucket
+    event: torch.cuda.Event | None  # CUDA: the reduce stream after the reduce-scatter and its sum (ReleaseReduce waits for it)
+    used: tuple[bool, ...]  # per trainable parameter of the bucket: this rank produced its gradient
     input_bytes: int  # accounted bytes of the input buffers (released with `result`)
     reduced: torch.Tensor | None = None  # [summed gradients | used counts]
     averaged: bool = False  # the reduction's sum already divided its gradients ([Note: one pass for the sum])
@@ -91,6 +91,12 @@ class PendingReduce:
     counts: HostRead | None = None  # the used counts, read back when this rank left a gradient out
     all_reduce: comm.CommResult | None = None  # HSDP: the sum of `reduced` across replicas
     all_reduce_event: torch.cuda.Event | None = None  # CUDA: the all-reduce stream after it
+    ready: torch.cuda.Event | None = None  # CUDA: after `_finish_shard`'s division and cast (WaitReduce waits for it)
+
+    @property
+    def all_used(self) -> bool:
+        """This rank produced a gradient for every trainable parameter of the bucket."""
+        return all(self.used)
 
 
 class Reductions:
@@ -109,9 +115,8 @@ class Reductions:
         (find_unused_parameters=True) leaves it, instead of getting zeros that an optimizer
         with weight decay or momentum would act on. The flags tensor for a pattern is built
         once and cached on the device; the counts are read back only when this rank left some
-        parameter of the bucket without gradient (otherwise every count is >= 1), through a
-        pinned copy enqueued behind the reduction (`HostRead`): the end of backward waits for
-        that copy's event, not for the device.
+        parameter of the bucket without gradient (otherwise every count is >= 1): [Note: used
+        counts] in `wait_reduce`.
         """
         self.reduce_trail = hash((self.reduce_trail, indices)) & TRAIL_MASK  # [Note: reduction trail]
         n = self.world_size
@@ -119,19 +124,24 @@ class Reductions:
         with _phase("reduce", f"bucket{bucket}"):
             # One fused pass (kernels.copy_in): gradients cast to the reduce dtype, padded, a
             # missing gradient as zeros, into the rank-major buffer ([Note: flat layout]).
-            srcs: list[torch.Tensor | None] = []
+            params: list[torch.Tensor] = []
+            grads: list[torch.Tensor | None] = []
             spans: list[int] = []  # per gradient, its padded span of each rank-major row
             data_cols: list[int] = []  # per gradient, the columns of each row holding data
             for index in indices:
                 unit = self.units[index]
+                params += unit.grad_params
                 if unit.grad_sums is None:
                     for param in unit.grad_params:
-                        srcs.append(grad_data(param, param.grad))  # TP: [Note: tensor-parallel parameters]
+                        grads.append(param.grad)
                         param.grad = None
                 else:
-                    srcs += [grad_data(p, g) for p, g in zip(unit.grad_params, self._take_grads(unit))]
+                    grads += self._take_grads(unit)
                 spans += unit.grad_spans
                 data_cols += unit.grad_cols
+            # TP: [Note: tensor-parallel parameters]; the bucket's Partial() gradients summed together
+            srcs = grad_data(params, grads, self.transport.sum_over)
+            del params, grads
             used = tuple(g is not None for g in srcs)
             flags = self._flags_for(used, dtype)
             width_grads = sum(spans)
@@ -184,7 +194,7 @@ class Reductions:
             input_bytes -= gather_bytes
             self._fused_gather_issued(fused.unit, gather, gather_bytes)
         self.memory.add("reduce_inputs", input_bytes)
-        pending = PendingReduce(result, event, all(used), input_bytes, averaged=averaged, post=post, native=native)
+        pending = PendingReduce(result, event, used, input_bytes, averaged=averaged, post=post, native=native)
         self._pending[bucket] = pending
         self._pending_units[bucket] = indices
         sent = result.inputs[0]
@@ -336,7 +346,10 @@ class Reductions:
         """The bucket's reduced shard exists (or is enqueued): keep it; HSDP: sum it across
         replicas ([Note: hybrid sharding] in groups.py), on CUDA on its own stream behind the
         reduce-scatter's event, on CPU right away (in bucket order on every rank)."""
+        grad_numel = sum(self.units[i].layout.grad_shard_numel for i in indices)
         if self.replicate_group is None:  # HSDP: after its all-reduce, in wait_reduce
+            if not pending.all_used:  # [Note: used counts]: copied right behind the reduction
+                pending.counts = HostRead(reduced[grad_numel:], self.transport.reduce_stream)
             reduced = self._finish_shard(indices, pending, reduced)
         pending.reduced = reduced
         self.memory.add("reduce_outputs", nbytes(reduced))
@@ -346,10 +359,8 @@ class Reductions:
                     reduced, pending.event, self._span_label(indices), pending.native
                 )
             self.stats.record_issue("all_reduce", nbytes(reduced))
-        if not pending.all_used:  # [Note: used flags]: read back behind the reduction, not at its wait
-            grad_numel = sum(self.units[i].layout.grad_shard_numel for i in indices)
-            stream = self.transport.all_reduce_stream if self.replicate_group is not None else self.transport.reduce_stream
-            pending.counts = HostRead(reduced[grad_numel:], stream)
+            if not pending.all_used:  # the counts over every replica: behind the all-reduce
+                pending.counts = HostRead(reduced[grad_numel:], self.transport.all_reduce_stream)
 
     def _finish_shard(self, indices: tuple[int, ...], pending: PendingReduce, reduced: torch.Tensor) -> torch.Tensor:
         """Divide the reduced gradients ([Note: dividing the sum]) and cast them to the sharded
@@ -369,7 +380,9 @@ class Reductions:
                 reduced[:grad_numel].div_(pending.post)
             return reduced if cast is None else reduced.to(cast)
 
-        reduced, pending.event = self.transport.after_reduction(finish, pending.event)
+        # [Note: gather event] in streams.py, for reductions: ReleaseReduce keeps waiting for the
+        # reduce-scatter alone (`event`), only WaitReduce for the division and cast (`ready`)
+        reduced, pending.ready = self.transport.after_reduction(finish, pending.event)
         pending.averaged = True
         return reduced
 
@@ -404,13 +417,30 @@ class Reductions:
         return residual
 
     def wait_reduce(self, bucket: int, indices: tuple[int, ...]) -> None:
+        """The bucket's reduced shard is usable on the compute stream: add it into `.grad`.
+
+        [Note: used counts]
+        Whether a parameter has a `.grad` after backward is seen by the user: an optimizer skips
+        a None gradient, while weight decay, momentum and Adam's moments act on zeros. So it is
+        decided before backward returns, as DDP (find_unused_parameters=True) decides it, which
+        reads its all-reduced map of used parameters back at the end of every backward. A
+        parameter this rank used has a count >= 1 from its own flag (`PendingReduce.used`, on
+        the host): its `.grad` needs nothing from the device. Only one this rank left out needs
+        its count, i.e. the other ranks' flags, which reach this rank with the reduction. So
+        the counts' pinned copy (`HostRead`) is enqueued right behind the reduce-scatter (HSDP:
+        its all-reduce), ahead of the division and cast, and every `.grad` this rank used is
+        made before the counts are read: the host waits, if at all, for that copy alone, after
+        the rest of the bucket's work is on its way; a bucket whose every parameter this rank
+        used reads nothing. (A zero `.grad`, dropped a step later when the counts arrive, would
+        never wait, but the optimizer step in between would act on it: not DDP's semantics.)
+        """
         pending = self._pending[bucket]
         stall = self.timer.start("stall", "reduce", self._span_label(indices))
         with _phase("wait_reduce", f"bucket{bucket}"):
             self.release_reduce(bucket)
             del self._pending[bucket]
             del self._pending_units[bucket]
-            self.transport.finish_reduce(pending.event, pending.all_reduce, pending.all_reduce_event)
+            self.transport.finish_reduce(pending.ready or pending.event, pending.all_reduce, pending.all_reduce_event)
         reduced = pending.reduced
         assert reduced is not None, f"rank {self.rank}: bucket {bucket} has no reduced shard"
         if self.grad_codec is not None:  # its last element: every rank's count ([Note: collective finite check])
@@ -424,32 +454,33 @@ class Reductions:
         self.memory.sub("reduce_outputs", nbytes(reduced))
         with torch.no_grad():
             grads = reduced[:grad_numel]
-            # [Note: used flags]: every count is >= 1 when this rank used every parameter; the
-            # host reads them only when it did not, from a copy enqueued behind the reduction.
-            num_flags = reduced.numel() - grad_numel
-            used = [1.0] * num_flags if pending.counts is None else pending.counts.values()
+            assert reduced.numel() - grad_numel >= len(pending.used), f"rank {self.rank}: bucket {bucket}'s used counts"
             if not pending.averaged:  # [Note: dividing the sum]
                 grads.div_(pending.post)
-            offset = grads.storage_offset()
-            for unit in units:
-                num_trainable = len(unit.grad_locals)
-                self._accumulate(unit, grads, offset, used[:num_trainable])
-                used = used[num_trainable:]
-                offset += unit.layout.grad_shard_numel
+            # [Note: used counts]: what this rank used first, without reading anything back
+            self._accumulate(units, grads, [float(u) for u in pending.used])
+            if pending.counts is not None:  # then what it left out and another rank used
+                counts = pending.counts.values()
+                self._accumulate(units, grads, [0.0 if u else c for u, c in zip(pending.used, counts)])
 
-    def _accumulate(self, unit: UnitTensors, reduced: torch.Tensor, offset: int, used: list[float]) -> None:
-        """Add a unit's reduced gradient shard (at storage `offset` of `reduced`) into its sharded
-        parameters' `.grad`."""
-        for (param, grad_offset, shape, stride), num_users in zip(unit.grad_locals, used):
-            if num_users == 0:
-                continue  # [Note: used flags]
-            local = reduced.as_strided(shape, stride, offset + grad_offset)
-            if local.dtype != param.dtype:
-                local = local.to(param.dtype)
-            if param.grad is None:
-                # The parameter's own spec (mesh, placements, global shape and stride, dtype):
-                # the DTensor is built directly, without from_local's autograd function and
-                # argument checks (microseconds per parameter and step).
-                param.grad = DTensor(local, param._spec, requires_grad=False)  # type: ignore[call-arg]
-            else:
-                param.grad._local_tensor.add_(local)
+    def _accumulate(self, units: list[UnitTensors], grads: torch.Tensor, num_users: list[float]) -> None:
+        """Add the bucket's reduced gradients (`grads`, the units' shards in order) into the
+        sharded parameters' `.grad`, for the parameters of a nonzero `num_users` (one per
+        trainable parameter of the bucket, in order)."""
+        offset, first = grads.storage_offset(), 0
+        for unit in units:
+            for k, (param, grad_offset, shape, stride) in enumerate(unit.grad_locals):
+                if num_users[first + k] == 0:
+                    continue  # [Note: used flags]
+                local = grads.as_strided(shape, stride, offset + grad_offset)
+                if local.dtype != param.dtype:
+                    local = local.to(param.dtype)
+                if param.grad is None:
+                    # The parameter's own spec (mesh, placements, global shape and stride, dtype):
+                    # the DTensor is built directly, without from_local's autograd function and
+                    # argument checks (microseconds per parameter and step).
+                    param.grad = DTensor(local, param._spec, requires_grad=False)  # type: ignore[call-arg]
+                else:
+                    param.grad._local_tensor.add_(local)
+            first += len(unit.grad_locals)
+            offset += unit.layout.grad_shard_numel

@@ -161,6 +161,10 @@ class Transport:
         """Make the unit's gathered parameters usable on the compute stream or thread. Each transport."""
         raise NotImplementedError
 
+    def gather_copied(self, unit: Any) -> None:
+        """`done` has just copied the unit's gathered rows out; what it enqueues next (the tag
+        copy, hpZ's copy) no compute waits for ([Note: gather event] in streams.py)."""
+
     def check_tag(
         self, fingerprints: FingerprintCheck, unit: Any, gathered: Any, received: torch.Tensor, what: str, compressed: bool
     ) -> None:
@@ -192,6 +196,11 @@ class Transport:
         """Run `fn` (the work on a reduced shard: its division, its cast) behind `after`, where
         reductions run: (its result, the event after it). Each transport."""
         raise NotImplementedError
+
+    def sum_over(self, tensor: torch.Tensor, group: dist.ProcessGroup) -> None:
+        """Sum `tensor` in place over `group` (tensor parallelism's Partial() gradients, before
+        the copy-in reads them, `compose.grad_data`); here the training thread waits for it."""
+        self.wait(comm.all_reduce_flat(tensor, group))
 
     def averages(self, dtype: torch.dtype) -> bool:
         """Whether `reduce_scatter` and `all_reduce` can return the mean of `dtype` gradients

@@ -3,7 +3,8 @@
 `tensor.tolist()` on a CUDA tensor waits for everything queued on the current stream, and
 `torch.cuda.set_sync_debug_mode` counts it. A `HostRead` instead enqueues, where the tensor is
 produced, one non-blocking copy into pinned memory and an event; `values()` waits for that event
-alone, normally long complete by then (review 2, finding 6b: the used counts of a reduction).
+alone (the used counts of a reduction: enqueued right behind it and read as late as the end of
+backward allows, [Note: used counts] in engine/reduction.py).
 CPU tensors are read at `values()`, after whatever the caller waited for since (an all-reduce
 still in flight on a gloo thread, say).
 """

@@ -15,7 +15,8 @@ does the copies when it waits (transport/host.py).
 Everything after a collective is enqueued at issue, behind it on its comm stream: `wait` on a
 stream-ordered backend only makes the current stream wait ([Note: NCCL is not gloo] in
 backend.py), so copy-out, the tag copy and the sum of a reduction follow it without the CPU
-waiting, and the compute stream later waits on the event recorded after them. This is the shape
+waiting, and the compute stream later waits on an event recorded after what it needs: copy-out
+([Note: gather event]), the reduce-scatter (to reuse its input) or the sum. This is the shape
 of FSDP2's `_fsdp_collectives.py`, except that copy-out runs on the gather stream, so its buffers'
 last user is their own allocation stream ([Note: buffer lifetime] in engine/runtime.py).
 
@@ -51,7 +52,7 @@ class StreamTransport(Transport):
 
     @classmethod
     def check_settings(cls, semantics: backend.CommSemantics, gather_impl: str) -> None:
-        if gather_impl == "all_to_all":  # its receive slack would hang NCCL (review 2, finding 5)
+        if gather_impl == "all_to_all":  # its receive slack would hang NCCL
             raise ValueError(
                 f"overlap.wrap: all_gather_impl='all_to_all' is a gloo mechanism; {semantics.device_type} "
                 f"tensors over {semantics.backend} gather with the backend's all-gather: pass "
@@ -79,7 +80,19 @@ class StreamTransport(Transport):
         # Later gather-stream allocations are ordered after this copy-out, so `done` drops the
         # buffers now: an in-flight prefetch holds the unsharded storage only, not 2x
         # ([Note: buffer lifetime] in engine/runtime.py).
+        unit.gather_event = None
         done(unit, gathered)
+        assert unit.gather_event is not None, f"rank {self.rank}: no copy-out was enqueued for the gather"
+
+    def gather_copied(self, unit: Any) -> None:
+        """[Note: gather event]
+        The event the compute stream waits on before using a unit's gathered parameters is
+        recorded right after copy-out: what `done` enqueues after it on the gather stream (the
+        tags' copy to pinned memory, a device-to-host round trip; hpZ's copy of this rank's
+        parts, 1/inner of the unit) is for the host two checks later and for the backward
+        gather, which runs on this same stream. Compute never waits for them. They read only
+        gather-stream buffers (the received rows, `tag_out`), so no block the compute stream
+        frees is read behind its back ([Note: buffer lifetime] in engine/runtime.py)."""
         assert self.gather_stream is not None
         unit.gather_event = self.gather_stream.record_event()
 
@@ -106,6 +119,20 @@ class StreamTransport(Transport):
     def before_reduce(self) -> None:
         assert self.reduce_stream is not None
         self.reduce_stream.wait_stream(self._compute())
+
+    def sum_over(self, tensor: torch.Tensor, group: Any) -> None:
+        # On the reduce stream, behind the gradients being summed ([Note: streams]): one
+        # collective with the bucket's reduction, at its priority, instead of one per parameter
+        # on compute. The copy-in, on compute, waits for its event, which also follows what the
+        # reduce stream held before it: the last reduce-scatter, which compute already waited
+        # for at its ReleaseReduce unless max_reduce_inputs > 1. `tensor` belongs to compute,
+        # which reads it after that wait, so no other stream holds it when compute frees it.
+        assert self.reduce_stream is not None
+        self.before_reduce()
+        with torch.cuda.stream(self.reduce_stream):
+            self.wait(comm.all_reduce_flat(tensor, group))
+            summed = self.reduce_stream.record_event()
+        self._compute().wait_event(summed)
 
     def reduce_issued(self, result: comm.CommResult, span: Any) -> tuple[torch.cuda.Event | None, torch.Tensor | None]:
         # The reduce stream waits and sums (once: the tensor is kept, [Note: streams]).
