@@ -50,6 +50,7 @@ class Variant(NamedTuple):
     signature: dict[str, str]  # non-constexpr parameters
     constexprs: dict[str, Any]
     fp8: bool = False
+    ints16: bool = False  # integer arguments specialized as multiples of 16 (compile_ptx)
 
 
 def _label(bits: int, fmt: str) -> str:
@@ -123,18 +124,20 @@ def _dequantize_variants() -> list[Variant]:
 
 
 def _copy_variants() -> list[Variant]:
+    """Copy-out / copy-in per pair of dtypes: one kernel for every layout, its segment count and
+    each segment's alignment read from the table ([Note: copy tables], [Note: copy alignment] in
+    overlap/kernels/triton_copy.py). The launcher specializes the row stride on a multiple of 16,
+    as the runtime's rows are (tests/test_alignment.py); a row stride that is not compiles too."""
     out = []
     for kind, kernel in (("copy_out", triton_copy._copy_out_kernel), ("copy_in", triton_copy._copy_in_kernel)):
         for flat in _TYPES.values():
             for tensors in _TYPES.values():
-                for aligned in (True, False):
-                    signature = {"flat_ptr": f"*{flat}", "base_ptr": f"*{tensors}", "table_ptr": "*i64",
-                                 "row_stride": "i32"}  # fmt: skip
-                    constexprs = {"LOG_SEGS": 3, "NUM_STARTS": 8, "BLOCK": triton_copy.BLOCK, "ALIGNED": aligned}
-                    name = f"{kind} flat {flat} tensors {tensors} {'aligned' if aligned else 'unaligned'}"
-                    out.append(Variant(name, kernel, signature, constexprs))
-    one_segment = {"LOG_SEGS": 0, "NUM_STARTS": 1, "BLOCK": triton_copy.BLOCK, "ALIGNED": True}
-    out.append(Variant("copy_out one segment", triton_copy._copy_out_kernel, out[0].signature, one_segment))
+                signature = {"flat_ptr": f"*{flat}", "base_ptr": f"*{tensors}", "aux_ptr": f"*{tensors}",
+                             "table_ptr": "*i64", "row_stride": "i32"}  # fmt: skip
+                name = f"{kind} flat {flat} tensors {tensors}"
+                out.append(Variant(name, kernel, signature, {"BLOCK": triton_copy.BLOCK}, ints16=True))
+        odd = Variant(f"{kind} row stride not a multiple of 16", kernel, out[-1].signature, {"BLOCK": triton_copy.BLOCK})
+        out.append(odd)
     return out
 
 
@@ -175,7 +178,7 @@ def test_kernel_compiles(variant: Variant) -> None:
     for arch in ARCHS:
         if not _supported(variant, arch):
             continue  # test_fp8_rejected_exactly_where_dispatch_falls_back
-        ptx = compile_ptx(variant, arch)
+        ptx = compile_ptx(variant, arch, ints16=variant.ints16)
         where = f"{variant.name} sm_{arch}"
         # fp fusion off: no multiply-add contraction anywhere (bitwise decode, exact error feedback)
         assert "fma." not in ptx, f"{where}: fused multiply-add in the PTX"
@@ -190,10 +193,16 @@ def test_kernel_compiles(variant: Variant) -> None:
         if variant.constexprs.get("COUNT"):  # the non-finite count fused: one atomic add per program
             assert "atom.global" in ptx or "red.global" in ptx, f"{where}: no atomic add for the count"
         if variant.kernel in (triton_copy._copy_out_kernel, triton_copy._copy_in_kernel):
-            loads = re.findall(r"ld\.global\.v4\.", ptx)
-            stores = re.findall(r"st\.global\.v4\.", ptx)
-            vectorized = bool(loads) and bool(stores)
-            assert vectorized == variant.constexprs["ALIGNED"], f"{where}: 16-byte vector access {vectorized}"
+            # both branches in one kernel ([Note: copy alignment]): 16-byte accesses for aligned
+            # segments (on the flat buffer's side too when its row stride is known to allow them),
+            # element-wise ones for the others (the table is read in 8-byte words)
+            loads, stores = re.findall(r"ld\.global\.v4\.", ptx), re.findall(r"st\.global\.v4\.", ptx)
+            scalar = re.findall(r"(?:ld|st)\.global\.b(?:16|32)\b", ptx)
+            assert scalar, f"{where}: no element-wise branch"
+            if variant.ints16:
+                assert loads and stores, f"{where}: 16-byte loads {len(loads)}, stores {len(stores)}"
+            else:
+                assert loads or stores, f"{where}: no 16-byte access on the tensors' side"
 
 
 @pytest.mark.parametrize("name", ["encode int8 nearest fp32", "encode int8 nearest bf16 fp32 residual",
@@ -301,3 +310,29 @@ def test_every_launch_uses_the_launch_options_under_the_tensors_device(monkeypat
         for kwargs, devices in recorder.launches:
             assert kwargs.items() >= LAUNCH_OPTIONS.items(), f"{name}: launched with {kwargs}"
             assert devices == [torch.device("cpu")], f"{name}: launched outside the tensors' device guard"
+
+
+def test_copy_layouts_share_one_compiled_kernel(monkeypatch) -> None:
+    """[Note: copy tables] in overlap/kernels/triton_copy.py: the segment count and each
+    segment's alignment are data, not compile-time constants, so layouts of 1 to 40 segments,
+    aligned, unaligned or mixed, launch the same kernel with the same constexprs (Triton compiles
+    one variant per constexpr set and argument specialization), once per copy."""
+    for kernel in (triton_copy._copy_out_kernel, triton_copy._copy_in_kernel):
+        assert [p.name for p in kernel.params if p.is_constexpr] == ["BLOCK"]
+    guard: list[torch.device] = []
+    recorders = {name: _LaunchRecorder(guard) for name in ("_copy_out_kernel", "_copy_in_kernel")}
+    for name, recorder in recorders.items():
+        monkeypatch.setattr(triton_copy, name, recorder)
+    n = 8
+    for num_segments in (1, 3, 17, 40):
+        for odd in (0, 1, num_segments):  # segments whose data columns are not a multiple of 16
+            cols = [16 * (1 + i % 3) for i in range(num_segments)]
+            data = [c - (i < odd) for i, c in enumerate(cols)]
+            sizes = [n * c for c in cols]
+            flat = torch.zeros(sum(sizes), dtype=torch.bfloat16)
+            outs = [torch.empty(n * d, dtype=torch.bfloat16) for d in data]
+            triton_copy.copy_out(flat, outs, sizes, data, n)
+            triton_copy.copy_in(outs, flat, sizes, data, n)
+    for name, recorder in recorders.items():
+        assert len(recorder.launches) == 12, f"{name}: {len(recorder.launches)} launches for 12 copies"
+        assert len({tuple(sorted(kwargs.items())) for kwargs, _ in recorder.launches}) == 1, name

@@ -99,6 +99,117 @@ def check_copy(gen: torch.Generator) -> int:
     return cases
 
 
+class CountLaunches:
+    """Wraps a jitted kernel: `kernel[grid](...)` launches it and counts the launch."""
+
+    def __init__(self, kernel: Any) -> None:
+        self.kernel, self.launches = kernel, 0
+
+    def __getitem__(self, grid: Any) -> Any:
+        self.launches += 1
+        return self.kernel[grid]
+
+
+def reallocate_elsewhere(t: torch.Tensor) -> None:
+    """Free `t`'s storage and allocate it again at another address, as the runtime does with a
+    unit's unsharded buffer every step."""
+    address, nbytes = t.data_ptr(), t.untyped_storage().nbytes()
+    held = []
+    for _ in range(16):
+        t.untyped_storage().resize_(0)
+        held.append(torch.empty(nbytes, dtype=torch.uint8))  # may take the block just freed
+        t.untyped_storage().resize_(nbytes)
+        if t.data_ptr() != address:
+            return
+    raise AssertionError("the allocator kept returning the same block")
+
+
+RUNTIME_SHAPES = [(48, 20), (48,), (7, 3), (1000,), (64, 16), (3,)]  # odd chunks: unaligned segments
+RUNTIME_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def check_runtime_copies(gen: torch.Generator) -> int:
+    """The runtime's copies of a unit ([Note: flat layout]) at world sizes 1, 2 and 8, tagged from
+    2 ranks on (the tag slot a buffer of its own, [Note: second base] in triton_copy.py), with
+    unaligned chunks, for every pair of fp32 / bf16 / fp16: unbound and bound, bitwise the torch
+    reference (the tags' bits exact), one launch per copy where the dtypes allow ([Note: copy
+    alignment]). Bound, a copy-out into a reallocated unsharded buffer builds and uploads nothing."""
+    from overlap.engine.units import CHUNK_ALIGN_NUMEL, ParamInfo, make_layout
+    from overlap.kernels import triton_copy
+    from overlap.transport.fingerprint import TAG_NUMEL
+
+    counters = {"out": CountLaunches(triton_copy._copy_out_kernel), "in": CountLaunches(triton_copy._copy_in_kernel)}
+    triton_copy._copy_out_kernel, triton_copy._copy_in_kernel = counters["out"], counters["in"]  # type: ignore[assignment]
+
+    def launched(kind: str, fn: Callable[[], object]) -> int:
+        before = counters[kind].launches
+        fn()
+        return counters[kind].launches - before
+
+    cases = 0
+    try:
+        for n in (1, 2, 8):
+            infos = [ParamInfo(f"p{i}", ((f"m{i}", "w"),), torch.Size(s), True) for i, s in enumerate(RUNTIME_SHAPES)]
+            layout = make_layout(0, "u", ("m",), infos, n, align_numel=CHUNK_ALIGN_NUMEL)
+            tag = TAG_NUMEL if n > 1 else 0
+            sizes = [n * s.padded_chunk_numel for s in layout.slots] + ([n * tag] if tag else [])
+            cols = [s.chunk_numel for s in layout.slots] + ([tag] if tag else [])
+            assert any(c % 16 for c in cols), "the layout has no unaligned segment"
+            for src in RUNTIME_DTYPES:
+                for dst in RUNTIME_DTYPES:
+                    where = f"ws={n} {src}->{dst}"
+                    gathered = copy_values(n * (layout.shard_numel + tag), src, gen)
+                    if tag:  # any bits in the tag slots, NaN patterns too
+                        bits = torch.randint(-(2**62), 2**62, (n, tag * src.itemsize // 8), generator=gen)
+                        gathered.view(n, -1)[:, layout.shard_numel :] = bits.view(src)
+                    want = torch.full((layout.unsharded_numel,), 7.0, dtype=dst)
+                    want_tags = torch.full((n * tag,), 7.0, dtype=src)
+                    views = [(s.unsharded_offset, n * s.chunk_numel) for s in layout.slots]
+                    copy_out_ref(gathered, [want[o : o + k] for o, k in views] + ([want_tags] if tag else []), sizes, n, cols)
+                    unsharded, tags = torch.full_like(want, 7.0), torch.full_like(want_tags, 3.0)  # padding: as `want`
+                    outs = [unsharded[o : o + k] for o, k in views] + ([tags] if tag else [])
+                    expected = 1 + (tag > 0 and src != dst)  # the tags keep the gathered dtype
+                    count = launched("out", lambda: copy_out(gathered, outs, sizes=sizes, num_rows=n, data_cols=cols,
+                                                            backend="triton"))  # fmt: skip
+                    assert count == expected, f"copy_out {where}: {count} launches"
+                    assert _equal(unsharded, want) and torch.equal(tags.view(_INT_VIEW[src]), want_tags.view(_INT_VIEW[src])), (
+                        "copy_out " + where
+                    )
+                    bound = triton_copy.bind_copy_out(outs, sizes, cols, n)
+                    for _ in range(2):  # the second time into a reallocated buffer, elsewhere
+                        reallocate_elsewhere(unsharded)
+                        unsharded.fill_(7.0)
+                        tags.fill_(3.0)
+                        with record_host_calls() as built:
+                            count = launched("out", lambda: bound(gathered))
+                        assert count == expected, f"bound copy_out {where}: {count} launches"
+                        assert _equal(unsharded, want), "bound copy_out " + where
+                        assert torch.equal(tags.view(_INT_VIEW[src]), want_tags.view(_INT_VIEW[src])), "bound tags " + where
+                    assert not built, f"bound copy_out {where}: a repeated layout built host data: {built}"
+                    # copy-in: the gradients (one missing), then the used flags in their dtype
+                    grads = [None if i == 2 else copy_values(s.numel, src, gen) for i, s in enumerate(layout.grad_slots)]
+                    num_flags = len(grads)
+                    flags = torch.tensor([g is not None for g in grads], dtype=src).repeat(n)
+                    flag_cols = -(-num_flags // CHUNK_ALIGN_NUMEL) * CHUNK_ALIGN_NUMEL
+                    in_sizes = [n * s.padded_chunk_numel for s in layout.grad_slots] + [n * flag_cols]
+                    in_cols = [s.chunk_numel for s in layout.grad_slots] + [num_flags]
+                    srcs = [*grads, flags]
+                    want_full = torch.full((sum(in_sizes),), 7.0, dtype=dst)
+                    copy_in_ref(srcs, want_full, in_sizes, n, in_cols)
+                    for name, run in (
+                        ("copy_in", lambda f: copy_in(srcs, f, sizes=in_sizes, num_rows=n, data_cols=in_cols, backend="triton")),
+                        ("bound copy_in", lambda f, b=triton_copy.bind_copy_in(in_sizes, in_cols, n): b(srcs, f)),
+                    ):  # fmt: skip
+                        got_full = torch.full_like(want_full, 3.0)
+                        count = launched("in", lambda: run(got_full))
+                        assert count == 1, f"{name} {where}: {count} launches"
+                        assert torch.equal(got_full.view(_INT_VIEW[dst]), want_full.view(_INT_VIEW[dst])), f"{name} {where}"
+                    cases += 1
+    finally:
+        triton_copy._copy_out_kernel, triton_copy._copy_in_kernel = counters["out"].kernel, counters["in"].kernel
+    return cases
+
+
 # ------------------------------------------------------------------------------ no host sync
 _OVERLAP = str(Path(__file__).resolve().parents[1] / "overlap")
 _WATCHED = (os.path.join(_OVERLAP, "kernels") + os.sep, os.path.join(_OVERLAP, "compression") + os.sep)
@@ -379,9 +490,11 @@ def main() -> None:
     row_cases = check_rows(gen)
     feedback_cases = check_fused_feedback(gen)
     copy_cases = check_copy(gen)
+    runtime_cases = check_runtime_copies(gen)
     check_no_host_sync(gen)
-    print(f"checked {cases} quantize, {row_cases} row, {feedback_cases} error-feedback and {copy_cases} copy cases: "
-          "interpreted Triton == reference; repeated launches build and upload nothing")  # fmt: skip
+    print(f"checked {cases} quantize, {row_cases} row, {feedback_cases} error-feedback, {copy_cases} copy and "
+          f"{runtime_cases} runtime copy cases: interpreted Triton == reference; repeated launches build and "
+          "upload nothing")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -143,7 +143,10 @@ class Reductions:
             srcs = grad_data(params, grads, self.transport.sum_over)
             del params, grads
             used = tuple(g is not None for g in srcs)
-            flags = self._flags_for(used, dtype)
+            # riding with the gradients (no codec), the flags take their dtype: one copy launch
+            # (kernels/triton_copy.py launches once per source dtype); 0 and 1 are exact in any
+            flag_dtype = dtype if self.grad_codec is not None else next((g.dtype for g in srcs if g is not None), dtype)
+            flags = self._flags_for(used, flag_dtype)
             width_grads = sum(spans)
             sizes = [n * span for span in spans]
             if self.grad_codec is None:  # flags ride in the same buffer

@@ -350,6 +350,7 @@ class Runtime(Reductions):
         if numel != unit.layout.unsharded_numel:  # tagged: each row ends in its tag
             assert numel == unit.layout.unsharded_numel + self.world_size * TAG_NUMEL
             if unit.tag_out is None or unit.tag_out.dtype != gathered.dtype:
+                # a buffer of its own, allocated once ([Note: second base] in kernels/triton_copy.py)
                 unit.tag_out = torch.empty(self.world_size * TAG_NUMEL, dtype=gathered.dtype, device=gathered.device)
             outs, sizes, cols = [*outs, unit.tag_out], [*sizes, self.world_size * TAG_NUMEL], [*cols, TAG_NUMEL]
         # The unsharded params alias this storage and autograd may hold them from forward: a

@@ -28,15 +28,14 @@ every backend equals `copy_out_ref` / `copy_in_ref` bitwise for finite and infin
 stays NaN, but its sign and payload bits are not specified (torch's own vectorised and scalar
 paths differ there).
 
-Backends: Triton on CUDA (triton_copy.py: one launch per distinct dtype of the many-tensor side
-and alignment class, usually one in all), the C++ extension on CPU (csrc/copy.cpp, one parallel
-pass over the whole job), else the references below. The compiled backends take fp32, bf16 and fp16; other dtypes use the reference.
+Backends: Triton on CUDA (triton_copy.py: one launch per distinct dtype of the many-tensor side,
+usually one in all), the C++ extension on CPU (csrc/copy.cpp, one parallel pass over the whole job), else the references below. The compiled backends take fp32, bf16 and fp16; other dtypes use the reference.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -205,13 +204,13 @@ def bind_copy_out(
         op = _extension().copy_out.default
         return lambda flat: op(flat, outs, sizes, data, num_rows)
 
-    def bound(flat: torch.Tensor) -> None:
-        if chosen == "triton":
-            from overlap.kernels import triton_copy
+    bound: Callable[[torch.Tensor], None]
+    if chosen == "triton":
+        from overlap.kernels import triton_copy
 
-            triton_copy.copy_out(flat, outs, sizes, data, num_rows)
-        else:
-            copy_out_ref(flat, outs, sizes, num_rows, data)
+        bound = triton_copy.bind_copy_out(outs, sizes, data, num_rows)  # offsets read once
+    else:
+        bound = functools.partial(copy_out_ref, outs=outs, sizes=sizes, num_rows=num_rows, data_cols=data)
 
     if not rows:
         return bound
@@ -241,7 +240,7 @@ def bind_copy_in(
     if chosen == "triton":
         from overlap.kernels import triton_copy
 
-        return lambda srcs, flat: triton_copy.copy_in(srcs, flat, sizes, data, num_rows)
+        return triton_copy.bind_copy_in(sizes, data, num_rows)
     return lambda srcs, flat: copy_in_ref(srcs, flat, sizes, num_rows, data)
 
 
