@@ -266,7 +266,7 @@ class Runtime(Reductions):
         buffers ([Note: buffer lifetime])."""
         self._alloc_unsharded(unit)  # CUDA: already allocated at issue, on the compute stream
         self._copy_out(unit, gathered)  # its tags too: checked next, before any use
-        self.transport.gather_copied(unit)  # CUDA: compute waits for this much ([Note: gather event])
+        self.transport.gather_copied(unit)  # CUDA: compute waits for this much ([Note: gather event] in streams.py)
         self._check_tag(unit, gathered, unit.gather.output)
         self._keep_secondary(unit, gathered)
         del gathered

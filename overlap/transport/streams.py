@@ -108,6 +108,10 @@ class StreamTransport(Transport):
         fingerprint.py). Uncompressed: copy-out's tag destination (`unit.tag_out`, world_size
         rows of TAG_NUMEL elements); compressed: the end of each byte row of `received`."""
         tags = byte_tags(received, self.world_size) if compressed else unit.tag_out
+        # after the gather event, so never from a block compute may free meanwhile ([Note: gather event])
+        assert tags.untyped_storage().data_ptr() != unit.unsharded_flat.untyped_storage().data_ptr(), (
+            f"rank {self.rank}: the tags' copy to the host reads the unsharded storage behind compute's back"
+        )
         fingerprints.defer(tags, self.world_size, unit.gather_tag, what)
 
     # ------------------------------------------------------------------ reductions
