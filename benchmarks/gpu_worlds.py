@@ -6,8 +6,8 @@ accounted. benchmarks/gpu_check.py lists them with its other parts and runs them
   tp2x2     4 ranks on the one GPU over gloo, `init_device_mesh(..., (2, 2), ("dp", "tp"))`: MLP
             blocks made tensor-parallel (ColwiseParallel up, RowwiseParallel down) and a plain
             head, wrapped with `group=mesh["dp"]` (the composition tests/test_compose.py checks
-            against FSDP2 on CPU). Configs: fp32; fp16 with the ShardedGradScaler (its found-inf
-            over the tp group too). Each runs twice, the second time with delays injected; bar:
+            against FSDP2 on CPU). Configs: fp32; fp16 with the ShardedGradScaler and an overflow
+            in one tp rank's shard ([Note: one tp shard overflows]): every rank skips alike. Each runs twice, the second time with delays injected; bar:
             the two bitwise equal, delays injected, the same scale on every rank, and fp32 within
             fp32 rounding of a one-process reference (the unsharded model on each dp rank's batch,
             gradients averaged, SGD): rowwise partial sums change the order of a sum, so not bitwise.
@@ -34,8 +34,21 @@ import overlap
 
 TP_CONFIGS: dict[str, dict[str, Any]] = {
     "plain": {},
-    "fp16_scaler": {"param_dtype": "float16", "scaler": True},
+    # an overflow in one tp rank's shard only ([Note: one tp shard overflows]): every rank skips
+    "fp16_scaler": {"param_dtype": "float16", "scaler": True, "overflow_one_shard": True},
 }
+OVERFLOW_INIT_SCALE = 2.0**10
+OVERFLOW_WEIGHT = 64.0
+
+# [Note: one tp shard overflows]
+# The fp16 config sets one column of the first block's rowwise `down` weight to OVERFLOW_WEIGHT:
+# the gradient reaching that hidden unit is large, and so, scaled by OVERFLOW_INIT_SCALE, are the
+# gradients of its row of the colwise `up` weight and of its bias, which one tp rank holds (and
+# of that, one dp shard): an fp16 inf in one tp rank's shards, while the other tp rank's stay
+# finite (the first block's input needs no gradient, so nothing carries the overflow further).
+# The scaler's found-inf must reach every rank over the dp and tp groups: every rank skips that
+# step and halves its scale. With the tp group left out of it, the tp ranks take different steps
+# (their scales differ after the first step) and hold different weights for good.
 AUTOTUNE_STEPS = 20  # the baseline decision at step 10 on CUDA (6 on CPU), then a first trial
 MEMORY_SLACK_BYTES = 2 << 20  # the allocator's rounding and small tensors nothing accounts
 
@@ -88,6 +101,9 @@ def tp_rank(rank: int, nproc: int, spec: dict[str, Any], send: Any) -> None:
         runs = []
         for delayed in (False, True):
             model = tp_model(sizes, device)
+            if overrides.get("overflow_one_shard"):
+                with torch.no_grad():
+                    model.layers[0].down.weight[:, -1] = OVERFLOW_WEIGHT
             for block in model.layers:
                 parallelize_module(block, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
             runs.append(tp_config_run(model, mesh["dp"], overrides, impls["overrides"], batches, dp, rank, device, delayed))
@@ -128,11 +144,12 @@ def tp_config_run(
     """(losses, full state dict on CPU, the scale after each step, delays injected)."""
     options = dict(overrides)
     scaled = options.pop("scaler", False)
+    init_scale = OVERFLOW_INIT_SCALE if options.pop("overflow_one_shard", False) else 2.0**16
     if "param_dtype" in options:
         options["param_dtype"] = getattr(torch, options["param_dtype"])
     model = overlap.wrap(model, group=group, keep_for_backward_bytes=0, **impls, **options)
     opt = torch.optim.SGD(model.parameters(), lr=base.LR, foreach=False)
-    scaler = overlap.ShardedGradScaler(model=model) if scaled else None
+    scaler = overlap.ShardedGradScaler(init_scale=init_scale, model=model) if scaled else None
     counts: Counter = Counter()
     losses, scales = [], []
     with contextlib.ExitStack() as stack:
@@ -169,6 +186,9 @@ def part_tp(c: Any, _budget_s: float) -> base.PartResult:
             entry = measured["configs"].setdefault(name, {"ranks": {}})
             entry["ranks"][str(rank)] = payload
             base.judge(entry, name, 4, exact=False)  # rowwise partial sums: another order
+            if TP_CONFIGS[name].get("overflow_one_shard"):  # the overflow happened: a step was skipped
+                scales = [r.get("scales") or [] for r in entry["ranks"].values()]
+                entry["ok"] = entry["ok"] and all(s and min(s) < OVERFLOW_INIT_SCALE for s in scales)
         c.progress(measured)
 
     base.run_world(4, spec, on_message)

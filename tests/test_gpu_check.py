@@ -301,14 +301,18 @@ def _compile_script(args: list[str], env: dict[str, str] | None = None, hide_pyt
     return {"rc": proc.returncode, **json.loads(lines[-1])}
 
 
-def test_compile_checks_run_without_pytest(monkeypatch) -> None:
+@pytest.mark.parametrize("pytest_installed", [False, True])
+def test_compile_checks_run_without_pytest(monkeypatch, pytest_installed: bool) -> None:
     """Where pytest is not installed, the driver imports tests/test_triton_compile.py with a
-    stand-in and calls every check itself: each parametrized case, monkeypatch given; a shard of
-    the variants and the file's other checks all pass."""
+    stand-in, and where it is, as it is; either way it calls every check itself: each
+    parametrized case, monkeypatch given. A share of the variants and the file's other checks
+    all pass."""
     pytest.importorskip("triton")
-    result = _compile_script(["--shard", "1/60", "--checks", "all", "--warm", "none"], hide_pytest=True)
+    args = ["--shard", "1/60", "--checks", "all", "--warm", "none"]
+    result = _compile_script(args, hide_pytest=not pytest_installed)
     checks = result["checks"]
-    assert result["rc"] == 0 and checks["pytest"] == "stand-in" and not checks["failed"], checks
+    assert checks["pytest"] == ("installed" if pytest_installed else "stand-in"), checks
+    assert result["rc"] == 0 and not checks["failed"] and not checks["skipped"], checks
     passed = set(checks["passed"])
     monkeypatch.syspath_prepend(str(REPO / "tests"))
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
@@ -336,3 +340,37 @@ def test_warm_up_compiles_the_numerics_launches_into_the_cache(tmp_path: Path) -
     second = _compile_script(args, env)
     assert second["warm"]["compiled"] == warm["compiled"] and not second["warm"]["errors"]
     assert {p.name for p in (tmp_path / "cache").iterdir()} == entries  # all found: no new compile
+
+
+def test_compile_driver_reports_each_case(monkeypatch) -> None:
+    """The driver's verdicts without compiling: each parametrized case passes or fails on its
+    own (a failure is kept with its traceback, the exit code says it), a test that needs a fixture
+    the driver does not give is skipped by name, monkeypatch's changes are undone."""
+    import types
+
+    spec = importlib.util.spec_from_file_location("gpu_compile_under_test", COMPILE_SCRIPT)
+    assert spec is not None and spec.loader is not None
+    driver = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(driver)
+    stand_in = driver._pytest_stand_in()
+    target = types.SimpleNamespace(value=1)
+
+    @stand_in.mark.parametrize("n", [1, 2, 3], ids=["one", "two", "three"])
+    def test_even_fails(n: int) -> None:
+        assert n % 2, f"{n} is even"
+
+    def test_patches(monkeypatch) -> None:
+        monkeypatch.setattr(target, "value", 2)
+        assert target.value == 2
+
+    def test_needs_tmp_path(tmp_path) -> None:
+        raise AssertionError("never called")
+
+    fake = types.ModuleType("fake_compile_checks")
+    fake.test_even_fails, fake.test_patches, fake.test_needs_tmp_path = test_even_fails, test_patches, test_needs_tmp_path
+    monkeypatch.setattr(driver, "load_compile_checks", lambda: fake)
+    out = driver.run_checks("all")
+    assert out["passed"] == ["test_even_fails[one]", "test_even_fails[three]", "test_patches"], out
+    assert list(out["failed"]) == ["test_even_fails[two]"] and "2 is even" in out["failed"]["test_even_fails[two]"]
+    assert list(out["skipped"]) == ["test_needs_tmp_path"] and target.value == 1
+    assert driver.run_checks("variants")["passed"] == []  # only test_kernel_compiles, which this file lacks
