@@ -7,13 +7,17 @@ accounted. benchmarks/gpu_check.py lists them with its other parts and runs them
             blocks made tensor-parallel (ColwiseParallel up, RowwiseParallel down) and a plain
             head, wrapped with `group=mesh["dp"]` (the composition tests/test_compose.py checks
             against FSDP2 on CPU). Configs: fp32; fp16 with the ShardedGradScaler and an overflow
-            in one tp rank's shard ([Note: one tp shard overflows]): every rank skips alike. Each runs twice, the second time with delays injected; bar:
-            the two bitwise equal, delays injected, the same scale on every rank, and fp32 within
-            fp32 rounding of a one-process reference (the unsharded model on each dp rank's batch,
-            gradients averaged, SGD): rowwise partial sums change the order of a sum, so not bitwise.
-  autotune  world size 1, `autotune=True`, AUTOTUNE_STEPS steps of AdamW: the tuner's memory
-            budget taken once the optimizer state exists, and the measured peak (CUDA: the
-            allocator's max_memory_allocated; CPU: the process's peak RSS) under its cap.
+            in one tp rank's shard ([Note: one tp shard overflows]). Each runs twice, the second
+            time with delays injected; bar: the two bitwise equal, delays injected, the same
+            scale on every rank (and a step skipped where the overflow is), fp32 within fp32
+            rounding of a one-process reference (the unsharded model on each dp rank's batch,
+            gradients averaged, SGD): rowwise partial sums change the order of a sum.
+  autotune  world size 1, AdamW: the peak of 3 steps without autotune (optimizer state
+            included), then AUTOTUNE_STEPS steps with `autotune=True` and `autotune_memory_bytes`
+            that peak plus half a layer (CPU, whose peak RSS is noisier: 64 MiB), so that keeping
+            or prefetching one more layer would cross it. Bar: a baseline decision taken, the
+            tuner's limit that cap, the measured peak (CUDA: max_memory_allocated; CPU: peak RSS)
+            under it.
   memory    no run of its own: per rank of each world config, the allocator's peak during the
             steps above what the rank held after wrap, against what is accounted for it:
             overlap.memory_stats' peak (the library's buffers) plus what a step of the unwrapped
@@ -23,6 +27,7 @@ accounted. benchmarks/gpu_check.py lists them with its other parts and runs them
 from __future__ import annotations
 
 import contextlib
+import gc
 from collections import Counter
 from typing import Any
 
@@ -215,6 +220,7 @@ def part_autotune(c: Any, _budget_s: float) -> base.PartResult:
     layer_bytes = sum(p.numel() * p.element_size() for p in next(iter(untuned.children())).parameters())
     untuned_peak = measured_peak_bytes(c.device)
     del untuned, opt
+    gc.collect()  # the untuned model's memory back before the tuned one allocates
     cap = untuned_peak + (layer_bytes // 2 + (1 << 20) if c.cuda else 64 << 20)
     model = overlap.wrap(base.build_plain(c.sizes, c.device), autotune=True, autotune_memory_bytes=cap)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
