@@ -51,7 +51,8 @@ Parts, in order of what they prove per second:
              parameter only rank 0 uses (used flags that differ by rank, read back on the host)
              and one no rank uses. Configs: plain fp32, bf16 params with no_sync micro-batches,
              int8 gradients + error feedback, int8 params (the encoded exchanges: all-to-all),
-             fp16 with the ShardedGradScaler (the same scale on every rank after every step);
+             fp16 with the ShardedGradScaler and an overflow in one rank's shard ([Note: one
+             shard overflows]: every rank skips the step, the same scale everywhere);
              strict ZeRO-3 (backward gathers); SGD. Each config runs twice, the second time
              with delays injected ([Note: injected delays]); bar: the two runs bitwise equal on
              every rank, delays were injected, and plain fp32 bitwise equal to a one-process
@@ -260,7 +261,8 @@ WORLD_CONFIGS: dict[str, dict[str, Any]] = {
     "bf16_no_sync": {"param_dtype": "bfloat16", "reduce_dtype": "float32", "micro_batches": 2, "spare_everywhere": True},
     "int8_grads_ef": {"grad_compression": "int8", "error_feedback": True},
     "int8_params": {"param_compression": "int8"},
-    "fp16_scaler": {"param_dtype": "float16", "scaler": True},  # reduce in fp16 too: the scaler's found-inf
+    # reduce in fp16 too; an overflow in one rank's shard ([Note: one shard overflows]): every rank skips
+    "fp16_scaler": {"param_dtype": "float16", "scaler": True, "overflow_one_shard": True},
 }
 WORLD3_CONFIGS = {k: WORLD_CONFIGS[k] for k in ("plain", "int8_grads_ef", "fp16_scaler")}  # a middle rank
 
@@ -309,18 +311,30 @@ def build_plain(sizes: Sizes, device: torch.device, seed: int = 0) -> nn.Module:
 class WorldNet(nn.Module):
     """The worlds' model: the layers, then `spare`, which only rank 0 uses (`uses_spare` set on
     each rank's copy), and `unused`, which no rank uses: a reduction whose used flags differ by
-    rank (the host reads them back) and a parameter left without gradient everywhere."""
+    rank (the host reads them back) and a parameter left without gradient everywhere. `probe`
+    (one element, 0) is used only with `overflows` set: [Note: one shard overflows]."""
 
     def __init__(self, sizes: Sizes) -> None:
         super().__init__()
         self.layers = nn.Sequential(*build_plain(sizes, torch.device("cpu")))
         self.spare = nn.Linear(sizes.d, sizes.d)
         self.unused = nn.Linear(sizes.d, sizes.d)
+        self.probe = nn.Parameter(torch.zeros(1))
         self.uses_spare = True
+        self.overflows = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.layers(x)
-        return x + self.spare(x) if self.uses_spare else x
+        x = x + self.spare(x) if self.uses_spare else x
+        # [Note: one shard overflows]
+        # probe is 0, so the output is unchanged; its gradient is OVERFLOW_FACTOR x the sum of the
+        # output's gradient: under a loss scale, inf in fp16, in the one element of one rank's
+        # shard, while every other gradient stays finite. The scaler's found-inf must reach every
+        # rank: all skip the step (the same scale everywhere), or the ranks step apart.
+        return x + self.probe * OVERFLOW_FACTOR if self.overflows else x
+
+
+OVERFLOW_FACTOR = 1e4
 
 
 def build_world_model(sizes: Sizes, device: torch.device) -> WorldNet:
@@ -1070,15 +1084,17 @@ def reference_run(
     """One process, the unsharded model: every rank's half-batch, gradients summed in the order the
     collectives sum them (at 2 ranks a + b; HSDP (g0 + g1) + (g2 + g3)), divided by the ranks, SGD."""
     model = copy.deepcopy(base)
-    names, params = zip(*model.named_parameters())
+    params = list(model.parameters())
     opt = torch.optim.SGD(params, lr=LR, foreach=False)
     losses = torch.empty(len(batches), nproc)
+    used: list[bool] = []
     for step, x in enumerate(batches):
         grads = []
         for r in range(nproc):
             model.uses_spare = r == 0
             loss = loss_of(model(x[r].to(device)))
             got = torch.autograd.grad(loss, params, allow_unused=True)  # a parameter a rank left: zeros
+            used = [u or g is not None for u, g in zip(used, got)] if grads else [g is not None for g in got]
             grads.append([torch.zeros_like(p) if g is None else g for p, g in zip(params, got)])
             losses[step, r] = loss.detach().cpu()
         if hsdp:
@@ -1086,8 +1102,8 @@ def reference_run(
             total = [sum_in_order(p) for p in zip(*pairs)]
         else:
             total = [sum_in_order(g) for g in zip(*grads)]
-        for name, p, g in zip(names, params, total):
-            p.grad = None if name.startswith("unused.") else g.div_(nproc)  # no rank used it: no gradient
+        for p, g, u in zip(params, total, used):
+            p.grad = g.div_(nproc) if u else None  # no rank used it: no gradient
         opt.step()
         opt.zero_grad(set_to_none=True)
     return losses, {k: v.detach().cpu() for k, v in model.state_dict().items()}
@@ -1117,11 +1133,13 @@ def config_run(
     micro = options.pop("micro_batches", 1)
     scaled = options.pop("scaler", False)
     spare_everywhere = options.pop("spare_everywhere", False)
+    overflows = options.pop("overflow_one_shard", False)
     for key in ("param_dtype", "reduce_dtype"):
         if key in options:
             options[key] = getattr(torch, options[key])
     local = copy.deepcopy(base)
     local.uses_spare = spare_everywhere or rank == 0
+    local.overflows = overflows
     if device.type == "cuda":
         synchronize(device)
         before_wrap = torch.cuda.memory_allocated(device)
@@ -1283,7 +1301,8 @@ def part_world(c: Check, nproc: int, hsdp: bool, configs: dict[str, dict[str, An
         elif kind == "config":
             name = payload.pop("name")
             measured["configs"].setdefault(name, {"ranks": {}})["ranks"][str(rank)] = payload
-            judge(measured["configs"][name], name, nproc, exact=nproc != 3)
+            skip_below = 2.0**16 if configs[name].get("overflow_one_shard") else None  # the scaler's default
+            judge(measured["configs"][name], name, nproc, exact=nproc != 3, skip_below=skip_below)
         c.progress(measured)
 
     run_world(nproc, spec, on_message)
@@ -1294,9 +1313,10 @@ def part_world(c: Check, nproc: int, hsdp: bool, configs: dict[str, dict[str, An
     return ("passed" if ok else "failed"), bar, measured
 
 
-def judge(entry: dict[str, Any], name: str, nproc: int, exact: bool = True) -> None:
+def judge(entry: dict[str, Any], name: str, nproc: int, exact: bool = True, skip_below: float | None = None) -> None:
     """A config's verdict from its ranks' summaries; `exact`: plain fp32 bitwise equal to the
-    reference (where it sums in the collective's order), else within fp32 rounding of it."""
+    reference (where it sums in the collective's order), else within fp32 rounding of it;
+    `skip_below`: the scaler's initial scale, where an overflow was injected."""
     ranks = entry["ranks"].values()
     ok = len(entry["ranks"]) == nproc and all("error" not in r for r in ranks)
     ok = ok and all(r["bitwise_delayed"] and r["delays"].get("before_collective", 0) > 0
@@ -1306,6 +1326,8 @@ def judge(entry: dict[str, Any], name: str, nproc: int, exact: bool = True) -> N
     scales = [r.get("scales") for r in ranks]
     if any(scales):  # every rank stepped (or skipped) alike: the same scale after every step
         ok = ok and all(s == scales[0] for s in scales)
+    if skip_below is not None:  # the injected overflow happened: a step skipped, the scale below its start
+        ok = ok and all(s and min(s) < skip_below for s in scales)
     entry["ok"] = bool(ok)
 
 
