@@ -377,3 +377,17 @@ def test_compile_driver_reports_each_case(monkeypatch) -> None:
     assert list(out["failed"]) == ["test_even_fails[two]"] and "2 is even" in out["failed"]["test_even_fails[two]"]
     assert list(out["skipped"]) == ["test_needs_tmp_path"] and target.value == 1
     assert driver.run_checks("variants")["passed"] == []  # only test_kernel_compiles, which this file lacks
+
+
+def test_plain_step_bytes_runs_on_the_world_model(monkeypatch) -> None:
+    """The memory part's yardstick (CUDA only in the run): one unwrapped step of the worlds' model,
+    whose `unused` and `probe` get no gradient, measured by the allocator (faked here)."""
+    gc = load_gpu_check()
+    allocated = iter([1000, 5000])  # before, then the peak
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: next(allocated))
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: next(allocated))
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: None)
+    sizes = gc.SIZES["cpu"]
+    model = gc.build_world_model(sizes, torch.device("cpu"))
+    out = gc.plain_step_bytes(model, gc.make_input(sizes, torch.device("cpu")), torch.device("cpu"))
+    assert out == {"step_peak_bytes": 4000, "param_bytes": sum(4 * p.numel() for p in model.parameters())}
