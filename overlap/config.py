@@ -236,9 +236,10 @@ class OverlapConfig:
     engine/autotune_policy.py. Off by default (README "Tuning": when it pays)."""
 
     autotune_memory_bytes: int | None = None
-    """With `autotune`: a setting whose library memory peak (`overlap.memory_stats`) exceeds this
-    is never kept. None: what the library holds at wrap plus half the device's free memory (CPU:
-    half the available RAM, shared by the local ranks)."""
+    """With `autotune`: the cap on each rank's measured memory peak (CUDA `max_memory_allocated`,
+    CPU the process's peak RSS), read with the optimizer state in: a move predicted to cross it is
+    never tried, one measured over it never kept. None: 90% of the device's memory (CPU: of the
+    RAM), shared by the ranks on it. See [Note: autotune memory] in engine/autotune_memory.py."""
 
     autotune_dir: str | None = None
     """With `autotune`: rank 0 writes `autotune.json` (each decision, and per step the knobs and

@@ -35,16 +35,20 @@ from overlap.tools.plan.online import TIE, StepModel, exposed
 DEFAULTS = Knobs(prefetch_depth=1, max_inflight_bytes=None, bucket_bytes=0, keep_bytes=128 << 20, max_reduce_inputs=1)
 
 
-def drive(policy: TunePolicy, step_ms, steps: int = 400, memory=lambda k: 0, drift_at=None) -> list[Knobs]:
-    """Run `steps` training steps of a model whose step time under knobs k is `step_ms(k)`:
-    the policy's windows and decisions exactly as engine/autotune.py drives them (CPU: no lag)."""
+def drive(policy: TunePolicy, step_ms, steps: int = 400, memory=lambda k: 0, drift_at=None, device=lambda k: 0) -> list[Knobs]:
+    """Run `steps` training steps of a model whose step time under knobs k is `step_ms(k)`, whose
+    library peak is `memory(k)` and whose device peak `device(k)` (a high-water mark: the most
+    of any step so far): the policy's windows and decisions exactly as engine/autotune.py drives
+    them (CPU: no lag)."""
     knobs_at: list[Knobs] = []
+    high = [0]
     for t in range(steps):
         knobs_at.append(policy.current)
+        high.append(max(high[-1], device(policy.current)))
         scale = 1.5 if drift_at is not None and t >= drift_at else 1.0
 
         def measured(first: int, end: int) -> list[Measurement]:
-            return [Measurement(step_ms(knobs_at[s]) * scale, 0.0, 0.0, memory(knobs_at[s])) for s in range(first, end)]
+            return [Measurement(step_ms(knobs_at[s]) * scale, 0.0, 0.0, memory(knobs_at[s]), high[-1]) for s in range(first, end)]
 
         if policy.mode is Mode.SETTLED:
             window = policy.recheck_window(t)
@@ -93,11 +97,43 @@ def test_policy_hysteresis_ignores_small_gains():
 
 
 def test_policy_never_keeps_a_setting_over_the_memory_cap():
+    """Unpriced moves: a trial whose measured peak rose over the cap is reverted, however fast."""
     policy = TunePolicy(DEFAULTS, 1000, signature)
     # deeper prefetch is faster but holds more than the cap
-    drive(policy, lambda k: 100.0 - 10 * k.prefetch_depth, memory=lambda k: 600 * k.prefetch_depth)
+    drive(policy, lambda k: 100.0 - 10 * k.prefetch_depth, device=lambda k: 600 * k.prefetch_depth)
     assert policy.current.prefetch_depth == 1
-    assert any("over the cap" in d.reason for d in policy.decisions)
+    assert any("measured peak 1200 B over the cap 1000 B" in d.reason for d in policy.decisions), policy.decisions
+    # the library's own account tells too: its peak above the baseline's, added to the measured one
+    policy = TunePolicy(DEFAULTS, 1000, signature)
+    drive(policy, lambda k: 100.0 - 10 * k.prefetch_depth, memory=lambda k: 300 * k.prefetch_depth, device=lambda k: 800)
+    assert policy.current.prefetch_depth == 1
+    assert any("library peak 600 B puts the measured peak at 1100 B" in d.reason for d in policy.decisions), policy.decisions
+
+
+def test_policy_never_tries_a_move_priced_over_the_cap():
+    """Priced moves: deeper prefetch costs 300 B a level over a baseline peak of 800 B under a
+    cap of 1000 B: depth 2 is never run (refused, with the bytes), depth 0 (frees) is tried."""
+    ran: set[int] = set()
+
+    def step_ms(k: Knobs) -> float:
+        ran.add(k.prefetch_depth)
+        return 100.0 - 10 * k.prefetch_depth
+
+    def price(a: Knobs, b: Knobs) -> int:
+        return 300 * (b.prefetch_depth - a.prefetch_depth)
+
+    policy = TunePolicy(DEFAULTS, 1000, signature, price=price)
+    drive(policy, step_ms, device=lambda k: 800 + 300 * (k.prefetch_depth - 1))
+    assert policy.mode is Mode.SETTLED and policy.best.prefetch_depth == 1
+    assert ran == {0, 1}, ran  # depth 2 never ran a step
+    refused = [d for d in policy.decisions if d.action == "refuse"]
+    assert refused and refused[0].knob == "prefetch_depth" and refused[0].new == 2, policy.decisions
+    assert "predicted peak 1100 B (baseline 800 B, +300 B) over the cap 1000 B" in refused[0].reason
+    # the same cap with room: the move is tried and kept
+    ran.clear()
+    roomy = TunePolicy(DEFAULTS, 2000, signature, price=price)
+    drive(roomy, step_ms, device=lambda k: 800 + 300 * (k.prefetch_depth - 1))
+    assert 2 in ran and roomy.best.prefetch_depth > 1
 
 
 def test_policy_searches_again_when_the_step_drifts():

@@ -3,8 +3,8 @@ measurements of every rank at its decision steps and sets the knobs it decides o
 between steps. [Note: autotune] in autotune_policy.py says what moves and why the numbers do not.
 
 At a decision step each rank contributes its own StepStats of the trial's steps (step time,
-exposed all-gather and reduce-scatter waits, library memory peak) to one all-gather of a few
-floats over every rank of the model; every rank then holds the same values and runs the same
+exposed all-gather and reduce-scatter waits, library memory peak) and its measured memory peak
+to one all-gather of a few floats over every rank of the model; every rank then holds the same values and runs the same
 policy on them, so all take the same decision at the same step without a broadcast. Steps are
 the training steps (a backward that reduced): evaluation forwards and no_sync micro-batches are
 not counted. On CUDA a step's StepStats are final a few steps late (events are read without
@@ -29,7 +29,7 @@ import logging
 import math
 import os
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -38,6 +38,14 @@ import torch
 import torch.distributed as dist
 
 from overlap.config import OverlapConfig
+from overlap.engine.autotune_memory import (
+    MemoryBudget,
+    device_key,
+    knobs_config,
+    local_limit_bytes,
+    measured_peak_bytes,
+    price_bytes,
+)
 from overlap.engine.autotune_policy import TRIAL, Decision, Knobs, Measurement, Mode, Proposal, TunePolicy
 from overlap.engine.schedule import Schedule, ScheduleConfig
 from overlap.observe.stats import StatsRecorder, StepStats
@@ -46,6 +54,7 @@ from overlap.transport import collectives as comm
 log = logging.getLogger("overlap.autotune")
 
 _FIELDS = 4  # per step: step_ms, exposed gather, exposed reduce, memory peak
+_HEADER = 3  # per rank: its device's key, its own memory limit, its measured peak
 
 
 @dataclass(frozen=True)
@@ -97,17 +106,6 @@ def with_knobs(config: OverlapConfig, knobs: Knobs) -> OverlapConfig:
     )
 
 
-def default_memory_cap(device: torch.device, library_bytes: int) -> int:
-    """What the library's buffers may grow to when no cap is given: what they hold now plus half
-    the memory free on the device (CPU: half the available RAM, shared by the local ranks)."""
-    if device.type == "cuda":
-        free = torch.cuda.mem_get_info(device)[0]
-    else:
-        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        free //= max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    return library_bytes + free // 2
-
-
 class AutoTuner:
     """Drives a `TunePolicy` from one wrapped model's step statistics."""
 
@@ -119,7 +117,6 @@ class AutoTuner:
         group: dist.ProcessGroup,
         device: torch.device,
         timeout: timedelta | None,
-        library_bytes: int,
         tune_buckets: bool,
         num_ranks: int = 1,
         num_replicas: int = 1,
@@ -134,9 +131,11 @@ class AutoTuner:
                 f"overlap.wrap: autotune_calibration={config.autotune_calibration!r}: no such file (write one "
                 "with `overlap plan --calibrate FILE`, or use an earlier run's calibration.json)"
             )
-        cap = config.autotune_memory_bytes or default_memory_cap(device, library_bytes)
         ranker = self._propose if _step_model is not None else None
-        self.policy = TunePolicy(knobs_of(schedule.config), cap, self._signature, tune_buckets, ranker)
+        # the cap is read at the baseline, once the optimizer state exists ([Note: autotune memory])
+        self.policy = TunePolicy(knobs_of(schedule.config), None, self._signature, tune_buckets, ranker, self._price)
+        self.memory: MemoryBudget | None = None
+        """The cap and the baseline's measured peak, from the baseline decision on."""
         self._stats_step: dict[int, int] = {}  # training step -> StatsRecorder step
         self._knobs_at: dict[int, Knobs] = {}  # training step -> knobs it ran with
         self._published: dict[int, StepStats] = {}  # StatsRecorder step -> its stats
@@ -164,6 +163,12 @@ class AutoTuner:
                 size = 0
         return (knobs.prefetch_depth, knobs.max_inflight_bytes, tuple(buckets), kept, knobs.max_reduce_inputs)
 
+    def _price(self, old: Knobs, new: Knobs) -> int:
+        """The bytes a move adds to the peak ([Note: autotune memory])."""
+        if self.schedule.forward_order is None:
+            return 0
+        return price_bytes(self.schedule, self._schedule_config(old), self._schedule_config(new))
+
     def _propose(self, knobs: Knobs, measured: Measurement) -> list[Proposal]:
         """The installed model's proposals from the baseline `measured` under `knobs`."""
         s = self.schedule
@@ -182,14 +187,7 @@ class AutoTuner:
             return []
 
     def _schedule_config(self, knobs: Knobs) -> ScheduleConfig:
-        return replace(
-            self.schedule.config,
-            prefetch_depth=knobs.prefetch_depth,
-            max_inflight_bytes=knobs.max_inflight_bytes,
-            bucket_bytes=knobs.bucket_bytes,
-            keep_bytes=knobs.keep_bytes,
-            max_reduce_inputs=knobs.max_reduce_inputs,
-        )
+        return knobs_config(self.schedule.config, knobs)
 
     # ------------------------------------------------------------ events
     def observe(self, published: list[StepStats]) -> None:
@@ -223,20 +221,38 @@ class AutoTuner:
             due = policy.recheck_window(t - self.lag)
             if due is None:
                 return
-            knobs = policy.recheck(t, self._exchange(due))
+            knobs = policy.recheck(t, self._exchange(due)[0])
         else:
             first, end = policy.window()
             if t != end - 1 + self.lag:
                 return
-            knobs = policy.decide(t, self._exchange((first, end)))
+            trial, header = self._exchange((first, end))
+            if policy.mode is Mode.WARMUP:
+                self._read_memory_limit(t, header)
+            knobs = policy.decide(t, trial)
         self.schedule.retune(self._schedule_config(knobs))
         self._report()
         self._forget(t)
 
-    def _exchange(self, window: tuple[int, int]) -> list[Measurement]:
+    def _read_memory_limit(self, step: int, header: list[list[float]]) -> None:
+        """The cap, at the baseline: after WARMUP steps and a window, so the optimizer state and
+        every buffer of a step are in the measured peak ([Note: autotune memory]). `header`: each
+        rank's device key, its device's share for autotune (MEMORY_FRACTION of the total) and its
+        measured peak; ranks with the same key share that device."""
+        limit = self.config.autotune_memory_bytes
+        if limit is None:
+            keys = [row[0] for row in header]
+            limit = min(int(row[1]) // keys.count(row[0]) for row in header)
+        peak = int(max(row[2] for row in header))
+        self.memory = MemoryBudget(limit, peak, step)
+        self.policy.memory_cap = limit
+
+    def _exchange(self, window: tuple[int, int]) -> tuple[list[Measurement], list[list[float]]]:
         """Every rank's StepStats of the window's training steps, one all-gather; per step the
-        slowest rank's time, the largest exposed waits and memory peak."""
-        local: list[float] = []
+        slowest rank's time, the largest exposed waits and memory peaks. Each rank's row starts
+        with _HEADER values (its device's key, MEMORY_FRACTION of the device's memory, its
+        measured peak), returned by rank."""
+        local = [float(device_key(self.device)), float(local_limit_bytes(None, self.device, 1)), float(measured_peak_bytes(self.device))]
         for t in range(*window):
             stats = self._published.get(self._stats_step.get(t, -1))
             if stats is None:
@@ -244,13 +260,17 @@ class AutoTuner:
             else:
                 local += [stats.step_ms, stats.allgather_wait_ms, stats.reduce_wait_ms, float(stats.memory_peak_bytes)]
         rows = comm.all_gather_floats(local, self.group, self.device, self.timeout)
+        header = [row[:_HEADER] for row in rows]
+        device_peak = int(max(row[2] for row in header))
         trial = []
-        for i in range(len(local) // _FIELDS):
-            per_rank = [row[i * _FIELDS : (i + 1) * _FIELDS] for row in rows]
+        for i in range((len(local) - _HEADER) // _FIELDS):
+            at = _HEADER + i * _FIELDS
+            per_rank = [row[at : at + _FIELDS] for row in rows]
             seen = [r for r in per_rank if not math.isnan(r[0])]
             if seen:
-                trial.append(Measurement(*(max(r[f] for r in seen) for f in range(3)), int(max(r[3] for r in seen))))
-        return trial or [Measurement(math.inf, 0.0, 0.0, 0)]
+                fields = (max(r[f] for r in seen) for f in range(3))
+                trial.append(Measurement(*fields, int(max(r[3] for r in seen)), device_peak))
+        return trial or [Measurement(math.inf, 0.0, 0.0, 0, device_peak)], header
 
     def _forget(self, t: int) -> None:
         oldest = min(t - TRIAL - self.lag - 1, self._recorded)  # nothing before this is read again

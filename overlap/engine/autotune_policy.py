@@ -78,12 +78,15 @@ class Knobs:
 @dataclass(frozen=True)
 class Measurement:
     """One trial step as every rank saw it: the slowest rank's step time, the most exposed
-    all-gather and reduce-scatter wait of any rank, and the highest library memory peak."""
+    all-gather and reduce-scatter wait of any rank, the highest library memory peak (its own
+    account, that step) and the highest measured peak of any rank (the allocator's or the
+    process's high-water mark so far: [Note: autotune memory] in autotune_memory.py)."""
 
     step_ms: float
     gather_wait_ms: float
     reduce_wait_ms: float
     memory_peak_bytes: int
+    device_peak_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -94,7 +97,7 @@ class Decision:
     knob: str
     old: object
     new: object
-    action: str  # "baseline", "model", "try", "keep", "revert", "settle", "retune"
+    action: str  # "baseline", "model", "try", "refuse", "keep", "revert", "settle", "retune"
     reason: str
 
 
@@ -109,6 +112,9 @@ class Proposal:
     extra_bytes: int
     reason: str = ""
 
+
+Pricer = Callable[[Knobs, Knobs], int]
+"""(from, to) -> the bytes the move adds to the peak (negative: frees); [Note: autotune memory]."""
 
 Ranker = Callable[[Knobs, Measurement], list[Proposal]]
 """(the baseline knobs, the baseline window's score as a Measurement) -> proposals, fastest
@@ -131,7 +137,11 @@ class TunePolicy:
 
     `signature(knobs)` names what a setting does (the units kept, the buckets formed, ...): a
     move whose signature was already measured, or equals the current one, is skipped.
-    `moves(knobs)` yields (knob name, new knobs) in the order to try them."""
+    `moves(knobs)` yields (knob name, new knobs) in the order to try them.
+
+    `memory_cap` is the limit on the measured peak (`Measurement.device_peak_bytes`); the tuner
+    sets it at the baseline when it was not configured (None: no limit). `price(a, b)` says what
+    a move adds to the peak; a move predicted to cross the cap is refused untried."""
 
     def __init__(
         self,
@@ -140,10 +150,12 @@ class TunePolicy:
         signature: Callable[[Knobs], Hashable],
         tune_buckets: bool = True,
         ranker: Ranker | None = None,
+        price: Pricer | None = None,
     ) -> None:
-        self.best = self.current = start
+        self.best = self.current = self._baseline_knobs = start
         self.best_score = math.inf
         self.memory_cap = memory_cap
+        self.price = price
         self.signature = signature
         self.tune_buckets = tune_buckets
         self.ranker = ranker
@@ -158,7 +170,12 @@ class TunePolicy:
         self._candidate: tuple[float, int, str] | None = None  # its score, peak, exposed: measured, not yet compared
         self._reference = math.inf  # the best knobs' latest score
         self._flat: set[Hashable] = set()  # signatures of reverted moves within HYSTERESIS
-        self._baseline_peak = 0  # the baseline window's memory peak
+        self._baseline_peak = 0  # the baseline window's library memory peak
+        self._best_peak = 0  # the best knobs' library memory peak, as last measured
+        self.baseline_device_peak = 0  # the measured peak at the baseline ([Note: autotune memory])
+        self._device_peak = 0  # the measured peak at the latest decision
+        self._peak_before_trial = 0  # ... at the decision that started the trial under way
+        self._extra: dict[Knobs, int] = {}  # the model's own price of each proposal
         self._model_reason: dict[Knobs, str] = {}  # why the model proposed each proposal
 
     # ------------------------------------------------------------ when
@@ -211,10 +228,12 @@ class TunePolicy:
         for p in proposals:
             if taken == MODEL_TRIALS:
                 break
-            over = self.memory_cap is not None and self._baseline_peak + p.extra_bytes > self.memory_cap
             faster = p.predicted_ms <= p.baseline_predicted_ms * (1 - HYSTERESIS)
-            if over or not faster or self.signature(p.knobs) in self._tried:
+            if not faster or self.signature(p.knobs) in self._tried:
                 continue
+            self._extra[p.knobs] = p.extra_bytes
+            if self._refused(self.best, p.knobs) is not None:
+                continue  # refused untried, and does not take a model trial's place
             taken += 1
             self._model_reason[p.knobs] = f"model predicts {p.predicted_ms:.2f} ms vs {p.baseline_predicted_ms:.2f} ms{p.reason}"
             yield "model", p.knobs
@@ -230,6 +249,10 @@ class TunePolicy:
                 if key in self._tried:
                     continue
                 self._tried.add(key)
+                refused = self._refused(self.best, knobs)
+                if refused is not None:
+                    self._log(step, knob, _value(self.best, knob), _value(knobs, knob), "refuse", refused)
+                    continue
                 self._knob = knob
                 if knob == "model":
                     why = f"{_changes(self.best, knobs)}: {self._model_reason.get(knobs, '')}"
@@ -244,8 +267,34 @@ class TunePolicy:
                 return self.best
             self._pending, self._kept_this_pass = None, False  # another pass from the new best
 
+    def predicted_peak(self, start: Knobs, knobs: Knobs) -> int:
+        """The measured peak predicted for `knobs`, moved to from `start` (the best knobs): the
+        baseline's plus the most of: the move's price from the baseline's knobs, what `start`
+        measured above the baseline in the library's account plus the move's price from
+        `start`, and the model's own price."""
+        price = self.price or (lambda a, b: 0)
+        measured = max(0, self._best_peak - self._baseline_peak) + price(start, knobs)
+        extra = max(price(self._baseline_knobs, knobs), measured, self._extra.get(knobs, 0))
+        return self.baseline_device_peak + extra
+
+    def _refused(self, start: Knobs, knobs: Knobs) -> str | None:
+        """Why a move may not be tried (None: it may): predicted over the cap, or the measured
+        peak is over it already and the move would add more."""
+        if self.memory_cap is None:
+            return None
+        predicted = self.predicted_peak(start, knobs)
+        if predicted <= max(self.memory_cap, self.baseline_device_peak):
+            return None  # within the cap, or adds nothing to a peak that is over it already
+        if self._device_peak > self.memory_cap:
+            return f"not tried: the measured peak {self._device_peak} B is over the cap {self.memory_cap} B already"
+        return (
+            f"not tried: predicted peak {predicted} B (baseline {self.baseline_device_peak} B, "
+            f"+{predicted - self.baseline_device_peak} B) over the cap {self.memory_cap} B"
+        )
+
     def _start(self, step: int, knob: str, knobs: Knobs, action: str, reason: str) -> Knobs:
         self._log(step, knob, _value(self.current, knob), _value(knobs, knob), action, reason)
+        self._peak_before_trial = self._device_peak
         self.current = self._trying = knobs
         self._trial_start = step + 1 + SETTLE
         return knobs
@@ -258,11 +307,14 @@ class TunePolicy:
         from the next step on. Called at the same step on every rank with the same values."""
         assert self.mode is not Mode.SETTLED
         value = score(trial)
+        self._device_peak = max(m.device_peak_bytes for m in trial)
         if self.mode is Mode.WARMUP:
             self.mode = Mode.TRIAL
             self.best_score = self._reference = value
             self._tried.add(self.signature(self.best))
-            self._baseline_peak = max(m.memory_peak_bytes for m in trial)
+            self._baseline_knobs = self.best
+            self._baseline_peak = self._best_peak = max(m.memory_peak_bytes for m in trial)
+            self.baseline_device_peak = self._device_peak
             self._log(step, "-", None, None, "baseline", f"{self.best}: step {value:.2f} ms; {_exposed(trial)}")
             proposals: list[Proposal] = []
             if self.ranker is not None:
@@ -272,30 +324,45 @@ class TunePolicy:
             self._pending = self._proposals(proposals)
             return self._next_trial(step)
         if self._candidate is None:  # the candidate's window: now the best again, beside it
-            self._candidate = (value, max(m.memory_peak_bytes for m in trial), _exposed(trial))
+            peak = max(m.memory_peak_bytes for m in trial)
+            self._candidate = (value, peak, self._device_peak, _exposed(trial))
             self.current = self.best
             self._trial_start = step + 1 + SETTLE
             return self.best
-        (value, peak, exposed), self._candidate = self._candidate, None
+        (value, peak, device_peak, exposed), self._candidate = self._candidate, None
         after = score(trial)
         reference = (self._reference + after) / 2  # the best, measured before and after it
         self._reference = after
         knob = self._knob or "-"
         candidate = self._trying
-        over = self.memory_cap is not None and peak > self.memory_cap
+        over = self._over_cap(peak, device_peak)
         versus = f"step {value:.2f} ms vs {reference:.2f} ms ({value / reference - 1:+.1%}); {exposed}"
         if value < reference * (1 - HYSTERESIS) and not over:
             self._log(step, knob, _value(self.best, knob), _value(candidate, knob), "keep", versus)
             self.best, self.best_score, self._reference = candidate, value, value
+            self._best_peak = peak
             self._kept_this_pass = True
             self._pending = _same_first(self.moves(self.best), knob)  # the same direction again first
         else:
-            why = f"memory peak {peak} B over the cap {self.memory_cap} B" if over else f"{versus}: not {HYSTERESIS:.0%} faster"
+            why = over or f"{versus}: not {HYSTERESIS:.0%} faster"
             if not over and value < reference * (1 + HYSTERESIS):
                 self._flat.add(self.signature(candidate))
             self._log(step, knob, _value(candidate, knob), _value(self.best, knob), "revert", why)
             self.best_score = reference
         return self._next_trial(step)
+
+    def _over_cap(self, peak: int, device_peak: int) -> str:
+        """Why the trial's memory disqualifies it ("": it does not): its measured peak rose over
+        the cap during it, or its library peak puts the baseline's over it."""
+        cap = self.memory_cap
+        if cap is None:
+            return ""
+        if device_peak > cap and device_peak > self._peak_before_trial:
+            return f"measured peak {device_peak} B over the cap {cap} B"
+        predicted = self.baseline_device_peak + peak - self._baseline_peak
+        if predicted > cap and peak > self._best_peak:
+            return f"library peak {peak} B puts the measured peak at {predicted} B, over the cap {cap} B"
+        return ""
 
     def recheck(self, step: int, trial: list[Measurement]) -> Knobs:
         """Settled: search again if the step moved by more than DRIFT from the settled score."""

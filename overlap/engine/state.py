@@ -165,7 +165,7 @@ class OverlapState:
         self.replicated = ReplicatedParams(model, groups.everyone, self.runtime.timeout, self.stats)
         self.autotuner = None if not config.autotune else AutoTuner(
             self.schedule, self.stats, config, groups.job or groups.everyone, device, self.runtime.timeout,
-            self.runtime.memory.total, tune_buckets=config.grad_compression is None,
+            tune_buckets=config.grad_compression is None,
             num_ranks=dist.get_world_size(groups.shard),
             num_replicas=1 if groups.replicate is None else dist.get_world_size(groups.replicate),
         )

@@ -55,6 +55,7 @@ POST_OFF_THREAD_BYTES = 256 * 1024
 
 _MIN_WAIT = timedelta(milliseconds=1)  # Work.wait(0) means "the group's timeout", not "now"
 _sender: ThreadPoolExecutor | None = None
+_last_posting: Future[list[Any]] | None = None  # the sender thread's latest job
 _sender_lock = threading.Lock()
 
 
@@ -122,10 +123,14 @@ def exchange(
         if buf is not None
     ]
     to_send = [(r, buf) for r, buf in enumerate(sends) if buf is not None]
-    if sum(buf.numel() * buf.element_size() for _, buf in to_send) < POST_OFF_THREAD_BYTES:
+    global _last_posting
+    small = sum(buf.numel() * buf.element_size() for _, buf in to_send) < POST_OFF_THREAD_BYTES
+    if small and (_last_posting is None or _last_posting.done()):
         return ExchangeWork(works + _post_sends(group, to_send))
-    # [Note: sends posted off the training thread]
-    return ExchangeWork(works, _sender_thread().submit(_post_sends, group, to_send))
+    # [Note: sends posted off the training thread]; a small one too while earlier sends are still
+    # queued there: posted in place, it would overtake them and be matched with their receives
+    _last_posting = _sender_thread().submit(_post_sends, group, to_send)
+    return ExchangeWork(works, _last_posting)
 
 
 def _post_sends(group: dist.ProcessGroup, to_send: list[tuple[int, torch.Tensor]]) -> list[Any]:

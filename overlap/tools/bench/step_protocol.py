@@ -6,12 +6,12 @@ Split out of overlap/tools/bench/step.py, whose docstring describes the protocol
 
 from __future__ import annotations
 
-import resource
 import time
 
 import torch
 import torch.distributed as dist
 
+from overlap.engine.autotune_memory import process_peak_rss_bytes
 from overlap.observe.monitor import rss_bytes
 from overlap.tools.bench import peers
 from overlap.tools.bench.peers import state_bytes
@@ -27,23 +27,6 @@ from overlap.tools.bench.step_workload import StepBenchConfig, make_batch
 WARMUP_STEPS = 2
 """Untimed steps per contender per round (and once up front, where step 1 is the parity check)."""
 PARITY_RTOL = 1e-5
-
-
-def process_peak_rss_bytes() -> int:
-    """The OS's high-water mark of this process's resident memory (VmHWM).
-
-    [Note: ru_maxrss of a spawned rank] getrusage(RUSAGE_SELF).ru_maxrss also counts the image
-    the process had before exec: a spawned child is forked from its launcher first, so it reports
-    at least the launcher's RSS (measured: 834 MB in a child whose own peak was 15 MB). VmHWM is
-    the high-water mark of the current image only. ru_maxrss is the fallback without /proc."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
 
 
 def check_parity(contenders: list[Contender], losses: dict[str, list[float]]) -> None:
