@@ -229,8 +229,10 @@ class OverlapConfig:
     `keep_for_backward_bytes` and `max_reduce_inputs` move toward a faster step (first the
     settings the tools' model, fitted to the first steps, predicts fastest; then one knob at a
     time), measured on every rank, within `autotune_memory_bytes`; every rank takes the same decision at
-    the same step, and the numbers do not change (the knobs decide when collectives run, not what
-    they carry). It settles after a few dozen steps, then looks again every 50 steps and
+    the same step. The knobs decide when collectives run, not what they carry: on gloo the numbers
+    do not change; on NCCL a bucket move can change the last bit of a reduced gradient (NCCL's
+    algorithm follows the message size). It settles after a few dozen steps, then looks again
+    every 50 steps and
     searches again when the step drifts by more than 10%. The configured values are where it
     starts. `overlap.tuned_config(model)` is the result. See [Note: autotune] in
     engine/autotune_policy.py. Off by default (README "Tuning": when it pays)."""

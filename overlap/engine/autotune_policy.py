@@ -6,12 +6,16 @@ same step; `engine/autotune.py` feeds it and applies what it decides.
 [Note: autotune]
 The knobs are the schedule's (`Knobs`): prefetch depth, the cap on gathered bytes, the
 reduce-scatter bucket size, the bytes kept from forward to backward and the reduce-scatter
-inputs alive at once. None of them changes a number the model computes: they decide when a
-collective is issued and how long a buffer lives, never what is summed or in which order (a
-reduce-scatter sums each element over the ranks in rank order whatever the bucket around it;
-the gathered parameters are the same bytes whenever they arrive). So a tuned run is bitwise the
-run that had its final knobs from the start (tests/test_autotune.py). The bucket size is not
-moved under a gradient codec: its blocks and error-feedback residuals follow the buckets.
+inputs alive at once. They decide when a collective is issued and how long a buffer lives,
+never what is summed: the gathered parameters are the same bytes whenever they arrive. Whether
+the order of a sum stays the same depends on the backend. gloo's reduce-scatter (and the host
+transports) sums each element over the ranks in rank order whatever the bucket around it, so on
+gloo a tuned run is bitwise the run that had its final knobs from the start
+(tests/test_autotune.py). NCCL chooses its algorithm, protocol and channel split by message
+size, so a bucket move changes the order in which an element's contributions are added and the
+gradients may differ in the last bit from that run; prefetch, keep, in-flight and
+reduce-input moves change no number there either. The bucket size is not moved under a
+gradient codec: its blocks and error-feedback residuals follow the buckets.
 
 The search starts from the configured knobs and the model's proposals, then descends one
 coordinate at a time:
