@@ -232,9 +232,8 @@ class OverlapConfig:
     the same step. The knobs decide when collectives run, not what they carry: on gloo the numbers
     do not change; on NCCL a bucket move can change the last bit of a reduced gradient (NCCL's
     algorithm follows the message size). It settles after a few dozen steps, then looks again
-    every 50 steps and
-    searches again when the step drifts by more than 10%. The configured values are where it
-    starts. `overlap.tuned_config(model)` is the result. See [Note: autotune] in
+    every 50 steps and searches again when the step drifts by more than 10%. The configured
+    values are where it starts. `overlap.tuned_config(model)` is the result. See [Note: autotune] in
     engine/autotune_policy.py. Off by default (README "Tuning": when it pays)."""
 
     autotune_memory_bytes: int | None = None

@@ -5,6 +5,8 @@ it is never run. The policy alone: tests/test_autotune.py.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -104,3 +106,67 @@ def test_a_move_priced_over_the_cap_is_never_tried(world):
     depth, inputs, _, keep = got["start"]
     for row in got["knobs_run"]:  # no step ran with more held than the start: nothing grew
         assert row[0] <= depth and row[1] <= inputs and row[3] <= keep, (row, got["decisions"])
+
+
+def oom_in_a_trial(rank: int, world: int, where: str) -> dict:
+    """Rank 1 runs out of memory (injected) in the second step of the first trial, in forward or
+    in backward; its loop skips the step, as a loop that survives an out-of-memory error does."""
+    model = overlap.wrap(tiny_lm(), config=overlap.OverlapConfig(autotune=True))
+    tuner = model._overlap_state.autotuner
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    armed = {"step": None}
+
+    def run_out(*_: object) -> None:
+        if rank == 1 and armed["step"] is not None:
+            armed["step"] = None
+            raise torch.OutOfMemoryError("injected: out of memory in a trial step")
+
+    block = model.blocks[1]
+    if where == "forward":
+        block.register_forward_pre_hook(run_out)
+    else:
+
+        def in_backward(module: torch.nn.Module, args: object, out: torch.Tensor) -> None:
+            out.register_hook(lambda grad: run_out())  # raises in backward, in autograd's hook
+
+        block.register_forward_hook(in_backward)
+    raised, trial_steps, knobs = [], 0, []
+    for step in range(30):
+        trial_steps += tuner.policy.trialing
+        if tuner.policy.trialing and trial_steps == 2 and not raised:
+            armed["step"] = step
+        try:
+            loss = loss_of(model(batch(model, rank, step)))
+            knobs.append((step, str(tuner.policy.current)))  # what this step ran with
+            loss.backward()
+        except torch.OutOfMemoryError as e:
+            raised.append((step, type(e).__name__, str(e)))
+            opt.zero_grad()
+            continue
+        opt.step()
+        opt.zero_grad()
+    return {
+        "raised": raised,
+        "decisions": [(d.step, d.action, d.knob, str(d.new), d.reason) for d in tuner.policy.decisions],
+        "knobs": knobs,
+        "loss": loss.item(),
+    }
+
+
+@pytest.mark.parametrize("where", ["forward", "backward"])
+def test_an_out_of_memory_error_in_a_trial_is_reverted_on_every_rank(world, where):
+    out = world.run(oom_in_a_trial, timeout_s=240, where=where)  # a hang names the rank
+    (step, kind, _), = out[1]["raised"]
+    assert kind == "OutOfMemoryError" and "injected" in out[1]["raised"][0][2], out[1]["raised"]
+    # the other rank raised in the same step, a torch.OutOfMemoryError naming rank 1
+    (step0, kind0, message0), = out[0]["raised"]
+    assert (step0, kind0) == (step, "TrialOutOfMemoryError") and "rank(s) [1]" in message0, out[0]["raised"]
+    assert out[0]["decisions"] == out[1]["decisions"]
+    ran = [{s: k for s, k in o["knobs"] if s != step} for o in out]  # the steps that ran whole
+    assert ran[0] == ran[1], (step, out[0]["knobs"], out[1]["knobs"])
+    reverts = [d for d in out[0]["decisions"] if d[1] == "revert" and d[4].startswith("out of memory")]
+    assert [d[0] for d in reverts] == [step], out[0]["decisions"]
+    # reverted at once, and never run again: from the next step on, other knobs
+    failed = dict(out[0]["knobs"])[step]
+    assert all(k != failed for s, k in ran[0].items() if s > step), out[0]["knobs"]
+    assert all(math.isfinite(o["loss"]) for o in out)  # and training went on, in step

@@ -32,7 +32,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -46,10 +46,20 @@ from overlap.engine.autotune_memory import (
     measured_peak_bytes,
     price_bytes,
 )
+from overlap.engine.autotune_oom import (
+    StepScript,
+    TrialOutOfMemoryError,
+    backward_abandoned,
+    finish_interrupted_step,
+    out_of_memory_passing,
+)
 from overlap.engine.autotune_policy import TRIAL, Decision, Knobs, Measurement, Mode, Proposal, TunePolicy
-from overlap.engine.schedule import Schedule, ScheduleConfig
+from overlap.engine.schedule import Phase, Schedule, ScheduleConfig
 from overlap.observe.stats import StatsRecorder, StepStats
 from overlap.transport import collectives as comm
+
+if TYPE_CHECKING:
+    from overlap.engine.state import OverlapState
 
 log = logging.getLogger("overlap.autotune")
 
@@ -136,6 +146,9 @@ class AutoTuner:
         self.policy = TunePolicy(knobs_of(schedule.config), None, self._signature, tune_buckets, ranker, self._price)
         self.memory: MemoryBudget | None = None
         """The cap and the baseline's measured peak, from the baseline decision on."""
+        self.script = StepScript(schedule)  # [Note: out of memory in a trial] in autotune_oom.py
+        self.interrupted: str | None = None
+        """What interrupted this rank's trial step (finished at its next forward); None: nothing."""
         self._stats_step: dict[int, int] = {}  # training step -> StatsRecorder step
         self._knobs_at: dict[int, Knobs] = {}  # training step -> knobs it ran with
         self._published: dict[int, StepStats] = {}  # StatsRecorder step -> its stats
@@ -189,6 +202,44 @@ class AutoTuner:
     def _schedule_config(self, knobs: Knobs) -> ScheduleConfig:
         return knobs_config(self.schedule.config, knobs)
 
+    # ------------------------------------------------------------ a trial step interrupted
+    def forward_raised(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        """The root module's forward hook (always called): an out-of-memory error passing out of
+        a trial step's forward interrupts it ([Note: out of memory in a trial])."""
+        if output is not None or not self.policy.trialing or self.schedule.phase is not Phase.FORWARD:
+            return
+        error = out_of_memory_passing()
+        if error is not None:
+            self.interrupted = f"{type(error).__name__} in forward"
+
+    def before_forward(self, state: OverlapState) -> None:
+        """A forward starts: first finish a trial step this rank left unfinished."""
+        if self.interrupted is None and self.policy.trialing and backward_abandoned(self.schedule):
+            self.interrupted = "an error in backward"
+        if self.interrupted is not None:
+            log.warning("overlap autotune: rank %d: %s in a trial step; finishing its collectives", self.rank, self.interrupted)
+            finish_interrupted_step(state, self.script)
+
+    def _trial_verdict(self, t: int) -> bool:
+        """While a trial is in force: whether any rank's step t was interrupted, one small
+        all-gather; if so the trial is reverted on every rank, and the ranks that were not
+        interrupted raise ([Note: out of memory in a trial]). True: reverted."""
+        flags = comm.all_gather_int(int(self.interrupted is not None), self.group, self.device, self.timeout)
+        failed = [r for r, flag in enumerate(flags) if flag]
+        if not failed:
+            return False
+        mine, self.interrupted = self.interrupted, None
+        why = f"out of memory on rank(s) {failed} at step {t}"
+        self.schedule.retune(self._schedule_config(self.policy.fail_trial(t, why)))
+        self._report()
+        if mine is None:
+            raise TrialOutOfMemoryError(
+                f"overlap autotune: rank(s) {failed} of the model's group ran out of memory in the trial "
+                f"at step {t} (reverted on every rank): skip this step (zero the gradients, no optimizer "
+                "step), as for an out-of-memory error of this rank"
+            )
+        return True
+
     # ------------------------------------------------------------ events
     def observe(self, published: list[StepStats]) -> None:
         """StepStats the recorder published this step (possibly of earlier steps)."""
@@ -217,6 +268,8 @@ class AutoTuner:
         self._knobs_at[t] = self.policy.current
         self._catch_up()
         policy = self.policy
+        if policy.trialing and self._trial_verdict(t):
+            return
         if policy.mode is Mode.SETTLED:
             due = policy.recheck_window(t - self.lag)
             if due is None:

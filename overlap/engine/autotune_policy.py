@@ -182,6 +182,23 @@ class TunePolicy:
         self._extra: dict[Knobs, int] = {}  # the model's own price of each proposal
         self._model_reason: dict[Knobs, str] = {}  # why the model proposed each proposal
 
+    @property
+    def trialing(self) -> bool:
+        """A move is in force (the same on every rank at the same step)."""
+        return self.mode is Mode.TRIAL and self.current != self.best
+
+    def fail_trial(self, step: int, reason: str) -> Knobs:
+        """The move in force ran a rank out of memory: revert it at once, and refuse from now on
+        any move predicted to hold as much ([Note: out of memory in a trial] in autotune_oom.py)."""
+        assert self.trialing, f"fail_trial at step {step} without a trial in force"
+        knob, failed = self._knob or "-", self._trying
+        self._log(step, knob, _value(failed, knob), _value(self.best, knob), "revert", reason)
+        ceiling = self.predicted_peak(self.best, failed) - 1
+        self.memory_cap = ceiling if self.memory_cap is None else min(self.memory_cap, ceiling)
+        self._candidate = None
+        self.current = self.best
+        return self._next_trial(step)
+
     # ------------------------------------------------------------ when
     def window(self) -> tuple[int, int] | None:
         """The steps [first, end) whose measurements the next decision needs (None: settled and

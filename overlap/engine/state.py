@@ -177,6 +177,8 @@ class OverlapState:
             model.register_forward_pre_hook(self._root_pre_forward, prepend=True, with_kwargs=True)
         )
         self._handles.append(model.register_forward_hook(self._root_post_forward))
+        if self.autotuner is not None:  # [Note: out of memory in a trial] in autotune_oom.py
+            self._handles.append(model.register_forward_hook(self.autotuner.forward_raised, always_call=True))
         for modules, indices in hooked:  # a module's units: one per dtype ([Note: one dtype per unit])
             for position, module in enumerate(modules):
                 last = position == len(modules) - 1
@@ -258,6 +260,8 @@ class OverlapState:
     def _root_pre_forward(
         self, module: nn.Module, args: tuple, kwargs: dict
     ) -> tuple[tuple, dict] | None:
+        if self.autotuner is not None:  # a trial step left unfinished: [Note: out of memory in a trial]
+            self.autotuner.before_forward(self)
         if self.schedule.phase is Phase.BACKWARD:
             return None  # [Note: forward during backward]
         if self.schedule.phase is Phase.IDLE:
