@@ -257,8 +257,7 @@ SIZES = {"cuda": Sizes(6, 1024, 16, 4096, 8, 256), "cpu": Sizes(2, 32, 2, 64, 2,
 WORLD_SIZES = {"cuda": Sizes(4, 256, 4, 1024, 4, 64), "cpu": Sizes(2, 32, 2, 64, 2, 8)}
 WORLD_CONFIGS: dict[str, dict[str, Any]] = {
     "plain": {},
-    # every rank uses `spare` here: no_sync with a parameter one rank leaves mismatches a collective
-    "bf16_no_sync": {"param_dtype": "bfloat16", "reduce_dtype": "float32", "micro_batches": 2, "spare_everywhere": True},
+    "bf16_no_sync": {"param_dtype": "bfloat16", "reduce_dtype": "float32", "micro_batches": 2},
     "int8_grads_ef": {"grad_compression": "int8", "error_feedback": True},
     "int8_params": {"param_compression": "int8"},
     # reduce in fp16 too; an overflow in one rank's shard ([Note: one shard overflows]): every rank skips
@@ -1132,13 +1131,12 @@ def config_run(
     options = dict(overrides)
     micro = options.pop("micro_batches", 1)
     scaled = options.pop("scaler", False)
-    spare_everywhere = options.pop("spare_everywhere", False)
     overflows = options.pop("overflow_one_shard", False)
     for key in ("param_dtype", "reduce_dtype"):
         if key in options:
             options[key] = getattr(torch, options[key])
     local = copy.deepcopy(base)
-    local.uses_spare = spare_everywhere or rank == 0
+    local.uses_spare = rank == 0
     local.overflows = overflows
     if device.type == "cuda":
         synchronize(device)

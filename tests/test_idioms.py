@@ -189,6 +189,54 @@ def test_gradient_accumulation_equals_ddp_bitwise(world2, idiom):
         assert not mismatches, f"rank {rank}:\n" + "\n".join(mismatches)
 
 
+class HeadOnRank0(nn.Module):
+    """A norm, blocks, then a head that only rank 0's forward uses: on the other rank the model's
+    output is the last block's own output, so the root's gradient hook and the last unit's sit
+    on one tensor ([Note: a finished unit is not prefetched again] in overlap/engine/schedule.py)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(24)  # the root's too: its unit ends last on every rank
+        self.blocks = nn.Sequential(*[Block(24, 30) for _ in range(3)])
+        self.head = nn.Linear(24, 24)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.blocks(self.norm(x))
+        return x + self.head(x) if dist.get_rank() == 0 else x
+
+
+def head_on_rank0_like_ddp(rank: int, world: int, keep_bytes: int) -> list[str]:
+    """A no_sync micro-batch, then a synced one, an SGD step; three times. Every gradient and
+    parameter bitwise DDP's (find_unused_parameters=True)."""
+    torch.manual_seed(0)
+    base = HeadOnRank0()
+    ref = DDP(copy.deepcopy(base), find_unused_parameters=True)
+    ours = overlap.wrap(base, **({} if keep_bytes is None else {"keep_for_backward_bytes": keep_bytes}))
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    opt = torch.optim.SGD(ours.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(rank)
+    mismatches = []
+    for step in range(3):
+        first, second = torch.randn(2, 4, 5, 24, generator=gen)
+        for model in (ref, ours):
+            with model.no_sync():
+                model(first).square().mean().backward()
+            model(second).square().mean().backward()
+        mismatches += _mismatches(f"step {step} grad", ref.module, ours, rank, world, grads=True)
+        ref_opt.step()
+        opt.step()
+        ref_opt.zero_grad()
+        opt.zero_grad()
+        mismatches += _mismatches(f"step {step} param", ref.module, ours, rank, world, grads=False)
+    return mismatches
+
+
+@pytest.mark.parametrize("keep_bytes", [0, None], ids=["strict", "default-keep"])
+def test_no_sync_with_a_head_one_rank_skips_equals_ddp(world2, keep_bytes):
+    for rank, mismatches in enumerate(world2.run(head_on_rank0_like_ddp, keep_bytes=keep_bytes)):
+        assert not mismatches, f"rank {rank}:\n" + "\n".join(mismatches)
+
+
 # ---------------------------------------------------------------- gradient clipping
 
 

@@ -194,6 +194,24 @@ def test_no_sync_frees_without_reducing():
     assert all(st is UnitState.SHARDED for st in s.states)
 
 
+@pytest.mark.parametrize("sync", [True, False], ids=["sync", "no_sync"])
+def test_root_hook_after_a_unit_hook_gathers_nothing_again(sync):
+    """The model's output is the last unit's output (the root's own layers skipped on this
+    rank): the unit's gradient hook runs, then the root's, which moves the cursor back to the
+    root. A unit that finished its backward is not gathered again, under no_sync too."""
+    s = make(3, depth=2, root=0)
+    s.sync_grads = sync
+    out = s.begin_forward() + s.pre_forward(0)
+    for u in (1, 2):
+        out += s.pre_forward(u) + s.post_forward(u, True)
+    out += s.end_forward(True)
+    out += s.pre_backward(2) + s.pre_backward(0)  # the hooks of one tensor, in registration order
+    out += s.post_backward(2) + s.pre_backward(1) + s.post_backward(1) + s.end_backward()
+    gathers = [a.unit for a in out if isinstance(a, Gather) and a.for_backward]
+    assert sorted(gathers) == [1, 2], gathers
+    assert all(st is UnitState.SHARDED for st in s.states)
+
+
 def test_eval_forward_frees_everything():
     s = make(3, reshard=False)
     s.begin_forward()

@@ -134,6 +134,7 @@ class Schedule:
     pinned: bool = field(init=False, default=False)  # [Note: pinned units]
     _seen_forward: list[int] = field(init=False, default_factory=list)
     _seen_backward: list[int] = field(init=False, default_factory=list)
+    _finished_backward: set[int] = field(init=False, default_factory=set)  # this backward's, as a set
     _forward_checked: bool = field(init=False, default=False)
     _backward_checked: bool = field(init=False, default=False)  # reductions checked
     _backward_gathers_checked: bool = field(init=False, default=False)
@@ -236,7 +237,17 @@ class Schedule:
             out.append(self._actions.wait[unit])
 
     def _prefetch(self, order: tuple[int, ...], out: list[Action]) -> None:
-        """Top up prefetch along `order` after the cursor, within the budget."""
+        """Top up prefetch along `order` after the cursor, within the budget.
+
+        [Note: a finished unit is not prefetched again]
+        A unit runs backward once per step, so one whose backward finished is never gathered
+        again in that backward. Its state alone does not say so under no_sync (it goes back to
+        SHARDED, not REDUCING), and the cursor can move back: when a unit's output is also the
+        root's (a rank whose data skipped the root's own layers), the root's gradient hook runs
+        after the unit's and sets the cursor to the root, first in the order. Without this
+        check that rank alone would gather the finished unit again, and its collectives would
+        no longer pair with the other ranks'.
+        """
         cfg = self.config
         # parked units wait for their backward outside the depth budget: [Note: units kept for backward]
         num_held, held_bytes = len(self._held) - len(self._parked), self._held_bytes
@@ -246,8 +257,8 @@ class Schedule:
             state = self.states[unit]
             if state in (UnitState.GATHERING, UnitState.UNSHARDED) or unit == self.root:
                 continue
-            if state is UnitState.REDUCING:
-                continue
+            if state is UnitState.REDUCING or unit in self._finished_backward:
+                continue  # [Note: a finished unit is not prefetched again]
             size = self.unit_bytes[unit]
             if cfg.max_inflight_bytes is not None and held_bytes + size > cfg.max_inflight_bytes:
                 return
@@ -396,6 +407,7 @@ class Schedule:
         if self.phase is not Phase.BACKWARD:
             self.phase = Phase.BACKWARD
             self._seen_backward = []
+            self._finished_backward = set()
             self._started_backward = set()
 
     def pre_backward(self, unit: int) -> list[Action]:
@@ -426,6 +438,7 @@ class Schedule:
     def _finish_unit(self, unit: int, out: list[Action]) -> None:
         """Free the unit's parameters; queue its gradients for reduction unless in no_sync."""
         self._seen_backward.append(unit)
+        self._finished_backward.add(unit)
         reduce = self.sync_grads and self.grad_bytes[unit] > 0
         if self.states[unit] is UnitState.UNSHARDED:
             self._move(unit, UnitState.REDUCING if reduce else UnitState.SHARDED)
@@ -495,6 +508,7 @@ class Schedule:
             self._backward_checked = True
             self.backward_order = tuple(self._seen_backward)
             out.append(CheckOrder("backward", order_hash(self.backward_order), self.backward_order))
+        self._finished_backward = set()
         self.pinned = False  # every unit was freed above: [Note: pinned units]
         self.phase = Phase.IDLE
         return out
