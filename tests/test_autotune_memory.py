@@ -57,8 +57,9 @@ def test_the_cap_is_read_after_the_optimizer_state_exists(world):
     out = world.run(cap_after_optimizer_state)
     for rank, got in enumerate(out):
         budgets = got["budgets"]
-        assert all(b is None for b in budgets[:BASELINE_STEP]), f"rank {rank}: read before the baseline: {budgets}"
-        budget = budgets[BASELINE_STEP]
+        # decided between steps, at the forward after the baseline window's last step
+        assert all(b is None for b in budgets[: BASELINE_STEP + 1]), f"rank {rank}: read before the baseline: {budgets}"
+        budget = budgets[BASELINE_STEP + 1]
         assert budget is not None and budget.step == BASELINE_STEP, f"rank {rank}: {budget}"
         # the first optimizer step's state is in the process's peak, and in the baseline's
         assert got["peaks"][0] - got["at_wrap"] >= got["state_bytes"] // 2, f"rank {rank}: {got}"
@@ -66,7 +67,7 @@ def test_the_cap_is_read_after_the_optimizer_state_exists(world):
         # both ranks on this host: each may use its half of MEMORY_FRACTION of the RAM
         assert budget.limit_bytes == int(MEMORY_FRACTION * device_total_bytes(CPU)) // 2
         assert budget.headroom_bytes == budget.limit_bytes - budget.baseline_peak_bytes
-    assert out[0]["budgets"][BASELINE_STEP] == out[1]["budgets"][BASELINE_STEP]  # one budget for all
+    assert out[0]["budgets"][BASELINE_STEP + 1] == out[1]["budgets"][BASELINE_STEP + 1]  # one budget for all
 
 
 def moves_under_a_tight_cap(rank: int, world: int) -> dict:
@@ -170,3 +171,49 @@ def test_an_out_of_memory_error_in_a_trial_is_reverted_on_every_rank(world, wher
     failed = dict(out[0]["knobs"])[step]
     assert all(k != failed for s, k in ran[0].items() if s > step), out[0]["knobs"]
     assert all(math.isfinite(o["loss"]) for o in out)  # and training went on, in step
+
+
+def decisions_between_steps(rank: int, world: int, stream_ordered: bool) -> dict:
+    """The exchange as a stream-ordered device has it (a fake: each read records when it came)."""
+    import overlap.engine.autotune as autotune
+
+    model = overlap.wrap(tiny_lm(), config=overlap.OverlapConfig(autotune=True))
+    tuner = model._overlap_state.autotuner
+    tuner.stream_ordered = stream_ordered
+    reads, ranked = [], []
+    real_later, real_ranker = autotune.gather_floats_later, tuner.policy.ranker
+
+    def later(values, group, device, timeout=None):
+        issued, gathered = tuner.steps, real_later(values, group, device, timeout)
+
+        class Pending:
+            def rows(self):
+                reads.append((issued, tuner.steps, torch._C._current_graph_task_id()))
+                return gathered.rows()
+
+        return Pending()
+
+    def ranker(knobs, measured):
+        ranked.append(torch._C._current_graph_task_id())
+        return real_ranker(knobs, measured)
+
+    autotune.gather_floats_later, tuner.policy.ranker = later, ranker
+    try:
+        train(model, rank, 24)
+    finally:
+        autotune.gather_floats_later = real_later
+    return {"reads": reads, "ranked": ranked, "budget_step": tuner.memory.step,
+            "decisions": [(d.step, d.action, d.knob, str(d.new)) for d in tuner.policy.decisions]}  # fmt: skip
+
+
+@pytest.mark.parametrize("stream_ordered", [False, True])
+def test_decisions_are_taken_between_steps_and_read_a_step_late_on_a_stream_ordered_device(world, stream_ordered):
+    out = world.run(decisions_between_steps, stream_ordered=stream_ordered)
+    assert out[0]["decisions"] == out[1]["decisions"]
+    for rank, got in enumerate(out):
+        assert len(got["reads"]) >= 3, got["reads"]
+        # read when one more training step ended (stream-ordered) or at the next forward (CPU) ...
+        assert {read - issued for issued, read, _ in got["reads"]} == {int(stream_ordered)}, f"rank {rank}: {got['reads']}"
+        # ... and outside the autograd callback, the simulator too
+        assert {task for _, _, task in got["reads"]} == {-1} and got["ranked"] == [-1], f"rank {rank}: {got}"
+        assert got["budget_step"] == BASELINE_STEP + int(stream_ordered)

@@ -11,6 +11,18 @@ not counted. On CUDA a step's StepStats are final a few steps late (events are r
 waiting: StatsRecorder.max_lag_steps), so a decision comes that many steps after its trial; the
 trial's knobs keep running meanwhile.
 
+[Note: decisions between steps]
+A decision's exchange is issued when its window's last StepStats are in, at the end of a
+backward; the decision itself (the policy, the model's simulator at the baseline, the retune)
+runs at the start of a later forward, between steps, outside the autograd callback that ends
+backward, so the optimizer step is enqueued first. On CPU (gloo) that is the next forward. On
+CUDA the exchange goes up from pinned memory and comes back into pinned memory behind the
+all-gather on the stream (`gather_floats_later`), and is read at the forward after the next
+training step: one step later, when the device has finished it, so the host never waits for
+the device at a decision. Every rank takes it at the same training step either way. A trial
+step's out-of-memory verdict is the exception: it is read in the step it concerns ([Note: out
+of memory in a trial] in autotune_oom.py).
+
 Each decision is logged (logger "overlap.autotune", rank 0). With `autotune_dir` (or
 `trace_dir`), rank 0 writes there at each decision `autotune.json` (decisions and per-step knobs
 and times, for `overlap report`) and `tuned_config.json` (the OverlapConfig with the best knobs
@@ -32,7 +44,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -57,6 +69,7 @@ from overlap.engine.autotune_policy import TRIAL, Decision, Knobs, Measurement, 
 from overlap.engine.schedule import Phase, Schedule, ScheduleConfig
 from overlap.observe.stats import StatsRecorder, StepStats
 from overlap.transport import collectives as comm
+from overlap.transport.host_values import GatheredLater, gather_floats_later
 
 if TYPE_CHECKING:
     from overlap.engine.state import OverlapState
@@ -86,6 +99,14 @@ class TunerView:
     """The file the model starts from (`OverlapConfig.autotune_calibration`); None: defaults."""
     folder: str | None = None
     """Where the fitted model is written (`calibration.json`); None: nowhere (ranks but 0)."""
+
+
+class _Due(NamedTuple):
+    """A decision whose exchange was issued at the end of a step ([Note: decisions between steps])."""
+
+    recheck: bool  # settled: a look at the step, not a trial's end
+    rows: GatheredLater
+    read_after: int  # taken at the first forward after this training step ended
 
 
 StepModel = Callable[[TunerView], Callable[[Knobs, Measurement], list[Proposal]]]
@@ -135,6 +156,7 @@ class AutoTuner:
         self.group, self.device, self.timeout = group, device, timeout
         self.rank = dist.get_rank(group)
         self.lag = stats.max_lag_steps if device.type == "cuda" else 0
+        self.stream_ordered = device.type == "cuda"  # decisions read a step late: [Note: decisions between steps]
         self.num_ranks, self.num_replicas, self.tune_buckets = num_ranks, num_replicas, tune_buckets
         if config.autotune_calibration is not None and not os.path.isfile(config.autotune_calibration):
             raise ValueError(
@@ -149,6 +171,7 @@ class AutoTuner:
         self.script = StepScript(schedule)  # [Note: out of memory in a trial] in autotune_oom.py
         self.interrupted: str | None = None
         """What interrupted this rank's trial step (finished at its next forward); None: nothing."""
+        self._due: _Due | None = None  # a decision whose exchange is issued, not yet taken
         self._stats_step: dict[int, int] = {}  # training step -> StatsRecorder step
         self._knobs_at: dict[int, Knobs] = {}  # training step -> knobs it ran with
         self._published: dict[int, StepStats] = {}  # StatsRecorder step -> its stats
@@ -219,6 +242,8 @@ class AutoTuner:
         if self.interrupted is not None:
             log.warning("overlap autotune: rank %d: %s in a trial step; finishing its collectives", self.rank, self.interrupted)
             finish_interrupted_step(state, self.script)
+        if self._due is not None and self.steps > self._due.read_after and self.schedule.phase is Phase.IDLE:
+            self._decide()
 
     def _trial_verdict(self, t: int) -> bool:
         """While a trial is in force: whether any rank's step t was interrupted, one small
@@ -261,7 +286,8 @@ class AutoTuner:
             self._recorded += 1
 
     def end_training_step(self, stats_step: int) -> None:
-        """A training step ended (the schedule is idle): decide if one is due, and apply it."""
+        """A training step ended (the schedule is idle): a trial's verdict, and the exchange of a
+        decision that is due, decided at a later forward ([Note: decisions between steps])."""
         t = self.steps
         self.steps += 1
         self._stats_step[t] = stats_step
@@ -269,23 +295,34 @@ class AutoTuner:
         self._catch_up()
         policy = self.policy
         if policy.trialing and self._trial_verdict(t):
+            self._due = None  # issued for a trial that is gone: dropped on every rank
+            return
+        if self._due is not None:
             return
         if policy.mode is Mode.SETTLED:
-            due = policy.recheck_window(t - self.lag)
-            if due is None:
-                return
-            knobs = policy.recheck(t, self._exchange(due)[0])
+            window = policy.recheck_window(t - self.lag)
         else:
             first, end = policy.window()
-            if t != end - 1 + self.lag:
-                return
-            trial, header = self._exchange((first, end))
-            if policy.mode is Mode.WARMUP:
-                self._read_memory_limit(t, header)
-            knobs = policy.decide(t, trial)
+            window = (first, end) if t == end - 1 + self.lag else None
+        if window is not None:
+            rows = gather_floats_later(self._local_row(window), self.group, self.device, self.timeout)
+            self._due = _Due(policy.mode is Mode.SETTLED, rows, t + int(self.stream_ordered))
+
+    def _decide(self) -> None:
+        """Between steps, before a forward: take the decision whose exchange is in, and apply it."""
+        due, self._due = self._due, None
+        assert due is not None
+        step = self.steps - 1  # the last training step: the knobs apply from the next one
+        trial, header = self._measurements(due.rows.rows())
+        if due.recheck:
+            knobs = self.policy.recheck(step, trial)
+        else:
+            if self.policy.mode is Mode.WARMUP:
+                self._read_memory_limit(step, header)
+            knobs = self.policy.decide(step, trial)
         self.schedule.retune(self._schedule_config(knobs))
         self._report()
-        self._forget(t)
+        self._forget(step)
 
     def _read_memory_limit(self, step: int, header: list[list[float]]) -> None:
         """The cap, at the baseline: after WARMUP steps and a window, so the optimizer state and
@@ -300,11 +337,10 @@ class AutoTuner:
         self.memory = MemoryBudget(limit, peak, step)
         self.policy.memory_cap = limit
 
-    def _exchange(self, window: tuple[int, int]) -> tuple[list[Measurement], list[list[float]]]:
-        """Every rank's StepStats of the window's training steps, one all-gather; per step the
-        slowest rank's time, the largest exposed waits and memory peaks. Each rank's row starts
-        with _HEADER values (its device's key, MEMORY_FRACTION of the device's memory, its
-        measured peak), returned by rank."""
+    def _local_row(self, window: tuple[int, int]) -> list[float]:
+        """This rank's part of a decision's exchange: _HEADER values (its device's key,
+        MEMORY_FRACTION of the device's memory, its measured peak), then per step of the window
+        its StepStats (NaN: not published)."""
         local = [float(device_key(self.device)), float(local_limit_bytes(None, self.device, 1)), float(measured_peak_bytes(self.device))]
         for t in range(*window):
             stats = self._published.get(self._stats_step.get(t, -1))
@@ -312,14 +348,17 @@ class AutoTuner:
                 local += [math.nan] * _FIELDS
             else:
                 local += [stats.step_ms, stats.allgather_wait_ms, stats.reduce_wait_ms, float(stats.memory_peak_bytes)]
-        rows = comm.all_gather_floats(local, self.group, self.device, self.timeout)
+        return local
+
+    @staticmethod
+    def _measurements(rows: list[list[float]]) -> tuple[list[Measurement], list[list[float]]]:
+        """Every rank's rows of a decision's exchange: per step the slowest rank's time, the largest
+        exposed waits and memory peaks; and the ranks' headers."""
         header = [row[:_HEADER] for row in rows]
         device_peak = int(max(row[2] for row in header))
         trial = []
-        for i in range((len(local) - _HEADER) // _FIELDS):
-            at = _HEADER + i * _FIELDS
-            per_rank = [row[at : at + _FIELDS] for row in rows]
-            seen = [r for r in per_rank if not math.isnan(r[0])]
+        for at in range(_HEADER, len(rows[0]), _FIELDS):
+            seen = [r[at : at + _FIELDS] for r in rows if not math.isnan(r[at])]
             if seen:
                 fields = (max(r[f] for r in seen) for f in range(3))
                 trial.append(Measurement(*fields, int(max(r[3] for r in seen)), device_peak))
