@@ -168,7 +168,8 @@ class AutoTuner:
         self.policy = TunePolicy(knobs_of(schedule.config), None, self._signature, tune_buckets, ranker, self._price)
         self.memory: MemoryBudget | None = None
         """The cap and the baseline's measured peak, from the baseline decision on."""
-        self.script = StepScript(schedule)  # [Note: out of memory in a trial] in autotune_oom.py
+        # [Note: out of memory in a trial] in autotune_oom.py; settled, no trial runs: nothing recorded
+        self.script = StepScript(schedule, lambda: self.policy.mode is not Mode.SETTLED)
         self.interrupted: str | None = None
         """What interrupted this rank's trial step (finished at its next forward); None: nothing."""
         self._due: _Due | None = None  # a decision whose exchange is issued, not yet taken

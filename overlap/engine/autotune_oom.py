@@ -40,6 +40,7 @@ the other ranks then raise at the collective timeout, as for any rank that fails
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -65,8 +66,8 @@ class StepScript:
     (gradients reduced or not), in the order the hooks called them: what a rank whose step was
     interrupted replays."""
 
-    def __init__(self, schedule: Schedule) -> None:
-        self.schedule = schedule
+    def __init__(self, schedule: Schedule, active: Callable[[], bool]) -> None:
+        self.schedule, self.active = schedule, active  # active: recording (while searching)
         self.current: list[tuple[str, tuple]] = []
         self.complete: dict[bool, list[tuple[str, tuple]]] = {}  # sync_grads -> its last complete step
         for name in _VERBS:
@@ -74,6 +75,9 @@ class StepScript:
 
     def _recording(self, name: str, verb: Any) -> Any:
         def record(*args: Any) -> Any:
+            if not self.active():
+                self.current, self.complete = [], {}
+                return verb(*args)
             if name == "begin_forward" and self.schedule.phase is Phase.IDLE:
                 self.current = []  # a new step
             self.current.append((name, args))
