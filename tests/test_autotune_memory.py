@@ -133,8 +133,8 @@ def oom_in_a_trial(rank: int, world: int, where: str) -> dict:
         block.register_forward_hook(in_backward)
     raised, trial_steps, knobs = [], 0, []
     for step in range(30):
-        trial_steps += tuner.policy.trialing
-        if tuner.policy.trialing and trial_steps == 2 and not raised:
+        trial_steps += tuner.policy.guarded  # a move that adds memory in force
+        if tuner.policy.guarded and trial_steps == 2 and not raised:
             armed["step"] = step
         try:
             loss = loss_of(model(batch(model, rank, step)))

@@ -230,7 +230,7 @@ class AutoTuner:
     def forward_raised(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         """The root module's forward hook (always called): an out-of-memory error passing out of
         a trial step's forward interrupts it ([Note: out of memory in a trial])."""
-        if output is not None or not self.policy.trialing or self.schedule.phase is not Phase.FORWARD:
+        if output is not None or not self.policy.guarded or self.schedule.phase is not Phase.FORWARD:
             return
         error = out_of_memory_passing()
         if error is not None:
@@ -238,7 +238,7 @@ class AutoTuner:
 
     def before_forward(self, state: OverlapState) -> None:
         """A forward starts: first finish a trial step this rank left unfinished."""
-        if self.interrupted is None and self.policy.trialing and backward_abandoned(self.schedule):
+        if self.interrupted is None and self.policy.guarded and backward_abandoned(self.schedule):
             self.interrupted = "an error in backward"
         if self.interrupted is not None:
             log.warning("overlap autotune: rank %d: %s in a trial step; finishing its collectives", self.rank, self.interrupted)
@@ -247,7 +247,7 @@ class AutoTuner:
             self._decide()
 
     def _trial_verdict(self, t: int) -> bool:
-        """While a trial is in force: whether any rank's step t was interrupted, one small
+        """While a trial that adds memory is in force: whether any rank's step t was interrupted, one small
         all-gather; if so the trial is reverted on every rank, and the ranks that were not
         interrupted raise ([Note: out of memory in a trial]). True: reverted."""
         flags = comm.all_gather_int(int(self.interrupted is not None), self.group, self.device, self.timeout)
@@ -295,7 +295,7 @@ class AutoTuner:
         self._knobs_at[t] = self.policy.current
         self._catch_up()
         policy = self.policy
-        if policy.trialing and self._trial_verdict(t):
+        if policy.guarded and self._trial_verdict(t):
             self._due = None  # issued for a trial that is gone: dropped on every rank
             return
         if self._due is not None:

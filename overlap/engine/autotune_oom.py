@@ -18,18 +18,19 @@ chose the setting, so it must undo it, on every rank, without a hang. What happe
    (`StepScript`), so it issues the same gathers and reductions as the other ranks, which are
    waiting in them, and ends the step as a training step (gradients not computed are reduced as
    zeros).
-3. While a trial is in force, every training step ends with one small all-gather of a flag
-   over every rank of the model (the tuner's group, as its decisions): a rank that ran out sets
-   it. When any rank did, every rank reverts the trial at that step (logged as "revert", "out
+3. While a trial that adds memory is in force (its price is positive: [Note: autotune memory]
+   in autotune_memory.py), every training step ends with one small all-gather of a flag over
+   every rank of the model (the tuner's group, as its decisions): a rank that ran out sets it. When any rank did, every rank reverts the trial at that step (logged as "revert", "out
    of memory on rank(s) ..."), and every other rank raises `TrialOutOfMemoryError` (a
    `torch.OutOfMemoryError`) from its `backward()`, naming the ranks. So a loop that skips a
    batch on an out-of-memory error (`except torch.OutOfMemoryError: opt.zero_grad()`) skips the
    same step on every rank and goes on with the reverted knobs; a loop that does not ends on
    every rank with an error, and none hangs. That step's gradients are not a gradient of the
    batch (zeros stand for the rank that ran out): skip the optimizer step, as the loop does.
-4. Outside a trial (the configured knobs, or the best ones) nothing of this runs and an
-   out-of-memory error is the user's, as under FSDP2: a trial's flag costs one small collective
-   per trial step (on CUDA a host read of it), none once settled.
+4. Outside such a trial (the configured knobs, the best ones, a move that holds less) nothing
+   of this runs and an out-of-memory error is the user's, as under FSDP2. The flag costs one
+   small collective per step of a trial that adds memory (on CUDA the host waits for it: the
+   price of an answer before the optimizer step), none once settled.
 The replay needs the step's structure to be the one of the last complete step (the same units,
 forwards and backwards, as every rank's must be anyway: [Note: collective order] in
 schedule.py); an error raised inside the library's own hooks between two of its collectives

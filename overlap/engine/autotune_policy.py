@@ -180,6 +180,7 @@ class TunePolicy:
         self._device_peak = 0  # the measured peak at the latest decision
         self._peak_before_trial = 0  # ... at the decision that started the trial under way
         self._extra: dict[Knobs, int] = {}  # the model's own price of each proposal
+        self._trial_grows = False  # the move in force adds memory
         self._model_reason: dict[Knobs, str] = {}  # why the model proposed each proposal
 
     @property
@@ -187,10 +188,17 @@ class TunePolicy:
         """A move is in force (the same on every rank at the same step)."""
         return self.mode is Mode.TRIAL and self.current != self.best
 
+    @property
+    def guarded(self) -> bool:
+        """A move that adds memory is in force: its steps are watched for an out-of-memory error
+        ([Note: out of memory in a trial] in autotune_oom.py). A move that holds less cannot
+        run a rank out of memory the configured or best knobs did not."""
+        return self.trialing and self._trial_grows
+
     def fail_trial(self, step: int, reason: str) -> Knobs:
         """The move in force ran a rank out of memory: revert it at once, and refuse from now on
         any move predicted to hold as much ([Note: out of memory in a trial] in autotune_oom.py)."""
-        assert self.trialing, f"fail_trial at step {step} without a trial in force"
+        assert self.guarded, f"fail_trial at step {step} without a trial that adds memory in force"
         knob, failed = self._knob or "-", self._trying
         self._log(step, knob, _value(failed, knob), _value(self.best, knob), "revert", reason)
         ceiling = self.predicted_peak(self.best, failed) - 1
@@ -316,6 +324,8 @@ class TunePolicy:
     def _start(self, step: int, knob: str, knobs: Knobs, action: str, reason: str) -> Knobs:
         self._log(step, knob, _value(self.current, knob), _value(knobs, knob), action, reason)
         self._peak_before_trial = self._device_peak
+        price = self.price(self.best, knobs) if self.price is not None else 1  # unpriced: may grow
+        self._trial_grows = max(price, self._extra.get(knobs, 0)) > 0
         self.current = self._trying = knobs
         self._trial_start = step + 1 + SETTLE
         return knobs
