@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -222,7 +223,6 @@ def test_online_model_proposes_prefetch_behind_a_slow_link_and_nothing_where_com
 
 
 def test_online_model_starts_from_a_calibration_file_and_writes_what_it_fitted(tmp_path):
-    from dataclasses import replace
 
     from overlap.tools.plan.calibration import Calibration, default_world_calibration
     from overlap.tools.plan.cost import Link
@@ -332,3 +332,20 @@ def test_tuned_run_is_bitwise_the_run_with_its_final_knobs(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "baseline" in printed and ("keep" in printed or "revert" in printed), printed
     assert (tmp_path / "r_autotune.png").stat().st_size > 10_000
+
+
+def test_policy_reverts_a_trial_that_ran_out_of_memory_and_refuses_as_much_again():
+    def price(a: Knobs, b: Knobs) -> int:
+        return 300 * (b.prefetch_depth - a.prefetch_depth) + 100 * (b.max_reduce_inputs - a.max_reduce_inputs)
+
+    policy = TunePolicy(DEFAULTS, 10_000, signature, price=price)
+    baseline = [Measurement(100.0, 0.0, 0.0, 0, 800)] * 4
+    policy.decide(WARMUP + 3, baseline)
+    assert policy.current.prefetch_depth == 2 and policy.guarded  # the first move adds 300 B
+    knobs = policy.fail_trial(WARMUP + 5, "out of memory on rank(s) [1] at step 8")
+    assert policy.decisions[-2].action == "revert" and policy.decisions[-2].reason.startswith("out of memory")
+    assert policy.memory_cap == 800 + 300 - 1  # what the failed move was predicted to reach, less a byte
+    assert knobs.prefetch_depth != 2 and knobs == policy.current
+    deeper = Knobs(3, None, 0, 128 << 20, 1)
+    assert "over the cap 1099 B" in (policy._refused(DEFAULTS, deeper) or "")  # as much again: refused
+    assert policy._refused(DEFAULTS, replace(DEFAULTS, max_reduce_inputs=2)) is None  # less: tried
