@@ -223,7 +223,6 @@ def test_online_model_proposes_prefetch_behind_a_slow_link_and_nothing_where_com
 
 
 def test_online_model_starts_from_a_calibration_file_and_writes_what_it_fitted(tmp_path):
-
     from overlap.tools.plan.calibration import Calibration, default_world_calibration
     from overlap.tools.plan.cost import Link
 
