@@ -4,8 +4,9 @@ between steps. [Note: autotune] in autotune_policy.py says what moves and why th
 
 At a decision step each rank contributes its own StepStats of the trial's steps (step time,
 exposed all-gather and reduce-scatter waits, library memory peak) and its measured memory peak
-to one all-gather of a few floats over every rank of the model; every rank then holds the same values and runs the same
-policy on them, so all take the same decision at the same step without a broadcast. Steps are
+to one all-gather of a few floats over every rank of the model; every rank then holds the same
+values and runs the same policy on them, so all take the same decision at the same step without
+a broadcast. Steps are
 the training steps (a backward that reduced): evaluation forwards and no_sync micro-batches are
 not counted. On CUDA a step's StepStats are final a few steps late (events are read without
 waiting: StatsRecorder.max_lag_steps), so a decision comes that many steps after its trial; the

@@ -24,10 +24,12 @@ coordinate at a time:
     the model's proposals (`Ranker`, at most MODEL_TRIALS): joint moves of several knobs at once
         that the simulator, fitted to this window, predicts at least HYSTERESIS faster; each
         tried as a move is (below)
-    for each knob, each move (up, then down): a window of the move, then one of the best knobs;
-        keep the move when its step is at least HYSTERESIS faster than the best's windows just
-        before and after it, and the library's memory peak stays under the cap; a kept move is
-        tried again in the same direction, else reverted
+    for each knob, each move (up, then down): refused untried when its predicted peak crosses
+        the memory cap ([Note: autotune memory] in autotune_memory.py); else a window of the
+        move, then one of the best knobs; keep the move when its step is at least HYSTERESIS
+        faster than the best's windows just before and after it, and its memory stays under
+        the cap; a kept move is tried again in the same direction, else reverted (at once, when
+        it ran a rank out of memory: [Note: out of memory in a trial] in autotune_oom.py)
         a prefetch depth one deeper that was flat (within HYSTERESIS either way) is followed,
         at the end of the pass, by the deepest one: gathers that already arrive in time one
         unit ahead can still be late in backward, where a deeper queue starts them earlier
