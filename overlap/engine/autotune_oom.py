@@ -110,8 +110,10 @@ def out_of_memory_passing() -> BaseException | None:
 
 def backward_abandoned(schedule: Schedule) -> bool:
     """A backward that ended without the engine running it (an error inside it): the phase says
-    backward while no backward runs."""
-    return schedule.phase is Phase.BACKWARD and torch._C._current_graph_task_id() == -1
+    backward while no backward runs. (`_current_graph_task_id`, what torch.utils.checkpoint
+    asks too, is -1 outside a backward; without it, only forward errors are caught.)"""
+    task_id = getattr(torch._C, "_current_graph_task_id", None)
+    return schedule.phase is Phase.BACKWARD and task_id is not None and task_id() == -1
 
 
 def finish_interrupted_step(state: OverlapState, script: StepScript) -> None:
