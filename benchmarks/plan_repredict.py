@@ -42,7 +42,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's overlap first
 
 from overlap.config import OverlapConfig
-from overlap.tools.plan.calibration import Calibration, predict_measured, solve_increasing, with_compute
+from overlap.step_model.calibration import Calibration, predict_measured, solve_increasing, with_compute
 
 HOST_SCALE_RANGE = (0.2, 5.0)
 """Where `--fit-host` looks for the factor."""

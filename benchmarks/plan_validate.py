@@ -29,7 +29,7 @@ the validated steps. (A profile beside a whole segment of four steps, the previo
 a slow burst in one profile move a round's prediction by up to 15% on loopback 2 while the
 segment's steps missed it.) The table gives, per config, the median over every timed step of the
 measured and of the predicted step, the min-max of the round medians, and predictions of the
-one model the tools use ([Note: one model] in overlap/tools/plan/calibration.py):
+one model the tools use ([Note: one model] in overlap/step_model/calibration.py):
    calibrated  per timed step, its round's calibration with the compute beside the step
                (`predict_measured`); the median over steps
    one cal     the median calibration (`median_calibration`) with its own compute, for every
@@ -65,7 +65,7 @@ from torch import nn
 
 if TYPE_CHECKING:  # at run time imported in the functions, after entry.py put this checkout first
     from overlap.tools.plan.calibrate import Rig, World
-    from overlap.tools.plan.calibration import Calibration
+    from overlap.step_model.calibration import Calibration
 
 Profile = tuple[list[float], list[float]]
 """Per-layer forward and backward seconds of the plain W1 (`profile_beside`)."""
@@ -98,14 +98,14 @@ def _config(overrides: dict[str, Any]) -> Any:
 
 def predict_ms(cal: Calibration, overrides: dict[str, Any]) -> float:
     """The tools' model's steady step for W1 under `overrides`, ms."""
-    from overlap.tools.plan.calibration import predict_measured
+    from overlap.step_model.calibration import predict_measured
 
     return predict_measured(cal, _config(overrides)).step_s * 1e3
 
 
 def with_compute(cal: Calibration, compute: Profile) -> Calibration:
     """`cal` with its per-layer forward and backward seconds replaced by `compute`."""
-    from overlap.tools.plan.calibration import with_compute as replaced
+    from overlap.step_model.calibration import with_compute as replaced
 
     return replaced(cal, *compute)
 
@@ -118,9 +118,10 @@ def bracket(before: Profile, after: Profile) -> Profile:
 def uncalibrated(cal: Calibration, world: World) -> Calibration:
     """The tools' defaults for this world, with the measured compute (links and gloo terms are
     what is being compared)."""
-    from overlap.tools.plan.calibration import default_world_calibration
+    from overlap.step_model.calibration import default_world_calibration
+    from overlap.tools.bench.link import LinkSpec
 
-    link = None if world.link == "loopback" else world.link
+    link = None if world.link == "loopback" else LinkSpec.parse(world.link)
     defaults = default_world_calibration(world.shard_size, "gloo", link, num_replicas=world.num_replicas)
     return replace(defaults, compute=cal.compute)
 
@@ -303,7 +304,7 @@ def validate_rank(rank: int, world_size: int, cfg: ValidateConfig, world: World)
         set_up_rank,
         w1,
     )
-    from overlap.tools.plan.calibration import (
+    from overlap.step_model.calibration import (
         codec_path,
         median_calibration,
         predict_measured,
@@ -467,7 +468,7 @@ def format_phase_errors(e: dict[str, float]) -> str:
 
 def burst_charge_ms(compute_ms: float, comm_ms: float, share_lost: float, stretch: float) -> float:
     """What the fluid clock adds to `compute_ms` of work with one collective of `comm_ms` (solo)
-    in flight from its start ([Note: fluid clock] in overlap/tools/plan/simulate.py): the work runs
+    in flight from its start ([Note: fluid clock] in overlap/step_model/simulate.py): the work runs
     at 1 - `share_lost` while the collective, stretched by `stretch`, lasts; at full speed after."""
     in_flight = comm_ms * stretch
     if in_flight * (1 - share_lost) >= compute_ms:  # the collective outlasts the work

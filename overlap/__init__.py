@@ -21,10 +21,6 @@ from overlap.transport.fingerprint import CollectiveMismatchError
 from overlap.observe.memory import MemoryStats
 from overlap.observe.stats import StepStats
 from overlap.engine.wrap import wrap
-from overlap.engine.autotune import use_step_model as _use_step_model
-from overlap.tools.plan.online import step_model as _step_model
-
-_use_step_model(_step_model)  # autotune proposes with the tools' model ([Note: autotune])
 
 __all__ = [
     "OverlapConfig",

@@ -248,7 +248,7 @@ class OverlapConfig:
     so far, autotune off) here at each decision. None: `trace_dir` when set, else nothing is written (the
     decisions are still logged, logger "overlap.autotune"). Also `calibration.json`: the model
     fitted to this run's first steps, for `overlap plan --calibration` and `overlap tune
-    --calibration` ([Note: the model fitted online] in overlap/tools/plan/online.py)."""
+    --calibration` ([Note: the model fitted online] in overlap/step_model/online.py)."""
 
     autotune_calibration: str | None = None
     """With `autotune`: a calibration file (`overlap plan --calibrate FILE`, or an earlier run's

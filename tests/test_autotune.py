@@ -19,7 +19,6 @@ import torch
 import overlap
 from harness import World
 from models import batch, loss_of, tiny_lm
-from overlap.engine.autotune import TunerView
 from overlap.engine.autotune_policy import (
     HYSTERESIS,
     MAX_PREFETCH_DEPTH,
@@ -31,7 +30,8 @@ from overlap.engine.autotune_policy import (
     TunePolicy,
     WARMUP,
 )
-from overlap.tools.plan.online import TIE, StepModel, exposed
+from overlap.step_model.online import TIE, StepModel, exposed
+from overlap.step_model.tuning import TunerView
 
 DEFAULTS = Knobs(prefetch_depth=1, max_inflight_bytes=None, bucket_bytes=0, keep_bytes=128 << 20, max_reduce_inputs=1)
 
@@ -223,8 +223,8 @@ def test_online_model_proposes_prefetch_behind_a_slow_link_and_nothing_where_com
 
 
 def test_online_model_starts_from_a_calibration_file_and_writes_what_it_fitted(tmp_path):
-    from overlap.tools.plan.calibration import Calibration, default_world_calibration
-    from overlap.tools.plan.cost import Link
+    from overlap.step_model.calibration import Calibration, default_world_calibration
+    from overlap.step_model.cost import Link
 
     given = replace(default_world_calibration(4, "gloo", None), gather_link=Link("mine", 1e-4, 0.5))
     given.save(tmp_path / "given.json")
@@ -242,14 +242,15 @@ def test_online_model_starts_from_a_calibration_file_and_writes_what_it_fitted(t
         overlap.OverlapConfig(autotune=True, autotune_calibration=3)
 
 
-def test_a_model_that_fails_leaves_the_coordinate_moves(caplog):
+def test_a_model_that_fails_leaves_the_coordinate_moves(caplog, monkeypatch):
     """A model that raises must not stop training: the tuner logs it and proposes nothing."""
     from types import SimpleNamespace
 
     import overlap.engine.autotune as autotune
 
-    def broken(view: TunerView):
-        raise RuntimeError("no simulator here")
+    class Broken(StepModel):
+        def propose(self, start: Knobs, measured: Measurement) -> list[Proposal]:
+            raise RuntimeError("no simulator here")
 
     schedule = SimpleNamespace(
         unit_bytes=[8], grad_bytes=[8], forward_order=(0,), root=None,
@@ -259,13 +260,9 @@ def test_a_model_that_fails_leaves_the_coordinate_moves(caplog):
         schedule=schedule, device=torch.device("cpu"), num_ranks=2, num_replicas=1, tune_buckets=True,
         config=overlap.OverlapConfig(), folder=None,
     )  # fmt: skip
-    installed = autotune._step_model
-    autotune.use_step_model(broken)
-    try:
-        with caplog.at_level("WARNING", logger="overlap.autotune"):
-            assert autotune.AutoTuner._propose(tuner, DEFAULTS, Measurement(100.0, 1.0, 1.0, 0)) == []
-    finally:
-        autotune.use_step_model(installed)
+    monkeypatch.setattr(autotune, "StepModel", Broken)
+    with caplog.at_level("WARNING", logger="overlap.autotune"):
+        assert autotune.AutoTuner._propose(tuner, DEFAULTS, Measurement(100.0, 1.0, 1.0, 0)) == []
     assert "no simulator here" in caplog.text
 
 
@@ -320,7 +317,7 @@ def test_tuned_run_is_bitwise_the_run_with_its_final_knobs(tmp_path, capsys):
         world.close()
     # what it wrote: the config to reuse, and the decisions `overlap report` prints and draws
     assert overlap.OverlapConfig.load(tmp_path / "tuned_config.json") == overlap.OverlapConfig(**final)
-    from overlap.tools.plan.calibration import Calibration
+    from overlap.step_model.calibration import Calibration
 
     assert Calibration.load(tmp_path / "calibration.json").source.startswith("fitted by autotune")
     from overlap.observe import report

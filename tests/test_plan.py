@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from overlap import OverlapConfig
-from overlap.tools.plan.cost import LINKS, Link, Topology, UnitCost, flops_compute, ring_time_s
-from overlap.tools.plan.simulate import simulate
+from overlap.step_model.cost import LINKS, Link, Topology, UnitCost, flops_compute, ring_time_s
+from overlap.step_model.simulate import simulate
 
 LINK = Link("test", alpha_s=1e-5, busbw_gbps=10.0)
 

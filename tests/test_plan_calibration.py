@@ -1,4 +1,4 @@
-"""The calibration (overlap/tools/plan/calibration.py): its arithmetic by hand, its file, and that
+"""The calibration (overlap/step_model/calibration.py): its arithmetic by hand, its file, and that
 `overlap plan`, `overlap tune`'s pruning and benchmarks/plan_validate.py predict through the same
 model ([Note: one model]). No process group; a few seconds."""
 
@@ -12,10 +12,8 @@ import pytest
 import torch
 
 from overlap import OverlapConfig
-from overlap.tools.plan import calibration as calib
-from overlap.tools.plan import trace_links
-from overlap.tools.plan.calibrate import World
-from overlap.tools.plan.calibration import (
+from overlap.step_model import calibration as calib
+from overlap.step_model.calibration import (
     Calibration,
     ComputeCosts,
     HostCosts,
@@ -27,7 +25,10 @@ from overlap.tools.plan.calibration import (
     median_calibration,
     predict_measured,
 )
-from overlap.tools.plan.cost import Link, Topology, ring_time_s
+from overlap.step_model.cost import Link, Topology, ring_time_s
+from overlap.tools.bench.link import LinkSpec
+from overlap.tools.plan import trace_links
+from overlap.tools.plan.calibrate import World
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 import plan_validate as pv
@@ -126,7 +127,7 @@ def test_file_round_trip_and_errors(tmp_path):
 
 
 def test_solve_increasing_finds_the_crossing_and_stops_at_the_ends():
-    from overlap.tools.plan.calibration import solve_increasing
+    from overlap.step_model.calibration import solve_increasing
 
     assert solve_increasing(lambda x: 3 * x, 1.5, 0.1, 10.0, log=True) == pytest.approx(0.5, rel=1e-2)
     assert solve_increasing(lambda x: x + 1, 2.5, 0.0, 4.0, log=False) == pytest.approx(1.5, rel=1e-2)
@@ -174,7 +175,7 @@ def test_world_parse():
 def test_defaults_for_a_world():
     gloo = calib.default_world_calibration(2, "gloo", None)
     assert gloo.backend == "gloo" and gloo.host and gloo.comm_stretch > 1
-    wire = calib.default_world_calibration(2, "gloo", "1gbit")
+    wire = calib.default_world_calibration(2, "gloo", LinkSpec.parse("1gbit"))
     assert wire.level == "inter" and wire.gather_link.busbw_gbps == pytest.approx(0.125 * calib.EMULATED_LINK_EFFICIENCY)
     nccl = calib.default_world_calibration(8, "nccl", None)
     assert nccl.backend == "nccl" and not nccl.host and nccl.concurrent_throughput is None

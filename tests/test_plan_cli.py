@@ -20,10 +20,10 @@ from overlap.tools.plan.command import (
     _token_count,
     plan,
 )
-from overlap.tools.plan.cost import LINKS, Topology, UnitCost, ring_time_s
+from overlap.step_model.cost import LINKS, Topology, UnitCost, ring_time_s
 from overlap.tools.plan.estimate import Cluster, build_units, estimate
 from overlap.tools.plan.models import GPUS, MODELS, load_model
-from overlap.tools.plan.simulate import simulate
+from overlap.step_model.simulate import simulate
 
 TORCHTITAN_8B_TOKENS_PER_S_PER_GPU = 5762  # docs/performance.md, Table 1 (compared, never fitted)
 

@@ -10,7 +10,7 @@ import pytest
 
 from overlap.tools.cli import main
 from overlap.tools.plan.command import PLAN_DEFAULT_CONFIG, PlanConfig, plan
-from overlap.tools.plan.cost import LINKS, Link, Topology, ring_time_s
+from overlap.step_model.cost import LINKS, Link, Topology, ring_time_s
 from overlap.tools.plan.estimate import Cluster, build_units, estimate
 from overlap.tools.plan.layout import (
     ParallelDims,

@@ -1,4 +1,4 @@
-"""The simulator's fluid clock, host work and HSDP all-reduce (overlap/tools/plan/simulate.py)
+"""The simulator's fluid clock, host work and HSDP all-reduce (overlap/step_model/simulate.py)
 against hand-computed timelines, and benchmarks/plan_validate.py's summary of signed errors. The
 calibration arithmetic is in tests/test_plan_calibration.py. No process group; < 2 s."""
 
@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 
 from overlap import OverlapConfig
-from overlap.tools.plan.cost import Link, Topology, UnitCost, ring_time_s
-from overlap.tools.plan.simulate import Contention, simulate
+from overlap.step_model.cost import Link, Topology, UnitCost, ring_time_s
+from overlap.step_model.simulate import Contention, simulate
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 import plan_validate as pv
@@ -93,7 +93,7 @@ def test_a_shared_link_completes_in_issue_order(throughput, b_done_ms):
 
 
 def test_link_shares():
-    from overlap.tools.plan.simulate import link_shares
+    from overlap.step_model.simulate import link_shares
 
     assert link_shares(2, None) == [1.0, 1.0]
     assert link_shares(3, 1.5) == [1.0, 0.5, 0.0]
@@ -168,7 +168,7 @@ def test_burst_charge_is_the_fluid_clocks():
     assert pv.burst_charge_ms(40.0, 100.0, 0.2, 1.0) == pytest.approx(40.0 * 0.2 / 0.8)
     edge = 40.0 / 0.8  # in flight exactly as long as the slowed work
     assert pv.burst_charge_ms(40.0, edge - 1e-9, 0.2, 1.0) == pytest.approx(pv.burst_charge_ms(40.0, edge, 0.2, 1.0))
-    from overlap.tools.plan.calibration import default_world_calibration
+    from overlap.step_model.calibration import default_world_calibration
 
     bursts = [{"forward": 40.0, "forward_beside_gather": 43.0, "backward": 80.0, "backward_beside_reduce": 81.0,
                "gather": 5.0, "reduce": 6.0}]  # fmt: skip
@@ -240,7 +240,7 @@ def test_segments_are_predicted_with_the_compute_beside_them():
     layer by layer, replace the calibration's compute; nothing else of it changes."""
     before = ([1.0, 2.0], [4.0, 4.0])
     after = ([3.0, 2.0], [2.0, 6.0])
-    from overlap.tools.plan.calibration import Calibration, ComputeCosts, default_world_calibration
+    from overlap.step_model.calibration import Calibration, ComputeCosts, default_world_calibration
 
     assert pv.bracket(before, after) == ([2.0, 2.0], [3.0, 5.0])
 
@@ -273,12 +273,12 @@ def test_repredict_recovers_a_known_host_factor_from_stored_steps():
     work x1.5 re-predict at +0% with the factor fitted to one config, and below 0% as stored (1x)."""
     import plan_repredict as rp
 
-    from overlap.tools.plan.calibration import ComputeCosts, HostCosts, predict_measured, with_compute
+    from overlap.step_model.calibration import ComputeCosts, HostCosts, predict_measured, with_compute
 
     link = Link("hand", alpha_s=1e-4, busbw_gbps=1.0)
     host = HostCosts(unit_bytes=4 * 1000, gather_issue_s=1e-3, regather_issue_s=1e-3, gather_wait_s=2e-3,
                      reduce_issue_s=3e-3, reduce_wait_s=2e-3)  # fmt: skip
-    from overlap.tools.plan.calibration import Calibration
+    from overlap.step_model.calibration import Calibration
 
     cal = Calibration(source="hand", backend="gloo", num_ranks=2, gather_link=link, compute_share_lost=0.3,
                       comm_stretch=1.5, host={"none": host},

@@ -422,13 +422,14 @@ def test_cli_lists_tune_and_parses_its_flags():
 
 def test_calibration_file_reaches_the_pruning(tmp_path):
     """`overlap tune --calibration FILE` loads the file into TuneConfig; the planner then prunes
-    with it on this world's ranks (the one model of overlap/tools/plan/calibration.py)."""
+    with it on this world's ranks (the one model of overlap/step_model/calibration.py)."""
+    from overlap.step_model.calibration import default_world_calibration
+    from overlap.tools.bench.link import LinkSpec
     from overlap.tools.cli import build_parser
-    from overlap.tools.plan.calibration import default_world_calibration
     from overlap.tools.tune.command import command_from_args
     from overlap.tools.tune.predict import calibration_for
 
-    cal = default_world_calibration(2, "gloo", "1gbit")
+    cal = default_world_calibration(2, "gloo", LinkSpec.parse("1gbit"))
     path = cal.save(tmp_path / "cal.json")
     cmd = command_from_args(build_parser("tune").parse_args(["tune", "--calibration", str(path)]))
     assert cmd.search.calibration == cal

@@ -29,10 +29,9 @@ Each decision is logged (logger "overlap.autotune", rank 0). With `autotune_dir`
 and times, for `overlap report`) and `tuned_config.json` (the OverlapConfig with the best knobs
 so far, autotune off, to reuse).
 
-The policy's proposals come from the model the tools use ([Note: the model fitted online] in
-overlap/tools/plan/online.py). The engine does not import the tools (imports point down):
-`overlap/__init__.py` installs that model here with `use_step_model` when the package is
-imported; without one the search is the coordinate moves alone.
+The policy's proposals come from the step model the tools use too ([Note: the model fitted
+online] in overlap/step_model/online.py), imported here: it sits below autotune, and a model that
+raises leaves the search to the coordinate moves alone.
 """
 
 from __future__ import annotations
@@ -41,8 +40,7 @@ import json
 import logging
 import math
 import os
-from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -69,6 +67,8 @@ from overlap.engine.autotune_oom import (
 from overlap.engine.autotune_policy import TRIAL, Decision, Knobs, Measurement, Mode, Proposal, TunePolicy
 from overlap.engine.schedule import Phase, Schedule, ScheduleConfig
 from overlap.observe.stats import StatsRecorder, StepStats
+from overlap.step_model.online import StepModel
+from overlap.step_model.tuning import TunerView
 from overlap.transport import collectives as comm
 from overlap.transport.host_values import GatheredLater, gather_floats_later
 
@@ -81,44 +81,12 @@ _FIELDS = 4  # per step: step_ms, exposed gather, exposed reduce, memory peak
 _HEADER = 3  # per rank: its device's key, its own memory limit, its measured peak
 
 
-@dataclass(frozen=True)
-class TunerView:
-    """What the step model knows of a wrapped model and its world: the same on every rank."""
-
-    unit_bytes: tuple[int, ...]
-    """Unsharded bytes of each unit in the gather dtype, by unit index."""
-    grad_bytes: tuple[int, ...]
-    forward_order: tuple[int, ...]
-    """The units in the order the first step's forward ran them."""
-    root: int | None
-    reshard_after_forward: bool
-    backend: str  # "nccl" or "gloo"
-    num_ranks: int  # of the shard group
-    num_replicas: int  # HSDP replicas (1: none)
-    tune_buckets: bool  # whether the tuner may move the bucket size
-    calibration: str | None = None
-    """The file the model starts from (`OverlapConfig.autotune_calibration`); None: defaults."""
-    folder: str | None = None
-    """Where the fitted model is written (`calibration.json`); None: nowhere (ranks but 0)."""
-
-
 class _Due(NamedTuple):
     """A decision whose exchange was issued at the end of a step ([Note: decisions between steps])."""
 
     recheck: bool  # settled: a look at the step, not a trial's end
     rows: GatheredLater
     read_after: int  # taken at the first forward after this training step ended
-
-
-StepModel = Callable[[TunerView], Callable[[Knobs, Measurement], list[Proposal]]]
-_step_model: StepModel | None = None
-
-
-def use_step_model(model: StepModel | None) -> None:
-    """Install the model the tuner proposes with (None: coordinate moves alone). The package
-    installs the tools' (overlap/tools/plan/online.py) at import."""
-    global _step_model
-    _step_model = model
 
 
 def knobs_of(config: ScheduleConfig) -> Knobs:
@@ -164,9 +132,8 @@ class AutoTuner:
                 f"overlap.wrap: autotune_calibration={config.autotune_calibration!r}: no such file (write one "
                 "with `overlap plan --calibrate FILE`, or use an earlier run's calibration.json)"
             )
-        ranker = self._propose if _step_model is not None else None
         # the cap is read at the baseline, once the optimizer state exists ([Note: autotune memory])
-        self.policy = TunePolicy(knobs_of(schedule.config), None, self._signature, tune_buckets, ranker, self._price)
+        self.policy = TunePolicy(knobs_of(schedule.config), None, self._signature, tune_buckets, self._propose, self._price)
         self.memory: MemoryBudget | None = None
         """The cap and the baseline's measured peak, from the baseline decision on."""
         # [Note: out of memory in a trial] in autotune_oom.py; settled, no trial runs: nothing recorded
@@ -208,9 +175,9 @@ class AutoTuner:
         return price_bytes(self.schedule, self._schedule_config(old), self._schedule_config(new))
 
     def _propose(self, knobs: Knobs, measured: Measurement) -> list[Proposal]:
-        """The installed model's proposals from the baseline `measured` under `knobs`."""
+        """The step model's proposals from the baseline `measured` under `knobs`."""
         s = self.schedule
-        if _step_model is None or s.forward_order is None:
+        if s.forward_order is None:
             return []
         view = TunerView(
             tuple(s.unit_bytes), tuple(s.grad_bytes), tuple(s.forward_order), s.root,
@@ -219,7 +186,7 @@ class AutoTuner:
             None if self.folder is None else str(self.folder),
         )  # fmt: skip
         try:
-            return _step_model(view)(knobs, measured)
+            return StepModel(view).propose(knobs, measured)
         except Exception as e:  # noqa: BLE001  the same on every rank: all go on without proposals
             log.warning("overlap autotune: the model could not propose (%s: %s); coordinate moves only", type(e).__name__, e)
             return []

@@ -37,9 +37,9 @@ coordinate at a time:
 
 The model proposes, measurement decides: a proposal is kept only as any move is, so a model
 that is wrong costs its trial windows and never the run's speed. It is the one the tools use
-(overlap/tools/plan/online.py: the simulator of `overlap plan` and `overlap tune`, its compute
-and links fitted to the baseline window's step and exposed waits), registered by the package
-at import (`overlap/engine/autotune.py`, `use_step_model`): the engine does not import tools.
+(overlap/step_model/online.py: the simulator of `overlap plan` and `overlap tune`, its compute
+and links fitted to the baseline window's step and exposed waits), which `engine/autotune.py`
+imports: the step model sits below the engine's autotune, the tools above both.
 
 A window is SETTLE steps under its knobs (not measured: the first step after a change allocates
 differently) and TRIAL measured steps; its score is the median over those steps of the slowest
@@ -59,40 +59,16 @@ import statistics
 from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass, replace
 
+# the vocabulary the online model speaks too, defined below both (re-exported: the tuner's names)
+from overlap.step_model.tuning import MAX_PREFETCH_DEPTH, MAX_REDUCE_INPUTS, Knobs, Measurement, Proposal  # noqa: F401
+
 WARMUP = 3
 SETTLE = 1
 TRIAL = 4
 HYSTERESIS = 0.02
 RECHECK = 50
 DRIFT = 0.10
-MAX_PREFETCH_DEPTH = 4
-MAX_REDUCE_INPUTS = 3
 MODEL_TRIALS = 2
-
-
-@dataclass(frozen=True)
-class Knobs:
-    """The schedule settings the tuner moves (the OverlapConfig field of each in comments)."""
-
-    prefetch_depth: int  # prefetch_depth
-    max_inflight_bytes: int | None  # max_inflight_allgather_bytes
-    bucket_bytes: int  # reduce_scatter_bucket_bytes
-    keep_bytes: int  # keep_for_backward_bytes
-    max_reduce_inputs: int  # max_reduce_inputs
-
-
-@dataclass(frozen=True)
-class Measurement:
-    """One trial step as every rank saw it: the slowest rank's step time, the most exposed
-    all-gather and reduce-scatter wait of any rank, the highest library memory peak (its own
-    account, that step) and the highest measured peak of any rank (the allocator's or the
-    process's high-water mark so far: [Note: autotune memory] in autotune_memory.py)."""
-
-    step_ms: float
-    gather_wait_ms: float
-    reduce_wait_ms: float
-    memory_peak_bytes: int
-    device_peak_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -105,18 +81,6 @@ class Decision:
     new: object
     action: str  # "baseline", "model", "try", "refuse", "keep", "revert", "settle", "retune"
     reason: str
-
-
-@dataclass(frozen=True)
-class Proposal:
-    """A setting the model predicts faster than the baseline's: what it costs in memory above
-    the baseline's and why (logged with the trial)."""
-
-    knobs: Knobs
-    predicted_ms: float
-    baseline_predicted_ms: float
-    extra_bytes: int
-    reason: str = ""
 
 
 Pricer = Callable[[Knobs, Knobs], int]

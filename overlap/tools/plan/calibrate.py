@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from overlap.tools.plan.calibration import (
+from overlap.step_model.calibration import (
     NO_CODEC,
     Calibration,
     ComputeCosts,
@@ -53,7 +53,7 @@ from overlap.tools.plan.calibration import (
     contention_share,
     median_calibration,
 )
-from overlap.tools.plan.cost import Topology, ring_time_s
+from overlap.step_model.cost import Topology, ring_time_s
 from overlap.tools.plan.hooks import measure_hooks
 from overlap.tools.plan.measure import (  # the measurements (measure.py)
     CONCURRENCY_OPS,
@@ -261,7 +261,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def calibrate_from_trace(args: argparse.Namespace) -> Calibration:
     from pathlib import Path
 
-    from overlap.tools.plan.calibration import default_world_calibration
+    from overlap.step_model.calibration import default_world_calibration
     from overlap.tools.plan.trace_links import from_trace
 
     n = args.trace_ranks or len(list(Path(args.from_trace).glob("trace_rank*.json")))

@@ -9,7 +9,7 @@ per GPU, the best config a small search on the simulator finds, and a scaling cu
 --pp plan tensor and pipeline parallelism around the data-parallel FSDP step (layout.py, parallel.py).
 
 Every prediction replays the runtime's own `Schedule` on the virtual clock of
-`overlap.tools.plan.simulate`; the inputs are stated in the output with their sources (model shapes,
+`overlap.step_model.simulate`; the inputs are stated in the output with their sources (model shapes,
 GPU datasheets, link presets, the achieved-TFLOPs assumption). Importable: `plan(PlanConfig(...))`
 or `plan(model="llama-8b", num_gpus=1024)` returns a `PlanResult`.
 """
@@ -25,8 +25,8 @@ from typing import Any
 
 from overlap.config import OverlapConfig
 from overlap.tools.plan import calibrate
-from overlap.tools.plan.calibration import Calibration
-from overlap.tools.plan.cost import LINKS, Link, calibrate_from_bench
+from overlap.step_model.calibration import Calibration
+from overlap.step_model.cost import LINKS, Link, calibrate_from_bench
 from overlap.tools.plan.estimate import Cluster, estimate
 from overlap.tools.plan.layout import PP_SCHEDULES, fits_layout
 from overlap.tools.plan.models import AC_POLICIES, DEFAULT_MFU, GPUS, MODELS, gpu_spec, load_model

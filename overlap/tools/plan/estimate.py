@@ -29,11 +29,11 @@ import torch
 from overlap.compression import make_grad_codec, make_param_codec, make_residual_format
 from overlap.config import OverlapConfig
 from overlap.engine.units import group_units
-from overlap.tools.plan.calibration import Calibration, codec_path, default_calibration
-from overlap.tools.plan.cost import Link, Topology, UnitCost
+from overlap.step_model.calibration import Calibration, codec_path, default_calibration
+from overlap.step_model.cost import Link, Topology, UnitCost
 from overlap.tools.plan.layout import ParallelBreakdown, ParallelDims
 from overlap.tools.plan.models import GpuSpec, ModelProfile
-from overlap.tools.plan.simulate import Prediction
+from overlap.step_model.simulate import Prediction
 
 MASTER_BYTES_PER_PARAM = 4  # fp32 master shard
 SHARDED_STATE_BYTES_PER_PARAM = 16  # fp32 master + fp32 gradient + AdamW exp_avg, exp_avg_sq
@@ -72,7 +72,7 @@ class Cluster:
     """Measured costs (`overlap plan --calibration FILE`): its links replace `intra` or `inter`
     (the level it was measured on; `with_calibration`), its contention, lanes and host work
     apply. None: NCCL on the link presets, no contention, no host work ([Note: one model] in
-    calibration.py)."""
+    overlap/step_model/calibration.py)."""
     dims: ParallelDims = ParallelDims()
     """Tensor and pipeline parallel degrees; overlap shards over the data-parallel rest
     ([Note: 3-D layout] in layout.py). Default: FSDP over every GPU."""
@@ -266,7 +266,7 @@ def _error_feedback_bytes(profile: ModelProfile, config: OverlapConfig, world_si
 
 def estimate(profile: ModelProfile, config: OverlapConfig, cluster: Cluster) -> Estimate:
     """Predict one steady-state training step through the cluster's calibration (by default
-    nccl: one communicator, collectives in order; [Note: one model] in calibration.py). With
+    nccl: one communicator, collectives in order; [Note: one model] in overlap/step_model/calibration.py). With
     tensor or pipeline parallelism (`cluster.dims`) the step is `parallel.estimate_parallel`'s."""
     if cluster.dims.enabled:
         # imported here: parallel.py builds on this module's units and memory ([Note: pipeline step])

@@ -52,7 +52,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import Literal
 
-from overlap.tools.plan.cost import Link, Topology, ring_time_s
+from overlap.step_model.cost import Link, Topology, ring_time_s
 from overlap.tools.plan.models import AcPolicy, ModelProfile
 
 PpSchedule = Literal["1f1b", "gpipe", "interleaved"]

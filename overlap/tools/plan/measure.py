@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from overlap.tools.plan.calibration import HostCosts, fit_link, gather_op
+from overlap.step_model.calibration import HostCosts, fit_link, gather_op
 from overlap.tools.plan.world import World, max_over_ranks, mean_over_ranks, w1
 
 LINK_SIZES_BYTES = tuple(k * 2**20 for k in (1, 4, 12, 24))

@@ -33,7 +33,7 @@ from overlap.tools.plan.layout import (
     tp_cost,
 )
 from overlap.tools.plan.models import ModelProfile
-from overlap.tools.plan.simulate import Prediction
+from overlap.step_model.simulate import Prediction
 
 
 def dp_cluster(cluster: Cluster) -> Cluster:

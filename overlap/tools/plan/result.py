@@ -29,7 +29,7 @@ class PlanConfig:
     num_gpus: int = 8
     gpus_per_node: int = 8
     link: str = "ndr400"
-    """Inter-node link: a preset of `overlap.tools.plan.cost.LINKS` or an `overlap bench comm --json` file."""
+    """Inter-node link: a preset of `overlap.step_model.cost.LINKS` or an `overlap bench comm --json` file."""
     intra_link: str = "nvlink4"
     """Link between the GPUs of one node (preset or bench JSON)."""
     gpu: str = "h100-sxm"
@@ -59,7 +59,7 @@ class PlanConfig:
     calibration: str | None = None
     """A calibration JSON (`overlap plan --calibrate FILE`, or `from_trace`): its links replace
     the preset of the level it was measured on; its contention, lanes and host work apply
-    ([Note: one model] in calibration.py). None: the link and GPU presets alone."""
+    ([Note: one model] in overlap/step_model/calibration.py). None: the link and GPU presets alone."""
     tp: int = 1
     """Tensor-parallel degree, inside a node ([Note: 3-D layout] in layout.py). With tp or pp > 1
     `local_batch` is the sequences of one data-parallel rank, shared by its tp x pp GPUs

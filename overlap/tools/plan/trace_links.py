@@ -1,6 +1,6 @@
 """Links fitted to a run's own collectives: the spans its trace recorded in the first steps
 (`overlap plan --calibrate FILE --from-trace DIR`), the cluster's way to calibrate ([Note: one
-model] in calibration.py)."""
+model] in overlap/step_model/calibration.py)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
-from overlap.tools.plan.calibration import RING_FACTOR, Calibration, fit_link
-from overlap.tools.plan.cost import Link
+from overlap.step_model.calibration import RING_FACTOR, Calibration, fit_link
+from overlap.step_model.cost import Link
 
 TRACE_LANES = {1: "all_gather", 2: "reduce"}
 """Trace thread ids of the collective lanes (overlap/observe/trace.py's LANES)."""

@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 from overlap.config import OverlapConfig
-from overlap.tools.plan.calibration import Calibration
-from overlap.tools.plan.cost import Topology
+from overlap.step_model.calibration import Calibration
+from overlap.step_model.cost import Topology
 from overlap.tools.tune.space import TuneSpace
 
 CachePolicy = Literal["use", "refresh", "off"]
@@ -68,7 +68,7 @@ class TuneConfig:
     calibration: Calibration | str | Path | None = None
     """The planner's costs: a `Calibration` or its JSON file (`overlap plan --calibrate FILE`);
     None: the defaults for this world (`default_world_calibration`). See [Note: one model] in
-    overlap/tools/plan/calibration.py."""
+    overlap/step_model/calibration.py."""
 
     topology: Topology | None = None
     """The planner's links, over the calibration's (None: the calibration's, on this world's

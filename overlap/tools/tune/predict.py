@@ -7,7 +7,7 @@ simulator with its real unsharded bytes (the schedule's in-flight cap and bucket
 the runtime does) and the codec's wire bytes (`UnitCost.gather_wire_bytes` / `reduce_wire_bytes`,
 which set the ring times). On CPU the host work around each collective (encoding, decoding,
 copies) comes from the calibration per codec path ([Note: one model] in
-overlap/tools/plan/calibration.py; a codec it did not measure is charged as uncompressed); GPU
+overlap/step_model/calibration.py; a codec it did not measure is charged as uncompressed); GPU
 codec kernels are not charged. Either way every codec keeps its own best candidate through
 pruning, and measurement, not the model, decides between codecs.
 
@@ -35,9 +35,10 @@ import torch.nn as nn
 from overlap.compression import make_grad_codec, make_param_codec
 from overlap.config import OverlapConfig
 from overlap.engine.units import group_units
-from overlap.tools.plan.calibration import Calibration, codec_path, default_world_calibration
-from overlap.tools.plan.cost import LINKS, Topology, UnitCost
-from overlap.tools.plan.simulate import Prediction
+from overlap.step_model.calibration import Calibration, codec_path, default_world_calibration
+from overlap.step_model.cost import LINKS, Topology, UnitCost
+from overlap.step_model.simulate import Prediction
+from overlap.tools.bench.link import LinkSpec
 from overlap.tools.tune.space import Codec, unit_numels
 
 StepFn = Callable[[nn.Module, torch.optim.Optimizer], Any]
@@ -194,17 +195,18 @@ def topology_for(world_size: int, backend: str, link: str | None) -> Topology:
     `default_world_calibration`, and on NCCL two levels, NVLink within a node and NDR InfiniBand
     across nodes."""
     if link or "nccl" not in backend:
-        return default_world_calibration(world_size, backend, link).topology()
+        return default_world_calibration(world_size, backend, LinkSpec.parse(link) if link else None).topology()
     per_node = torch.cuda.device_count() if torch.cuda.is_available() else world_size
     return Topology(world_size, max(1, per_node), LINKS["nvlink4"], LINKS["ndr400"])
 
 
 def calibration_for(world_size: int, backend: str, link: str | None, calibration: Calibration | None) -> tuple[Calibration, Topology]:
-    """The model `overlap tune` prunes with ([Note: one model] in overlap/tools/plan/calibration.py):
+    """The model `overlap tune` prunes with ([Note: one model] in overlap/step_model/calibration.py):
     `calibration` on this world's ranks, or the defaults for this world."""
     if calibration is not None:
         return calibration, calibration.topology(num_ranks=world_size, num_replicas=1)
-    return default_world_calibration(world_size, backend, link), topology_for(world_size, backend, link)
+    defaults = default_world_calibration(world_size, backend, LinkSpec.parse(link) if link else None)
+    return defaults, topology_for(world_size, backend, link)
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from overlap.transport.backend import semantics
 from overlap.config import OverlapConfig
-from overlap.tools.plan.calibration import Calibration
+from overlap.step_model.calibration import Calibration
 from overlap.tools.tune.cache import (
     TuneKey,
     cache_path,
