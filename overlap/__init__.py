@@ -21,6 +21,7 @@ from overlap.transport.fingerprint import CollectiveMismatchError
 from overlap.observe.memory import MemoryStats
 from overlap.observe.stats import StepStats
 from overlap.engine.wrap import wrap
+from overlap.engine.autotune_oom import TrialOutOfMemoryError
 
 __all__ = [
     "OverlapConfig",
@@ -28,6 +29,7 @@ __all__ = [
     "checkpoint",
     "CollectiveMismatchError",
     "StepStats",
+    "TrialOutOfMemoryError",
     "clip_grad_norm_",
     "full_state_dict",
     "load_full_state_dict",
