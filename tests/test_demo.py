@@ -138,6 +138,10 @@ def test_demo_cli_runs_and_loss_is_finite() -> None:
     assert all(math.isfinite(v) for v in (first, last, val))
     assert abs(first - math.log(256)) < 0.2
     assert proc.stdout.count("step ") >= 3  # a progress line per step with --log-every 1
+    # A rank leaves with os._exit ([Note: rank exit]); what it registered with the resource
+    # tracker (a progress bar's multiprocessing lock) must still be released, not reported.
+    leaks = [ln for ln in proc.stderr.splitlines() if re.search("resource_tracker|leaked", ln)]
+    assert not leaks, proc.stderr[-3000:]
 
 
 # ---------------------------------------------------------------------------------------------

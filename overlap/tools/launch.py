@@ -7,6 +7,7 @@ place that knows how the world came to be.
 from __future__ import annotations
 
 import gc
+import multiprocessing.util
 import os
 import queue
 import signal
@@ -199,7 +200,15 @@ def _leave(results: Any) -> None:
 
 def exit_now(code: int) -> NoReturn:
     """Flush the output and leave this process with `code` at once, without interpreter
-    finalization ([Note: rank exit]): for a rank whose process group is already destroyed."""
+    finalization ([Note: rank exit]): for a rank whose process group is already destroyed.
+
+    multiprocessing's own exit step still runs: os._exit skips it, and it is what releases the
+    named semaphores this process created (tqdm's lock behind every progress bar, a user's
+    `multiprocessing.Lock`). Left registered, the resource tracker (the parent's, for spawned
+    ranks) reports each one as leaked when it shuts down. Its finalizers are plain Python
+    (unlink a name, tell the tracker), nothing that needs the process group or gloo's threads.
+    """
+    multiprocessing.util._run_finalizers(0)  # the first step of multiprocessing's exit hook
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
