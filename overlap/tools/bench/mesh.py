@@ -31,6 +31,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import overlap
+from overlap.engine.autotune_memory import process_peak_rss_bytes
 from overlap.tools.bench.peers import parse_overrides, state_bytes
 from overlap.tools.launch import run_local_world
 
@@ -191,8 +192,6 @@ def mesh_rank(rank: int, world_size: int, cfg: MeshBenchConfig) -> dict | None:
 
 def peak_rank(rank: int, world_size: int, cfg: MeshBenchConfig, name: str) -> int:
     """Contender `name` alone in fresh processes: warm-up steps plus one; the largest VmHWM."""
-    from overlap.tools.bench.step import process_peak_rss_bytes
-
     mesh, batch = _setup(rank, cfg)
     trainer = _Trainer(cfg, mesh, name, batch)
     for _ in range(WARMUP_STEPS + 1):

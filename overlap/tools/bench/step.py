@@ -95,7 +95,7 @@ import argparse
 import statistics
 from dataclasses import dataclass, replace
 
-from overlap.tools.bench import peers
+from overlap.tools.bench import mesh, peers
 from overlap.tools.bench.link import LinkSpec, run_linked_world
 from overlap.tools.bench.peers import parse_overrides
 from overlap.tools.launch import run_local_world
@@ -407,8 +407,6 @@ def config_from_args(args: argparse.Namespace) -> StepBenchConfig:
 
 def run(args: argparse.Namespace) -> int:
     if args.mesh is not None:  # a benchmark of its own, sharing these flags
-        from overlap.tools.bench import mesh
-
         return mesh.run(args)
     try:
         cfg = config_from_args(args)

@@ -1,7 +1,8 @@
 """One config on a 2-D or 3-D cluster (FSDP x TP x PP): the FSDP step of the bottleneck rank
 from the simulator, the tensor-parallel collectives, the pipeline sends and bubble around it.
 
-`estimate()` in estimate.py comes here when `Cluster.dims` has tp or pp > 1. The simulator
+`estimate()` in estimate.py comes here when `Cluster.dims` has tp or pp > 1; this module builds
+on fsdp.py's cluster, units and FSDP step, and imports nothing above it. The simulator
 replays one micro-batch of the rank's stage (its layers, 1/T of their parameters) over a
 data-parallel group of D ranks on the link [Note: 3-D layout] in layout.py gives it, twice: once
 without reduction (every micro-batch gathers) and once with (the last one reduces); the step is
@@ -21,8 +22,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from overlap.config import OverlapConfig
-from overlap.tools.plan.estimate import Cluster, Estimate, build_units
-from overlap.tools.plan.estimate import estimate as estimate_fsdp
+from overlap.tools.plan.fsdp import Cluster, Estimate, build_units, estimate_fsdp
 from overlap.tools.plan.layout import (
     ParallelBreakdown,
     ParallelDims,
