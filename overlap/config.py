@@ -12,6 +12,10 @@ from typing import Any, Literal
 import torch
 import torch.nn as nn
 
+# The codec names live in the compression registry alone ([Note: adding a codec]); it does not
+# import this module.
+from overlap.compression.registry import block_residual_codecs, check_codec_name
+
 UnitPolicy = Literal["auto"] | frozenset[type[nn.Module]] | Callable[[nn.Module], bool]
 
 _DTYPES = {
@@ -24,8 +28,6 @@ _RESIDUAL_DTYPES = {  # overlap.compression.feedback.RESIDUAL_DTYPES
     "bfloat16": torch.bfloat16,
     "int8": torch.int8,
 }
-_PARAM_CODECS = (None, "bf16", "int8", "fp8")  # overlap.compression.PARAM_CODECS
-_GRAD_CODECS = (None, "bf16", "int8", "int4")  # overlap.compression.GRAD_CODECS
 
 
 def _dtype_name(dtype: torch.dtype | None) -> str | None:
@@ -172,14 +174,16 @@ class OverlapConfig:
     """Warn when GPU memory in use (or RSS on CPU) exceeds this."""
 
     param_compression: str | None = None
-    """Codec for the weight all-gather: None, "bf16", "int8" or "fp8" (blockwise absmax). The
-    fp32 master shards stay exact; only the copy on the wire is compressed, and every rank
-    (this one included) computes with the decoded values."""
+    """Codec for the weight all-gather: None, "bf16", "int8" or "fp8" (blockwise absmax), or a
+    name added with `overlap.compression.register_codec`. The fp32 master shards stay exact; only
+    the copy on the wire is compressed, and every rank (this one included) computes with the
+    decoded values."""
 
     grad_compression: str | None = None
-    """Codec for the gradient reduce-scatter: None, "bf16", "int8" or "int4". Compressed
-    gradients travel by all-to-all (each rank's chunk for rank r is encoded and sent to r) and
-    are decoded and summed in fp32 on the receiver."""
+    """Codec for the gradient reduce-scatter: None, "bf16", "int8" or "int4", or a name added
+    with `overlap.compression.register_codec`. Compressed gradients travel by all-to-all (each
+    rank's chunk for rank r is encoded and sent to r) and are decoded and summed in fp32 on the
+    receiver."""
 
     compression_block_size: int | None = None
     """Elements per scale for the blockwise codecs (None: the codec's default, 256 for int8 and
@@ -301,16 +305,8 @@ class OverlapConfig:
                 object.__setattr__(self, name, _DTYPES[value])
             elif value is not None and value not in _DTYPES.values():
                 raise ValueError(f"{name} must be a floating torch.dtype or None, got {value!r}")
-        if self.param_compression not in _PARAM_CODECS:
-            raise ValueError(
-                f"param_compression={self.param_compression!r} is not available in this version "
-                f"of overlap; use one of {_PARAM_CODECS}"
-            )
-        if self.grad_compression not in _GRAD_CODECS:
-            raise ValueError(
-                f"grad_compression={self.grad_compression!r} is not available in this version "
-                f"of overlap; use one of {_GRAD_CODECS}"
-            )
+        check_codec_name("param_compression", self.param_compression)
+        check_codec_name("grad_compression", self.grad_compression)
         ef_dtype = self.error_feedback_dtype
         if isinstance(ef_dtype, str):
             ef_dtype = _RESIDUAL_DTYPES.get(ef_dtype, ef_dtype)
@@ -320,10 +316,12 @@ class OverlapConfig:
                 "error_feedback_dtype must be torch.float32, torch.bfloat16 or torch.int8 (or "
                 f"their names), got {ef_dtype!r}"
             )
-        if self.error_feedback and ef_dtype == torch.int8 and self.grad_compression not in ("int8", "int4"):
+        blockwise = block_residual_codecs()
+        if self.error_feedback and ef_dtype == torch.int8 and self.grad_compression not in blockwise:
             raise ValueError(
                 "error_feedback_dtype=torch.int8 stores the residual per codec block: it needs "
-                f"grad_compression='int8' or 'int4', got {self.grad_compression!r}; use "
+                f"grad_compression={' or '.join(map(repr, blockwise))}, "
+                f"got {self.grad_compression!r}; use "
                 "error_feedback_dtype=torch.float32 or torch.bfloat16"
             )
         block = self.compression_block_size

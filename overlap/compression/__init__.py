@@ -1,12 +1,19 @@
 """Compressed communication: codecs (strategy objects), error feedback, the non-finite check.
 
 codecs.py: the interface and the codecs that carry every value; blockwise.py: int8 / int4 / fp8;
-registry.py: the config names; feedback.py: error-feedback residuals; finite.py: counting the
-blocks a quantizing codec cannot carry, on every rank alike."""
+registry.py: the codec names and how to add one; feedback.py: error-feedback residuals;
+finite.py: counting the blocks a quantizing codec cannot carry, on every rank alike."""
 
 from overlap.compression.blockwise import FP8Codec, Int4Codec, Int8Codec
 from overlap.compression.codecs import BF16Codec, Codec, Encoded, IdentityCodec
-from overlap.compression.registry import GRAD_CODECS, PARAM_CODECS, make_grad_codec, make_param_codec
+from overlap.compression.registry import (
+    GRAD_CODECS,
+    PARAM_CODECS,
+    make_grad_codec,
+    make_param_codec,
+    register_codec,
+    unregister_codec,
+)
 from overlap.compression.feedback import (
     RESIDUAL_DTYPES,
     DenseResidual,
@@ -38,4 +45,6 @@ __all__ = [
     "make_grad_codec",
     "make_param_codec",
     "quantization_residual",
+    "register_codec",
+    "unregister_codec",
 ]
