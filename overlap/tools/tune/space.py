@@ -15,11 +15,9 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn as nn
 
+from overlap.compression import GRAD_CODECS, PARAM_CODECS
 from overlap.config import OverlapConfig
 from overlap.engine.units import find_unit_modules, group_units
-
-_PARAM_CODECS = (None, "bf16", "int8", "fp8")
-_GRAD_CODECS = (None, "bf16", "int8", "int4")
 
 
 class Codec(NamedTuple):
@@ -47,10 +45,10 @@ class Codec(NamedTuple):
         return codec
 
     def validate(self) -> None:
-        if self.param not in _PARAM_CODECS:
-            raise ValueError(f"codec {self}: weight codec must be one of {_PARAM_CODECS}")
-        if self.grad not in _GRAD_CODECS:
-            raise ValueError(f"codec {self}: gradient codec must be one of {_GRAD_CODECS}")
+        if self.param not in PARAM_CODECS:  # the registry: codecs registered here are tunable too
+            raise ValueError(f"codec {self}: weight codec must be one of {tuple(PARAM_CODECS)}")
+        if self.grad not in GRAD_CODECS:
+            raise ValueError(f"codec {self}: gradient codec must be one of {tuple(GRAD_CODECS)}")
         if self.error_feedback and self.grad is None:
             raise ValueError(f"codec {self}: error feedback needs a gradient codec")
 
