@@ -39,12 +39,13 @@ from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
+from overlap.engine import process_hooks
+
 LOCAL_STEP_OPTIMIZERS = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
 """Optimizers whose step is elementwise per parameter: stepping the local shards is exact."""
 
 _ours: WeakIdKeyDictionary = WeakIdKeyDictionary()  # overlap's sharded CPU parameters
 _swapped: WeakIdKeyDictionary = WeakIdKeyDictionary()  # optimizer -> its groups' swaps in effect
-_handles: list[Any] = []
 
 
 @dataclass
@@ -56,13 +57,22 @@ class _GroupSwap:
 
 
 def register_sharded(params: Iterable[torch.Tensor]) -> None:
-    """Record `wrap`'s sharded parameters that live on the CPU; installs the global hooks once."""
+    """Record `wrap`'s sharded parameters that live on the CPU; installs the global hooks once
+    (unless disabled: "local_step" in [Note: process-wide hooks] in process_hooks.py)."""
     for param in params:
         if param.device.type == "cpu" and isinstance(param, DTensor):
             _ours[param] = True
-    if not _handles:
-        _handles.append(register_optimizer_step_pre_hook(_arrange))
-        _handles.append(register_optimizer_step_post_hook(_post_step))
+    process_hooks.install("local_step", __name__, _install_hooks)
+
+
+def _install_hooks() -> process_hooks.Remove:
+    handles = (register_optimizer_step_pre_hook(_arrange), register_optimizer_step_post_hook(_post_step))
+
+    def remove() -> None:
+        for handle in handles:
+            handle.remove()
+
+    return remove
 
 
 def _eligible(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> bool:

@@ -18,13 +18,14 @@ run in fifteen of that test's script on two cores, 3 in 42; a core dump showed t
 reference to the group goes, and DTensor's sharding cache keeps the mesh, and with it the group,
 to the end of the process (true of any DTensor program, FSDP2 included).
 
-So at exit, while the interpreter is still whole (an `atexit` hook, registered by `wrap`), two
-things happen: garbage is collected (a wrapped model that was dropped lets go of its buffers:
-[Note: a wrapped model is collectable] in autograd_hooks.py), and the main thread gives up the
-GIL in short sleeps until no other thread of the process has been runnable for two polls in a
-row: a worker waiting for the GIL gets it during a sleep and finishes; one waiting for a core
-shows as runnable and is waited for. The wait is bounded (`EXIT_WAIT_S`): a thread that stays
-busy (a spinning BLAS pool, a collective still in flight) delays exit by at most that.
+So at exit, while the interpreter is still whole (an `atexit` hook, registered by `wrap`
+through process_hooks.py), two things happen: garbage is collected (a wrapped model that was
+dropped lets go of its buffers: [Note: a wrapped model is collectable] in autograd_hooks.py),
+and the main thread gives up the GIL in short sleeps until no other thread of the process has
+been runnable for two polls in a row: a worker waiting for the GIL gets it during a sleep and
+finishes; one waiting for a core shows as runnable and is waited for. The wait is bounded
+(`EXIT_WAIT_S`): a thread that stays busy (a spinning BLAS pool, a collective still in flight)
+delays exit by at most that.
 
 Before both, the checks that the last step of each wrapped model still alive left unread are
 read and logged ([Note: final checks] in deferred.py): a CUDA run that ends without a
@@ -43,6 +44,7 @@ import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from overlap.engine import process_hooks
 from overlap.engine.deferred import report_at_exit
 
 if TYPE_CHECKING:
@@ -115,7 +117,12 @@ def watch(state: OverlapState) -> None:
     register()
 
 
-@functools.cache
 def register() -> None:
-    """Run `quiet_exit` when the interpreter exits; once per process, however often called."""
+    """Run `quiet_exit` when the interpreter exits; once per process, however often called
+    (unless disabled: "exit" in [Note: process-wide hooks] in process_hooks.py)."""
+    process_hooks.install("exit", __name__, _install)
+
+
+def _install() -> process_hooks.Remove:
     atexit.register(quiet_exit)
+    return functools.partial(atexit.unregister, quiet_exit)

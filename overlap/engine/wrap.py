@@ -19,7 +19,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from overlap.config import OverlapConfig
-from overlap.engine import compose, experts, teardown
+from overlap.engine import compose, experts, process_hooks, teardown
 from overlap.engine.checks import check_same_config, check_same_model
 from overlap.engine.groups import Groups, resolve_groups
 from overlap.engine.guard import remember_replaced
@@ -27,7 +27,6 @@ from overlap.engine.init import ParamInitFn, initialize_sharded, materialize_and
 from overlap.engine.local_step import register_sharded
 from overlap.engine.module import as_overlap_module
 from overlap.engine.replicated import is_replicated
-from overlap.transport.host import keep_freed_cpu_memory
 from overlap.engine.sharding import params_by_unit_module, shard_buffers, shard_unit, unit_label, unit_of_module
 from overlap.engine.state import HookedModules, OverlapState
 from overlap.engine.sync import SourcePlan, broadcast_replicas, broadcast_tensors, plan_source
@@ -177,7 +176,7 @@ def _wrap_state(
         hooked.append(HookedModules(tuple(modules[fqn] for fqn in members), add_units(members, params)))
 
     if device.type == "cpu" and config.cpu_keep_freed_memory:
-        keep_freed_cpu_memory()
+        process_hooks.keep_freed_cpu_memory()  # [Note: process-wide hooks]
 
     owner_modules = dict(model.named_modules(remove_duplicate=False))
     # tensor parallelism on the meta device: each rank initializes its own shards, FSDP2's values

@@ -48,7 +48,8 @@ _M_MMAP_THRESHOLD = -3
 
 @functools.cache
 def keep_freed_cpu_memory() -> bool:
-    """Process-wide, once: keep freed large blocks for reuse (see [Note: CPU page faults])."""
+    """Process-wide, once: keep freed large blocks for reuse (see [Note: CPU page faults]).
+    `wrap` asks for it through engine/process_hooks.py, which lists it and can keep it out."""
     name = ctypes.util.find_library("c")
     try:
         libc = ctypes.CDLL(name)
