@@ -6,12 +6,18 @@ on a unit's inputs whose backward says the unit's backward is over (`BackwardDon
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
-if TYPE_CHECKING:
-    from overlap.engine.state import OverlapState
+
+class BackwardEvents(Protocol):
+    """What the hooks report to: the unit's `OverlapState` (named by its shape, so this module
+    sits below state.py, which imports it)."""
+
+    def _grad_ready(self, index: int, param: torch.Tensor) -> None: ...
+
+    def _unit_backward_done(self, index: int) -> None: ...
 
 
 class GradReady:
@@ -29,7 +35,7 @@ class GradReady:
 
     __slots__ = ("_state", "_index")
 
-    def __init__(self, state: OverlapState, index: int) -> None:
+    def __init__(self, state: BackwardEvents, index: int) -> None:
         self._state = weakref.ref(state)
         self._index = index
 
@@ -43,7 +49,7 @@ class BackwardDone(torch.autograd.Function):
     """Identity on a unit's inputs whose backward reports that the unit's backward is over."""
 
     @staticmethod
-    def forward(ctx: Any, state: OverlapState, indices: tuple[int, ...], *tensors: torch.Tensor) -> Any:
+    def forward(ctx: Any, state: BackwardEvents, indices: tuple[int, ...], *tensors: torch.Tensor) -> Any:
         ctx.state, ctx.indices = state, indices
         return tuple(t.view_as(t) for t in tensors)
 

@@ -43,7 +43,7 @@ import os
 from dataclasses import asdict
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -58,6 +58,7 @@ from overlap.engine.autotune_memory import (
     price_bytes,
 )
 from overlap.engine.autotune_oom import (
+    InterruptedStep,
     StepScript,
     TrialOutOfMemoryError,
     backward_abandoned,
@@ -71,9 +72,6 @@ from overlap.step_model.online import StepModel
 from overlap.step_model.tuning import TunerView
 from overlap.transport import collectives as comm
 from overlap.transport.host_values import GatheredLater, gather_floats_later
-
-if TYPE_CHECKING:
-    from overlap.engine.state import OverlapState
 
 log = logging.getLogger("overlap.autotune")
 
@@ -204,7 +202,7 @@ class AutoTuner:
         if error is not None:
             self.interrupted = f"{type(error).__name__} in forward"
 
-    def before_forward(self, state: OverlapState) -> None:
+    def before_forward(self, state: InterruptedStep) -> None:
         """A forward starts: first finish a trial step this rank left unfinished."""
         if self.interrupted is None and self.policy.guarded and backward_abandoned(self.schedule):
             self.interrupted = "an error in backward"

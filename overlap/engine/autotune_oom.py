@@ -42,14 +42,25 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
 from overlap.engine.schedule import Phase, Schedule
 
-if TYPE_CHECKING:
-    from overlap.engine.state import OverlapState
+
+class InterruptedStep(Protocol):
+    """What finishing an interrupted step needs of the model's `OverlapState` (named by its
+    shape, so this module sits below state.py, which imports the tuner)."""
+
+    rank: int
+    schedule: Schedule
+    runtime: Any
+    units: Any
+
+    def _run(self, actions: list[Any]) -> None: ...
+
+    def _end_backward(self) -> None: ...
 
 OUT_OF_MEMORY = (torch.OutOfMemoryError, MemoryError)
 
@@ -116,7 +127,7 @@ def backward_abandoned(schedule: Schedule) -> bool:
     return schedule.phase is Phase.BACKWARD and task_id is not None and task_id() == -1
 
 
-def finish_interrupted_step(state: OverlapState, script: StepScript) -> None:
+def finish_interrupted_step(state: InterruptedStep, script: StepScript) -> None:
     """Issue the rest of the interrupted step's collectives, without compute, and end it as the
     engine's end-of-backward callback would ([Note: out of memory in a trial])."""
     schedule = state.schedule
