@@ -1,7 +1,7 @@
 """Device kernels per bucket of a compressed reduce-scatter and all-gather, by world size.
 
-Counts what one bucket costs on CUDA in launches (review 2, #10: the per-row path launched about
-six small kernels per row): every ATen op that does device work plus every Triton launch, on the
+Counts what one bucket costs on CUDA in launches (a per-row path would launch about six small
+kernels per row): every ATen op that does device work plus every Triton launch, on the
 Triton path the CUDA dispatch takes, run on the CPU under Triton's interpreter. The collective
 itself is replaced by a loopback (what this rank sends is what it receives), so no process group
 is needed and the world size is free. Run against any checkout to compare (PYTHONPATH=that

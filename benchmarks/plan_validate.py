@@ -41,7 +41,7 @@ Errors are signed (predicted / measured - 1); "exposed ms" compares the measured
 communication (`overlap.step_stats`, slowest rank) with the calibrated prediction's. Per world it
 also prints one layer beside one collective against the model's charge ([Note: contention in
 bursts]) and where the error lies: forward, backward and optimizer, predicted against measured
-([Note: the error by phase]). Targets (issue 25): every runnable config within
+([Note: the error by phase]). Targets: every runnable config within
 10%, mean |error| <= 5%, mean signed error within +-2% in every world.
 
 `--json PATH` writes the calibrations (median and per round), measurements and predictions.

@@ -81,8 +81,7 @@ class OverlapConfig:
     share of the step (W1 on 2 ranks: 8 units of 12 MiB, all kept), lose it; large models
     (a unit over 64 MiB, e.g. a 7B model's 400 MB bf16 blocks) keep only the last unit, as
     FSDP2. DeepSpeed ZeRO-3 keeps up to 1e9 parameters live by default
-    (stage3_max_live_parameters, stage3_max_reuse_distance). Measured in the RESULTS.md of 2026-12-02, second
-    session (`git show 30b489c:benchmarks/RESULTS.md`)."""
+    (stage3_max_live_parameters, stage3_max_reuse_distance)."""
 
     reduce_scatter_bucket_bytes: int = 0
     """Gradients of consecutive units (in backward order) are reduce-scattered together once their

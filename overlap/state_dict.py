@@ -79,8 +79,9 @@ def full_state_dict(model: nn.Module, rank0_only: bool = True) -> dict[str, torc
 def _host_copy(tensor: torch.Tensor, owned: torch.Tensor) -> torch.Tensor:
     """`tensor` on the host, sharing no memory with `owned` (the model's tensor it came from): one
     device-to-host copy, or a clone where `tensor` is already the model's own host memory (a buffer
-    on the CPU, or a `full_tensor()` that had nothing to gather); never both."""
-    host = tensor.detach().cpu()
+    on the CPU, or a `full_tensor()` that had nothing to gather); never both. Export only (a
+    state dict, a checkpoint), once per tensor on the writing rank: never in the training step."""
+    host = tensor.detach().cpu()  # a blocking device-to-host copy, outside the hot path
     local = owned.to_local() if isinstance(owned, DTensor) else owned
     if host.untyped_storage().data_ptr() == local.untyped_storage().data_ptr():
         host = host.clone()

@@ -1,5 +1,5 @@
-"""Every row the copy kernels read or write stays a multiple of 16 elements at world size >= 2
-(review 2, finding 2): the tag behind each gathered shard and the used-flag columns of each
+"""Every row the copy kernels read or write stays a multiple of 16 elements at world size >= 2:
+the tag behind each gathered shard and the used-flag columns of each
 reduction are padded to the chunk alignment, so the copy-out and copy-in keep their aligned,
 vectorized branch ([Note: flat layout] in overlap/engine/units.py). And every copy-in's sources
 share one dtype, the used flags that of the gradients, so that it is one Triton launch

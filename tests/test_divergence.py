@@ -157,7 +157,7 @@ def test_no_false_alarm_and_no_extra_collective(world2, config):
     assert gathers[0] == gathers[1] > 0
 
 
-# Review 2, finding 14: what the last step left unread is read by checkpoint.save and
+# What the last step left unread is read by checkpoint.save and
 # full_state_dict, on every rank ([Note: final checks] in engine/deferred.py).
 
 

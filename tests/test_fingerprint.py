@@ -191,7 +191,7 @@ class _CountOps(TorchDispatchMode):
 
 @pytest.mark.parametrize("compressed", [False, True], ids=["plain", "compressed"])
 def test_one_copy_per_gather_and_no_op_per_step(compressed):
-    """Review 2, finding 8: the device comparison dispatched 11 ops per gather (clone x2, ne,
+    """The device comparison dispatched 11 ops per gather (clone x2, ne,
     any, _to_copy, add_, where, copy_, full_like, where, copy_); the deferred check one copy
     (on CUDA a compressed gather's strided tag rows add one contiguous copy inside it), and
     `check_pending` none."""
@@ -219,7 +219,7 @@ def test_host_check_still_raises_at_once():
 
 
 def test_events_recorded_on_the_streams_that_copied(monkeypatch, fake_cuda):
-    """Review 2, finding 13: the event that says a copy is done is recorded on the stream the
+    """The event that says a copy is done is recorded on the stream the
     copy ran on (the gather stream of the tags' device), not on the current device's stream.
     Copies from two streams: one event on each, both complete before the batch is read."""
     other = _FakeStream()

@@ -1,5 +1,5 @@
 """How the sum of the ranks' gradients becomes their mean ([Note: dividing the sum] in
-overlap/engine/reduction.py; review 2, findings 9 and 11): the backend's ReduceOp.AVG where it
+overlap/engine/reduction.py): the backend's ReduceOp.AVG where it
 has one (NCCL, fp32 and bf16), fp16 divided before and after the sum so that the sum of scaled
 gradients stays in range, and one division after the sum otherwise."""
 

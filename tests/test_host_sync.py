@@ -239,7 +239,7 @@ def test_host_read_of_a_cpu_tensor_reads_at_values():
 
 
 def test_used_flag_patterns_are_bounded():
-    """Review 2, finding 6c: MoE routing makes a new used pattern most steps; the device cache
+    """MoE routing makes a new used pattern most steps; the device cache
     keeps the most recently used FLAG_PATTERNS, each uploaded once while it is kept."""
     from collections import OrderedDict
     from types import SimpleNamespace

@@ -1,5 +1,5 @@
 """Gradient accumulation under no_sync sums in reduce_dtype when it is wider than param_dtype
-(review 2, finding 4; [Note: no_sync in reduce_dtype] in overlap/engine/reduction.py): with
+([Note: no_sync in reduce_dtype] in overlap/engine/reduction.py): with
 param_dtype=bf16 and reduce_dtype=fp32, micro-batches add up in fp32, as FSDP2 does, not in bf16."""
 
 from __future__ import annotations

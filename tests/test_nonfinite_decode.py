@@ -1,4 +1,4 @@
-"""A non-finite block stays non-finite when decoded into bf16 (review 2, finding 3).
+"""A non-finite block stays non-finite when decoded into bf16.
 
 A codec gives a block holding Inf/NaN a NaN scale, so the whole block decodes to NaN
 (kernels/reference.py). NVIDIA fp32 arithmetic returns the canonical NaN, 0x7FFFFFFF, for any

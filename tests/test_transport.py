@@ -22,7 +22,7 @@ def test_transport_chosen_by_device(device, kind):
 
 @pytest.mark.parametrize("backend_string", ["nccl", "cpu:gloo,cuda:nccl", "undefined", "gloo"])
 def test_all_to_all_gathers_refused_on_cuda(backend_string):
-    """Review 2, finding 5: all_gather_impl="all_to_all" on NCCL turned on gloo's receive slack
+    """all_gather_impl="all_to_all" on NCCL turned on gloo's receive slack
     (receive counts above the send counts: a hang). CUDA tensors gather natively; the setting
     raises at wrap, naming it."""
     semantics = backend.semantics_of(backend_string, torch.device("cuda", 0))
@@ -39,7 +39,7 @@ def test_host_transport_takes_every_gather_impl(impl):
 
 @pytest.mark.parametrize("backend_string", ["nccl", "cpu:gloo,cuda:nccl", "undefined"])
 def test_collective_timeout_on_nccl_warns(backend_string):
-    """Review 2, finding 15: on a stream-ordered backend the timeout is not passed to the
+    """On a stream-ordered backend the timeout is not passed to the
     training collectives' waits (it would block the CPU); a warning names the setting to use."""
     semantics = backend.semantics_of(backend_string, torch.device("cuda", 0))
     with pytest.warns(UserWarning, match=r"collective_timeout_s=30 does not bound .*init_process_group\(timeout=\.\.\.\)"):

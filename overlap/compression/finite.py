@@ -23,7 +23,7 @@ When the counts reach the host:
   it has not (the device two whole steps behind the host) does the host wait for that one event
   (counted in `NonfiniteCounter.blocking_waits`). The report step is fixed, not "whenever the
   copy happens to be done": the ranks' devices run at their own pace, and a rank that reported
-  when its copy was ready would raise a step before a slower one (review 2, #6a with #12).
+  when its copy was ready would raise a step before a slower one.
   `raise_if_nonfinite(wait=True)`, an explicit final check (before a checkpoint, at the end of
   training), reads everything still in flight and this step's counts at once, with one wait.
 Between checks the blocks pass through as NaN, as with `check_finite=False`.

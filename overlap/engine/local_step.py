@@ -5,7 +5,7 @@ The optimizer sees overlap's parameters as DTensors (the API contract, as FSDP2'
 tensor op on a DTensor goes through DTensor's Python dispatch, tens of µs per op on these CPUs.
 torch's single-tensor optimizers issue about ten ops per parameter and step, so on W1 (96 shards)
 AdamW's step over half the elements cost 101 ms a step against 115 ms for DDP's full plain tensors
-(py-spy profiles of rank 0, session of 2026-12-02, third; not kept in RESULTS.md). DDP never pays that dispatch, nor does an optimizer stepping
+(py-spy profiles of rank 0). DDP never pays that dispatch, nor does an optimizer stepping
 plain tensors.
 
 A parameter's DTensor is Shard(0) over its local tensor, a view of the unit's flat shard, and

@@ -32,7 +32,7 @@ on every backend, evaluated in the same order:
 - `amax / qmax` and `x / scale` divide tensor by tensor: IEEE division on every device. Not
   `tensor / python_float`: on CUDA, ATen computes a tensor divided by a CPU scalar as
   `a * (1 / b)` (its scalar fast path), two roundings, and that differs from `a / b` for 4.5% of
-  scales at qmax = 127 and about half at 7 or 448 (review 2, #1). Triton's `/` is approximate
+  scales at qmax = 127 and about half at 7 or 448. Triton's `/` is approximate
   too, so the kernels call `div_rn`; the C++ kernels use `/` with `-ffp-contract=off`;
 - round-half-even: `torch.round` (nearbyint) here, `(y + 1.5 * 2^23) - 1.5 * 2^23` in Triton
   (exact for |y| <= 2^22, and |y| <= qmax); fp8: round-to-nearest-even on every backend (ATen's

@@ -8,7 +8,7 @@ the reference bitwise.
 
 [Note: rows per launch]
 A compressed reduce-scatter encodes `world_size - 1` rows of a bucket and decodes as many; the
-per-row path was about six small kernels per row (review 2, #10). Here each op is one launch for
+per-row path was about six small kernels per row. Here each op is one launch for
 all rows: a 2-D grid (block groups x rows), a program covering `BLOCKS` quantization blocks of
 one row (a tile of about `TILE_NUMEL` elements: one 256-element block per 4-warp program left
 the GPU latency-bound). Rows are addressed by a row stride, so the encode writes straight into

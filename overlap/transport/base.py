@@ -42,7 +42,7 @@ def honoured_timeout(semantics: backend.CommSemantics, timeout: timedelta | None
     """The timeout the transport's waits pass on (`backend.wait_timeout`); warns, once per wrap,
     when `OverlapConfig.collective_timeout_s` is set where it cannot be honoured. [Note: NCCL is
     not gloo]: on NCCL a timeout would make every wait block the CPU, so its hangs are bounded by
-    the process group's timeout and its watchdog instead (review 2, finding 15)."""
+    the process group's timeout and its watchdog instead."""
     honoured = backend.wait_timeout(semantics, timeout)
     if timeout is not None and honoured is None:
         warnings.warn(

@@ -62,8 +62,8 @@ TAG_BYTES = 8
 TAG_NUMEL = 16
 """Elements after each rank's shard in a tagged all-gather (the tag is the first 8 bytes). 16, the
 chunk alignment (`units.CHUNK_ALIGN_NUMEL`), so that every gathered row stays a multiple of 16
-elements and the copy-out keeps its aligned, vectorized kernel at world size >= 2 (review 2,
-finding 2: with 4, every copy-out there ran the unaligned variant)."""
+elements and the copy-out keeps its aligned, vectorized kernel at world size >= 2 (with 4,
+every copy-out there ran the unaligned variant)."""
 
 PHASES = ("forward", "forward (no grad)", "backward")
 
@@ -188,7 +188,7 @@ class HostTags:
 # On CUDA the tags arrive in device memory, on the gather stream, and the host must not wait for
 # them ([Note: no host sync in the hot path] in engine/runtime.py). Comparing on the device cost
 # about 11 small kernels per all-gather on the gather stream, between the collective and the
-# next unit's copy-out (review 2, finding 8). Instead each check issues one non-blocking copy of
+# next unit's copy-out. Instead each check issues one non-blocking copy of
 # the received tag rows (`world_size` rows, each beginning with an 8-byte tag) into a pinned
 # slab, on the stream that ran copy-out, and remembers the tag this rank sent. Once per step,
 # `check_pending` (at the end of each backward) closes the step's checks with one event per
@@ -306,7 +306,7 @@ class FingerprintCheck:
         host = self._take(raw.numel(), raw.device)
         host = host.view(raw.shape) if raw.dim() > 1 else host
         host.copy_(raw, non_blocking=True)  # the one device op of a check
-        stream = _current_stream(raw.device)  # review 2, finding 13: the stream that copied
+        stream = _current_stream(raw.device)  # the stream that copied
         if stream is not None:
             self._streams.setdefault(stream, stream)
         self._open.append(_Deferred(host, world_size, mine, what))

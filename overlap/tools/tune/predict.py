@@ -49,7 +49,7 @@ BACKWARD_FACTOR = 2.0
 backward (2 N T vs 4 N T FLOPs of a dense unit); see `ModelProfile.backward_factor`."""
 TIE_TOLERANCE = 0.03
 """Predictions closer than this (relative) are ties for pruning: the planner aims at 15% of a
-measured step (issue 6), so a few percent between two predictions say nothing about which
+measured step, so a few percent between two predictions say nothing about which
 candidate is faster (see [Note: pruning])."""
 
 @dataclass(frozen=True)
