@@ -33,7 +33,7 @@ from overlap.engine.autotune_policy import (
 from overlap.step_model.online import TIE, StepModel, exposed
 from overlap.step_model.tuning import TunerView
 
-DEFAULTS = Knobs(prefetch_depth=1, max_inflight_bytes=None, bucket_bytes=0, keep_bytes=128 << 20, max_reduce_inputs=1)
+DEFAULTS = Knobs(prefetch_depth=1, max_inflight_allgather_bytes=None, reduce_scatter_bucket_bytes=0, keep_for_backward_bytes=128 << 20, max_reduce_inputs=1)
 
 
 def drive(policy: TunePolicy, step_ms, steps: int = 400, memory=lambda k: 0, drift_at=None, device=lambda k: 0) -> list[Knobs]:
@@ -63,12 +63,12 @@ def drive(policy: TunePolicy, step_ms, steps: int = 400, memory=lambda k: 0, dri
 
 
 def signature(k: Knobs):
-    return (k.prefetch_depth, k.max_inflight_bytes, k.bucket_bytes, min(k.keep_bytes, 256 << 20), k.max_reduce_inputs)
+    return (k.prefetch_depth, k.max_inflight_allgather_bytes, k.reduce_scatter_bucket_bytes, min(k.keep_for_backward_bytes, 256 << 20), k.max_reduce_inputs)
 
 
 def landscape(k: Knobs) -> float:
     """Fastest at prefetch depth 3 and a 4 MiB bucket; the rest does not matter."""
-    bucket_mib = max(k.bucket_bytes, 1 << 19) / (1 << 20)
+    bucket_mib = max(k.reduce_scatter_bucket_bytes, 1 << 19) / (1 << 20)
     return 100.0 + 8.0 * abs(k.prefetch_depth - 3) + 6.0 * abs(math.log2(bucket_mib / 4))
 
 
@@ -76,7 +76,7 @@ def test_policy_finds_the_fastest_setting_and_settles():
     policy = TunePolicy(DEFAULTS, None, signature)
     knobs_at = drive(policy, landscape)
     assert policy.mode is Mode.SETTLED
-    assert (policy.best.prefetch_depth, policy.best.bucket_bytes) == (3, 4 << 20), policy.best
+    assert (policy.best.prefetch_depth, policy.best.reduce_scatter_bucket_bytes) == (3, 4 << 20), policy.best
     settled_at = next(d.step for d in policy.decisions if d.action == "settle")
     assert settled_at < 200, settled_at  # five kept moves and the failed ones, 10 steps each
     assert all(k == policy.best for k in knobs_at[settled_at + 1 :])  # no trial once settled

@@ -85,7 +85,7 @@ def moves_under_a_tight_cap(rank: int, world: int) -> dict:
     model = overlap.wrap(tiny_lm(**WIDE), config=config)
     train(model, rank, 60)
     tuner = model._overlap_state.autotuner
-    knobs_run = [(h["prefetch_depth"], h["max_reduce_inputs"], h["bucket_bytes"], h["keep_bytes"]) for h in tuner.history]
+    knobs_run = [(h["prefetch_depth"], h["max_reduce_inputs"], h["reduce_scatter_bucket_bytes"], h["keep_for_backward_bytes"]) for h in tuner.history]
     return {
         "decisions": [(d.step, d.action, d.knob, str(d.new), d.reason) for d in tuner.policy.decisions],
         "start": knobs_run[0],

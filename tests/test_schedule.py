@@ -247,7 +247,7 @@ def test_reduce_inputs_bounded(max_inputs):
 
 def make_keeping(n: int, keep: int, depth: int = 1, sizes=None, cap=None) -> Schedule:
     sizes = sizes or [100] * n
-    return Schedule(list(sizes), [200] * n, ScheduleConfig(depth, cap, True, 0, keep_bytes=keep))
+    return Schedule(list(sizes), [200] * n, ScheduleConfig(depth, cap, True, 0, keep_for_backward_bytes=keep))
 
 
 def test_kept_units_are_not_gathered_again_for_backward():

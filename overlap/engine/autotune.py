@@ -40,7 +40,7 @@ import json
 import logging
 import math
 import os
-from dataclasses import asdict
+from dataclasses import asdict, fields
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -88,17 +88,14 @@ class _Due(NamedTuple):
 
 
 def knobs_of(config: ScheduleConfig) -> Knobs:
-    return Knobs(config.prefetch_depth, config.max_inflight_bytes, config.bucket_bytes, config.keep_bytes, config.max_reduce_inputs)
+    """The tuned knobs of `config`: each is named as in OverlapConfig and ScheduleConfig."""
+    return Knobs(**{f.name: getattr(config, f.name) for f in fields(Knobs)})
 
 
 def with_knobs(config: OverlapConfig, knobs: Knobs) -> OverlapConfig:
     """`config` with `knobs` set, autotune off: the configuration to reuse."""
     return config.replace(
-        prefetch_depth=knobs.prefetch_depth,
-        max_inflight_allgather_bytes=knobs.max_inflight_bytes,
-        reduce_scatter_bucket_bytes=knobs.bucket_bytes,
-        keep_for_backward_bytes=knobs.keep_bytes,
-        max_reduce_inputs=knobs.max_reduce_inputs,
+        **{f.name: getattr(knobs, f.name) for f in fields(Knobs)},
         autotune=False,
         autotune_calibration=None,
     )
@@ -161,10 +158,10 @@ class AutoTuner:
             if s.grad_bytes[unit] == 0:
                 continue
             size += s.grad_bytes[unit]
-            if size >= knobs.bucket_bytes:
+            if size >= knobs.reduce_scatter_bucket_bytes:
                 buckets.append(unit)
                 size = 0
-        return (knobs.prefetch_depth, knobs.max_inflight_bytes, tuple(buckets), kept, knobs.max_reduce_inputs)
+        return (knobs.prefetch_depth, knobs.max_inflight_allgather_bytes, tuple(buckets), kept, knobs.max_reduce_inputs)
 
     def _price(self, old: Knobs, new: Knobs) -> int:
         """The bytes a move adds to the peak ([Note: autotune memory])."""

@@ -112,20 +112,20 @@ def held_bytes(schedule: Schedule, config: ScheduleConfig) -> int:
     """The most unsharded and reduce-input bytes the schedule holds at once under `config`
     (an upper bound from the units' sizes): the kept units, a window of `prefetch_depth + 2`
     consecutive units (the computing one, those prefetched, the one being reduced; within
-    `max_inflight_bytes` plus the one needed now) and `max_reduce_inputs` of the largest bucket."""
+    `max_inflight_allgather_bytes` plus the one needed now) and `max_reduce_inputs` of the largest bucket."""
     order = [u for u in schedule.forward_order or range(schedule.num_units) if u != schedule.root]
     sizes = [schedule.unit_bytes[u] for u in order]
     n = config.prefetch_depth + 2
     window = max((sum(sizes[i : i + n]) for i in range(max(1, len(sizes) - n + 1))), default=0)
-    if config.max_inflight_bytes is not None:
-        window = min(window, config.max_inflight_bytes + max(sizes, default=0))
+    if config.max_inflight_allgather_bytes is not None:
+        window = min(window, config.max_inflight_allgather_bytes + max(sizes, default=0))
     kept = schedule.choose_kept(config) if schedule.forward_order is not None else frozenset()
     kept_bytes = sum(schedule.unit_bytes[u] for u in kept)
     largest, size = 0, 0
     for unit in schedule.backward_units():
         size += schedule.grad_bytes[unit]
         largest = max(largest, size)
-        if size >= config.bucket_bytes:
+        if size >= config.reduce_scatter_bucket_bytes:
             size = 0
     return kept_bytes + window + config.max_reduce_inputs * largest
 
@@ -140,8 +140,8 @@ def knobs_config(base: ScheduleConfig, knobs: Knobs) -> ScheduleConfig:
     return replace(
         base,
         prefetch_depth=knobs.prefetch_depth,
-        max_inflight_bytes=knobs.max_inflight_bytes,
-        bucket_bytes=knobs.bucket_bytes,
-        keep_bytes=knobs.keep_bytes,
+        max_inflight_allgather_bytes=knobs.max_inflight_allgather_bytes,
+        reduce_scatter_bucket_bytes=knobs.reduce_scatter_bucket_bytes,
+        keep_for_backward_bytes=knobs.keep_for_backward_bytes,
         max_reduce_inputs=knobs.max_reduce_inputs,
     )

@@ -196,18 +196,18 @@ class TunePolicy:
             yield "prefetch_depth", replace(knobs, prefetch_depth=depth + 1)
         if depth > 0:
             yield "prefetch_depth", replace(knobs, prefetch_depth=depth - 1)
-        if knobs.max_inflight_bytes is not None:  # a cap the user set: never lifted, only moved
-            yield "max_inflight_bytes", replace(knobs, max_inflight_bytes=knobs.max_inflight_bytes * 2)
-            yield "max_inflight_bytes", replace(knobs, max_inflight_bytes=max(1, knobs.max_inflight_bytes // 2))
+        if knobs.max_inflight_allgather_bytes is not None:  # a cap the user set: never lifted, only moved
+            yield "max_inflight_allgather_bytes", replace(knobs, max_inflight_allgather_bytes=knobs.max_inflight_allgather_bytes * 2)
+            yield "max_inflight_allgather_bytes", replace(knobs, max_inflight_allgather_bytes=max(1, knobs.max_inflight_allgather_bytes // 2))
         if self.tune_buckets:
-            bucket = knobs.bucket_bytes
-            yield "bucket_bytes", replace(knobs, bucket_bytes=max(2 * bucket, 1 << 20))
+            bucket = knobs.reduce_scatter_bucket_bytes
+            yield "reduce_scatter_bucket_bytes", replace(knobs, reduce_scatter_bucket_bytes=max(2 * bucket, 1 << 20))
             if bucket:
-                yield "bucket_bytes", replace(knobs, bucket_bytes=bucket // 2 if bucket >= 2 << 20 else 0)
-        if knobs.max_inflight_bytes is None:  # the cap turns keeping off ([Note: units kept for backward])
-            yield "keep_bytes", replace(knobs, keep_bytes=max(2 * knobs.keep_bytes, 1 << 20))
-            if knobs.keep_bytes:
-                yield "keep_bytes", replace(knobs, keep_bytes=knobs.keep_bytes // 2)
+                yield "reduce_scatter_bucket_bytes", replace(knobs, reduce_scatter_bucket_bytes=bucket // 2 if bucket >= 2 << 20 else 0)
+        if knobs.max_inflight_allgather_bytes is None:  # the cap turns keeping off ([Note: units kept for backward])
+            yield "keep_for_backward_bytes", replace(knobs, keep_for_backward_bytes=max(2 * knobs.keep_for_backward_bytes, 1 << 20))
+            if knobs.keep_for_backward_bytes:
+                yield "keep_for_backward_bytes", replace(knobs, keep_for_backward_bytes=knobs.keep_for_backward_bytes // 2)
         inputs = knobs.max_reduce_inputs
         if inputs < MAX_REDUCE_INPUTS:
             yield "max_reduce_inputs", replace(knobs, max_reduce_inputs=inputs + 1)

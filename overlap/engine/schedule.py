@@ -21,15 +21,14 @@ ZeRO-3 gathers every unit twice a step: for its forward, and again for its backw
 freeing it in between. For the last units of the forward that round trip buys little: their
 backward comes first, so they are freed only to be gathered again moments later. Once the
 forward order is known, the schedule keeps the last unit and then the units before it, from
-the end, while their unsharded bytes add up to at most `keep_bytes`
-(OverlapConfig.keep_for_backward_bytes); each saves one all-gather (a third of its traffic)
+the end, while their unsharded bytes add up to at most `keep_for_backward_bytes`; each saves one all-gather (a third of its traffic)
 per step. Between their forward and their backward they are *parked*: held, counted in the
 memory peak, but outside the prefetch budget, so the forward prefetch goes on past them (it
 stopped at the first kept unit before, which made reshard_after_forward=False slower than
 ZeRO-3: benchmarks/RESULTS.md, planner table). So at most `prefetch_depth + 1` unparked units
 are held, plus the parked ones, plus the unit being reduced: the kept bytes are a budget of
 their own. The last unit is kept but not parked: its backward is the next computation. A cap
-on gathered bytes (`max_inflight_bytes`) turns the keeping off beyond the last unit: the cap
+on gathered bytes (`max_inflight_allgather_bytes`) turns the keeping off beyond the last unit: the cap
 is the user's bound on every unsharded byte. Why a byte budget and what it is by default (a
 fixed amount, not a share of the model): OverlapConfig.keep_for_backward_bytes.
 
@@ -103,14 +102,15 @@ class Phase(enum.Enum):
 
 @dataclass(frozen=True)
 class ScheduleConfig:
-    """The slice of OverlapConfig the schedule needs, in unit terms."""
+    """The slice of OverlapConfig the schedule needs, in unit terms, each field named as its
+    OverlapConfig field."""
 
     prefetch_depth: int
-    max_inflight_bytes: int | None
+    max_inflight_allgather_bytes: int | None
     reshard_after_forward: bool
-    bucket_bytes: int
+    reduce_scatter_bucket_bytes: int
     max_reduce_inputs: int = 1
-    keep_bytes: int = 0  # OverlapConfig.keep_for_backward_bytes: [Note: units kept for backward]
+    keep_for_backward_bytes: int = 0  # [Note: units kept for backward]
 
 
 @dataclass
@@ -260,7 +260,7 @@ class Schedule:
             if state is UnitState.REDUCING or unit in self._finished_backward:
                 continue  # [Note: a finished unit is not prefetched again]
             size = self.unit_bytes[unit]
-            if cfg.max_inflight_bytes is not None and held_bytes + size > cfg.max_inflight_bytes:
+            if cfg.max_inflight_allgather_bytes is not None and held_bytes + size > cfg.max_inflight_allgather_bytes:
                 return
             self._gather(unit, out)
             num_held += 1
@@ -327,10 +327,10 @@ class Schedule:
         if not order:
             return frozenset()
         kept, total = {order[-1]}, self.unit_bytes[order[-1]]
-        if config.max_inflight_bytes is None:
+        if config.max_inflight_allgather_bytes is None:
             for unit in reversed(order[:-1]):
                 total += self.unit_bytes[unit]
-                if total > config.keep_bytes:
+                if total > config.keep_for_backward_bytes:
                     break
                 kept.add(unit)
         return frozenset(kept)
@@ -448,7 +448,7 @@ class Schedule:
         if reduce:
             self._bucket.append(unit)
             self._bucket_bytes += self.grad_bytes[unit]
-            if self._bucket_bytes >= self.config.bucket_bytes:
+            if self._bucket_bytes >= self.config.reduce_scatter_bucket_bytes:
                 out += self._issue_bucket()
 
     def _issue_bucket(self) -> list[Action]:

@@ -85,11 +85,11 @@ class OverlapState:
             grad_bytes=[u.grad_bytes(reduce_dtype) for u in units],
             config=ScheduleConfig(
                 prefetch_depth=config.prefetch_depth,
-                max_inflight_bytes=config.max_inflight_allgather_bytes,
+                max_inflight_allgather_bytes=config.max_inflight_allgather_bytes,
                 reshard_after_forward=config.reshard_after_forward,
-                bucket_bytes=config.reduce_scatter_bucket_bytes,
+                reduce_scatter_bucket_bytes=config.reduce_scatter_bucket_bytes,
                 max_reduce_inputs=config.max_reduce_inputs,
-                keep_bytes=config.keep_for_backward_bytes,
+                keep_for_backward_bytes=config.keep_for_backward_bytes,
             ),
             root=root_unit,
         )

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 FILE = "autotune.json"
-KNOBS = ("prefetch_depth", "bucket_bytes", "keep_bytes", "max_reduce_inputs", "max_inflight_bytes")
+KNOBS = ("prefetch_depth", "reduce_scatter_bucket_bytes", "keep_for_backward_bytes", "max_reduce_inputs", "max_inflight_allgather_bytes")
 
 
 def find(paths: list[Path]) -> list[Path]:

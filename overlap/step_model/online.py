@@ -103,10 +103,10 @@ class StepModel:
     def config(self, knobs: Knobs) -> OverlapConfig:
         return OverlapConfig(
             prefetch_depth=knobs.prefetch_depth,
-            max_inflight_allgather_bytes=knobs.max_inflight_bytes,
+            max_inflight_allgather_bytes=knobs.max_inflight_allgather_bytes,
             reshard_after_forward=self.view.reshard_after_forward,
-            reduce_scatter_bucket_bytes=knobs.bucket_bytes,
-            keep_for_backward_bytes=knobs.keep_bytes,
+            reduce_scatter_bucket_bytes=knobs.reduce_scatter_bucket_bytes,
+            keep_for_backward_bytes=knobs.keep_for_backward_bytes,
             max_reduce_inputs=knobs.max_reduce_inputs,
         )
 
@@ -149,15 +149,15 @@ class StepModel:
     def grid(self, start: Knobs) -> list[Knobs]:
         """Every combination of prefetch depth, reductions in flight and, where the tuner may
         move them, buckets and kept bytes, around `start` (a user's in-flight cap stays)."""
-        buckets = [start.bucket_bytes]
+        buckets = [start.reduce_scatter_bucket_bytes]
         if self.view.tune_buckets:
-            b = start.bucket_bytes
+            b = start.reduce_scatter_bucket_bytes
             buckets = sorted({0, b, max(2 * b, 1 << 20), max(4 * b, 4 << 20)})
-        keeps = [start.keep_bytes]
-        if start.max_inflight_bytes is None:
-            keeps = sorted({0, start.keep_bytes, max(2 * start.keep_bytes, 1 << 20)})
+        keeps = [start.keep_for_backward_bytes]
+        if start.max_inflight_allgather_bytes is None:
+            keeps = sorted({0, start.keep_for_backward_bytes, max(2 * start.keep_for_backward_bytes, 1 << 20)})
         return [
-            replace(start, prefetch_depth=d, bucket_bytes=b, keep_bytes=k, max_reduce_inputs=i)
+            replace(start, prefetch_depth=d, reduce_scatter_bucket_bytes=b, keep_for_backward_bytes=k, max_reduce_inputs=i)
             for d in range(MAX_PREFETCH_DEPTH + 1)
             for i in range(1, MAX_REDUCE_INPUTS + 1)
             for b in buckets

@@ -17,13 +17,14 @@ MAX_REDUCE_INPUTS = 3
 
 @dataclass(frozen=True)
 class Knobs:
-    """The schedule settings the tuner moves (the OverlapConfig field of each in comments)."""
+    """The schedule settings the tuner moves, each named as its OverlapConfig field (and the
+    engine's ScheduleConfig): one name per knob from the config down to the tuner's log."""
 
-    prefetch_depth: int  # prefetch_depth
-    max_inflight_bytes: int | None  # max_inflight_allgather_bytes
-    bucket_bytes: int  # reduce_scatter_bucket_bytes
-    keep_bytes: int  # keep_for_backward_bytes
-    max_reduce_inputs: int  # max_reduce_inputs
+    prefetch_depth: int
+    max_inflight_allgather_bytes: int | None
+    reduce_scatter_bucket_bytes: int
+    keep_for_backward_bytes: int
+    max_reduce_inputs: int
 
 
 @dataclass(frozen=True)
