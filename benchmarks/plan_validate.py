@@ -6,7 +6,7 @@
 W1 (8 x TransformerEncoderLayer(512, ff 2048), batch 4 x 128, fp32, AdamW; one gloo thread per
 rank; `--seq N`: N tokens per sequence, the compute scaled and the bytes moved kept) in each
 world of `--worlds`: `loopback` (2 ranks), `1gbit` (2 ranks, each in a network namespace behind
-tc tbf, overlap/tools/bench/link.py; needs root and iproute2), `loopback,4` (4 ranks) and
+tc tbf, overlap/tools/worlds/link.py; needs root and iproute2), `loopback,4` (4 ranks) and
 `hsdp2x2` (2 replicas x 2 shards on loopback). In each world, `--rounds` rounds of:
 
 1. Calibrate: `overlap.tools.plan.calibrate.calibrate_round`, what `overlap plan --calibrate`
@@ -119,7 +119,7 @@ def uncalibrated(cal: Calibration, world: World) -> Calibration:
     """The tools' defaults for this world, with the measured compute (links and gloo terms are
     what is being compared)."""
     from overlap.step_model.calibration import default_world_calibration
-    from overlap.tools.bench.link import LinkSpec
+    from overlap.tools.worlds.link import LinkSpec
 
     link = None if world.link == "loopback" else LinkSpec.parse(world.link)
     defaults = default_world_calibration(world.shard_size, "gloo", link, num_replicas=world.num_replicas)
@@ -563,7 +563,7 @@ def runnable(world: World) -> str | None:
     """Why this world cannot run here (None: it can)."""
     if world.link == "loopback":
         return None
-    from overlap.tools.bench.link import LinkError, check_prerequisites
+    from overlap.tools.worlds.link import LinkError, check_prerequisites
 
     try:
         check_prerequisites()

@@ -26,7 +26,7 @@ from overlap.step_model.calibration import (
     predict_measured,
 )
 from overlap.step_model.cost import Link, Topology, ring_time_s
-from overlap.tools.bench.link import LinkSpec
+from overlap.tools.worlds.link import LinkSpec
 from overlap.tools.plan import trace_links
 from overlap.tools.plan.calibrate import World
 

@@ -2,7 +2,7 @@
 proposes with it); this path reads that module's names, kept for one release.
 
 One name keeps its old form here: `default_world_calibration` took the `--link` text, where the
-model's takes the link parsed (`overlap.tools.bench.link.LinkSpec`).
+model's takes the link parsed (`overlap.tools.worlds.link.LinkSpec`).
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from overlap.step_model import calibration as _module
-from overlap.tools.bench.link import LinkSpec
+from overlap.tools.worlds.link import LinkSpec
 from overlap.tools.moved import warn_moved
 
 warn_moved(__name__, _module.__name__)

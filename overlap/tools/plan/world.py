@@ -16,14 +16,14 @@ class World:
     """A local world to calibrate (or validate) in: its link, ranks and HSDP replicas."""
 
     link: str = "loopback"
-    """"loopback" or an emulated link's text ("1gbit", "1gbit,200us": overlap.tools.bench.link)."""
+    """"loopback" or an emulated link's text ("1gbit", "1gbit,200us": overlap.tools.worlds.link)."""
     num_ranks: int = 2
     num_replicas: int = 1
     """HSDP: a 2-D mesh of num_replicas x (num_ranks / num_replicas)."""
 
     def __post_init__(self) -> None:
         if self.link != "loopback":
-            from overlap.tools.bench.link import LinkSpec
+            from overlap.tools.worlds.link import LinkSpec
 
             LinkSpec.parse(self.link)  # fail here, not in the ranks
         if self.num_ranks < 2 or self.num_replicas < 1 or self.num_ranks % self.num_replicas:
@@ -58,8 +58,8 @@ class World:
 
     def run(self, fn: Callable[..., Any], *args: Any) -> list[Any]:
         """`fn(rank, world_size, *args)` on this world's ranks (one thread each)."""
-        from overlap.tools.bench.link import LinkSpec, run_linked_world
-        from overlap.tools.launch import run_local_world
+        from overlap.tools.worlds.link import LinkSpec, run_linked_world
+        from overlap.tools.worlds.launch import run_local_world
 
         if self.link == "loopback":
             return run_local_world(fn, self.num_ranks, *args, threads_per_rank=1)
