@@ -3,43 +3,9 @@
 Hooks report events (a unit's forward starts, its gradients are ready, backward ended); the
 schedule answers with *actions* (gather unit k, wait for unit k, free unit k, reduce a bucket,
 wait for a bucket). It never touches a tensor or a process group, so the same code drives the
-real runtime and, later, the planner's virtual clock.
-
-[Note: unit states]
-Each unit moves through
-
-    SHARDED --gather--> GATHERING --wait--> UNSHARDED --free--> SHARDED            (forward)
-    SHARDED --gather--> GATHERING --wait--> UNSHARDED --grads ready--> REDUCING --reduced--> SHARDED
-    SHARDED --no gradient this step--> REDUCING --reduced (zeros)--> SHARDED
-
-and nothing else (`LEGAL_TRANSITIONS`, asserted on every move). A unit that is kept after forward
-(reshard_after_forward=False, the last unit, which backward needs first, or one of the units
-below) goes straight from UNSHARDED in forward to its backward.
-
-[Note: units kept for backward]
-ZeRO-3 gathers every unit twice a step: for its forward, and again for its backward, after
-freeing it in between. For the last units of the forward that round trip buys little: their
-backward comes first, so they are freed only to be gathered again moments later. Once the
-forward order is known, the schedule keeps the last unit and then the units before it, from
-the end, while their unsharded bytes add up to at most `keep_for_backward_bytes`; each saves one all-gather (a third of its traffic)
-per step. Between their forward and their backward they are *parked*: held, counted in the
-memory peak, but outside the prefetch budget, so the forward prefetch goes on past them (it
-stopped at the first kept unit before, which made reshard_after_forward=False slower than
-ZeRO-3: benchmarks/RESULTS.md, planner table). So at most `prefetch_depth + 1` unparked units
-are held, plus the parked ones, plus the unit being reduced: the kept bytes are a budget of
-their own. The last unit is kept but not parked: its backward is the next computation. A cap
-on gathered bytes (`max_inflight_allgather_bytes`) turns the keeping off beyond the last unit: the cap
-is the user's bound on every unsharded byte. Why a byte budget and what it is by default (a
-fixed amount, not a share of the model): OverlapConfig.keep_for_backward_bytes.
-
-[Note: prefetch budget]
-Outside the root unit (which stays unsharded for the whole step, as FSDP2 keeps its root), at
-most `prefetch_depth + 1` units are GATHERING or UNSHARDED at once: the unit computing now and the
-ones prefetched for it. Prefetch tops up after every event, so a freed unit is replaced at once.
-In backward one more may linger: the unit whose gradients are still being accumulated while the
-next unit's backward has already begun ("the unit being reduced"). The unit needed *now* is always
-gathered, even past the budget. `max_inflight_allgather_bytes` caps the same set by bytes.
-Units kept for backward wait outside this budget ([Note: units kept for backward]).
+real runtime and, later, the planner's virtual clock. The unit states are in unit_state.py
+([Note: unit states]); which units to gather ahead and which to keep for backward is the
+prefetch policy in prefetch.py ([Note: prefetch budget], [Note: units kept for backward]).
 
 [Note: collective order]
 Every rank must issue the same collectives in the same order. Gathers follow the unit order
@@ -63,54 +29,13 @@ gradients are reduced, as FSDP2's backward reshards, and the next step gathers a
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass, field
 
 # The actions are re-exported: the schedule's vocabulary (the planner and tests import them here).
 from overlap.engine.actions import Action, CheckOrder, Free, Gather, ReleaseReduce, Reduce, UnitActions, WaitGather, WaitReduce, order_hash  # noqa: F401
-
-
-class UnitState(enum.Enum):
-    SHARDED = "sharded"  # only the 1/N shard exists; the unsharded buffer holds 0 bytes
-    GATHERING = "gathering"  # all-gather issued, not waited; holds the gather buffers
-    UNSHARDED = "unsharded"  # full parameters materialized and swapped into the modules
-    REDUCING = "reducing"  # backward done, parameters freed; gradients queued or in flight
-
-
-LEGAL_TRANSITIONS: dict[UnitState, frozenset[UnitState]] = {
-    # SHARDED -> REDUCING: a unit that got no gradient this step is reduced (as zeros) anyway.
-    UnitState.SHARDED: frozenset({UnitState.GATHERING, UnitState.REDUCING}),
-    UnitState.GATHERING: frozenset({UnitState.UNSHARDED}),
-    UnitState.UNSHARDED: frozenset({UnitState.SHARDED, UnitState.REDUCING}),
-    UnitState.REDUCING: frozenset({UnitState.SHARDED}),
-}
-
-
-_HELD = (UnitState.GATHERING, UnitState.UNSHARDED)  # a tuple: `in` compares identities, no hash
-
-# `_move` runs several times per unit and step; an Enum's __hash__ is Python code (several µs
-# per set or dict lookup), so each state carries its legal successors as a tuple.
-for _state, _successors in LEGAL_TRANSITIONS.items():
-    _state.successors = tuple(_successors)  # type: ignore[attr-defined]
-
-
-class Phase(enum.Enum):
-    IDLE = "idle"  # between steps: every unit SHARDED, no collective in flight
-    FORWARD = "forward"
-    BACKWARD = "backward"
-
-
-@dataclass(frozen=True)
-class ScheduleConfig:
-    """The slice of OverlapConfig the schedule needs, in unit terms, each field named as its
-    OverlapConfig field."""
-
-    prefetch_depth: int
-    max_inflight_allgather_bytes: int | None
-    reshard_after_forward: bool
-    reduce_scatter_bucket_bytes: int
-    max_reduce_inputs: int = 1
-    keep_for_backward_bytes: int = 0  # [Note: units kept for backward]
+from overlap.engine.prefetch import units_kept, units_to_prefetch
+# The unit states and the schedule's config are re-exported with the actions.
+from overlap.engine.unit_state import _HELD, LEGAL_TRANSITIONS, Phase, ScheduleConfig, UnitState  # noqa: F401
 
 
 @dataclass
@@ -237,34 +162,12 @@ class Schedule:
             out.append(self._actions.wait[unit])
 
     def _prefetch(self, order: tuple[int, ...], out: list[Action]) -> None:
-        """Top up prefetch along `order` after the cursor, within the budget.
-
-        [Note: a finished unit is not prefetched again]
-        A unit runs backward once per step, so one whose backward finished is never gathered
-        again in that backward. Its state alone does not say so under no_sync (it goes back to
-        SHARDED, not REDUCING), and the cursor can move back: when a unit's output is also the
-        root's (a rank whose data skipped the root's own layers), the root's gradient hook runs
-        after the unit's and sets the cursor to the root, first in the order. Without this
-        check that rank alone would gather the finished unit again, and its collectives would
-        no longer pair with the other ranks'.
-        """
-        cfg = self.config
+        """Top up prefetch along `order` after the cursor, within the budget (prefetch.py)."""
         # parked units wait for their backward outside the depth budget: [Note: units kept for backward]
-        num_held, held_bytes = len(self._held) - len(self._parked), self._held_bytes
-        for unit in order[self._cursor + 1 :]:
-            if num_held >= cfg.prefetch_depth + 1:
-                return
-            state = self.states[unit]
-            if state in (UnitState.GATHERING, UnitState.UNSHARDED) or unit == self.root:
-                continue
-            if state is UnitState.REDUCING or unit in self._finished_backward:
-                continue  # [Note: a finished unit is not prefetched again]
-            size = self.unit_bytes[unit]
-            if cfg.max_inflight_allgather_bytes is not None and held_bytes + size > cfg.max_inflight_allgather_bytes:
-                return
+        held = (len(self._held) - len(self._parked), self._held_bytes)
+        ahead = order[self._cursor + 1 :]
+        for unit in units_to_prefetch(ahead, self.states, self.unit_bytes, held, self.root, self._finished_backward, self.config):
             self._gather(unit, out)
-            num_held += 1
-            held_bytes += size
 
     # ---------------------------------------------------------------- forward events
     def begin_forward(self) -> list[Action]:
@@ -322,18 +225,8 @@ class Schedule:
     def choose_kept(self, config: ScheduleConfig | None = None) -> frozenset[int]:
         """The units kept from their forward to their backward under `config` (default: the
         schedule's own) ([Note: units kept for backward])."""
-        config = config or self.config
-        order = [u for u in self.forward_order or () if u != self.root]
-        if not order:
-            return frozenset()
-        kept, total = {order[-1]}, self.unit_bytes[order[-1]]
-        if config.max_inflight_allgather_bytes is None:
-            for unit in reversed(order[:-1]):
-                total += self.unit_bytes[unit]
-                if total > config.keep_for_backward_bytes:
-                    break
-                kept.add(unit)
-        return frozenset(kept)
+        forward = [u for u in self.forward_order or () if u != self.root]
+        return units_kept(forward, self.unit_bytes, config or self.config)
 
     def end_forward(self, grad_enabled: bool) -> list[Action]:
         """The root module's forward returned."""
