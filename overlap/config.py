@@ -45,9 +45,12 @@ class OverlapConfig:
 
     unit_policy: Any = "auto"
     """Which modules become units (one all-gather / one reduce-scatter each).
-    "auto": the repeated blocks, i.e. children of a ModuleList/Sequential whose class occurs at
-    least twice there (the layers of a transformer); a set of module classes; or a callable
-    `module -> bool`. Parameters outside every unit belong to the root unit."""
+    "auto": the repeated blocks, i.e. children of a ModuleList, ModuleDict or Sequential whose
+    class occurs at least twice there (the layers of a transformer); a set of module classes; or
+    a callable `module -> bool`. Parameters outside every unit belong to the root unit. `wrap`
+    warns, naming the unit and its share, when one unit holds most of the parameters and
+    several repeated blocks (a policy that names none of their classes, or `min_unit_numel`
+    merging them)."""
 
     min_unit_numel: int = 0
     """Consecutive units (in registration order) are merged until each holds at least this many

@@ -32,14 +32,14 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from overlap.compression import make_grad_codec, make_param_codec
 from overlap.compression.feedback import warn_residual_memory
 from overlap.config import OverlapConfig
-from overlap.engine.autograd_hooks import BackwardDone, GradReady
+from overlap.engine.autograd_hooks import BackwardCounts, BackwardDone, GradReady
 from overlap.engine.autotune import AutoTuner
 from overlap.engine.groups import Groups
 from overlap.engine.replicated import ReplicatedParams  # ecosystem: scalar parameters
 from overlap.engine.runtime import Runtime
 from overlap.engine.schedule import Action, Phase, Schedule, ScheduleConfig, UnitState
 from overlap.engine.unit_tensors import UnitTensors
-from overlap.engine.units import with_trainable
+from overlap.engine.units import warn_lopsided_units, with_trainable
 from overlap.observe.monitor import Monitor
 from overlap.observe.stats import StatsRecorder
 from overlap.observe.timing import make_timer
@@ -70,6 +70,7 @@ class OverlapState:
         self.num_replicas = 1 if replicate_group is None else dist.get_world_size(replicate_group)
         self.replica_rank = 0 if replicate_group is None else dist.get_rank(replicate_group)
         self.units = units
+        warn_lopsided_units(model, [u.layout for u in units])  # one unit with most of the blocks
         # The root's units: the first is the schedule's root; the others are its parameters of
         # other dtypes ([Note: one dtype per unit] in units.py), gathered when the root's forward
         # starts and kept until their backward, as the root is.
@@ -152,14 +153,15 @@ class OverlapState:
         warn_residual_memory(self.runtime.residual_dtype, self.world_size, shard_numel, device)
         # expert parallelism: the experts' state, set by wrap ([Note: expert parallelism] in experts.py)
         self.experts: tuple[OverlapState, ...] = ()
-        self._num_trainable = [sum(p.requires_grad for p in u.unsharded_params) for u in units]
-        self._has_frozen = [not all(p.requires_grad for p in u.unsharded_params) for u in units]
+        self._counts = BackwardCounts(  # [Note: end of a unit's backward] in autograd_hooks.py
+            [sum(p.requires_grad for p in u.unsharded_params) for u in units],
+            [not all(p.requires_grad for p in u.unsharded_params) for u in units],
+        )
         self._reduce_dtype = reduce_dtype
         self._hooked: set[int] = set()  # ids of unsharded parameters with a grad-ready hook
-        self._num_ready = [0] * len(units)
-        self._num_forwards = [0] * len(units)  # forwards this step that can report (b) below
-        self._num_done = [0] * len(units)
-        self._backward_queued = False
+        self._backward_queued = False  # this autograd run's end callback is queued
+        self._in_forward = False  # inside the root module's forward
+        self._main_backward = False  # this step's main backward began: [Note: auxiliary backward runs]
         self._handles: list[Any] = []
         # ecosystem: 0-dim parameters, whole on every rank ([Note: replicated parameters])
         self.replicated = ReplicatedParams(model, groups.everyone, self.runtime.timeout, self.stats)
@@ -197,10 +199,10 @@ class OverlapState:
             self._hook_trainable(index)
 
     def _hook_trainable(self, index: int) -> None:
-        for param in self.units[index].unsharded_params:
+        for position, param in enumerate(self.units[index].unsharded_params):
             if param.requires_grad and id(param) not in self._hooked:
                 self._hooked.add(id(param))
-                param.register_post_accumulate_grad_hook(GradReady(self, index))
+                param.register_post_accumulate_grad_hook(GradReady(self, index, position))
 
     # [Note: requires_grad after wrap]
     # Fine-tuning schedules freeze and unfreeze parameters between steps (gradual unfreezing,
@@ -219,8 +221,7 @@ class OverlapState:
             if flags == tuple(s.requires_grad for s in unit.layout.slots):
                 continue
             unit.set_layout(with_trainable(unit.layout, flags))
-            self._num_trainable[index] = sum(flags)
-            self._has_frozen[index] = not all(flags)
+            self._counts.set_trainable(index, sum(flags), not all(flags))
             self._hook_trainable(index)
             self.runtime.forget_residuals(index)
             self.schedule.set_grad_bytes(index, unit.grad_bytes(self._reduce_dtype))
@@ -269,6 +270,7 @@ class OverlapState:
             self.stats.begin_step()
             self.timer.begin_step()
             self.runtime.begin_step()
+        self._in_forward = True
         self._run(self.schedule.begin_forward())
         for index in self.root_units[1:]:  # kept like the root: never post_forward-ed
             self._run(self.schedule.pre_forward(index))
@@ -287,9 +289,10 @@ class OverlapState:
     def _root_post_forward(self, module: nn.Module, args: tuple, output: Any) -> None:
         if self.schedule.phase is Phase.BACKWARD:
             return
+        self._in_forward = False
         grad_enabled = torch.is_grad_enabled()
         if grad_enabled:
-            self._on_backward_of(output, self.root_units)
+            self._on_backward_of(output, self.root_units, True)
         first = self.schedule.forward_order is None
         self._run(self.schedule.end_forward(grad_enabled))
         if first:  # hpZ: a unit kept for backward needs no secondary copy, nor do the root's
@@ -319,49 +322,38 @@ class OverlapState:
         if self.schedule.phase is Phase.BACKWARD:
             return
         grad_enabled = torch.is_grad_enabled()
-        if grad_enabled:
-            self._on_backward_of(output, indices)
+        if grad_enabled:  # inside the model's forward graph, or no root forward this step
+            self._on_backward_of(output, indices, self._in_forward or self.schedule.phase is Phase.IDLE)
         if last:
             if self.trace is not None:
                 self.trace.end("compute", f"forward {self.units[indices[0]].layout.label}")
             for index in indices:
                 self._run(self.schedule.post_forward(index, grad_enabled))
 
-    def _on_backward_of(self, output: Any, indices: tuple[int, ...]) -> None:
-        """Call `_pre_backward(indices)` when the first gradient w.r.t. `output` arrives."""
+    def _on_backward_of(self, output: Any, indices: tuple[int, ...], main: bool) -> None:
+        """Call `_pre_backward(indices, main)` when the first gradient w.r.t. `output` arrives;
+        `main`: `output` belongs to the model's forward graph ([Note: auxiliary backward runs])."""
         tensors = [
             t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad
         ]
         if len(tensors) == 1:  # the common case: a plain tensor hook is several times cheaper
-            tensors[0].register_hook(functools.partial(self._pre_backward_hook, indices))
+            tensors[0].register_hook(functools.partial(self._pre_backward_hook, indices, main))
         elif tensors:
             register_multi_grad_hook(
-                tensors, functools.partial(self._pre_backward, indices), mode="any"
+                tensors, functools.partial(self._pre_backward, indices, main), mode="any"
             )
 
-    def _pre_backward_hook(self, indices: tuple[int, ...], grad: torch.Tensor) -> None:
-        self._pre_backward(indices, grad)  # returns None: the gradient is left as it is
+    def _pre_backward_hook(self, indices: tuple[int, ...], main: bool, grad: torch.Tensor) -> None:
+        self._pre_backward(indices, main, grad)  # returns None: the gradient is left as it is
 
-    # [Note: end of a unit's backward]
-    # A unit's backward is over when (a) every trainable parameter's gradient has been
-    # accumulated (post-accumulate-grad hooks, counted), or (b) the gradient w.r.t. its inputs
-    # has been computed, once for each forward it ran this step (`BackwardDone` on its inputs).
-    # (b) covers units with frozen or unused parameters, whose count never completes. It is
-    # safe because autograd runs AccumulateGrad nodes before any other ready node (they carry
-    # the highest sequence number), so a parameter's gradient produced by the same node as the
-    # input gradient is already accumulated. A gradient that still arrives after its unit was
-    # reduced (a parameter used outside its unit's forward) raises instead of being lost.
-    # (a) is not used for a unit with frozen parameters whose inputs need a gradient: its
-    # backward may still need a frozen weight after the last trainable gradient is in (to pass
-    # the gradient on to its inputs, e.g. a frozen attention before a trainable feed-forward),
-    # so only (b) ends it. With no input needing a gradient, nothing after (a) reads a weight.
+    # [Note: end of a unit's backward] in autograd_hooks.py (BackwardCounts)
 
     def _on_backward_done(self, args: tuple, indices: tuple[int, ...]) -> tuple | None:
         if len(args) == 1 and isinstance(args[0], torch.Tensor):  # the most common case
             if not args[0].requires_grad:
                 return None
             for index in indices:
-                self._num_forwards[index] += 1
+                self._counts.forward(index)
             # An identity view whose backward node reports (b): a hook on the node is several
             # times cheaper than an autograd.Function. The node runs when the gradient w.r.t.
             # this use of the input is complete, exactly as BackwardDone.backward would.
@@ -373,7 +365,7 @@ class OverlapState:
             if not positions:
                 return None
             for index in indices:
-                self._num_forwards[index] += 1
+                self._counts.forward(index)
             outs = BackwardDone.apply(self, indices, *(args[i] for i in positions))
             new_args = list(args)
             for i, t in zip(positions, outs):
@@ -386,13 +378,28 @@ class OverlapState:
         if not positions:
             return None  # nothing flows back into this unit's inputs; (a) or end_backward
         for index in indices:
-            self._num_forwards[index] += 1
+            self._counts.forward(index)
         outs = BackwardDone.apply(self, indices, *(flat[i] for i in positions))
         for i, t in zip(positions, outs):
             flat[i] = t
         return tree_unflatten(flat, spec)
 
-    def _pre_backward(self, indices: tuple[int, ...], grad: Any) -> None:
+    # [Note: auxiliary backward runs]
+    # A step may run several autograd runs before the model's own backward: a loss head applied
+    # to the model's output chunk by chunk, each chunk with its own `backward()` (torchtitan's
+    # chunked loss), then one backward through the model with the chunks' summed gradient. The
+    # step's *main* backward is the run that reaches the model's forward graph: the gradient of
+    # the root's output, or of a unit's output produced inside the root's forward. The others
+    # are auxiliary: their gradients accumulate into the unsharded parameters of the units they
+    # reach (the root stays unsharded from its forward to its backward; a unit called by the
+    # head after the root's forward is gathered for it and kept), and the end of such a run ends
+    # nothing. Those units finish when the step's backward ends ([Note: end of a unit's
+    # backward] in autograd_hooks.py), so one reduction carries every chunk's gradient, as FSDP2
+    # reduces its root's once; the units of the model's own backward reduce as early as before.
+
+    def _pre_backward(self, indices: tuple[int, ...], main: bool, grad: Any) -> None:
+        if main:
+            self._main_backward = True
         if not self._backward_queued:
             self._backward_queued = True
             self.schedule.begin_backward()
@@ -413,33 +420,26 @@ class OverlapState:
             self._unit_backward_done(index)
 
     def _unit_backward_done(self, index: int) -> None:
-        self._num_done[index] += 1
-        if self._num_done[index] == self._num_forwards[index]:
+        if self._counts.input_done(index, self._main_backward):
             self._post_backward(index)
 
-    def _grad_ready(self, index: int, param: torch.Tensor) -> None:
+    def _grad_ready(self, index: int, position: int, param: torch.Tensor) -> None:
         if self.schedule.states[index] is not UnitState.UNSHARDED:
-            name = next(
-                s.fqn
-                for s, p in zip(self.units[index].layout.slots, self.units[index].unsharded_params)
-                if p is param
-            )
+            name = self.units[index].layout.slots[position].fqn
             raise RuntimeError(
                 f"overlap: the gradient of {name!r} arrived after {self.units[index].layout.label} "
                 "finished its backward; a parameter must be used inside its unit's forward (or "
                 "choose a unit_policy that puts the module using it in the same unit)"
             )
-        self._num_ready[index] += 1
-        if self._num_ready[index] == self._num_trainable[index] and not (
-            self._has_frozen[index] and self._num_forwards[index] > 0
-        ):
+        if self._counts.grad_ready(index, position, self._main_backward):
             self._post_backward(index)
 
     def _end_backward(self) -> None:
         self._backward_queued = False
-        self._num_ready = [0] * len(self.units)
-        self._num_forwards = [0] * len(self.units)
-        self._num_done = [0] * len(self.units)
+        if not self._main_backward:
+            return  # an auxiliary run ended: [Note: auxiliary backward runs]
+        self._main_backward = False
+        self._counts.reset()
         self._run(self.schedule.end_backward())
         self.replicated.reduce(self.schedule.sync_grads)  # ecosystem: [Note: replicated parameters]
         step = self._finish_step()

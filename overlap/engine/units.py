@@ -8,8 +8,8 @@ grouping and layout; it holds no tensors of its own.
 from __future__ import annotations
 
 import dataclasses
-
 import math
+import warnings
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -201,8 +201,28 @@ def with_trainable(layout: UnitLayout, trainable: tuple[bool, ...]) -> UnitLayou
     return dataclasses.replace(layout, slots=tuple(slots))
 
 
-def _is_repeated_block_parent(module: nn.Module) -> bool:
-    return isinstance(module, (nn.ModuleList, nn.Sequential))
+BLOCK_CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
+"""Where "auto" looks for repeated blocks: `model.layers` of most transformers is one of these
+(a ModuleDict in torchtitan, keyed by layer number)."""
+
+MOST_PARAMS_SHARE = 0.5
+"""A unit holding more than this share of a model's parameters, repeated blocks among them, is
+warned about (`warn_lopsided_units`)."""
+
+
+def repeated_blocks(root: nn.Module) -> dict[str, nn.Module]:
+    """The repeated blocks of `root` by FQN, in registration order: the children of a ModuleList,
+    ModuleDict or Sequential whose class occurs at least twice among its children, and which
+    hold parameters."""
+    blocks: dict[str, nn.Module] = {}
+    for fqn, module in root.named_modules():
+        if not isinstance(module, BLOCK_CONTAINERS):
+            continue
+        counts = Counter(type(child) for child in module.children())
+        for name, child in module.named_children():
+            if counts[type(child)] >= 2 and any(True for _ in child.parameters()):
+                blocks[f"{fqn}.{name}" if fqn else name] = child
+    return blocks
 
 
 def find_unit_modules(
@@ -214,14 +234,7 @@ def find_unit_modules(
     every parameter belongs to exactly one unit, which keeps the collective sequence simple).
     """
     if policy == "auto":
-        chosen_ids: set[int] = set()
-        for module in root.modules():
-            if not _is_repeated_block_parent(module):
-                continue
-            counts = Counter(type(child) for child in module.children())
-            for child in module.children():
-                if counts[type(child)] >= 2 and any(True for _ in child.parameters()):
-                    chosen_ids.add(id(child))
+        chosen_ids = {id(block) for block in repeated_blocks(root).values()}
 
         def is_unit(m: nn.Module) -> bool:
             return id(m) in chosen_ids
@@ -270,3 +283,35 @@ def group_units(
         else:
             groups.append(current)
     return [tuple(g) for g in groups]
+
+
+def warn_lopsided_units(root: nn.Module, layouts: list[UnitLayout]) -> None:
+    """Warn when one unit (its parts of every dtype together) holds most of the model's
+    parameters and at least two repeated blocks: they are gathered together, so ZeRO-3 saves
+    little memory, silently. This happens when `unit_policy` names no class the blocks have,
+    when the blocks sit where "auto" does not look, or when `min_unit_numel` merges them."""
+    by_modules: dict[tuple[str, ...], list[UnitLayout]] = {}
+    for layout in layouts:
+        by_modules.setdefault(layout.module_fqns, []).append(layout)
+    total = sum(layout.numel for layout in layouts)
+    if total == 0 or len(by_modules) == 0:
+        return
+    members, parts = max(by_modules.items(), key=lambda item: sum(layout.numel for layout in item[1]))
+    numel = sum(layout.numel for layout in parts)
+    if numel <= MOST_PARAMS_SHARE * total:
+        return
+    owners = {module for layout in parts for slot in layout.slots for module, _ in slot.owners}
+    blocks = repeated_blocks(root)
+    inside = [fqn for fqn in blocks if any(o == fqn or o.startswith(fqn + ".") for o in owners)]
+    if len(inside) < 2:
+        return
+    name = "the root (parameters outside every unit)" if members == ("",) else " + ".join(members)
+    shown = ", ".join(inside[:3]) + (f" and {len(inside) - 3} more" if len(inside) > 3 else "")
+    warnings.warn(
+        f"overlap.wrap: one unit, {name}, holds {numel / total:.0%} of the model's parameters "
+        f"({numel:,} of {total:,} elements) and {len(inside)} repeated blocks ({shown}): they are "
+        "gathered together, so sharding saves little memory. Give each block a unit of its own: "
+        f"unit_policy={{{type(blocks[inside[0]]).__name__}}} (or a callable), and min_unit_numel "
+        "no larger than a block",
+        stacklevel=5,  # wrap's caller
+    )
