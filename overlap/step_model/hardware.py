@@ -1,0 +1,160 @@
+"""What the step model knows about GPUs and the nodes they sit in: datasheet figures and the
+rates public microbenchmarks report, each preset with its source.
+
+[Note: accelerator rates]
+A GPU's dense tensor-core peak is the datasheet's ("with sparsity" halved). What a training step
+gets of it depends on the kernel: large bf16 GEMMs reach `gemm_share` of the peak (cuBLAS on
+square-ish shapes; smaller shapes lose more, see kernels.py), flash attention reaches the share
+its kernel library reports (`KernelStack` in kernels.py), and element-wise work is paid in HBM
+bytes at `hbm_tbps · HBM_SHARE`. A power-capped card (torchtitan's 500 W H100s) runs its tensor
+cores at lower clocks: its peak is interpolated between the datasheets of the same chip at two
+power limits (H100 NVL at 400 W, H100 SXM at 700 W), as torchtitan's footnote places it.
+
+[Note: rails]
+A DGX-style node has one network adapter per GPU ("rail"). NCCL builds one ring (channel) per
+rail, so a collective whose group has k ranks in each node drives min(k, rails) adapters at once:
+a data-parallel group of 8 ranks per node moves 8 x 400 Gb/s between nodes, a group of 1 rank
+per node (tensor parallel 8 inside the node) one adapter. The bus bandwidth one rank sees
+across nodes is that share of the node's rails, capped by NVLink (the ring's other hops).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from overlap.step_model.cost import Link
+
+HBM_SHARE = 0.85
+"""Share of the datasheet HBM bandwidth a streaming element-wise kernel sustains (STREAM-like
+copies reach 85-90% on A100/H100 in NVIDIA's and public microbenchmarks)."""
+RAIL_SHARE = 0.9
+"""Share of an adapter's line rate NCCL's inter-node rings sustain (nccl-tests busbw of one
+400 Gb/s rail ~ 45 GB/s of 50; the `ndr400` preset)."""
+NVLINK_SHARE = 0.8
+"""Share of NVLink's one-way rate a ring reaches (nccl-tests all_gather busbw ~360 GB/s on
+8 x H100 of 450; the `nvlink4` preset)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Accelerator:
+    """One GPU as the compute model sees it ([Note: accelerator rates])."""
+
+    name: str
+    generation: str
+    """"ampere", "hopper" or "blackwell": which kernels exist (flash attention 3, fp8)."""
+    bf16_tflops: float
+    """Dense bf16 tensor-core peak at the card's power limit."""
+    fp8_tflops: float | None
+    """Dense fp8 peak; None where the tensor cores have no fp8 (A100)."""
+    hbm_gib: float
+    hbm_tbps: float
+    power_w: float
+    nvlink_gbps: float
+    """NVLink one-way bandwidth per GPU, GB/s (half the datasheet's bidirectional figure)."""
+    gemm_share: float
+    """Share of the bf16 peak a large bf16 GEMM sustains (cuBLAS, clocks under load)."""
+    fp8_gemm_share: float = 0.0
+    """Share of the fp8 peak a large fp8 GEMM sustains."""
+    source: str = ""
+
+
+# Datasheets: NVIDIA A100 Tensor Core GPU (SXM4: BF16 312 TFLOPS dense, 1,555 GB/s (40 GB) and
+# 2,039 GB/s (80 GB), 400 W, NVLink 600 GB/s); H100 Tensor Core GPU (SXM5: BF16 1,979 / FP8 3,958
+# TFLOPS with sparsity, 3.35 TB/s, 700 W, NVLink 900 GB/s; NVL: 1,671 / 3,341, 400 W); H200
+# (SXM: as H100 SXM, 141 GB, 4.8 TB/s); DGX B200 (8 GPUs: 72 PF FP8 and 36 PF FP16 training
+# with sparsity, 1,440 GB, 64 TB/s, NVLink 1.8 TB/s per GPU, ~1,000 W per GPU); GB200 NVL72
+# (72 GPUs: 720 PF FP8 and 360 PF FP16/BF16 with sparsity, 13.4 TB at 576 TB/s, 1.8 TB/s NVLink).
+# GEMM shares: cuBLAS bf16 reaches ~80% of the A100 peak (250-270 TFLOPS on large GEMMs) and
+# ~70-75% on H100 SXM (700-750 TFLOPS), fp8 ~60-65% of its peak (1,200-1,300 TFLOPS): NVIDIA's
+# cuBLAS 12 Hopper post and public GEMM sweeps. Blackwell: no public sustained figure we can cite;
+# the Hopper shares are used and the row says so.
+_HOPPER = dict(generation="hopper", gemm_share=0.72, fp8_gemm_share=0.62, nvlink_gbps=450.0)
+ACCELERATORS: dict[str, Accelerator] = {
+    "a100-40gb": Accelerator(name="A100 SXM4 40GB", generation="ampere", bf16_tflops=312.0, fp8_tflops=None,
+                             hbm_gib=40, hbm_tbps=1.555, power_w=400, nvlink_gbps=300.0, gemm_share=0.80,
+                             source="NVIDIA A100 datasheet"),
+    "a100-80gb": Accelerator(name="A100 SXM4 80GB", generation="ampere", bf16_tflops=312.0, fp8_tflops=None,
+                             hbm_gib=80, hbm_tbps=2.039, power_w=400, nvlink_gbps=300.0, gemm_share=0.80,
+                             source="NVIDIA A100 datasheet"),
+    "h100-sxm": Accelerator(name="H100 SXM 80GB (700 W)", bf16_tflops=989.4, fp8_tflops=1979.0, hbm_gib=80,
+                            hbm_tbps=3.35, power_w=700, source="NVIDIA H100 datasheet (SXM5)", **_HOPPER),
+    "h100-96gb-500w": Accelerator(
+        name="H100 96GB HBM2e (500 W)", bf16_tflops=835.5 + (989.4 - 835.5) * (500 - 400) / (700 - 400),
+        fp8_tflops=1670.5 + (1979.0 - 1670.5) * (500 - 400) / (700 - 400), hbm_gib=96, hbm_tbps=2.4, power_w=500,
+        source="torchtitan benchmarks (Grand Teton hosts: 96 GB HBM2e, 2.4 TB/s, 500 W; peak 'between SXM "
+        "and NVL'): peak interpolated by power between the H100 NVL (400 W) and SXM (700 W) datasheets",
+        **_HOPPER),
+    "h200": Accelerator(name="H200 SXM 141GB", bf16_tflops=989.4, fp8_tflops=1979.0, hbm_gib=141, hbm_tbps=4.8,
+                        power_w=700, source="NVIDIA H200 datasheet", **_HOPPER),
+    "b200": Accelerator(name="B200 (DGX B200)", generation="blackwell", bf16_tflops=2250.0, fp8_tflops=4500.0,
+                        hbm_gib=180, hbm_tbps=8.0, power_w=1000, nvlink_gbps=900.0, gemm_share=0.72,
+                        fp8_gemm_share=0.62, source="NVIDIA DGX B200 datasheet, per GPU; GEMM shares as Hopper"),
+    "gb200": Accelerator(name="B200 in GB200 NVL72", generation="blackwell", bf16_tflops=2500.0, fp8_tflops=5000.0,
+                         hbm_gib=186, hbm_tbps=8.0, power_w=1200, nvlink_gbps=900.0, gemm_share=0.72,
+                         fp8_gemm_share=0.62, source="NVIDIA GB200 NVL72 datasheet, per GPU; GEMM shares as Hopper"),
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class NodeSpec:
+    """The GPUs NVLink joins and the adapters between them and the rest ([Note: rails])."""
+
+    name: str
+    gpus_per_node: int
+    """GPUs of one host (what --gpus-per-node means)."""
+    nvlink_domain: int
+    """GPUs one NVLink fabric joins: the node, or 72 for an NVL72 rack."""
+    rails: int
+    """Network adapters per host, one per GPU on DGX-style nodes."""
+    rail_gbit: float
+    """Line rate of one adapter, Gb/s."""
+    alpha_intra_s: float = 8e-6
+    alpha_inter_s: float = 15e-6
+    source: str = ""
+
+    def rail_gbps(self) -> float:
+        return self.rail_gbit / 8 * RAIL_SHARE
+
+
+NODES: dict[str, NodeSpec] = {
+    "dgx-a100": NodeSpec(name="DGX A100 (8 x 200G HDR)", gpus_per_node=8, nvlink_domain=8, rails=8, rail_gbit=200,
+                         source="NVIDIA DGX A100 datasheet: 8 x ConnectX-6 200 Gb/s compute adapters (Selene)"),
+    "dgx-h100": NodeSpec(name="DGX H100 (8 x 400G NDR)", gpus_per_node=8, nvlink_domain=8, rails=8, rail_gbit=400,
+                         source="NVIDIA DGX H100 datasheet: 8 x ConnectX-7 400 Gb/s"),
+    "dgx-h200": NodeSpec(name="DGX H200 (8 x 400G)", gpus_per_node=8, nvlink_domain=8, rails=8, rail_gbit=400,
+                         source="NVIDIA DGX H200 datasheet: 8 x ConnectX-7 400 Gb/s"),
+    "grand-teton": NodeSpec(name="Grand Teton H100 (400G RDMA per GPU)", gpus_per_node=8, nvlink_domain=8, rails=8,
+                            rail_gbit=400, source="torchtitan benchmarks: 400 Gb/s RDMA per GPU"),
+    "dgx-b200": NodeSpec(name="DGX B200 (8 x 400G)", gpus_per_node=8, nvlink_domain=8, rails=8, rail_gbit=400,
+                         source="NVIDIA DGX B200 datasheet: 8 x ConnectX-7 400 Gb/s"),
+    "gb200-nvl72": NodeSpec(name="GB200 NVL72 (4 GPUs per tray, 400G each)", gpus_per_node=4, nvlink_domain=72,
+                            rails=4, rail_gbit=400,
+                            source="NVIDIA GB200 NVL72: 18 trays of 4 GPUs on one NVLink fabric, ConnectX-7 400G per GPU"),
+}
+
+
+def ring_link(gpu: Accelerator, node: NodeSpec, group_size: int, ranks_per_node: int) -> Link:
+    """The link one collective's ring runs at for a group of `group_size` ranks with
+    `ranks_per_node` of them in each host ([Note: rails]): NVLink while the group stays in one
+    NVLink domain, else the group's share of the rails (capped by NVLink)."""
+    nvlink = gpu.nvlink_gbps * NVLINK_SHARE
+    hosts_spanned = group_size // max(ranks_per_node, 1)
+    if group_size <= ranks_per_node or hosts_spanned * node.gpus_per_node <= node.nvlink_domain:
+        return Link(f"nvlink ({gpu.name})", node.alpha_intra_s, nvlink, gpu.source)
+    rails_used = min(ranks_per_node, node.rails)
+    busbw = min(nvlink, rails_used * node.rail_gbps())
+    return Link(f"{rails_used} x {node.rail_gbit:g}G rails", node.alpha_inter_s, busbw, node.source)
+
+
+def accelerator(name: str) -> Accelerator:
+    try:
+        return ACCELERATORS[name]
+    except KeyError:
+        raise ValueError(f"unknown GPU {name!r}; use one of {sorted(ACCELERATORS)}") from None
+
+
+def node_spec(name: str) -> NodeSpec:
+    try:
+        return NODES[name]
+    except KeyError:
+        raise ValueError(f"unknown node {name!r}; use one of {sorted(NODES)}") from None

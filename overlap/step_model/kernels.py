@@ -1,0 +1,186 @@
+"""Seconds of a transformer block's compute on one GPU, from its shape and the kernels that run it.
+
+[Note: block compute]
+A block's forward on one rank (tensor parallel T, context parallel C, t tokens of its micro-batch
+on this rank) is three kinds of work, each at its own rate:
+    GEMMs        2·t·(wq, wk, wv, wo, MLP matrices)/T FLOPs at bf16 (or fp8) peak x gemm_share x
+                 the shape's tile efficiency d / (d + TILE), d the smaller of the GEMM's K and N
+                 on this rank (a 128-wide tile's prologue and epilogue are paid per output tile)
+    attention    the causal kernel's FLOPs, 2·t·s_ctx·h/T (half of the full 4·t·s·h), at bf16
+                 peak x the stack's attention share x s_ctx / (s_ctx + ATTENTION_SEQ_HALF):
+                 flash kernels lose at short sequences
+    element-wise bytes of the norms, rotary embedding, activation and residual adds at HBM
+                 bandwidth x HBM_SHARE; the stack says how many passes over the activations each
+                 takes (eager PyTorch runs several kernels per norm; torch.compile and
+                 Transformer Engine fuse them)
+Backward is twice the forward's GEMMs and element-wise work and 2.5 times its attention (flash
+attention's backward recomputes the scores: FlashAttention-2 paper, Section 3.2's FLOP count).
+Activation checkpointing re-runs what it dropped: full, the whole forward; selective (torchtitan's
+op-level policy), every second matmul and the element-wise work; Megatron's selective, the core
+attention only; torchtitan's layer policy "2" (every second block whole), half a forward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from overlap.step_model.hardware import HBM_SHARE, Accelerator
+
+TILE = 128
+"""Output tile width of the GEMM kernels (CUTLASS/cuBLAS sm80 and sm90 tiles are 128 wide)."""
+ATTENTION_SEQ_HALF = 512
+"""Context length at which a flash kernel reaches half its long-sequence rate (FlashAttention-2
+paper, Figures 4-7: throughput rises from 512 to 8K and flattens after)."""
+ATTENTION_BACKWARD = 2.5
+"""Flash attention backward / forward FLOPs (the benchmark convention of flash-attn)."""
+ACT_BYTES = 2
+
+Mlp = Literal["swiglu", "gelu"]
+Recompute = Literal["none", "selective", "full", "attention", "layer2"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class KernelStack:
+    """The software a published run used, as its kernels' rates and fusion."""
+
+    name: str
+    attention_share: dict[str, float]
+    """Flash attention forward+backward share of the bf16 peak at long sequences, head dim 128,
+    causal, by GPU generation."""
+    norm_passes: float
+    """Activation-sized HBM passes (reads + writes, in units of h elements) of one norm."""
+    rope_passes: float
+    """Passes over q and k for the rotary embedding (0 for ALiBi/learned positions)."""
+    act_passes: float
+    """Passes over the MLP's hidden activations (in units of the FFN width) of the activation."""
+    residual_passes: float
+    """Passes over h of the two residual adds and the layout copies around attention."""
+    source: str = ""
+
+
+# Attention shares: FlashAttention-2 (Dao 2023, arXiv:2307.08691) reaches 50-73% of the A100
+# peak forward and ~225 TFLOPs/s (72%) forward+backward; on H100 it runs Ampere-style MMAs and
+# reaches ~335 TFLOPs/s (34%). FlashAttention-3 (Shah et al. 2024, arXiv:2407.08608) reaches 75%
+# of H100 forward and 1.5-1.75x FA2's backward: ~50% forward+backward; cuDNN's fused attention
+# (Transformer Engine) is in the same range. Causal masking keeps these shares (both papers).
+_FA2 = {"ampere": 0.60, "hopper": 0.34, "blackwell": 0.34}
+_FA3 = {"ampere": 0.60, "hopper": 0.50, "blackwell": 0.50}
+STACKS: dict[str, KernelStack] = {
+    # eager PyTorch: RMSNorm as ~6 kernels (cast, pow, mean, rsqrt, mul, mul) each reading and
+    # writing h: 12 passes; rotary via complex views: 8 passes over q and k; SwiGLU's silu and
+    # mul: 5 passes over f; residual adds (3 passes each) and the q/k/v/output transposes: 10.
+    "torch-eager": KernelStack(name="PyTorch eager, SDPA flash (FA2)", attention_share=_FA2, norm_passes=12,
+                               rope_passes=8, act_passes=5, residual_passes=10,
+                               source="torchtitan's Llama modules run eagerly; SDPA's flash backend is FA2"),
+    # torch.compile: Inductor fuses each norm, the rotary embedding and the activation into one
+    # read and one write, residual adds into their neighbours.
+    "torch-compile": KernelStack(name="PyTorch + torch.compile, SDPA flash (FA2)", attention_share=_FA2,
+                                 norm_passes=2, rope_passes=2, act_passes=3, residual_passes=4,
+                                 source="torch.compile (Inductor) fusion of point-wise chains"),
+    # Megatron-Core / NeMo with Transformer Engine: fused LayerNorm+GEMM, fused rotary, fused bias
+    # + activation, cuDNN / FA3-class attention.
+    "megatron-te": KernelStack(name="Megatron-Core + Transformer Engine", attention_share=_FA3, norm_passes=2,
+                               rope_passes=2, act_passes=3, residual_passes=4,
+                               source="Transformer Engine fused kernels; cuDNN fused attention"),
+    # Megatron-LM 2021 (A100): fused bias-GeLU and fused LayerNorm kernels, softmax fused,
+    # attention not flash (scores materialized): modelled as FA2-rate attention on Ampere.
+    "megatron-2021": KernelStack(name="Megatron-LM 2021 fused kernels", attention_share=_FA2, norm_passes=2,
+                                 rope_passes=0, act_passes=3, residual_passes=6,
+                                 source="Megatron-LM fused layer norm, bias-GeLU and scaled-masked-softmax kernels"),
+    # llm-foundry MPT: flash attention (FA2), torch layer_norm (one kernel: 2 passes), torch GELU
+    # (one kernel), ALiBi (no rotary), eager residual adds and transposes.
+    "llm-foundry": KernelStack(name="llm-foundry MPT (eager, flash attention)", attention_share=_FA2, norm_passes=2,
+                               rope_passes=0, act_passes=2, residual_passes=10,
+                               source="llm-foundry MPT blocks: low-precision LayerNorm, FA2, GELU"),
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class BlockShape:
+    """One decoder block: the shape its compute depends on."""
+
+    hidden: int
+    ffn_hidden: int
+    num_heads: int
+    num_kv_heads: int
+    mlp: Mlp = "swiglu"
+
+    @property
+    def kv_dim(self) -> int:
+        return self.hidden // self.num_heads * self.num_kv_heads
+
+    def gemms(self) -> list[tuple[int, int]]:
+        """(K, N) of each weight matrix of the block, unsharded."""
+        h, kv, f = self.hidden, self.kv_dim, self.ffn_hidden
+        mlp = [(h, f), (h, f), (f, h)] if self.mlp == "swiglu" else [(h, f), (f, h)]
+        return [(h, h), (h, kv), (h, kv), (h, h)] + mlp
+
+
+@dataclass(frozen=True)
+class BlockSeconds:
+    """One block on one rank for one micro-batch."""
+
+    forward_s: float
+    backward_s: float
+    recompute_s: float
+    gemm_forward_s: float
+    attention_forward_s: float
+    elementwise_forward_s: float
+
+
+def tile_efficiency(k: int, n: int) -> float:
+    d = min(k, n)
+    return d / (d + TILE)
+
+
+def gemm_seconds(tokens: float, k: int, n: int, gpu: Accelerator, fp8: bool) -> float:
+    """One forward GEMM of `tokens` rows through a K x N weight ([Note: block compute])."""
+    flops = 2.0 * tokens * k * n
+    if fp8 and gpu.fp8_tflops:
+        rate = gpu.fp8_tflops * gpu.fp8_gemm_share
+        # the fp8 recipe casts the input (and its amax) before each GEMM: one read, one write of
+        # the bf16 input in fp8, priced at HBM bandwidth
+        cast = tokens * k * 3 / (gpu.hbm_tbps * 1e12 * HBM_SHARE)
+    else:
+        rate, cast = gpu.bf16_tflops * gpu.gemm_share, 0.0
+    return flops / (rate * 1e12 * tile_efficiency(k, n)) + cast
+
+
+def block_seconds(shape: BlockShape, tokens: float, context: int, gpu: Accelerator, stack: KernelStack, *,
+                  tp: int = 1, fp8: bool = False, recompute: Recompute = "none") -> BlockSeconds:
+    """[Note: block compute] for `tokens` tokens on this rank attending over `context` tokens."""
+    gemm = sum(gemm_seconds(tokens, *_shard(k, n, tp, i, shape), gpu, fp8) for i, (k, n) in enumerate(shape.gemms()))
+    heads_dim = shape.hidden / tp
+    attn_share = stack.attention_share[gpu.generation] * context / (context + ATTENTION_SEQ_HALF)
+    attention = 2.0 * tokens * context * heads_dim / (gpu.bf16_tflops * 1e12 * attn_share)
+    h, kv, f = shape.hidden / tp, shape.kv_dim / tp, shape.ffn_hidden / tp
+    passes = (2 * stack.norm_passes * shape.hidden + stack.rope_passes * (h + kv) + stack.act_passes * f
+              + stack.residual_passes * shape.hidden)  # norms and residuals act on the full (SP-gathered) width
+    elementwise = tokens * passes * ACT_BYTES / (gpu.hbm_tbps * 1e12 * HBM_SHARE)
+    forward = gemm + attention + elementwise
+    backward = 2 * gemm + ATTENTION_BACKWARD * attention + 2 * elementwise
+    recompute_s = {"none": 0.0, "full": forward, "selective": 0.5 * gemm + elementwise, "attention": attention,
+                   "layer2": 0.5 * forward}[recompute]
+    return BlockSeconds(forward, backward, recompute_s, gemm, attention, elementwise)
+
+
+def _shard(k: int, n: int, tp: int, index: int, shape: BlockShape) -> tuple[int, int]:
+    """Column-parallel matrices split N, row-parallel (wo, the MLP's last) split K."""
+    row_parallel = index == 3 or index == len(shape.gemms()) - 1
+    return (k // tp, n) if row_parallel else (k, n // tp)
+
+
+def head_seconds(tokens: float, hidden: int, vocab: int, gpu: Accelerator, tp: int = 1) -> tuple[float, float]:
+    """Forward and backward seconds of the output projection and the loss (logits in fp32: one
+    write and three passes of the cross-entropy, forward and backward)."""
+    fwd = gemm_seconds(tokens, hidden, vocab // tp, gpu, fp8=False)
+    loss = tokens * (vocab / tp) * 4 * 4 / (gpu.hbm_tbps * 1e12 * HBM_SHARE)
+    return fwd + loss, 2 * fwd + loss
+
+
+def stack(name: str) -> KernelStack:
+    try:
+        return STACKS[name]
+    except KeyError:
+        raise ValueError(f"unknown kernel stack {name!r}; use one of {sorted(STACKS)}") from None

@@ -1,0 +1,209 @@
+"""One published-style run predicted: a `RunSpec` (run_spec.py) to its step time and tokens/s/GPU.
+
+[Note: a run's step]
+Compute per micro-batch on the bottleneck rank comes from the kernel model
+(overlap/step_model/kernels.py): its pipeline stage's blocks (1/T of each matmul, its C-th of
+the sequence), the head and loss, recomputation by the checkpointing policy. Communication:
+    data parallel   [Note: data-parallel modes] in run_spec.py. ZeRO-3 and ZeRO-2 without
+                    pipelining replay the runtime's own Schedule on the simulator's clock, one
+                    micro-batch at a time (each micro-batch gathers and reduces, as FSDP does
+                    under gradient accumulation). Under pipelining, and for DDP and ZeRO-1, the
+                    stage's reduction (and gather) happens once per step, hidden behind one
+                    micro-batch's backward (forward) when `dp_overlap`, else exposed.
+    tensor          4 collectives forward and 4 backward per block (sequence parallel), plus
+                    those recomputation replays; rings over T ranks on NVLink; exposed unless
+                    async TP ([Note: tensor-parallel collectives] in layout.py)
+    context         ring attention: each block passes K and V around the C ranks forward, K, V
+                    and their gradients backward, hidden behind the attention kernel's time
+    pipeline        (M + (P-1)/v) micro-batch slots per step ([Note: pipeline step] in
+                    layout.py) and the stage-to-stage sends, one rail each
+Every collective's ring runs on the link `ring_link` gives its group ([Note: rails] in
+hardware.py). The optimizer streams 28 bytes per parameter it owns through HBM.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from overlap.config import OverlapConfig
+from overlap.step_model.calibration import default_calibration
+from overlap.step_model.cost import Link, Topology, UnitCost, ring_time_s
+from overlap.step_model.hardware import HBM_SHARE, accelerator, node_spec, ring_link
+from overlap.step_model.kernels import block_seconds, head_seconds, stack
+from overlap.tools.plan.fsdp import OPTIMIZER_BYTES_PER_PARAM
+from overlap.tools.plan.run_spec import RunSpec
+
+TP_COLLECTIVES = {"none": 8, "selective": 8, "attention": 8, "full": 12, "layer2": 10}
+"""Per block and micro-batch: 2 all-gathers + 2 reduce-scatters forward, the same backward, and
+the forward's again when the whole block is recomputed."""
+
+
+@dataclass(frozen=True)
+class RunPrediction:
+    """A run's predicted step, with the terms it is made of (seconds per step)."""
+
+    spec: RunSpec
+    step_s: float
+    compute_s: float
+    dp_exposed_s: float
+    tp_exposed_s: float
+    cp_exposed_s: float
+    pp_bubble_s: float
+    p2p_s: float
+    optimizer_s: float
+    lacks: list[str] = field(default_factory=list)
+    """What the model does not represent for this run (shown beside the prediction)."""
+
+    @property
+    def tokens_per_s_per_gpu(self) -> float:
+        s = self.spec
+        return s.global_batch * s.seq_len / (self.step_s * s.num_gpus)
+
+
+def _group_link(spec: RunSpec, size: int, ranks_per_node: int) -> Link:
+    return ring_link(accelerator(spec.gpu), node_spec(spec.node), size, max(1, min(size, ranks_per_node)))
+
+
+def _microbatch_compute(spec: RunSpec) -> tuple[list[tuple[float, float]], tuple[float, float]]:
+    """(forward, backward + recompute) seconds of each block on the bottleneck rank, and of the
+    head and loss, for one micro-batch."""
+    gpu, kernels = accelerator(spec.gpu), stack(spec.stack)
+    tokens = spec.micro_batch * spec.seq_len / spec.cp
+    b = block_seconds(spec.model.block(), tokens, spec.seq_len, gpu, kernels, tp=spec.tp,
+                      fp8=spec.precision == "fp8", recompute=spec.ac)  # fmt: skip
+    blocks = [(b.forward_s, b.backward_s + b.recompute_s)] * spec.layers_per_rank
+    head = head_seconds(tokens, spec.model.hidden, spec.model.vocab_size, gpu, spec.tp)
+    return blocks, head
+
+
+def _stage_numel(spec: RunSpec) -> tuple[int, int]:
+    """(block parameters, root parameters) on the bottleneck rank, 1/T of each."""
+    m = spec.model
+    return spec.layers_per_rank * m.layer_numel() // spec.tp, m.root_numel() // spec.tp
+
+
+def _tp_exposed(spec: RunSpec) -> float:
+    if spec.tp == 1 or spec.async_tp:
+        return 0.0
+    size = spec.micro_batch * spec.seq_len / spec.cp * spec.model.hidden * 2
+    link = _group_link(spec, spec.tp, spec.tp)
+    topo = Topology(spec.tp, spec.tp, link, link)
+    count = spec.layers_per_rank * TP_COLLECTIVES[spec.ac] + 4
+    return count * ring_time_s("all_gather", size, topo)
+
+
+def _cp_exposed(spec: RunSpec, attention_s: float) -> float:
+    """Ring attention's K/V passes beyond the attention kernel's time, one micro-batch."""
+    if spec.cp == 1:
+        return 0.0
+    tokens = spec.micro_batch * spec.seq_len / spec.cp
+    kv = 2 * tokens * spec.model.block().kv_dim / spec.tp * 2
+    link = _group_link(spec, spec.cp, max(1, node_spec(spec.node).gpus_per_node // spec.tp))
+    per_pass = link.alpha_s + link.seconds(kv)
+    forward = (spec.cp - 1) * per_pass
+    backward = 2 * forward
+    return spec.layers_per_rank * (max(0.0, forward - attention_s) + max(0.0, backward - 2.5 * attention_s))
+
+
+def _dp_group(spec: RunSpec) -> tuple[int, Link]:
+    """The ranks the data-parallel collectives span (ZeRO shards over dp x cp, as torchtitan's
+    dp_shard_cp mesh) and their link."""
+    size = spec.dp * spec.cp // spec.replicas if spec.dp_mode in ("zero3", "zero3-keep") else spec.dp * spec.cp
+    per_node = max(1, node_spec(spec.node).gpus_per_node // spec.tp)
+    return size, _group_link(spec, size, per_node)
+
+
+def _simulated_fsdp(spec: RunSpec, blocks: list[tuple[float, float]], head: tuple[float, float],
+                    optimizer_s: float) -> tuple[float, float]:  # fmt: skip
+    """(step seconds without the optimizer, of which exposed) for the step's micro-batches, each
+    replayed on the simulator with the runtime's Schedule."""
+    size, link = _dp_group(spec)
+    block_numel, root_numel = _stage_numel(spec)
+    gather_bytes = 1 if spec.fp8_all_gather else spec.param_bytes
+    per_block = block_numel // len(blocks)
+    cal = default_calibration("nccl", size, link)
+    units: list[UnitCost] = [cal.unit("root", root_numel * spec.param_bytes, root_numel * spec.reduce_bytes, *head,
+                                      gather_wire_bytes=root_numel * spec.param_bytes)]  # fmt: skip
+    units += [cal.unit(f"blocks.{i}", per_block * spec.param_bytes, per_block * spec.reduce_bytes, f, b,
+                       gather_wire_bytes=per_block * gather_bytes) for i, (f, b) in enumerate(blocks)]  # fmt: skip
+    config = OverlapConfig(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
+                           reshard_after_forward=spec.dp_mode == "zero3")  # fmt: skip
+    replicas = spec.replicas if spec.dp_mode == "zero3" else 1
+    topo = Topology(size, size, link, link, num_replicas=replicas,
+                    replica_link=_group_link(spec, replicas, 1) if replicas > 1 else None)  # fmt: skip
+    p = cal.predict(units, config, topology=topo, root=0)
+    m = spec.num_microbatches
+    return m * p.step_s, m * p.exposed_s
+
+
+def _once_per_step(spec: RunSpec, mb_forward_s: float, mb_backward_s: float) -> float:
+    """Exposed seconds of a data-parallel exchange that happens once per step ([Note: a run's
+    step]): the stage's reduction behind one micro-batch's backward, ZeRO-1's and a kept ZeRO-3's
+    gather behind one micro-batch's forward."""
+    size, link = _dp_group(spec)
+    if size == 1:
+        return 0.0
+    block_numel, root_numel = _stage_numel(spec)
+    numel = block_numel + root_numel
+    topo = Topology(size, size, link, link)
+    reduce_op = "all_reduce" if spec.dp_mode == "ddp" else "reduce_scatter"
+    reduce_s = ring_time_s(reduce_op, numel * spec.reduce_bytes, topo)
+    gather_s = 0.0
+    if spec.dp_mode in ("zero1", "zero3-keep", "zero3", "zero2"):
+        gather_bytes = 1 if spec.fp8_all_gather else spec.param_bytes
+        gather_s = ring_time_s("all_gather", numel * gather_bytes, topo)
+    if not spec.dp_overlap:
+        return reduce_s + gather_s
+    return max(0.0, reduce_s - mb_backward_s) + max(0.0, gather_s - mb_forward_s)
+
+
+def _lacks(spec: RunSpec) -> list[str]:
+    out = list(spec.notes)
+    gpu = accelerator(spec.gpu)
+    if gpu.generation == "blackwell":
+        out.append("Blackwell GEMM and attention shares taken from Hopper")
+    if spec.precision == "fp8" and gpu.fp8_tflops is None:
+        out.append(f"fp8 on {gpu.name}: no fp8 tensor cores, planned at bf16")
+    return out
+
+
+def predict_run(spec: RunSpec) -> RunPrediction:
+    """[Note: a run's step] for `spec`."""
+    blocks, head = _microbatch_compute(spec)
+    gpu = accelerator(spec.gpu)
+    attention_s = block_seconds(spec.model.block(), spec.micro_batch * spec.seq_len / spec.cp, spec.seq_len, gpu,
+                                stack(spec.stack), tp=spec.tp).attention_forward_s  # fmt: skip
+    mb_forward = sum(f for f, _ in blocks) + head[0]
+    mb_backward = sum(b for _, b in blocks) + head[1]
+    m, p, v = spec.num_microbatches, spec.pp, spec.virtual_stages
+    block_numel, root_numel = _stage_numel(spec)
+    owned = block_numel + root_numel
+    if spec.dp_mode != "ddp":
+        owned /= spec.dp * spec.cp // (spec.replicas if spec.dp_mode in ("zero3", "zero3-keep") else 1)
+    optimizer_s = OPTIMIZER_BYTES_PER_PARAM * owned / (gpu.hbm_tbps * 1e12 * HBM_SHARE)
+    tp_mb = _tp_exposed(spec)
+    cp_mb = _cp_exposed(spec, attention_s)
+    p2p_mb = 0.0
+    if p > 1:
+        link = _group_link(spec, 2, 1)
+        size = spec.micro_batch * spec.seq_len / spec.cp * spec.model.hidden * 2 / spec.tp
+        p2p_mb = 2 * v * (link.alpha_s + link.seconds(size))
+    compute_mb = mb_forward + mb_backward
+    if p == 1 and spec.dp_mode in ("zero3", "zero2"):
+        fsdp_s, dp_exposed = _simulated_fsdp(spec, blocks, head, optimizer_s)
+        step = fsdp_s + m * (tp_mb + cp_mb) + optimizer_s
+        bubble = 0.0
+    else:
+        slot = compute_mb + tp_mb + cp_mb + p2p_mb
+        fill = (p - 1) / v
+        bubble = fill * slot
+        dp_exposed = _once_per_step(spec, mb_forward, mb_backward)
+        step = (m + fill) * slot + dp_exposed + optimizer_s
+    return RunPrediction(spec=spec, step_s=step, compute_s=m * compute_mb, dp_exposed_s=dp_exposed,
+                         tp_exposed_s=m * tp_mb, cp_exposed_s=m * cp_mb, pp_bubble_s=bubble, p2p_s=m * p2p_mb,
+                         optimizer_s=optimizer_s, lacks=_lacks(spec))  # fmt: skip
+
+
+__all__ = ["RunPrediction", "predict_run"]
