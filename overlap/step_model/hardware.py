@@ -30,6 +30,10 @@ copies reach 85-90% on A100/H100 in NVIDIA's and public microbenchmarks)."""
 RAIL_SHARE = 0.9
 """Share of an adapter's line rate NCCL's inter-node rings sustain (nccl-tests busbw of one
 400 Gb/s rail ~ 45 GB/s of 50; the `ndr400` preset)."""
+NCCL_SMS = 24
+"""SMs NCCL's collectives occupy while they overlap compute: Megatron-LM's FSDP guide
+(docs/user-guide/features/megatron_fsdp.md) measures 16-32 SMs for FSDP's collectives (1-6 with
+SHARP offload); the middle is taken. Compute beside a collective loses that share of the GPU."""
 NVLINK_SHARE = 0.8
 """Share of NVLink's one-way rate a ring reaches (nccl-tests all_gather busbw ~360 GB/s on
 8 x H100 of 450; the `nvlink4` preset)."""
@@ -51,6 +55,7 @@ class Accelerator:
     power_w: float
     nvlink_gbps: float
     """NVLink one-way bandwidth per GPU, GB/s (half the datasheet's bidirectional figure)."""
+    sm_count: int
     gemm_share: float
     """Share of the bf16 peak a large bf16 GEMM sustains (cuBLAS, clocks under load)."""
     fp8_gemm_share: float = 0.0
@@ -64,17 +69,24 @@ class Accelerator:
 # (SXM: as H100 SXM, 141 GB, 4.8 TB/s); DGX B200 (8 GPUs: 72 PF FP8 and 36 PF FP16 training
 # with sparsity, 1,440 GB, 64 TB/s, NVLink 1.8 TB/s per GPU, ~1,000 W per GPU); GB200 NVL72
 # (72 GPUs: 720 PF FP8 and 360 PF FP16/BF16 with sparsity, 13.4 TB at 576 TB/s, 1.8 TB/s NVLink).
-# GEMM shares: cuBLAS bf16 reaches ~80% of the A100 peak (250-270 TFLOPS on large GEMMs) and
-# ~70-75% on H100 SXM (700-750 TFLOPS), fp8 ~60-65% of its peak (1,200-1,300 TFLOPS): NVIDIA's
-# cuBLAS 12 Hopper post and public GEMM sweeps. Blackwell: no public sustained figure we can cite;
-# the Hopper shares are used and the row says so.
-_HOPPER = dict(generation="hopper", gemm_share=0.72, fp8_gemm_share=0.62, nvlink_gbps=450.0)
+# GEMM shares: the maximum achievable matmul FLOPS (MAMF) of a bf16 matmul at its best shape,
+# measured by ml-engineering's mamf-finder (stas00/ml-engineering, compute/accelerator/README.md,
+# "Maximum Achievable Matmul FLOPS comparison table"): A100 SXM 267.9 of 312 (85.9%), H100 SXM
+# 792.1 of 989 (80.1%); the shapes a model runs are not the best one, so 0.9 of the MAMF share is
+# taken (0.773, 0.721). fp8: ~1,200-1,300 of 1,979 TFLOPS on H100 in public sweeps (0.62).
+# Blackwell: no public MAMF we can cite; the Hopper shares are used and the row says so.
+# SM counts: A100 108, H100/H200 132, B200 148 (NVIDIA architecture whitepapers).
+GEMM_SHAPE_MIX = 0.9
+_HOPPER = dict(generation="hopper", gemm_share=0.801 * GEMM_SHAPE_MIX, fp8_gemm_share=0.62, nvlink_gbps=450.0,
+               sm_count=132)
 ACCELERATORS: dict[str, Accelerator] = {
     "a100-40gb": Accelerator(name="A100 SXM4 40GB", generation="ampere", bf16_tflops=312.0, fp8_tflops=None,
-                             hbm_gib=40, hbm_tbps=1.555, power_w=400, nvlink_gbps=300.0, gemm_share=0.80,
+                             hbm_gib=40, hbm_tbps=1.555, power_w=400, nvlink_gbps=300.0, sm_count=108,
+                             gemm_share=0.859 * GEMM_SHAPE_MIX,
                              source="NVIDIA A100 datasheet"),
     "a100-80gb": Accelerator(name="A100 SXM4 80GB", generation="ampere", bf16_tflops=312.0, fp8_tflops=None,
-                             hbm_gib=80, hbm_tbps=2.039, power_w=400, nvlink_gbps=300.0, gemm_share=0.80,
+                             hbm_gib=80, hbm_tbps=2.039, power_w=400, nvlink_gbps=300.0, sm_count=108,
+                             gemm_share=0.859 * GEMM_SHAPE_MIX,
                              source="NVIDIA A100 datasheet"),
     "h100-sxm": Accelerator(name="H100 SXM 80GB (700 W)", bf16_tflops=989.4, fp8_tflops=1979.0, hbm_gib=80,
                             hbm_tbps=3.35, power_w=700, source="NVIDIA H100 datasheet (SXM5)", **_HOPPER),
@@ -87,10 +99,12 @@ ACCELERATORS: dict[str, Accelerator] = {
     "h200": Accelerator(name="H200 SXM 141GB", bf16_tflops=989.4, fp8_tflops=1979.0, hbm_gib=141, hbm_tbps=4.8,
                         power_w=700, source="NVIDIA H200 datasheet", **_HOPPER),
     "b200": Accelerator(name="B200 (DGX B200)", generation="blackwell", bf16_tflops=2250.0, fp8_tflops=4500.0,
-                        hbm_gib=180, hbm_tbps=8.0, power_w=1000, nvlink_gbps=900.0, gemm_share=0.72,
+                        hbm_gib=180, hbm_tbps=8.0, power_w=1000, nvlink_gbps=900.0, sm_count=148,
+                        gemm_share=0.801 * GEMM_SHAPE_MIX,
                         fp8_gemm_share=0.62, source="NVIDIA DGX B200 datasheet, per GPU; GEMM shares as Hopper"),
     "gb200": Accelerator(name="B200 in GB200 NVL72", generation="blackwell", bf16_tflops=2500.0, fp8_tflops=5000.0,
-                         hbm_gib=186, hbm_tbps=8.0, power_w=1200, nvlink_gbps=900.0, gemm_share=0.72,
+                         hbm_gib=186, hbm_tbps=8.0, power_w=1200, nvlink_gbps=900.0, sm_count=148,
+                         gemm_share=0.801 * GEMM_SHAPE_MIX,
                          fp8_gemm_share=0.62, source="NVIDIA GB200 NVL72 datasheet, per GPU; GEMM shares as Hopper"),
 }
 
@@ -144,6 +158,11 @@ def ring_link(gpu: Accelerator, node: NodeSpec, group_size: int, ranks_per_node:
     rails_used = min(ranks_per_node, node.rails)
     busbw = min(nvlink, rails_used * node.rail_gbps())
     return Link(f"{rails_used} x {node.rail_gbit:g}G rails", node.alpha_inter_s, busbw, node.source)
+
+
+def nccl_share(gpu: Accelerator) -> float:
+    """Share of the GPU's compute a collective in flight takes from the kernels beside it."""
+    return NCCL_SMS / gpu.sm_count
 
 
 def accelerator(name: str) -> Accelerator:

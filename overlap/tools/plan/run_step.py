@@ -9,10 +9,11 @@ the sequence), the head and loss, recomputation by the checkpointing policy. Com
                     micro-batch at a time (each micro-batch gathers and reduces, as FSDP does
                     under gradient accumulation). Under pipelining, and for DDP and ZeRO-1, the
                     stage's reduction (and gather) happens once per step, hidden behind one
-                    micro-batch's backward (forward) when `dp_overlap`, else exposed.
+                    micro-batch's backward (forward) when `dp_overlap`, else exposed. While a
+                    collective overlaps compute it takes NCCL's SMs from it (`nccl_share`).
     tensor          4 collectives forward and 4 backward per block (sequence parallel), plus
                     those recomputation replays; rings over T ranks on NVLink; exposed unless
-                    async TP ([Note: tensor-parallel collectives] in layout.py)
+                    overlapped (async TP: the forward's; Transformer Engine: all)
     context         ring attention: each block passes K and V around the C ranks forward, K, V
                     and their gradients backward, hidden behind the attention kernel's time
     pipeline        (M + (P-1)/v) micro-batch slots per step ([Note: pipeline step] in
@@ -23,14 +24,14 @@ hardware.py). The optimizer streams 28 bytes per parameter it owns through HBM.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from overlap.config import OverlapConfig
 from overlap.step_model.calibration import default_calibration
 from overlap.step_model.cost import Link, Topology, UnitCost, ring_time_s
-from overlap.step_model.hardware import HBM_SHARE, accelerator, node_spec, ring_link
+from overlap.step_model.hardware import HBM_SHARE, accelerator, nccl_share, node_spec, ring_link
 from overlap.step_model.kernels import block_seconds, head_seconds, stack
 from overlap.tools.plan.fsdp import OPTIMIZER_BYTES_PER_PARAM
 from overlap.tools.plan.run_spec import RunSpec
@@ -85,12 +86,16 @@ def _stage_numel(spec: RunSpec) -> tuple[int, int]:
 
 
 def _tp_exposed(spec: RunSpec) -> float:
-    if spec.tp == 1 or spec.async_tp:
+    """Exposed seconds of one micro-batch's tensor-parallel collectives: all of them, or with
+    async TP those the stack does not overlap (`KernelStack.tp_overlap_backward`)."""
+    if spec.tp == 1:
         return 0.0
     size = spec.micro_batch * spec.seq_len / spec.cp * spec.model.hidden * 2
     link = _group_link(spec, spec.tp, spec.tp)
     topo = Topology(spec.tp, spec.tp, link, link)
     count = spec.layers_per_rank * TP_COLLECTIVES[spec.ac] + 4
+    if spec.async_tp:
+        count = 0 if stack(spec.stack).tp_overlap_backward else spec.layers_per_rank * 4 + 2
     return count * ring_time_s("all_gather", size, topo)
 
 
@@ -123,7 +128,7 @@ def _simulated_fsdp(spec: RunSpec, blocks: list[tuple[float, float]], head: tupl
     block_numel, root_numel = _stage_numel(spec)
     gather_bytes = 1 if spec.fp8_all_gather else spec.param_bytes
     per_block = block_numel // len(blocks)
-    cal = default_calibration("nccl", size, link)
+    cal = replace(default_calibration("nccl", size, link), compute_share_lost=nccl_share(accelerator(spec.gpu)))
     units: list[UnitCost] = [cal.unit("root", root_numel * spec.param_bytes, root_numel * spec.reduce_bytes, *head,
                                       gather_wire_bytes=root_numel * spec.param_bytes)]  # fmt: skip
     units += [cal.unit(f"blocks.{i}", per_block * spec.param_bytes, per_block * spec.reduce_bytes, f, b,
@@ -156,7 +161,10 @@ def _once_per_step(spec: RunSpec, mb_forward_s: float, mb_backward_s: float) -> 
         gather_s = ring_time_s("all_gather", numel * gather_bytes, topo)
     if not spec.dp_overlap:
         return reduce_s + gather_s
-    return max(0.0, reduce_s - mb_backward_s) + max(0.0, gather_s - mb_forward_s)
+    # what hides still takes NCCL's SMs from the compute beside it ([Note: accelerator rates])
+    hidden = min(reduce_s, mb_backward_s) + min(gather_s, mb_forward_s)
+    share = nccl_share(accelerator(spec.gpu))
+    return max(0.0, reduce_s - mb_backward_s) + max(0.0, gather_s - mb_forward_s) + hidden * share
 
 
 def _lacks(spec: RunSpec) -> list[str]:
