@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +29,14 @@ _RESIDUAL_DTYPES = {  # overlap.compression.feedback.RESIDUAL_DTYPES
     "bfloat16": torch.bfloat16,
     "int8": torch.int8,
 }
+
+
+def check_divide_factor(factor: Any) -> None:
+    """`gradient_divide_factor` is None or a finite number > 0 (an int is taken as it is)."""
+    if factor is None:
+        return
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not math.isfinite(factor) or factor <= 0:
+        raise ValueError(f"gradient_divide_factor must be None or a finite number > 0, got {factor!r}")
 
 
 def _dtype_name(dtype: torch.dtype | None) -> str | None:
@@ -131,6 +140,15 @@ class OverlapConfig:
     """Dtype in which gradients are reduce-scattered. None: `param_dtype` if set, else the
     parameters' dtype."""
 
+    gradient_divide_factor: float | None = None
+    """What the sum of the data-parallel ranks' gradients is divided by (FSDP2's
+    `set_gradient_divide_factor`; `model.set_gradient_divide_factor(f)` changes it between
+    steps). None: the number of data-parallel ranks (shard x replicate), i.e. the mean, as DDP
+    and FSDP2 by default. 1.0: the plain sum, for a loss already divided by the global token
+    count (torchtitan's default); exact: no division runs. Any other value f > 0: the sum
+    divided by f, once, after the reduction (as FSDP2 does with a factor). Also the experts'
+    divisor under expert parallelism. Saved in `overlap.checkpoint` and restored from it."""
+
     cpu_keep_freed_memory: bool = True
     """CPU only: ask glibc (mallopt) to keep freed large blocks in the heap for reuse instead of
     returning them to the OS, as CUDA's caching allocator does. ZeRO-3 frees and re-allocates
@@ -227,7 +245,7 @@ class OverlapConfig:
     initialized on rank 0 only. False skips this when the values are already identical on every
     rank (meta-device init under one seed, or a checkpoint loaded afterwards): each rank shards
     its own values, and ranks seeded differently silently train a mix of initializations. See
-    [Note: sync from the source] in sync.py."""
+    [Note: sync from the source] in source_values.py."""
 
     autotune: bool = False
     """Tune the schedule's knobs while training: `prefetch_depth`, `max_inflight_allgather_bytes`
@@ -307,6 +325,7 @@ class OverlapConfig:
                 object.__setattr__(self, name, _DTYPES[value])
             elif value is not None and value not in _DTYPES.values():
                 raise ValueError(f"{name} must be a floating torch.dtype or None, got {value!r}")
+        check_divide_factor(self.gradient_divide_factor)
         check_codec_name("param_compression", self.param_compression)
         check_codec_name("grad_compression", self.grad_compression)
         ef_dtype = self.error_feedback_dtype

@@ -1,7 +1,7 @@
 """Full (unsharded) state dicts of a wrapped model: export to rank 0, load from rank 0.
 
 Both move one unit at a time between the source rank (global rank 0; mesh[0][0] on a 2-D mesh)
-and the shards ([Note: sync from the source] in sync.py): a rank other than the source never
+and the shards ([Note: sync from the source] in source_values.py): a rank other than the source never
 holds a full parameter, and the source holds the dict plus one unit's rank-major buffer.
 """
 
@@ -22,7 +22,7 @@ from overlap.transport import collectives as comm
 from overlap.engine.deferred import check_deferred
 from overlap.engine.init import ScratchBuffer
 from overlap.engine.unit_tensors import UnitTensors
-from overlap.engine.sync import (
+from overlap.engine.source_values import (
     SourcePlan,
     broadcast_tensors,
     pack_rank_major,

@@ -5,7 +5,7 @@ A model too big for one device is built under `torch.device("meta")` (shapes onl
 shard and dropped before the next unit is materialized, so a rank that initializes holds at most
 one unit's full parameters (plus the root unit's, kept until the end of the walk) besides its
 shards. With `sync_module_states` (the default) only the source rank initializes: it scatters
-each unit as it finishes ([Note: sync from the source] in sync.py), and the other ranks
+each unit as it finishes ([Note: sync from the source] in source_values.py), and the other ranks
 materialize nothing but their shards and the buffers (which the source then broadcasts), and do
 not run the init functions, so their random number generators are not advanced. A model whose
 parameters are tensor-parallel DTensors is initialized otherwise: [Note: deferred init with

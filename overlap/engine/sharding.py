@@ -17,7 +17,7 @@ from overlap.engine.compose import TensorParallel
 from overlap.engine.groups import shard_placements
 from overlap.engine.init import ScratchBuffer
 from overlap.engine.replicated import is_replicated
-from overlap.engine.sync import SourcePlan, pack_rank_major, scatter_shard
+from overlap.engine.source_values import SourcePlan, pack_rank_major, scatter_shard
 from overlap.engine.unit_tensors import UnitTensors
 from overlap.engine.units import ParamInfo, UnitLayout
 

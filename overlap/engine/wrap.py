@@ -3,7 +3,7 @@
 The orchestrator, in the order it runs: resolve the groups (groups.py) and check that every rank
 wraps the same model and config (checks.py); find the units and their flat layouts (units.py);
 shard each unit, materializing a meta-device model one unit at a time (sharding.py, init.py)
-from rank 0's values (sync.py); then attach the state and its hooks (state.py), which drive the
+from rank 0's values (source_values.py); then attach the state and its hooks (state.py), which drive the
 schedule (schedule.py) and the runtime (runtime.py) over the transport (overlap/transport/).
 """
 
@@ -29,7 +29,7 @@ from overlap.engine.module import as_overlap_module
 from overlap.engine.replicated import is_replicated
 from overlap.engine.sharding import params_by_unit_module, shard_buffers, shard_unit, unit_label, unit_of_module
 from overlap.engine.state import HookedModules, OverlapState
-from overlap.engine.sync import SourcePlan, broadcast_replicas, broadcast_tensors, plan_source
+from overlap.engine.source_values import SourcePlan, broadcast_replicas, broadcast_tensors, plan_source
 from overlap.engine.unit_tensors import UnitTensors
 from overlap.engine.units import CHUNK_ALIGN_NUMEL, ParamInfo, UnitLayout, find_unit_modules, group_units, make_layout, split_by_dtype
 from overlap.transport import backend, check_settings
@@ -55,7 +55,7 @@ def wrap(
     Collective over `group`: every rank must call it with the same model structure.
 
     As DDP does, every rank ends with rank 0's parameter and buffer values (its shards are
-    scattered from rank 0 unit by unit; see [Note: sync from the source] in sync.py), unless
+    scattered from rank 0 unit by unit; see [Note: sync from the source] in source_values.py), unless
     `sync_module_states=False`, with which each rank keeps its own rows of its own values.
 
     A model built on the meta device is materialized one unit at a time on `device` (default:
