@@ -56,6 +56,15 @@ class KernelStack:
     """Passes over the MLP's hidden activations (in units of the FFN width) of the activation."""
     residual_passes: float
     """Passes over h of the two residual adds and the layout copies around attention."""
+    score_passes: float = 0.0
+    """Attention that materializes its scores (no flash kernel): HBM passes over the score
+    matrix (heads x context per token, 2 bytes) of the softmax, mask and dropout, forward and
+    backward together; its two batched GEMMs run unmasked (full, not causal, FLOPs) at the
+    GEMM rate of a head_dim-wide K. 0: a flash kernel at `attention_share`."""
+    gather_copy_out: bool = False
+    """The data-parallel wrapper copies each all-gather's output into the parameters on the
+    compute stream (FSDP2's copy-out: one read and one write of the gathered bytes); FSDP1's flat
+    parameters and Megatron's buffers gather in place."""
     tp_overlap_backward: bool = False
     """Overlapped tensor parallelism hides the backward's collectives too (Transformer Engine's
     userbuffers overlap dgrad and wgrad); PyTorch's async TP fuses the forward's all-gather +
@@ -76,12 +85,12 @@ STACKS: dict[str, KernelStack] = {
     # writing h: 12 passes; rotary via complex views: 8 passes over q and k; SwiGLU's silu and
     # mul: 5 passes over f; residual adds (3 passes each) and the q/k/v/output transposes: 10.
     "torch-eager": KernelStack(name="PyTorch eager, SDPA flash (FA2)", attention_share=_FA2, norm_passes=12,
-                               rope_passes=8, act_passes=5, residual_passes=10,
+                               rope_passes=8, act_passes=5, residual_passes=10, gather_copy_out=True,
                                source="torchtitan's Llama modules run eagerly; SDPA's flash backend is FA2"),
     # torch.compile: Inductor fuses each norm, the rotary embedding and the activation into one
     # read and one write, residual adds into their neighbours.
     "torch-compile": KernelStack(name="PyTorch + torch.compile, SDPA flash (FA2)", attention_share=_FA2,
-                                 norm_passes=2, rope_passes=2, act_passes=3, residual_passes=4,
+                                 norm_passes=2, rope_passes=2, act_passes=3, residual_passes=4, gather_copy_out=True,
                                  source="torch.compile (Inductor) fusion of point-wise chains"),
     # Megatron-Core / NeMo with Transformer Engine: fused LayerNorm+GEMM, fused rotary, fused bias
     # + activation, cuDNN / FA3-class attention.
@@ -90,8 +99,11 @@ STACKS: dict[str, KernelStack] = {
                                source="Transformer Engine fused kernels; cuDNN fused attention"),
     # Megatron-LM 2021 (A100): fused bias-GeLU and fused LayerNorm kernels, softmax fused,
     # attention not flash (scores materialized): modelled as FA2-rate attention on Ampere.
+    # attention as Megatron-LM computed it in 2021: QK^T and AV as batched GEMMs over the whole
+    # s x s score matrix, its fused scale-mask-softmax (read + write) and dropout (read, write and
+    # a byte mask) forward, the same three backward: ~10 passes of 2 bytes.
     "megatron-2021": KernelStack(name="Megatron-LM 2021 fused kernels", attention_share=_FA2, norm_passes=2,
-                                 rope_passes=0, act_passes=3, residual_passes=6,
+                                 rope_passes=0, act_passes=3, residual_passes=6, score_passes=10,
                                  source="Megatron-LM fused layer norm, bias-GeLU and scaled-masked-softmax kernels"),
     # llm-foundry MPT: flash attention (FA2), torch layer_norm (one kernel: 2 passes), torch GELU
     # (one kernel), ALiBi (no rotary), eager residual adds and transposes.
@@ -157,8 +169,16 @@ def block_seconds(shape: BlockShape, tokens: float, context: int, gpu: Accelerat
     """[Note: block compute] for `tokens` tokens on this rank attending over `context` tokens."""
     gemm = sum(gemm_seconds(tokens, *_shard(k, n, tp, i, shape), gpu, fp8) for i, (k, n) in enumerate(shape.gemms()))
     heads_dim = shape.hidden / tp
-    attn_share = stack.attention_share[gpu.generation] * context / (context + ATTENTION_SEQ_HALF)
-    attention = 2.0 * tokens * context * heads_dim / (gpu.bf16_tflops * 1e12 * attn_share)
+    if stack.score_passes:
+        head_dim = shape.hidden // shape.num_heads
+        scores = tokens * context * (shape.num_heads / tp) * stack.score_passes * ACT_BYTES
+        score_gemms = 4.0 * tokens * context * heads_dim / (gpu.bf16_tflops * 1e12 * gpu.gemm_share
+                                                            * tile_efficiency(head_dim, context))  # fmt: skip
+        # forward: the GEMMs and a third of the passes; ATTENTION_BACKWARD scales it for backward
+        attention = score_gemms + scores / 3 / (gpu.hbm_tbps * 1e12 * HBM_SHARE)
+    else:
+        attn_share = stack.attention_share[gpu.generation] * context / (context + ATTENTION_SEQ_HALF)
+        attention = 2.0 * tokens * context * heads_dim / (gpu.bf16_tflops * 1e12 * attn_share)
     h, kv, f = shape.hidden / tp, shape.kv_dim / tp, shape.ffn_hidden / tp
     passes = (2 * stack.norm_passes * shape.hidden + stack.rope_passes * (h + kv) + stack.act_passes * f
               + stack.residual_passes * shape.hidden)  # norms and residuals act on the full (SP-gathered) width

@@ -18,6 +18,14 @@ the sequence), the head and loss, recomputation by the checkpointing policy. Com
                     and their gradients backward, hidden behind the attention kernel's time
     pipeline        (M + (P-1)/v) micro-batch slots per step ([Note: pipeline step] in
                     layout.py) and the stage-to-stage sends, one rail each
+[Note: weight passes]
+Some work scales with the weights, not the tokens, and runs on the compute stream: fp32
+parameters under autocast are cast to bf16 at each forward use (read 4, write 2 bytes; again for
+a recomputed forward), their bf16 weight gradients cast back (6 bytes) and, with a bf16
+reduction, cast down again (6); FSDP2 copies every all-gather's output into the parameters (read
+and write the gathered bytes). Per micro-batch, at HBM bandwidth. Large micro-batches hide it;
+small ones do not.
+
 Every collective's ring runs on the link `ring_link` gives its group ([Note: rails] in
 hardware.py). The optimizer streams 28 bytes per parameter it owns through HBM.
 """
@@ -36,6 +44,8 @@ from overlap.step_model.kernels import block_seconds, head_seconds, stack
 from overlap.tools.plan.fsdp import OPTIMIZER_BYTES_PER_PARAM
 from overlap.tools.plan.run_spec import RunSpec
 
+RECOMPUTED_FORWARDS = {"none": 0.0, "selective": 0.0, "attention": 0.0, "full": 1.0, "layer2": 0.5}
+"""Forwards of a block's weights that recomputation repeats, per micro-batch."""
 TP_COLLECTIVES = {"none": 8, "selective": 8, "attention": 8, "full": 12, "layer2": 10}
 """Per block and micro-batch: 2 all-gathers + 2 reduce-scatters forward, the same backward, and
 the forward's again when the whole block is recomputed."""
@@ -67,6 +77,23 @@ def _group_link(spec: RunSpec, size: int, ranks_per_node: int) -> Link:
     return ring_link(accelerator(spec.gpu), node_spec(spec.node), size, max(1, min(size, ranks_per_node)))
 
 
+def _weight_pass_s(spec: RunSpec) -> tuple[float, float]:
+    """(forward, backward) seconds per block and micro-batch of the passes over its weights on
+    the compute stream ([Note: weight passes])."""
+    gpu, kernels = accelerator(spec.gpu), stack(spec.stack)
+    numel = spec.model.layer_numel() / spec.tp
+    forward = backward = 0.0
+    if spec.param_bytes == 4:  # fp32 parameters under autocast
+        forward += 6 * (1 + RECOMPUTED_FORWARDS[spec.ac])
+        backward += 6 + (6 if spec.reduce_bytes < 4 else 0)
+    if kernels.gather_copy_out and spec.dp_mode in ("zero3", "zero3-keep", "zero2") and spec.pp == 1:
+        gather = 1 if spec.fp8_all_gather else spec.param_bytes
+        forward += 2 * gather
+        backward += 2 * gather if spec.dp_mode == "zero3" else 0
+    rate = gpu.hbm_tbps * 1e12 * HBM_SHARE
+    return numel * forward / rate, numel * backward / rate
+
+
 def _microbatch_compute(spec: RunSpec) -> tuple[list[tuple[float, float]], tuple[float, float]]:
     """(forward, backward + recompute) seconds of each block on the bottleneck rank, and of the
     head and loss, for one micro-batch."""
@@ -74,7 +101,8 @@ def _microbatch_compute(spec: RunSpec) -> tuple[list[tuple[float, float]], tuple
     tokens = spec.micro_batch * spec.seq_len / spec.cp
     b = block_seconds(spec.model.block(), tokens, spec.seq_len, gpu, kernels, tp=spec.tp,
                       fp8=spec.precision == "fp8", recompute=spec.ac)  # fmt: skip
-    blocks = [(b.forward_s, b.backward_s + b.recompute_s)] * spec.layers_per_rank
+    weights_fwd, weights_bwd = _weight_pass_s(spec)
+    blocks = [(b.forward_s + weights_fwd, b.backward_s + b.recompute_s + weights_bwd)] * spec.layers_per_rank
     head = head_seconds(tokens, spec.model.hidden, spec.model.vocab_size, gpu, spec.tp)
     return blocks, head
 
