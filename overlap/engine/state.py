@@ -84,14 +84,7 @@ class OverlapState:
         self.schedule = Schedule(
             unit_bytes=[u.held_bytes(gather_dtype) for u in units],
             grad_bytes=[u.grad_bytes(reduce_dtype) for u in units],
-            config=ScheduleConfig(
-                prefetch_depth=config.prefetch_depth,
-                max_inflight_allgather_bytes=config.max_inflight_allgather_bytes,
-                reshard_after_forward=config.reshard_after_forward,
-                reduce_scatter_bucket_bytes=config.reduce_scatter_bucket_bytes,
-                max_reduce_inputs=config.max_reduce_inputs,
-                keep_for_backward_bytes=config.keep_for_backward_bytes,
-            ),
+            config=ScheduleConfig.from_config(config),
             root=root_unit,
         )
         self.monitor = Monitor(

@@ -15,7 +15,9 @@ below) goes straight from UNSHARDED in forward to its backward.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+
+from overlap.config import OverlapConfig
 
 
 class UnitState(enum.Enum):
@@ -59,3 +61,8 @@ class ScheduleConfig:
     reduce_scatter_bucket_bytes: int
     max_reduce_inputs: int = 1
     keep_for_backward_bytes: int = 0  # [Note: units kept for backward]
+
+    @classmethod
+    def from_config(cls, config: OverlapConfig) -> ScheduleConfig:
+        """The schedule's slice of an OverlapConfig: every field read by its own name there."""
+        return cls(**{f.name: getattr(config, f.name) for f in fields(cls)})

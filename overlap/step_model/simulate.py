@@ -370,14 +370,7 @@ def simulate(
     schedule = Schedule(
         [u.param_bytes for u in units],
         [u.grad_bytes for u in units],
-        ScheduleConfig(
-            config.prefetch_depth,
-            config.max_inflight_allgather_bytes,
-            config.reshard_after_forward,
-            config.reduce_scatter_bucket_bytes,
-            config.max_reduce_inputs,
-            config.keep_for_backward_bytes,
-        ),
+        ScheduleConfig.from_config(config),
         root=root,
     )
     order = [i for i in range(len(units)) if i != root]
