@@ -27,6 +27,7 @@ from overlap.config import OverlapConfig
 from overlap.tools.plan import calibrate
 from overlap.step_model.calibration import Calibration
 from overlap.step_model.cost import LINKS, Link, calibrate_from_bench
+from overlap.step_model.kernels import STACKS
 from overlap.tools.plan.estimate import Cluster, estimate
 from overlap.tools.plan.layout import PP_SCHEDULES, fits_layout
 from overlap.tools.plan.models import AC_POLICIES, DEFAULT_MFU, GPUS, MODELS, gpu_spec, load_model
@@ -64,6 +65,7 @@ def plan(request: PlanConfig | None = None, /, **overrides: Any) -> PlanResult:
         intra=resolve_link(request.intra_link),
         inter=resolve_link(request.link),
         achieved_tflops=request.achieved_tflops,
+        kernels=request.kernels,
         dims=request.dims,
     )
     config = PLAN_DEFAULT_CONFIG if request.config is None else request.config
@@ -119,7 +121,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ac", choices=AC_POLICIES, default=None, help="activation checkpointing (default: the preset's)")
     rate = parser.add_mutually_exclusive_group()
     rate.add_argument("--mfu", type=float, default=None,
-                      help=f"achieved share of peak in the compute kernels (default {DEFAULT_MFU}: Llama 3 paper, Table 4)")
+                      help="achieved share of peak in the compute kernels, instead of the kernel model "
+                      f"(module-path models: default {DEFAULT_MFU}, Llama 3 paper, Table 4)")
     rate.add_argument("--tflops", type=float, default=None, help="achieved TFLOPs per GPU in the compute kernels")
     parser.add_argument("--gpu-hour-price", type=float, default=None, help="price per GPU-hour (with --tokens)")
     parser.add_argument("--tokens", type=_token_count, default=None, help="tokens of the whole run, e.g. 15T (with --gpu-hour-price)")
@@ -136,6 +139,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     par.add_argument("--pp-schedule", choices=PP_SCHEDULES, default=d.pp_schedule, help="pipeline schedule (default 1f1b)")
     par.add_argument("--virtual-stages", type=int, default=d.virtual_stages, help="stages per rank, interleaved only")
     par.add_argument("--async-tp", action="store_true", help="tensor-parallel collectives hidden behind the matmuls")
+    parser.add_argument("--stack", choices=sorted(STACKS), default=d.stack,
+                        help="kernels a preset model runs on, priced by the kernel model (ignored with --mfu/--tflops)")
     calibrate.add_arguments(parser)
 
 
@@ -152,7 +157,7 @@ def request_from_args(args: argparse.Namespace) -> PlanConfig:
         gpu_hour_price=args.gpu_hour_price, tokens=args.tokens, search=not args.no_search,
         search_codecs=args.search_codecs, calibration=args.calibration, tp=args.tp, pp=args.pp,
         microbatches=args.microbatches, pp_schedule=args.pp_schedule, virtual_stages=args.virtual_stages,
-        async_tp=args.async_tp,
+        async_tp=args.async_tp, stack=args.stack,
     )
 
 

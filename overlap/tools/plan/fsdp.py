@@ -32,7 +32,10 @@ from overlap.compression import make_grad_codec, make_param_codec, make_residual
 from overlap.config import OverlapConfig
 from overlap.engine.units import group_units
 from overlap.step_model.calibration import Calibration, codec_path, default_calibration
-from overlap.step_model.cost import Link, Topology, UnitCost
+from overlap.step_model.cost import LINKS, Link, Topology, UnitCost
+from overlap.step_model.hardware import accelerator
+from overlap.step_model.kernels import BlockShape, block_seconds, head_seconds
+from overlap.step_model.kernels import stack as kernel_stack
 from overlap.tools.plan.layout import ParallelBreakdown, ParallelDims
 from overlap.tools.plan.models import GpuSpec, ModelProfile
 from overlap.step_model.simulate import Prediction
@@ -42,6 +45,16 @@ SHARDED_STATE_BYTES_PER_PARAM = 16  # fp32 master + fp32 gradient + AdamW exp_av
 OPTIMIZER_BYTES_PER_PARAM = 28
 """HBM traffic of a fused AdamW step per sharded parameter: read parameter, gradient and both
 moments, write parameter and both moments, 4 bytes each. Priced at the datasheet bandwidth."""
+
+
+def rails_link(inter: Link, intra: Link, ranks_per_node: int) -> Link:
+    """A per-GPU preset inter-node link as a ring with `ranks_per_node` ranks in each node sees
+    it (each rank its own adapter, capped by the intra-node link); a measured link (not a
+    preset: its busbw is what the ring sustained) is returned as it is."""
+    if LINKS.get(inter.name) is not inter or ranks_per_node <= 1:
+        return inter
+    busbw = min(intra.busbw_gbps, ranks_per_node * inter.busbw_gbps)
+    return Link(f"{inter.name} x {ranks_per_node} rails", inter.alpha_s, busbw, inter.source)
 
 
 def check_whole_nodes(num_gpus: int, gpus_per_node: int) -> None:
@@ -75,6 +88,10 @@ class Cluster:
     (the level it was measured on; `with_calibration`), its contention, lanes and host work
     apply. None: NCCL on the link presets, no contention, no host work ([Note: one model] in
     overlap/step_model/calibration.py)."""
+    kernels: str | None = None
+    """A kernel stack of `overlap.step_model.kernels.STACKS`: each block of a preset model is
+    priced by the kernel model (GEMMs, attention, element-wise bytes on this GPU) instead of
+    FLOPs at `achieved_tflops`. None, or a module-path model: FLOPs at `achieved_tflops`."""
     dims: ParallelDims = ParallelDims()
     """Tensor and pipeline parallel degrees; overlap shards over the data-parallel rest
     ([Note: 3-D layout] in layout.py). Default: FSDP over every GPU."""
@@ -104,8 +121,10 @@ class Cluster:
         return max(1, self.num_gpus // self.gpus_per_node)
 
     def topology(self) -> Topology:
-        """Two levels; a calibration's reduction link where the ring crosses its level."""
-        topo = Topology(self.num_gpus, self.gpus_per_node, self.intra, self.inter)
+        """Two levels; a calibration's reduction link where the ring crosses its level. A preset
+        inter-node link is one adapter per GPU: a ring with k ranks in each node drives k of them
+        at once (NCCL's rails, [Note: rails] in overlap/step_model/hardware.py), up to NVLink."""
+        topo = Topology(self.num_gpus, self.gpus_per_node, self.intra, rails_link(self.inter, self.intra, self.gpus_per_node))
         cal = self.calibration
         if cal is not None and cal.reduce_link is not None:
             level = "inter" if self.num_gpus > self.gpus_per_node else "intra"
@@ -218,6 +237,20 @@ def _codec_cost(kind: str, config: OverlapConfig, numel: int, dtype_bytes_: int,
     return wire, (numel * dtype_bytes_ + wire) / (hbm_tbps * 1e12)
 
 
+def kernel_seconds(profile: ModelProfile, cluster: Cluster) -> tuple[tuple[float, float], tuple[float, float]] | None:
+    """(forward, backward + recompute) seconds of one block and of the root (head and loss) from
+    the kernel model, or None when the cluster asks for FLOPs at a rate (or the model has no
+    shape)."""
+    if cluster.kernels is None or profile.shape is None or not cluster.gpu.accelerator:
+        return None
+    shape, gpu, tp = profile.shape, accelerator(cluster.gpu.accelerator), profile.tensor_parallel
+    tokens = profile.seq_len * profile.local_batch
+    block = BlockShape(hidden=shape.hidden, ffn_hidden=shape.ffn_hidden, num_heads=shape.num_heads,
+                       num_kv_heads=shape.num_kv_heads)  # fmt: skip
+    b = block_seconds(block, tokens, profile.seq_len, gpu, kernel_stack(cluster.kernels), tp=tp, recompute=profile.ac)
+    return (b.forward_s, b.backward_s + b.recompute_s), head_seconds(tokens, shape.hidden, shape.vocab_size, gpu, tp)
+
+
 def build_units(profile: ModelProfile, config: OverlapConfig, cluster: Cluster) -> list[UnitCost]:
     """The simulator's units: the root first (index 0), then the merged blocks in order."""
     tokens = profile.seq_len * profile.local_batch
@@ -225,16 +258,22 @@ def build_units(profile: ModelProfile, config: OverlapConfig, cluster: Cluster) 
     param_b, reduce_b = dtype_bytes(config)
     hbm = cluster.gpu.hbm_tbps
     cal, path = cluster.model(), codec_path(config.param_compression, config.grad_compression)
+    kernels = kernel_seconds(profile, cluster)
 
-    def unit(name: str, numel: int, fwd_flops: float, recompute_flops: float) -> UnitCost:
+    def seconds(name: str, count: int, fwd_flops: float, recompute_flops: float) -> tuple[float, float]:
+        if kernels is not None:
+            fwd, bwd = kernels[1] if name == "root" else kernels[0]
+            return count * fwd, count * bwd
+        return tokens * fwd_flops / rate, tokens * (2.0 * fwd_flops + recompute_flops) / rate
+
+    def unit(name: str, numel: int, fwd_flops: float, recompute_flops: float, count: int = 1) -> UnitCost:
         gather_wire, gather_codec_s = _codec_cost("param", config, numel, param_b, hbm)
         reduce_wire, reduce_codec_s = _codec_cost("grad", config, numel, reduce_b, hbm)
         return cal.unit(
             name,
             numel * param_b,
             numel * reduce_b,
-            tokens * fwd_flops / rate,
-            tokens * (2.0 * fwd_flops + recompute_flops) / rate,
+            *seconds(name, count, fwd_flops, recompute_flops),
             codec=path,
             gather_wire_bytes=gather_wire,
             reduce_wire_bytes=reduce_wire,
@@ -251,6 +290,7 @@ def build_units(profile: ModelProfile, config: OverlapConfig, cluster: Cluster) 
                 sum(profile.block_numels[i] for i in group),
                 sum(profile.block_forward_flops[i] for i in group),
                 sum(profile.block_recompute_flops[i] for i in group),
+                len(group),
             )
         )
     return units

@@ -228,6 +228,7 @@ def stage_profile(profile: ModelProfile, dims: ParallelDims) -> ModelProfile:
         block_recompute_flops=tuple(f / tp for f in profile.block_recompute_flops[:k]),
         root_forward_flops=profile.root_forward_flops / tp,
         local_batch=microbatch_size(profile.local_batch, dims),
+        tensor_parallel=tp,
     )
 
 

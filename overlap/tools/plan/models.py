@@ -24,6 +24,8 @@ from typing import Literal
 import torch
 import torch.nn as nn
 
+from overlap.step_model.hardware import ACCELERATORS
+
 AcPolicy = Literal["none", "selective", "full"]
 AC_POLICIES: tuple[AcPolicy, ...] = ("none", "selective", "full")
 
@@ -64,6 +66,11 @@ class ModelProfile:
     hidden: int | None = None
     """Model width (activation elements per token between blocks), what tensor and pipeline
     parallelism move; None when unknown (module paths)."""
+    shape: TransformerShape | None = None
+    """The preset's shape, from which the kernel model (overlap/step_model/kernels.py) prices
+    each block; None for module paths (their compute comes from FLOPs at --mfu)."""
+    tensor_parallel: int = 1
+    """Ranks each block's matmuls are split over (a stage profile's TP degree)."""
 
     @property
     def num_params(self) -> int:
@@ -174,6 +181,7 @@ class TransformerShape:
             ac=ac,
             source=self.source,
             hidden=self.hidden,
+            shape=self,
         )
 
 
@@ -215,30 +223,38 @@ class GpuSpec:
     """Memory as the datasheet states it ("80 GB"); nvidia-smi reports about that many GiB."""
     hbm_tbps: float
     source: str
+    accelerator: str = ""
+    """Its preset in `overlap.step_model.hardware.ACCELERATORS` (GEMM shares, SMs, NVLink), which
+    the kernel model prices compute with."""
 
 
 GPUS: dict[str, GpuSpec] = {
     "h100-sxm": GpuSpec(
         name="H100 SXM", peak_tflops=989.4, hbm_gib=80, hbm_tbps=3.35,
         source="NVIDIA H100 Tensor Core GPU datasheet: BF16 1,979 TFLOPS with sparsity, 80 GB "
-        "HBM3, 3.35 TB/s",
+        "HBM3, 3.35 TB/s", accelerator="h100-sxm",
     ),
     "h100-96gb": GpuSpec(
         name="H100 96GB (500 W)", peak_tflops=989.4, hbm_gib=96, hbm_tbps=2.4,
         source="torchtitan docs/performance.md (Grand Teton hosts): H100 with 96 GB HBM2e at "
         "2.4 TB/s, 500 W power limit; peak taken from the H100 SXM datasheet (the power limit "
-        "may lower sustained clocks)",
+        "may lower sustained clocks)", accelerator="h100-96gb-500w",
     ),
     "h200": GpuSpec(
         name="H200 SXM", peak_tflops=989.4, hbm_gib=141, hbm_tbps=4.8,
         source="NVIDIA H200 Tensor Core GPU datasheet: BF16 1,979 TFLOPS with sparsity, 141 GB "
-        "HBM3e, 4.8 TB/s",
+        "HBM3e, 4.8 TB/s", accelerator="h200",
     ),
     "a100-80gb": GpuSpec(
         name="A100 SXM 80GB", peak_tflops=312.0, hbm_gib=80, hbm_tbps=2.039,
         source="NVIDIA A100 Tensor Core GPU datasheet: BF16 312 TFLOPS dense, 80 GB HBM2e, "
-        "2,039 GB/s",
+        "2,039 GB/s", accelerator="a100-80gb",
     ),
+    **{
+        key: GpuSpec(name=a.name, peak_tflops=a.bf16_tflops, hbm_gib=a.hbm_gib, hbm_tbps=a.hbm_tbps, source=a.source,
+                     accelerator=key)
+        for key, a in ACCELERATORS.items() if key in ("a100-40gb", "b200", "gb200")
+    },
 }
 
 DEFAULT_MFU = 0.40

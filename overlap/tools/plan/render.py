@@ -44,7 +44,13 @@ def _assumptions(r: PlanResult) -> list[str]:
     p, c, req = r.profile, r.cluster, r.request
     tokens = p.seq_len * p.local_batch
     share = 100 * c.achieved_tflops / c.gpu.peak_tflops
-    if req.tflops is not None:
+    kernels = c.kernels is not None and p.shape is not None
+    if kernels:
+        e = r.estimate
+        executed = p.executed_flops_per_token * e.tokens_per_gpu_step / max(e.prediction.compute_s - e.optimizer_s, 1e-12)
+        rate = (f"the kernel model's rates ({c.kernels}: GEMMs, attention, element-wise bytes on this GPU) = "
+                f"{executed / 1e12:.0f} TFLOPs executed, {100 * executed / 1e12 / c.gpu.peak_tflops:.0f}% of")
+    elif req.tflops is not None:
         rate = f"{c.achieved_tflops:.1f} TFLOPs (--tflops) = {share:.0f}% of"
     else:
         src = "--mfu" if req.mfu is not None else f"default {DEFAULT_MFU}: Llama 3 paper Table 4, 38-43% BF16 MFU on H100"
@@ -53,7 +59,8 @@ def _assumptions(r: PlanResult) -> list[str]:
     config = "--config" if req.config is not None else "plan default: bf16 params, fp32 gradient reduction"
     cluster = (
         f"cluster    {c.num_gpus} x {c.gpu.name}{nodes}; intra {c.intra.name} ({c.intra.busbw_gbps:g} GB/s "
-        f"busbw), inter {c.inter.name} ({c.inter.busbw_gbps:g} GB/s busbw per GPU)"
+        f"busbw), inter {c.inter.name} ({c.inter.busbw_gbps:g} GB/s busbw per adapter, one per GPU: a ring with k "
+        f"ranks per node drives k, up to NVLink)"
     )
     batch = (
         f"batch      {p.local_batch} x {p.seq_len} = {tokens:,} tokens/GPU/step, "

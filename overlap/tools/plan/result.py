@@ -10,6 +10,7 @@ import torch
 from overlap.config import OverlapConfig
 from overlap.tools.plan.estimate import Cluster, Estimate, check_whole_nodes
 from overlap.tools.plan.layout import ParallelDims, PpSchedule, data_parallel_degree
+from overlap.step_model.kernels import STACKS
 from overlap.tools.plan.models import AC_POLICIES, DEFAULT_MFU, GPUS, AcPolicy, ModelProfile, gpu_spec
 from overlap.tools.plan.scaling import SCALING_GPUS, ScalingPoint
 from overlap.tools.plan.search import SearchResult
@@ -73,10 +74,15 @@ class PlanConfig:
     """Stages per rank under the interleaved schedule."""
     async_tp: bool = False
     """Tensor-parallel collectives hidden behind the matmuls (default: exposed)."""
+    stack: str = "torch-eager"
+    """The kernels a preset model's blocks run on (`overlap.step_model.kernels.STACKS`): the
+    kernel model prices each block on the GPU from them, unless `mfu` or `tflops` gives a rate."""
 
     def __post_init__(self) -> None:
         check_whole_nodes(self.num_gpus, self.gpus_per_node)
         data_parallel_degree(self.dims, self.num_gpus, self.gpus_per_node)
+        if self.stack not in STACKS:
+            raise ValueError(f"unknown --stack {self.stack!r}; use one of {sorted(STACKS)}")
         if self.gpu not in GPUS:
             raise ValueError(f"unknown --gpu {self.gpu!r}; use one of {sorted(GPUS)}")
         if self.ac is not None and self.ac not in AC_POLICIES:
@@ -101,6 +107,11 @@ class PlanConfig:
     def dims(self) -> ParallelDims:
         return ParallelDims(tp=self.tp, pp=self.pp, microbatches=self.microbatches, pp_schedule=self.pp_schedule,
                             virtual_stages=self.virtual_stages, async_tp=self.async_tp)  # fmt: skip
+
+    @property
+    def kernels(self) -> str | None:
+        """The kernel stack compute is priced with, or None when a rate was given."""
+        return self.stack if self.mfu is None and self.tflops is None else None
 
     @property
     def achieved_tflops(self) -> float:
