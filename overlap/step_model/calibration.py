@@ -33,15 +33,6 @@ from overlap.compression import make_grad_codec, make_param_codec
 from overlap.config import OverlapConfig
 from overlap.engine.units import group_units
 from overlap.step_model.cost import LINKS, Link, Topology, UnitCost
-from overlap.step_model.fitting import (  # noqa: F401  the measured terms' arithmetic, importable from here
-    RING_FACTOR,
-    SOLVE_BISECTIONS,
-    concurrent_throughput,
-    contention_share,
-    fit_link,
-    fluid_queue_s,
-    solve_increasing,
-)
 from overlap.step_model.simulate import Contention, Prediction, simulate
 from overlap.transport.backend import ALL_TO_ALL_GATHER_MAX_BYTES
 
@@ -468,3 +459,15 @@ def with_compute(cal: Calibration, forward_s: Sequence[float], backward_s: Seque
 def with_links(cal: Calibration, link: Link) -> Calibration:
     """`cal` with every collective on `link` (the uncalibrated tools' view of the links)."""
     return replace(cal, gather_link=link, reduce_link=None, replica_link=None)
+
+
+# the measured terms' arithmetic lives in fitting.py; importable from here as before
+from overlap.step_model.fitting import (  # noqa: E402, F401
+    RING_FACTOR,
+    SOLVE_BISECTIONS,
+    concurrent_throughput,
+    contention_share,
+    fit_link,
+    fluid_queue_s,
+    solve_increasing,
+)

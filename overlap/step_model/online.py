@@ -36,7 +36,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from overlap.config import OverlapConfig
-from overlap.step_model.calibration import Calibration, default_world_calibration, solve_increasing
+from overlap.step_model.calibration import Calibration, default_world_calibration
+from overlap.step_model.fitting import solve_increasing
 from overlap.step_model.cost import Link, UnitCost
 from overlap.step_model.simulate import Prediction
 from overlap.step_model.tuning import MAX_PREFETCH_DEPTH, MAX_REDUCE_INPUTS, Knobs, Measurement, Proposal, TunerView

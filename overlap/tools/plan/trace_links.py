@@ -8,7 +8,8 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
-from overlap.step_model.calibration import RING_FACTOR, Calibration, fit_link
+from overlap.step_model.calibration import Calibration
+from overlap.step_model.fitting import RING_FACTOR, fit_link
 from overlap.step_model.cost import Link
 
 TRACE_LANES = {1: "all_gather", 2: "reduce"}
