@@ -26,7 +26,9 @@ the coordinator and broadcasts it), so no rank waits for one that gave up.
 - `model`: `model.state_dict()` (DTensor shards, plain tensors for buffers).
 - `optim`: `get_optimizer_state_dict(model, optimizer)`: per-parameter state keyed by name; or,
   for an optimizer without state yet, `optim_hyper`: its pickled `state_dict()` (hyperparameters).
-- `scheduler`, `extra`, `meta` (step, world size): pickled bytes, written once (rank 0's copy).
+- `scheduler`, `extra`, `meta` (step, world size, `gradient_divide_factor`): pickled bytes, written
+  once (rank 0's copy). The divide factor is restored on load (a warning where it replaces the
+  model's own): it sets the gradients' scale, which the optimizer state was built with.
 - `rank<r>`: what is rank r's own: the torch (CPU and current CUDA device), Python `random`
   and NumPy generator states, and `rank_extra` (e.g. a per-rank data generator's state). Random
   streams are per rank and cannot be re-split over another number of ranks, so on load rank r
@@ -143,7 +145,14 @@ def save(
     tmp = root / f"{final.name}{_TMP_MARK}{_broadcast_token(group, rank)}"
     state_dict: dict[str, Any] = {
         "model": model.state_dict(),
-        "meta": _pickled({"format": FORMAT_VERSION, "step": step, "world_size": state.world_size}),
+        "meta": _pickled(
+            {
+                "format": FORMAT_VERSION,
+                "step": step,
+                "world_size": state.world_size,
+                "gradient_divide_factor": state.config.gradient_divide_factor,
+            }
+        ),
         "extra": _pickled(extra),
         f"rank{rank}": _pickled(
             {
@@ -264,6 +273,8 @@ def load(
             stacklevel=2,
         )
     _restore_residuals(state, own.get("residuals") or {}, meta["world_size"])
+    if "gradient_divide_factor" in meta:  # older checkpoints: the model keeps its own
+        _restore_divide_factor(state, meta["gradient_divide_factor"])
     return {
         "step": meta["step"],
         "extra": _unpickled(state_dict["extra"]),
@@ -299,6 +310,22 @@ def _restore_residuals(state: Any, saved: dict, saved_world_size: int) -> None:
         }
     runtime.residuals = residuals
     runtime.memory.set("residuals", sum(r.nbytes for r in residuals.values()))
+
+
+def _restore_divide_factor(state: OverlapState, saved: float | None) -> None:
+    """The gradient divide factor the run was saved with (`OverlapConfig.gradient_divide_factor`,
+    or what `model.set_gradient_divide_factor` made of it), with a warning where it replaces
+    another: the gradients' scale is part of the training state."""
+    current = state.config.gradient_divide_factor
+    if saved == current:
+        return
+    warnings.warn(
+        f"overlap.checkpoint.load: the checkpoint was saved with gradient_divide_factor={saved!r}; "
+        f"it replaces this model's {current!r} (call model.set_gradient_divide_factor after "
+        "loading to change it)",
+        stacklevel=3,
+    )
+    state.set_gradient_divide_factor(saved)
 
 
 def _commit(tmp: Path, final: Path) -> None:

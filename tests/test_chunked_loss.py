@@ -98,6 +98,24 @@ def _full(t: torch.Tensor | None) -> torch.Tensor | None:
     return None if t is None else t.full_tensor()
 
 
+def compare_and_step(ours: nn.Module, ref: nn.Module, optims: tuple, step: int) -> list[str]:
+    """The full gradients of two sharded models (overlap's, FSDP2's), then an optimizer step on
+    both, then their full parameters: what differs (empty: bitwise equal)."""
+    bad = []
+    theirs = dict(ref.named_parameters())
+    for name, p in ours.named_parameters():
+        mine, other = _full(p.grad), _full(theirs[name].grad)
+        if (mine is None) != (other is None) or (mine is not None and not torch.equal(mine, other)):
+            bad.append(f"step {step}: grad of {name}")
+    for optim in optims:
+        optim.step()
+        optim.zero_grad()
+    for name, p in ours.named_parameters():
+        if not torch.equal(p.full_tensor(), theirs[name].full_tensor()):
+            bad.append(f"step {step}: {name}")
+    return bad
+
+
 def _fsdp2(model: Decoder, divide_factor: float | None) -> Decoder:
     for block in model.layers.values():
         fully_shard(block)
@@ -132,18 +150,7 @@ def chunked_vs_fsdp2(rank: int, world: int, tied: bool, num_chunks: int, head_un
             losses.append(loss)
         if not torch.equal(*losses):
             bad.append(f"step {step}: loss {losses[0].item()} vs {losses[1].item()}")
-        theirs = dict(ref.named_parameters())
-        for name, p in ours.named_parameters():
-            mine, other = _full(p.grad), _full(theirs[name].grad)
-            if (mine is None) != (other is None) or (mine is not None and not torch.equal(mine, other)):
-                bad.append(f"step {step}: grad of {name}")
-        opt.step()
-        ref_opt.step()
-        opt.zero_grad()
-        ref_opt.zero_grad()
-        for name, p in ours.named_parameters():
-            if not torch.equal(p.full_tensor(), theirs[name].full_tensor()):
-                bad.append(f"step {step}: {name}")
+        bad += compare_and_step(ours, ref, (opt, ref_opt), step)
     return bad
 
 
@@ -207,4 +214,11 @@ def repeated_vs_ddp(rank: int, world: int, twice_per_step: bool) -> list[str]:
 @pytest.mark.parametrize("twice_per_step", [False, True], ids=["twice per forward", "and two forwards per step"])
 def test_module_called_twice_matches_ddp(world2, twice_per_step):
     for rank, bad in enumerate(world2.run(repeated_vs_ddp, twice_per_step=twice_per_step)):
+        assert not bad, f"rank {rank}: {bad}"
+
+
+def test_chunked_loss_summed_over_ranks_matches_fsdp2(world2):
+    """torchtitan's default: the loss divided by the global token count, the gradients summed
+    over ranks (divide factor 1)."""
+    for rank, bad in enumerate(world2.run(chunked_vs_fsdp2, tied=False, num_chunks=4, head_unit=False, divide_factor=1.0)):
         assert not bad, f"rank {rank}: {bad}"

@@ -6,10 +6,12 @@ backward says the unit's backward is over (`BackwardDone`), and `BackwardCounts`
 
 from __future__ import annotations
 
+import functools
 import weakref
 from typing import Any, Protocol
 
 import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 
 class BackwardEvents(Protocol):
@@ -61,6 +63,43 @@ class BackwardDone(torch.autograd.Function):
         for index in ctx.indices:
             ctx.state._unit_backward_done(index)
         return (None, None, *grads)
+
+
+def report_input_grads(
+    events: BackwardEvents, counts: BackwardCounts, args: tuple, indices: tuple[int, ...]
+) -> tuple | None:
+    """A unit's forward inputs (`args`), those needing a gradient replaced by views whose
+    backward reports (b) of [Note: end of a unit's backward] for `indices`; None when no input
+    needs a gradient (nothing flows back into this unit's inputs: (a) or the end of backward)."""
+    if len(args) == 1 and isinstance(args[0], torch.Tensor):  # the most common case
+        if not args[0].requires_grad:
+            return None
+        for index in indices:
+            counts.forward(index)
+        # An identity view whose backward node reports (b): a hook on the node is several
+        # times cheaper than an autograd.Function. The node runs when the gradient w.r.t.
+        # this use of the input is complete, exactly as BackwardDone.backward would.
+        out = args[0].view_as(args[0])
+        out.grad_fn.register_prehook(functools.partial(_inputs_done, events, indices))
+        return (out,)
+    if all(isinstance(a, torch.Tensor) for a in args):  # the common case, without pytree
+        flat, spec = list(args), None
+    else:
+        flat, spec = tree_flatten(args)
+    positions = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
+    if not positions:
+        return None
+    for index in indices:
+        counts.forward(index)
+    outs = BackwardDone.apply(events, indices, *(flat[i] for i in positions))
+    for i, t in zip(positions, outs):
+        flat[i] = t
+    return tuple(flat) if spec is None else tree_unflatten(flat, spec)
+
+
+def _inputs_done(events: BackwardEvents, indices: tuple[int, ...], grad_outputs: Any) -> None:
+    for index in indices:  # returns None: the gradient is left as it is
+        events._unit_backward_done(index)
 
 
 class BackwardCounts:

@@ -8,6 +8,7 @@ method it had, `isinstance(model, OriginalClass)` still holds, and the subclass 
 
     with model.no_sync(): ...                  # DDP: accumulate, do not reduce (overlap.no_sync)
     model.set_requires_gradient_sync(False)    # FSDP2's switch for the same
+    model.set_gradient_divide_factor(1.0)      # FSDP2's: sum the gradients over ranks
     model.unshard() / model.reshard()          # FSDP2: gather every unit and keep it, e.g. while
                                                # generating; free them again
     model.zero_grad()                          # DDP's: also drops what no_sync accumulated
@@ -77,6 +78,11 @@ class OverlapModule:
         state = state_of(self)  # type: ignore[arg-type]
         for each in (state, *state.experts):  # [Note: expert parallelism] in experts.py
             each.schedule.sync_grads = bool(requires_gradient_sync)
+
+    def set_gradient_divide_factor(self, factor: float | None) -> None:
+        """FSDP2's: the sum of the ranks' gradients is divided by `factor` (1.0: summed; None:
+        the mean) from the next step on (`OverlapConfig.gradient_divide_factor`). Between steps."""
+        state_of(self).set_gradient_divide_factor(factor)  # type: ignore[arg-type]
 
     def unshard(self) -> None:
         """Gather every unit now and keep it: forwards until `reshard()` gather and free nothing
@@ -157,7 +163,7 @@ def _check_between_steps(phase: Phase, verb: str) -> None:
 
 
 _CLASSES: dict[type, type] = {}  # original class -> its wrapped subclass, one per class
-_METHODS = frozenset({"no_sync", "set_requires_gradient_sync", "unshard", "reshard"})
+_METHODS = frozenset({"no_sync", "set_requires_gradient_sync", "set_gradient_divide_factor", "unshard", "reshard"})
 
 
 def as_overlap_module(model: nn.Module) -> None:

@@ -64,7 +64,7 @@ def gradient_divisors(ranks: int, dtype: torch.dtype, native_average: bool) -> t
       where there is one, [Note: one pass for the sum]); at two ranks (a + b) / 2 equals DDP's
       a/2 + b/2 bitwise, a division by two being exact.
     """
-    if ranks <= 1:
+    if ranks == 1:  # nothing to divide; a gradient_divide_factor below 1 still multiplies
         return 1.0, 1.0, False
     if dtype == torch.float16:
         pre = float(2 ** math.ceil(math.log2(ranks) / 2))

@@ -27,12 +27,12 @@ import torch.nn as nn
 from torch.autograd import Variable
 from torch.autograd.graph import register_multi_grad_hook
 from torch.distributed.tensor import DTensor
-from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_map
 
 from overlap.compression import make_grad_codec, make_param_codec
 from overlap.compression.feedback import warn_residual_memory
-from overlap.config import OverlapConfig
-from overlap.engine.autograd_hooks import BackwardCounts, BackwardDone, GradReady
+from overlap.config import OverlapConfig, check_divide_factor
+from overlap.engine.autograd_hooks import BackwardCounts, GradReady, report_input_grads
 from overlap.engine.autotune import AutoTuner
 from overlap.engine.groups import Groups
 from overlap.engine.replicated import ReplicatedParams  # ecosystem: scalar parameters
@@ -139,7 +139,7 @@ class OverlapState:
             residual_dtype=config.error_feedback_dtype if config.error_feedback else None,
             replicate_group=replicate_group,
             secondary_group=secondary_group,
-            gradient_divide_factor=groups.gradient_divide_factor,
+            gradient_divide_factor=_divide_factor(config.gradient_divide_factor, groups),
             tensor_group=groups.tensor,
         )
         shard_numel = sum(u.layout.shard_numel for u in units)  # what a float32 residual costs: say so
@@ -151,6 +151,7 @@ class OverlapState:
             [not all(p.requires_grad for p in u.unsharded_params) for u in units],
         )
         self._reduce_dtype = reduce_dtype
+        self._groups = groups
         self._hooked: set[int] = set()  # ids of unsharded parameters with a grad-ready hook
         self._backward_queued = False  # this autograd run's end callback is queued
         self._in_forward = False  # inside the root module's forward
@@ -218,6 +219,19 @@ class OverlapState:
             self._hook_trainable(index)
             self.runtime.forget_residuals(index)
             self.schedule.set_grad_bytes(index, unit.grad_bytes(self._reduce_dtype))
+
+    def set_gradient_divide_factor(self, factor: float | None) -> None:
+        """`OverlapConfig.gradient_divide_factor` from the next step on, the experts' state's
+        too ([Note: expert parallelism] in experts.py). Between steps; the same on every rank."""
+        check_divide_factor(factor)
+        if self.schedule.phase is not Phase.IDLE:
+            raise ValueError(
+                f"set_gradient_divide_factor was called in the middle of a step ({self.schedule.phase.value}); "
+                "call it between steps"
+            )
+        for each in (self, *self.experts):
+            each.config = each.config.replace(gradient_divide_factor=factor)
+            each.runtime.gradient_divide_factor = _divide_factor(factor, each._groups)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -305,7 +319,7 @@ class OverlapState:
         if self.trace is not None and first:
             self.trace.begin("compute", f"forward {self.units[indices[0]].layout.label}")
         if first and torch.is_grad_enabled():
-            return self._on_backward_done(args, indices)
+            return report_input_grads(self, self._counts, args, indices)
         return None
 
     @torch.compiler.disable  # [Note: hooks under torch.compile]
@@ -341,42 +355,6 @@ class OverlapState:
 
     # [Note: end of a unit's backward] in autograd_hooks.py (BackwardCounts)
 
-    def _on_backward_done(self, args: tuple, indices: tuple[int, ...]) -> tuple | None:
-        if len(args) == 1 and isinstance(args[0], torch.Tensor):  # the most common case
-            if not args[0].requires_grad:
-                return None
-            for index in indices:
-                self._counts.forward(index)
-            # An identity view whose backward node reports (b): a hook on the node is several
-            # times cheaper than an autograd.Function. The node runs when the gradient w.r.t.
-            # this use of the input is complete, exactly as BackwardDone.backward would.
-            out = args[0].view_as(args[0])
-            out.grad_fn.register_prehook(functools.partial(self._input_grad_done, indices))
-            return (out,)
-        if all(isinstance(a, torch.Tensor) for a in args):  # the common case, without pytree
-            positions = [i for i, t in enumerate(args) if t.requires_grad]
-            if not positions:
-                return None
-            for index in indices:
-                self._counts.forward(index)
-            outs = BackwardDone.apply(self, indices, *(args[i] for i in positions))
-            new_args = list(args)
-            for i, t in zip(positions, outs):
-                new_args[i] = t
-            return tuple(new_args)
-        flat, spec = tree_flatten(args)
-        positions = [
-            i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad
-        ]
-        if not positions:
-            return None  # nothing flows back into this unit's inputs; (a) or end_backward
-        for index in indices:
-            self._counts.forward(index)
-        outs = BackwardDone.apply(self, indices, *(flat[i] for i in positions))
-        for i, t in zip(positions, outs):
-            flat[i] = t
-        return tree_unflatten(flat, spec)
-
     # [Note: auxiliary backward runs]
     # A step may run several autograd runs before the model's own backward: a loss head applied
     # to the model's output chunk by chunk, each chunk with its own `backward()` (torchtitan's
@@ -407,10 +385,6 @@ class OverlapState:
         if self.trace is not None:
             self.trace.end("compute", f"backward {self.units[index].layout.label}")
         self._run(self.schedule.post_backward(index))
-
-    def _input_grad_done(self, indices: tuple[int, ...], grad_outputs: Any) -> None:
-        for index in indices:  # returns None: the gradient is left as it is
-            self._unit_backward_done(index)
 
     def _unit_backward_done(self, index: int) -> None:
         if self._counts.input_done(index, self._main_backward):
@@ -460,6 +434,12 @@ class OverlapState:
         if self.autotuner is not None:
             self.autotuner.observe(published)
         return step
+
+
+def _divide_factor(factor: float | None, groups: Groups) -> float | None:
+    """What the runtime divides the gradients' sum by: the user's factor, else the groups' own
+    (the experts': every dp rank), else None (the number of ranks it reduces over)."""
+    return factor if factor is not None else groups.gradient_divide_factor
 
 
 def _rounding_generator(device: torch.device, rank: int) -> torch.Generator:
