@@ -103,3 +103,16 @@ def test_published_conversions_match_the_sources_own_cross_checks() -> None:
         dict(source="s", model="m", run={"num_gpus": 64, "global_batch": 64, "tp": 1}, predicted=99.0, published=100.0),
     ])  # fmt: skip
     assert errors == [pytest.approx(0.9 - 1)]
+
+
+def test_zero3_under_a_pipeline_pays_a_gather_per_microbatch_that_a_kept_stage_does_not() -> None:
+    """overlap's PipelineStage re-gathers every micro-batch (zero3); torchtitan keeps the stage
+    gathered for the step (zero3-keep). With tensor parallel 8 each data-parallel ring has one
+    rail, and 16 micro-batches of gathers dominate."""
+    spec = RunSpec(model=LLAMA_8B, gpu="h100-sxm", node="dgx-h100", num_gpus=256, seq_len=4096, global_batch=128,
+                   micro_batch=1, tp=8, pp=4, dp_mode="zero3-keep", stack="megatron-te", async_tp=True)  # fmt: skip
+    kept = predict_run(spec)
+    per_microbatch = predict_run(replace(spec, dp_mode="zero3"))
+    assert spec.num_microbatches == 16
+    assert per_microbatch.dp_exposed_s > 4 * kept.dp_exposed_s
+    assert per_microbatch.step_s > 1.2 * kept.step_s

@@ -4,12 +4,13 @@
 Compute per micro-batch on the bottleneck rank comes from the kernel model
 (overlap/step_model/kernels.py): its pipeline stage's blocks (1/T of each matmul, its C-th of
 the sequence), the head and loss, recomputation by the checkpointing policy. Communication:
-    data parallel   [Note: data-parallel modes] in run_spec.py. ZeRO-3 and ZeRO-2 without
-                    pipelining replay the runtime's own Schedule on the simulator's clock, one
-                    micro-batch at a time (each micro-batch gathers and reduces, as FSDP does
-                    under gradient accumulation). Under pipelining, and for DDP and ZeRO-1, the
-                    stage's reduction (and gather) happens once per step, hidden behind one
-                    micro-batch's backward (forward) when `dp_overlap`, else exposed. While a
+    data parallel   [Note: data-parallel modes] in run_spec.py. ZeRO-3 and ZeRO-2 replay the
+                    runtime's own Schedule on the simulator's clock, one micro-batch at a time:
+                    without pipelining each micro-batch gathers and reduces (as FSDP does under
+                    gradient accumulation); under pipelining each gathers (overlap's
+                    PipelineStage today) and the stage reduces once per step. DDP, ZeRO-1 and a
+                    kept ZeRO-3 exchange once per step, hidden behind one micro-batch's
+                    backward (forward) when `dp_overlap`, else exposed. While a
                     collective overlaps compute it takes NCCL's SMs from it (`nccl_share`).
     tensor          4 collectives forward and 4 backward per block (sequence parallel), plus
                     those recomputation replays; rings over T ranks on NVLink; exposed unless
@@ -148,18 +149,19 @@ def _dp_group(spec: RunSpec) -> tuple[int, Link]:
     return size, _group_link(spec, size, per_node)
 
 
-def _simulated_fsdp(spec: RunSpec, blocks: list[tuple[float, float]], head: tuple[float, float],
-                    optimizer_s: float) -> tuple[float, float]:  # fmt: skip
-    """(step seconds without the optimizer, of which exposed) for the step's micro-batches, each
-    replayed on the simulator with the runtime's Schedule."""
+def _simulated_fsdp(spec: RunSpec, blocks: list[tuple[float, float]], head: tuple[float, float], *,
+                    reduce: bool = True) -> tuple[float, float]:  # fmt: skip
+    """(seconds, of which exposed) of one micro-batch replayed on the simulator with the
+    runtime's Schedule: gathers, and with `reduce` the gradients' reduce-scatter."""
     size, link = _dp_group(spec)
     block_numel, root_numel = _stage_numel(spec)
     gather_bytes = 1 if spec.fp8_all_gather else spec.param_bytes
     per_block = block_numel // len(blocks)
     cal = replace(default_calibration("nccl", size, link), compute_share_lost=nccl_share(accelerator(spec.gpu)))
-    units: list[UnitCost] = [cal.unit("root", root_numel * spec.param_bytes, root_numel * spec.reduce_bytes, *head,
+    grad_bytes = spec.reduce_bytes if reduce else 0
+    units: list[UnitCost] = [cal.unit("root", root_numel * spec.param_bytes, root_numel * grad_bytes, *head,
                                       gather_wire_bytes=root_numel * spec.param_bytes)]  # fmt: skip
-    units += [cal.unit(f"blocks.{i}", per_block * spec.param_bytes, per_block * spec.reduce_bytes, f, b,
+    units += [cal.unit(f"blocks.{i}", per_block * spec.param_bytes, per_block * grad_bytes, f, b,
                        gather_wire_bytes=per_block * gather_bytes) for i, (f, b) in enumerate(blocks)]  # fmt: skip
     config = OverlapConfig(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
                            reshard_after_forward=spec.dp_mode == "zero3")  # fmt: skip
@@ -167,8 +169,7 @@ def _simulated_fsdp(spec: RunSpec, blocks: list[tuple[float, float]], head: tupl
     topo = Topology(size, size, link, link, num_replicas=replicas,
                     replica_link=_group_link(spec, replicas, 1) if replicas > 1 else None)  # fmt: skip
     p = cal.predict(units, config, topology=topo, root=0)
-    m = spec.num_microbatches
-    return m * p.step_s, m * p.exposed_s
+    return p.step_s, p.exposed_s
 
 
 def _once_per_step(spec: RunSpec, mb_forward_s: float, mb_backward_s: float) -> float:
@@ -184,7 +185,7 @@ def _once_per_step(spec: RunSpec, mb_forward_s: float, mb_backward_s: float) -> 
     reduce_op = "all_reduce" if spec.dp_mode == "ddp" else "reduce_scatter"
     reduce_s = ring_time_s(reduce_op, numel * spec.reduce_bytes, topo)
     gather_s = 0.0
-    if spec.dp_mode in ("zero1", "zero3-keep", "zero3", "zero2"):
+    if spec.dp_mode in ("zero1", "zero3-keep"):
         gather_bytes = 1 if spec.fp8_all_gather else spec.param_bytes
         gather_s = ring_time_s("all_gather", numel * gather_bytes, topo)
     if not spec.dp_overlap:
@@ -228,15 +229,20 @@ def predict_run(spec: RunSpec) -> RunPrediction:
         p2p_mb = 2 * v * (link.alpha_s + link.seconds(size))
     compute_mb = mb_forward + mb_backward
     if p == 1 and spec.dp_mode in ("zero3", "zero2"):
-        fsdp_s, dp_exposed = _simulated_fsdp(spec, blocks, head, optimizer_s)
-        step = fsdp_s + m * (tp_mb + cp_mb) + optimizer_s
-        bubble = 0.0
+        mb_s, mb_exposed = _simulated_fsdp(spec, blocks, head)
+        step = m * (mb_s + tp_mb + cp_mb) + optimizer_s
+        bubble, dp_exposed = 0.0, m * mb_exposed
     else:
-        slot = compute_mb + tp_mb + cp_mb + p2p_mb
+        # ZeRO-3 and ZeRO-2 under pipelining gather every micro-batch, as overlap's PipelineStage
+        # runs them; their reduction (and every other mode's exchange) is once per step
+        gathers_mb = 0.0
+        if spec.dp_mode in ("zero3", "zero2"):
+            gathers_mb = max(0.0, _simulated_fsdp(spec, blocks, head, reduce=False)[0] - compute_mb)
+        slot = compute_mb + gathers_mb + tp_mb + cp_mb + p2p_mb
         fill = (p - 1) / v
         bubble = fill * slot
-        dp_exposed = _once_per_step(spec, mb_forward, mb_backward)
-        step = (m + fill) * slot + dp_exposed + optimizer_s
+        dp_exposed = m * gathers_mb + _once_per_step(spec, mb_forward, mb_backward)
+        step = (m + fill) * slot + (dp_exposed - m * gathers_mb) + optimizer_s
     return RunPrediction(spec=spec, step_s=step, compute_s=m * compute_mb, dp_exposed_s=dp_exposed,
                          tp_exposed_s=m * tp_mb, cp_exposed_s=m * cp_mb, pp_bubble_s=bubble, p2p_s=m * p2p_mb,
                          optimizer_s=optimizer_s, lacks=_lacks(spec))  # fmt: skip
