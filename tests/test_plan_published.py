@@ -3,6 +3,7 @@ the published-runs data file (every row expressible, every source cited)."""
 
 from __future__ import annotations
 
+import json
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -116,3 +117,18 @@ def test_zero3_under_a_pipeline_pays_a_gather_per_microbatch_that_a_kept_stage_d
     assert spec.num_microbatches == 16
     assert per_microbatch.dp_exposed_s > 4 * kept.dp_exposed_s
     assert per_microbatch.step_s > 1.2 * kept.step_s
+
+
+def test_overlap_plan_run_predicts_a_run_spec_file(tmp_path, capsys) -> None:
+    from overlap.tools.cli import main
+
+    spec = RunSpec(model=LLAMA_8B, gpu="a100-80gb", node="dgx-a100", num_gpus=64, seq_len=8192, global_batch=64,
+                   micro_batch=1, ac="selective")  # fmt: skip
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps(spec.to_dict()))
+    assert RunSpec.from_dict(spec.to_dict()) == spec
+    assert main(["plan", "--run", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert f"{predict_run(spec).tokens_per_s_per_gpu:,.0f} per GPU" in out and "zero3" in out
+    with pytest.raises(SystemExit, match="--run"):
+        main(["plan", "--run", str(tmp_path / "missing.json")])

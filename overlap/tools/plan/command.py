@@ -34,6 +34,8 @@ from overlap.tools.plan.models import AC_POLICIES, DEFAULT_MFU, GPUS, MODELS, gp
 from overlap.tools.plan.render import format_report
 from overlap.tools.plan.result import PLAN_DEFAULT_CONFIG, PlanConfig, PlanResult, RunCost
 from overlap.tools.plan.scaling import plot_scaling, scaling_curve, scaling_gpu_counts
+from overlap.tools.plan.run_spec import RunSpec
+from overlap.tools.plan.run_step import format_run, predict_run
 from overlap.tools.plan.search import SearchSpace, search
 
 
@@ -139,6 +141,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     par.add_argument("--pp-schedule", choices=PP_SCHEDULES, default=d.pp_schedule, help="pipeline schedule (default 1f1b)")
     par.add_argument("--virtual-stages", type=int, default=d.virtual_stages, help="stages per rank, interleaved only")
     par.add_argument("--async-tp", action="store_true", help="tensor-parallel collectives hidden behind the matmuls")
+    parser.add_argument("--run", type=Path, default=None, metavar="FILE",
+                        help="predict the run a RunSpec JSON describes (every parallel degree, data-parallel mode, "
+                        "precision, kernel stack: overlap/tools/plan/run_spec.py) and exit")
     parser.add_argument("--stack", choices=sorted(STACKS), default=d.stack,
                         help="kernels a preset model runs on, priced by the kernel model (ignored with --mfu/--tflops)")
     calibrate.add_arguments(parser)
@@ -164,6 +169,13 @@ def request_from_args(args: argparse.Namespace) -> PlanConfig:
 def run(args: argparse.Namespace) -> int:
     if args.calibrate is not None:
         return calibrate.run(args)
+    if args.run is not None:
+        try:
+            spec = RunSpec.from_dict(json.loads(args.run.read_text()))
+        except (OSError, ValueError, TypeError, KeyError) as e:
+            raise SystemExit(f"overlap plan --run {args.run}: {e}") from None
+        print(format_run(predict_run(spec)))
+        return 0
     try:
         result = plan(request_from_args(args))
     except ValueError as e:

@@ -248,4 +248,23 @@ def predict_run(spec: RunSpec) -> RunPrediction:
                          optimizer_s=optimizer_s, lacks=_lacks(spec))  # fmt: skip
 
 
-__all__ = ["RunPrediction", "predict_run"]
+def format_run(pred: RunPrediction) -> str:
+    """The prediction as `overlap plan --run` prints it."""
+    s, gpu = pred.spec, accelerator(pred.spec.gpu)
+    m = s.model
+    lines = [
+        f"run        {m.num_layers} layers x {m.hidden} ({m.num_params() / 1e9:.1f} B parameters), seq {s.seq_len}, "
+        f"global batch {s.global_batch}, micro-batch {s.micro_batch} ({s.num_microbatches} per step)",
+        f"cluster    {s.num_gpus} x {gpu.name} on {node_spec(s.node).name}; tp {s.tp}, pp {s.pp}"
+        f"{f' x {s.virtual_stages} ({s.schedule})' if s.pp > 1 else ''}, cp {s.cp}, dp {s.dp} ({s.dp_mode})",
+        f"compute    {stack(s.stack).name}, {s.precision}, activation checkpointing {s.ac}",
+        f"step       {pred.step_s:.3f} s: compute {pred.compute_s:.3f} + data-parallel exposed {pred.dp_exposed_s:.3f} + "
+        f"tensor {pred.tp_exposed_s:.3f} + context {pred.cp_exposed_s:.3f} + bubble {pred.pp_bubble_s:.3f} + "
+        f"sends {pred.p2p_s:.3f} + optimizer {pred.optimizer_s:.3f}",
+        f"tokens/s   {pred.tokens_per_s_per_gpu:,.0f} per GPU",
+    ]
+    lines += [f"assumes    {note}" for note in pred.lacks]
+    return "\n".join(lines)
+
+
+__all__ = ["RunPrediction", "format_run", "predict_run"]
