@@ -112,6 +112,7 @@ class OverlapState:
             gather_impl=config.all_gather_impl,
             replicate_group=replicate_group,
             secondary_group=secondary_group,
+            shared_memory=config.shared_memory,
         )
         self.runtime = Runtime(
             units,
@@ -375,7 +376,7 @@ class OverlapState:
             self._backward_queued = True
             self.schedule.begin_backward()
             self.runtime.sync_grads = self.schedule.sync_grads  # [Note: no_sync in reduce_dtype]
-            Variable._execution_engine.queue_callback(self._end_backward)
+            Variable._execution_engine.queue_callback(self._autograd_run_ended)
         for index in reversed(indices):  # in backward order: the prefetch starts after the last
             self._run(self.schedule.pre_backward(index))
             if self.trace is not None and index not in self.root_units:  # the root spans it all
@@ -401,11 +402,16 @@ class OverlapState:
         if self._counts.grad_ready(index, position, self._main_backward):
             self._post_backward(index)
 
-    def _end_backward(self) -> None:
+    def _autograd_run_ended(self) -> None:
+        """The engine's end-of-backward callback, once per autograd run that reached a unit."""
         self._backward_queued = False
-        if not self._main_backward:
-            return  # an auxiliary run ended: [Note: auxiliary backward runs]
-        self._main_backward = False
+        if self._main_backward:  # else an auxiliary run ended: [Note: auxiliary backward runs]
+            self._end_backward()
+
+    def _end_backward(self) -> None:
+        """The step's backward is over (also how autotune ends a step it interrupted)."""
+        self._backward_queued = False
+        self._main_backward = self._in_forward = False
         self._counts.reset()
         self._run(self.schedule.end_backward())
         self.replicated.reduce(self.schedule.sync_grads)  # ecosystem: [Note: replicated parameters]
