@@ -222,3 +222,32 @@ def test_chunked_loss_summed_over_ranks_matches_fsdp2(world2):
     over ranks (divide factor 1)."""
     for rank, bad in enumerate(world2.run(chunked_vs_fsdp2, tied=False, num_chunks=4, head_unit=False, divide_factor=1.0)):
         assert not bad, f"rank {rank}: {bad}"
+
+
+def early_reductions(rank: int, world: int, num_chunks: int) -> dict:
+    """Which units finish their backward as soon as their gradients are in (before the end of the
+    step's backward) under the chunked loss: every block; the root, which the head's per-chunk
+    runs reach, at the end."""
+    from overlap.engine.state import state_of
+
+    torch.manual_seed(0)
+    model = overlap.wrap(Decoder(tied=False))  # "auto": the blocks of the ModuleDict
+    state = state_of(model)
+    early: list[int] = []
+    finish = state._post_backward
+
+    def recorded(index: int) -> None:
+        early.append(index)
+        finish(index)
+
+    state._post_backward = recorded
+    x, y = _batch(rank, 0)
+    chunked_loss(model.output, model(x, skip_head=True), y, num_chunks, BATCH * SEQ * world).backward()
+    return {"early": early, "labels": [u.layout.label for u in state.units], "root": state.root_unit}
+
+
+def test_blocks_still_reduce_as_early_as_their_gradients_allow(world2):
+    for rank, out in enumerate(world2.run(early_reductions, num_chunks=4)):
+        blocks = [i for i in range(len(out["labels"])) if i != out["root"]]
+        finished = list(dict.fromkeys(out["early"]))  # (a) and (b) may both report a unit
+        assert len(blocks) == 3 and finished == blocks[::-1], (rank, out)  # in backward order
