@@ -13,6 +13,7 @@ model run twice per step, are compared with DDP the same way.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -128,8 +129,11 @@ def _fsdp2(model: Decoder, divide_factor: float | None) -> Decoder:
     return model
 
 
-def chunked_vs_fsdp2(rank: int, world: int, tied: bool, num_chunks: int, head_unit: bool, divide_factor: float | None = None) -> list[str]:
-    """Train the same model with overlap and FSDP2 under the chunked loss; the differences."""
+def chunked_vs_fsdp2(
+    rank: int, world: int, tied: bool, num_chunks: int, head_unit: bool, divide_factor: float | None = None, micro_batches: int = 1
+) -> list[str]:
+    """Train the same model with overlap and FSDP2 under the chunked loss; the differences. With
+    `micro_batches`, every micro-batch but the last of a step runs without gradient sync."""
     torch.manual_seed(0)
     base = Decoder(tied)
     ours = copy.deepcopy(base)
@@ -142,12 +146,16 @@ def chunked_vs_fsdp2(rank: int, world: int, tied: bool, num_chunks: int, head_un
     tokens = BATCH * SEQ * world
     bad: list[str] = []
     for step in range(STEPS):
-        x, y = _batch(rank, step)
-        losses = []
-        for model, optim in ((ours, opt), (ref, ref_opt)):
-            loss = chunked_loss(model.output, model(x, skip_head=True), y, num_chunks, tokens)
-            loss.backward()
-            losses.append(loss)
+        for micro in range(micro_batches):
+            x, y = _batch(rank, 10 * step + micro)
+            sync = micro == micro_batches - 1
+            ref.set_requires_gradient_sync(sync)
+            losses = []
+            for model in (ours, ref):
+                with contextlib.nullcontext() if sync or model is ref else ours.no_sync():
+                    loss = chunked_loss(model.output, model(x, skip_head=True), y, num_chunks, tokens)
+                    loss.backward()
+                losses.append(loss)
         if not torch.equal(*losses):
             bad.append(f"step {step}: loss {losses[0].item()} vs {losses[1].item()}")
         bad += compare_and_step(ours, ref, (opt, ref_opt), step)
@@ -217,10 +225,13 @@ def test_module_called_twice_matches_ddp(world2, twice_per_step):
         assert not bad, f"rank {rank}: {bad}"
 
 
-def test_chunked_loss_summed_over_ranks_matches_fsdp2(world2):
+@pytest.mark.parametrize("micro_batches", [1, 2], ids=["one batch", "accumulated"])
+def test_chunked_loss_summed_over_ranks_matches_fsdp2(world2, micro_batches):
     """torchtitan's default: the loss divided by the global token count, the gradients summed
-    over ranks (divide factor 1)."""
-    for rank, bad in enumerate(world2.run(chunked_vs_fsdp2, tied=False, num_chunks=4, head_unit=False, divide_factor=1.0)):
+    over ranks (divide factor 1); also accumulated over two micro-batches, the first without
+    gradient sync."""
+    kwargs = {"tied": False, "num_chunks": 4, "head_unit": False, "divide_factor": 1.0, "micro_batches": micro_batches}
+    for rank, bad in enumerate(world2.run(chunked_vs_fsdp2, **kwargs)):
         assert not bad, f"rank {rank}: {bad}"
 
 
