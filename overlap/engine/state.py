@@ -112,7 +112,6 @@ class OverlapState:
             gather_impl=config.all_gather_impl,
             replicate_group=replicate_group,
             secondary_group=secondary_group,
-            shared_memory=config.shared_memory,
         )
         self.runtime = Runtime(
             units,
