@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from overlap.tools.plan.run_spec import ModelShape, RunSpec  # noqa: E402
-from overlap.tools.plan.run_step import predict_run  # noqa: E402
+from overlap.tools.plan.run_step import calibrate_compute, predict_run  # noqa: E402
 
 DATA = Path(__file__).with_name("published_runs.json")
 PEAK_BF16_TFLOPS = {"h100-sxm": 989.4, "a100-80gb": 312.0, "a100-40gb": 312.0}
@@ -76,8 +76,10 @@ def summary(errors: list[float]) -> dict[str, float]:
             "worst": max(mags), "mean_signed": statistics.fmean(errors)}  # fmt: skip
 
 
-def scale_out(results: list[dict[str, Any]]) -> list[float]:
-    """Errors of the larger sizes of each configuration once its smallest size calibrates."""
+def scale_out(results: list[dict[str, Any]], specs: dict[str, RunSpec] | None = None) -> list[float]:
+    """Errors of the larger sizes of each configuration once its smallest size calibrates: the
+    kernels' seconds scaled to match it (`calibrate_compute`, with `specs`), or without specs the
+    whole prediction divided by the smallest size's ratio."""
     groups: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for r in results:
         if r["predicted"] is None:
@@ -89,8 +91,12 @@ def scale_out(results: list[dict[str, Any]]) -> list[float]:
         if len({r["run"]["num_gpus"] for r in rows}) < 2:
             continue
         rows.sort(key=lambda r: r["run"]["num_gpus"])
-        base = rows[0]["predicted"] / rows[0]["published"]
-        errors += [r["predicted"] / base / r["published"] - 1 for r in rows[1:]]
+        if specs is None:
+            base = rows[0]["predicted"] / rows[0]["published"]
+            errors += [r["predicted"] / base / r["published"] - 1 for r in rows[1:]]
+            continue
+        scale = calibrate_compute(specs[rows[0]["id"]], rows[0]["published"])
+        errors += [predict_run(specs[r["id"]], compute_scale=scale).tokens_per_s_per_gpu / r["published"] - 1 for r in rows[1:]]
     return errors
 
 
@@ -148,8 +154,9 @@ def main() -> int:
         if errs:
             out["per_source"][source] = summary(errs)
             print(f"  {source:26} {len(errs):3} rows  {100 * statistics.fmean(errs):+6.1f}%  {100 * statistics.fmean(map(abs, errs)):5.1f}%")
-    out["scale_out"] = summary(scale_out(results))
-    print(f"scale-out (smallest size of a configuration calibrates): {fmt(out['scale_out'])}")
+    specs = {row["id"]: spec for row, spec, _ in rows if spec is not None}
+    out["scale_out"] = summary(scale_out(results, specs))
+    print(f"scale-out (the smallest size of a configuration calibrates the kernels): {fmt(out['scale_out'])}")
     if args.json is not None:
         args.json.write_text(json.dumps({"summary": out, "rows": results}, indent=1) + "\n")
         print(f"wrote {args.json}")

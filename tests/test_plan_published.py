@@ -132,3 +132,19 @@ def test_overlap_plan_run_predicts_a_run_spec_file(tmp_path, capsys) -> None:
     assert f"{predict_run(spec).tokens_per_s_per_gpu:,.0f} per GPU" in out and "zero3" in out
     with pytest.raises(SystemExit, match="--run"):
         main(["plan", "--run", str(tmp_path / "missing.json")])
+
+
+def test_one_measured_size_calibrates_the_kernels_and_the_links_stay_the_models() -> None:
+    from overlap.tools.plan.run_step import calibrate_compute
+
+    small = RunSpec(model=LLAMA_8B, gpu="h100-sxm", node="dgx-h100", num_gpus=8, seq_len=8192, global_batch=16,
+                    micro_batch=2, ac="selective")  # fmt: skip
+    measured = 0.8 * predict_run(small).tokens_per_s_per_gpu
+    scale = calibrate_compute(small, measured)
+    assert predict_run(small, compute_scale=scale).tokens_per_s_per_gpu == pytest.approx(measured, rel=1e-3)
+    big = replace(small, num_gpus=512, global_batch=1024)
+    calibrated, default = predict_run(big, compute_scale=scale), predict_run(big)
+    assert calibrated.compute_s == pytest.approx(scale * default.compute_s, rel=1e-6)
+    assert 1.0 < scale < 1.4
+    with pytest.raises(ValueError, match="compute_scale"):
+        predict_run(small, compute_scale=0.0)

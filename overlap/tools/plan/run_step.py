@@ -40,6 +40,7 @@ import torch
 from overlap.config import OverlapConfig
 from overlap.step_model.calibration import default_calibration
 from overlap.step_model.cost import Link, Topology, UnitCost, ring_time_s
+from overlap.step_model.fitting import solve_increasing
 from overlap.step_model.hardware import HBM_SHARE, accelerator, nccl_share, node_spec, ring_link
 from overlap.step_model.kernels import block_seconds, head_seconds, stack
 from overlap.tools.plan.fsdp import OPTIMIZER_BYTES_PER_PARAM
@@ -206,12 +207,17 @@ def _lacks(spec: RunSpec) -> list[str]:
     return out
 
 
-def predict_run(spec: RunSpec) -> RunPrediction:
-    """[Note: a run's step] for `spec`."""
+def predict_run(spec: RunSpec, *, compute_scale: float = 1.0) -> RunPrediction:
+    """[Note: a run's step] for `spec`; `compute_scale` multiplies every kernel's seconds (what
+    `calibrate_compute` finds from one measured run; 1: the kernel model's defaults)."""
+    if not compute_scale > 0:
+        raise ValueError(f"compute_scale must be > 0, got {compute_scale!r}")
     blocks, head = _microbatch_compute(spec)
+    blocks = [(f * compute_scale, b * compute_scale) for f, b in blocks]
+    head = (head[0] * compute_scale, head[1] * compute_scale)
     gpu = accelerator(spec.gpu)
-    attention_s = block_seconds(spec.model.block(), spec.micro_batch * spec.seq_len / spec.cp, spec.seq_len, gpu,
-                                stack(spec.stack), tp=spec.tp).attention_forward_s  # fmt: skip
+    attention_s = compute_scale * block_seconds(spec.model.block(), spec.micro_batch * spec.seq_len / spec.cp,
+                                                spec.seq_len, gpu, stack(spec.stack), tp=spec.tp).attention_forward_s  # fmt: skip
     mb_forward = sum(f for f, _ in blocks) + head[0]
     mb_backward = sum(b for _, b in blocks) + head[1]
     m, p, v = spec.num_microbatches, spec.pp, spec.virtual_stages
@@ -248,6 +254,20 @@ def predict_run(spec: RunSpec) -> RunPrediction:
                          optimizer_s=optimizer_s, lacks=_lacks(spec))  # fmt: skip
 
 
+def calibrate_compute(spec: RunSpec, measured_tokens_per_s_per_gpu: float) -> float:
+    """The `compute_scale` under which `spec` predicts what was measured on it (one node, or
+    the smallest size of a configuration): the kernels' seconds are scaled, the links and the
+    schedule stay the model's, so other sizes and layouts keep their communication terms."""
+    if not measured_tokens_per_s_per_gpu > 0:
+        raise ValueError(f"measured tokens/s must be > 0, got {measured_tokens_per_s_per_gpu!r}")
+
+    def step_s(scale: float) -> float:
+        return predict_run(spec, compute_scale=scale).step_s
+
+    target = spec.global_batch * spec.seq_len / (measured_tokens_per_s_per_gpu * spec.num_gpus)
+    return solve_increasing(step_s, target, 0.05, 20.0, log=True)
+
+
 def format_run(pred: RunPrediction) -> str:
     """The prediction as `overlap plan --run` prints it."""
     s, gpu = pred.spec, accelerator(pred.spec.gpu)
@@ -267,4 +287,4 @@ def format_run(pred: RunPrediction) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["RunPrediction", "format_run", "predict_run"]
+__all__ = ["RunPrediction", "calibrate_compute", "format_run", "predict_run"]
