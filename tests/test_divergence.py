@@ -221,23 +221,29 @@ class _EventNeverDone:
 
 
 def deferred_tags_at_save(rank: int, world: int, root: str, freeze: bool, config: dict) -> str:
-    """The CUDA transport's tag check (`StreamTransport.check_tag`) on the CPU: every gather's
-    tags go through `FingerprintCheck.defer` with events that never complete unless waited for
-    (the host ran ahead of the device), so only `check_pending(wait=True)` can see the final
-    step's tags. `freeze`: rank 1 freezes a block's attention before the final step (its tags'
-    signature differs, the collectives' sizes do not)."""
+    """The CUDA executor's tag check (`StreamExecutor.check_tag`) on the CPU, set on the
+    transport through its injection hook: every gather's tags go through
+    `FingerprintCheck.defer` with events that never complete unless waited for (the host ran
+    ahead of the device), so only `check_pending(wait=True)` can see the final step's tags.
+    `freeze`: rank 1 freezes a block's attention before the final step (its tags' signature
+    differs, the collectives' sizes do not)."""
     import overlap
     from overlap.transport import fingerprint
-    from overlap.transport.host import HostTransport
-    from overlap.transport.streams import StreamTransport
+    from overlap.transport.host import HostExecutor
+    from overlap.transport.streams import StreamExecutor
 
-    saved = HostTransport.check_tag, fingerprint._current_stream, torch.cuda.Event
+    class DeferredTagsExecutor(HostExecutor):
+        check_tag = StreamExecutor.check_tag  # host waits, CUDA's deferred tag check
+
+    saved = fingerprint._current_stream, torch.cuda.Event
     stream = _StreamStandIn()
-    HostTransport.check_tag = StreamTransport.check_tag
     fingerprint._current_stream = lambda device: stream
     torch.cuda.Event = _EventNeverDone
     try:
         model = overlap.wrap(encoder_stack(layers=3, dim=16), collective_timeout_s=60, **config)
+        transport = model._overlap_state.runtime.transport
+        old = transport.executor
+        transport.set_executor(DeferredTagsExecutor(old.rank, old.world_size, old.device, old.timer, old.timeout, old.replicated))
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         _train_step(model, batch(model, rank, 0))
         opt.step()
@@ -253,7 +259,7 @@ def deferred_tags_at_save(rank: int, world: int, root: str, freeze: bool, config
             return str(e)
         return "no error"
     finally:
-        HostTransport.check_tag, fingerprint._current_stream, torch.cuda.Event = saved
+        fingerprint._current_stream, torch.cuda.Event = saved
 
 
 @pytest.mark.parametrize("config", [{}, {"param_compression": "int8"}], ids=["plain", "int8_weights"])

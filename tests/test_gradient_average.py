@@ -6,7 +6,6 @@ gradients stays in range, and one division after the sum otherwise."""
 from __future__ import annotations
 
 import math
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -16,7 +15,7 @@ import overlap
 from harness import World
 from overlap.engine.reduction import gradient_divisors
 from overlap.transport.backend import CommSemantics
-from overlap.transport.streams import StreamTransport
+from overlap.transport.strategy import ReduceScatter, Wire
 
 
 @pytest.mark.parametrize("ranks", [2, 3, 4, 6, 8, 16, 64, 1024])
@@ -42,8 +41,10 @@ def test_only_nccl_on_a_device_averages_natively():
     assert not CommSemantics("cpu", "gloo", False).native_average
 
     def averages(backend: str, impl: str, dtype: torch.dtype) -> bool:
-        fake = SimpleNamespace(semantics=CommSemantics("cuda", backend, backend == "nccl"), reduce_impl=impl)
-        return StreamTransport.averages(fake, dtype)
+        strategy = ReduceScatter()
+        semantics = CommSemantics("cuda", backend, backend == "nccl")
+        strategy.plan(Wire(None, 0, 2, torch.device("cuda"), semantics, "auto", impl, None))  # type: ignore[arg-type]
+        return strategy.averages(dtype)
 
     assert averages("nccl", "native", torch.float32) and averages("nccl", "native", torch.bfloat16)
     assert not averages("nccl", "native", torch.float16)  # divided before and after instead

@@ -2,8 +2,9 @@
 
 On CUDA the compute stream waits on events that comm streams record; an event recorded too late
 makes compute wait for work it does not need (a device-to-host copy, a clone, a cast). These
-checks run the CUDA transport's methods on the CPU with stand-ins for streams and events that
-log the order of everything enqueued ([Note: gather event] in transport/streams.py):
+checks run the CUDA executor on the CPU (`CpuStreamExecutor` in test_seam.py), with stand-ins for
+streams and events that log the order of everything enqueued ([Note: gather event] in
+transport/streams.py):
 
 - a gather's event is recorded right after copy-out, before the tags' copy to the host and hpZ's
   copy; a reduction's input is released on the reduce-scatter's event, not the cast's;
@@ -16,8 +17,8 @@ log the order of everything enqueued ([Note: gather event] in transport/streams.
 
 from __future__ import annotations
 
-import contextlib
 import copy
+from datetime import timedelta
 from types import SimpleNamespace
 
 import pytest
@@ -30,67 +31,50 @@ from harness import World
 from models import loss_of
 from overlap.engine.reduction import PendingReduce, Reductions
 from overlap.engine.runtime import Runtime
-from overlap.transport import collectives as comm
-from overlap.transport.streams import StreamTransport
+from overlap.observe.timing import HostTimer
+from overlap.transport.host import HostExecutor
+from overlap.transport.strategy import GatherResult
+from test_seam import CpuStreamExecutor
 
 
-class _Stream:
-    """A CUDA stream stand-in: what is enqueued on it goes into the shared log, in order."""
+class _LoggedCollective:
+    """Stands in for a collective's result: waiting on it logs (on the stream it is waited on)."""
 
-    def __init__(self, name: str, log: list[str]) -> None:
-        self.name, self.log = name, log
-
-    def record_event(self) -> str:
-        self.log.append(f"{self.name}: record")
-        return f"event@{self.name}#{len(self.log)}"
-
-    def wait_event(self, event: str) -> None:
-        self.log.append(f"{self.name}: wait {event}")
-
-    def wait_stream(self, other: "_Stream") -> None:
-        self.log.append(f"{self.name}: wait stream {other.name}")
+    output = "received"
 
 
-def _fake_transport(log: list[str]) -> SimpleNamespace:
-    """A StreamTransport's state on the CPU: its methods called on this object use the fakes."""
-    fake = SimpleNamespace(
-        rank=0,
-        gather_stream=_Stream("gather", log),
-        reduce_stream=_Stream("reduce", log),
-        compute=_Stream("compute", log),
-        timer=SimpleNamespace(stop=lambda span, stream: None),
-        wait=lambda result: (log.append("wait collective"), "rows")[1],
-    )
-    fake._compute = lambda: fake.compute
-    for name in ("gather_issued", "gather_copied", "wait_gather", "sum_over", "before_reduce", "release_reduce", "finish_reduce"):
-        if hasattr(StreamTransport, name):
-            setattr(fake, name, getattr(StreamTransport, name).__get__(fake))
-    return fake
+def _executor(log: list[str]) -> CpuStreamExecutor:
+    """The CUDA executor on the CPU, its streams logging to `log`; a wait on a collective logs."""
+    executor = CpuStreamExecutor(log, 0, 2, torch.device("cpu"), HostTimer(), timedelta(seconds=5), False)
+    executor.wait = lambda result: (log.append(f"{executor.current[-1]}: wait collective"), "rows")[1]
+    return executor
 
 
 def test_gather_event_is_recorded_right_after_copy_out():
     """The runtime's work after a gather (`Runtime._finish_gather`), enqueued through the CUDA
-    transport: the event compute waits on comes after copy-out and before the tag copy and the
+    executor: the event compute waits on comes after copy-out and before the tag copy and the
     hpZ clone."""
     log: list[str] = []
-    transport = _fake_transport(log)
+    executor = _executor(log)
     runtime = SimpleNamespace(
-        transport=transport,
+        units=[SimpleNamespace()],
+        transport=SimpleNamespace(executor=executor),
         _alloc_unsharded=lambda unit: None,
-        _copy_out=lambda unit, rows: transport.gather_stream.log.append("gather: copy-out"),
-        _check_tag=lambda unit, rows, received: log.append("gather: tags to host"),
-        _keep_secondary=lambda unit, rows: log.append("gather: hpZ clone"),
-        _drop_gather=lambda unit: log.append("host: drop buffers"),
+        _copy_out=lambda unit, rows: log.append("gather: copy-out"),
+        _check_tag=lambda record, rows, received: log.append("gather: tags to host"),
+        _keep_secondary=lambda unit, rows, from_secondary: log.append("gather: hpZ clone"),
+        _drop_gather=lambda record: log.append("host: drop buffers"),
     )
-    unit = SimpleNamespace(gather=SimpleNamespace(output="received"), gather_event=None)
+    record = GatherResult(0, _LoggedCollective(), 7, False, 0)  # type: ignore[arg-type]
     done = Runtime._finish_gather.__get__(runtime)
-    transport.gather_issued(unit, None, done)
-    transport.wait_gather(unit, done)
-    assert log[:3] == ["wait collective", "gather: copy-out", "gather: record"], log
+    with executor.on(executor.gather_stream):
+        kept = executor.gather_issued(record, executor.timer.start("collective", "gather", "unit"), done)
+    executor.wait_gather(kept, done)
+    assert log[:3] == ["gather: wait collective", "gather: copy-out", "gather: record"], log
     event = f"event@gather#{log.index('gather: record') + 1}"
     assert log.index("gather: record") < log.index("gather: tags to host") < log.index("gather: hpZ clone"), log
     assert log[-1] == f"compute: wait {event}", log  # the copy-out event, nothing later
-    assert unit.gather_event is None
+    assert kept.comm is None and kept.event == event  # the record keeps the event, not the buffers
 
 
 def test_release_waits_for_the_reduce_scatter_not_the_cast():
@@ -98,40 +82,35 @@ def test_release_waits_for_the_reduce_scatter_not_the_cast():
     reuse the input) keeps the reduce-scatter's event; only the end of backward waits for the
     cast's."""
     log: list[str] = []
-    transport = _fake_transport(log)
-    transport.after_reduction = lambda fn, after: (fn(), "event after the cast")
+    executor = _executor(log)
+    executor.after_reduction = lambda fn, after: (fn(), "event after the cast")
     unit = SimpleNamespace(grad_locals=[(torch.zeros(()).to(torch.bfloat16), 0, (4,), (1,))], layout=SimpleNamespace(grad_shard_numel=4))
-    runtime = SimpleNamespace(units=[unit], transport=transport)
+    runtime = SimpleNamespace(units=[unit], transport=SimpleNamespace(executor=executor))
     pending = PendingReduce("reduce-scatter", "event after the reduce-scatter", (True,), 0, averaged=False, post=2.0)
     reduced = torch.full((5,), 4.0)
     out = Reductions._finish_shard(runtime, (0,), pending, reduced)
     assert out.dtype == torch.bfloat16 and out[:4].tolist() == [2.0] * 4 and out[4].item() == 4.0
     assert pending.event == "event after the reduce-scatter", pending.event
     assert pending.ready == "event after the cast", pending.ready
-    transport.release_reduce(pending.result, pending.event)
+    executor.release_reduce(pending.result, pending.event)
     assert log == ["compute: wait event after the reduce-scatter"], log
 
 
-def test_partial_gradients_are_summed_on_the_reduce_stream(monkeypatch):
-    """[Note: tensor-parallel parameters]: the transport's sum of a bucket's Partial() gradients
+def test_partial_gradients_are_summed_on_the_reduce_stream():
+    """[Note: tensor-parallel parameters]: the executor's sum of a bucket's Partial() gradients
     runs on the reduce stream, behind compute, and compute waits for its event only."""
     log: list[str] = []
-    transport = _fake_transport(log)
-    current = ["compute"]
+    executor = _executor(log)
 
-    @contextlib.contextmanager
-    def on(stream):
-        current.append(stream.name)
-        yield
-        current.pop()
+    def all_reduce(tensor, group, average=False):
+        log.append(f"{executor.current[-1]}: all-reduce {group}")
+        return "ar"
 
-    monkeypatch.setattr(torch.cuda, "stream", on)
-    monkeypatch.setattr(comm, "all_reduce_flat", lambda t, group, average=False: log.append(f"{current[-1]}: all-reduce {group}") or "ar")
-    transport.sum_over(torch.ones(3), "tp")
+    executor.sum_over(torch.ones(3), "tp", all_reduce)
     assert log == [
         "reduce: wait stream compute",
         "reduce: all-reduce tp",
-        "wait collective",
+        "reduce: wait collective",
         "reduce: record",
         "compute: wait event@reduce#4",
     ], log
@@ -185,9 +164,15 @@ def counts_read_last(rank: int, world: int, config: dict) -> dict:
     ref = DDP(copy.deepcopy(base), find_unused_parameters=True)
     ours = overlap.wrap(base, collective_timeout_s=60, **config)
     ours_box.append(ours)
-    runtime = ours._overlap_state.runtime
-    after_reduction = runtime.transport.after_reduction
-    runtime.transport.after_reduction = lambda fn, after: (log.append("divided and cast"), after_reduction(fn, after))[1]
+    transport = ours._overlap_state.runtime.transport
+
+    class LoggingExecutor(HostExecutor):
+        def after_reduction(self, fn, after):
+            log.append("divided and cast")
+            return super().after_reduction(fn, after)
+
+    old = transport.executor
+    transport.set_executor(LoggingExecutor(old.rank, old.world_size, old.device, old.timer, old.timeout, old.replicated))
     saved = reduction.HostRead
     reduction.HostRead = RecordingRead
     mismatches: list[str] = []

@@ -8,16 +8,12 @@ import pytest
 import torch
 
 from harness import World
-from overlap.transport import HostTransport, StreamTransport, backend, transport_class
+from overlap.transport import backend
 from overlap.transport.base import honoured_timeout
-
-
-@pytest.mark.parametrize(
-    "device,kind",
-    [("cpu", HostTransport), ("cuda", StreamTransport), ("cuda:1", StreamTransport)],
-)
-def test_transport_chosen_by_device(device, kind):
-    assert transport_class(torch.device(device)) is kind
+from overlap.transport.gloo import GlooAllGather, GlooReduceScatter
+from overlap.transport.host import HostExecutor
+from overlap.transport.streams import check_settings
+from overlap.transport.strategy import AllGather, ReduceScatter
 
 
 @pytest.mark.parametrize("backend_string", ["nccl", "cpu:gloo,cuda:nccl", "undefined", "gloo"])
@@ -27,14 +23,9 @@ def test_all_to_all_gathers_refused_on_cuda(backend_string):
     raises at wrap, naming it."""
     semantics = backend.semantics_of(backend_string, torch.device("cuda", 0))
     with pytest.raises(ValueError, match="all_gather_impl='all_to_all'"):
-        StreamTransport.check_settings(semantics, "all_to_all")
+        check_settings(semantics, "all_to_all")
     for impl in ("auto", "native"):
-        StreamTransport.check_settings(semantics, impl)
-
-
-@pytest.mark.parametrize("impl", ["auto", "native", "all_to_all"])
-def test_host_transport_takes_every_gather_impl(impl):
-    HostTransport.check_settings(backend.semantics_of("gloo", torch.device("cpu")), impl)
+        check_settings(semantics, impl)
 
 
 @pytest.mark.parametrize("backend_string", ["nccl", "cpu:gloo,cuda:nccl", "undefined"])
@@ -87,3 +78,19 @@ def test_wrap_warns_once_when_the_timeout_is_ignored(world1):
     assert len(warned) == 1 and "init_process_group(timeout=...)" in warned[0], warned
     assert world1.run(wrap_with_timeout, stream_ordered=True, seconds=None, timeout_s=120) == [[]]
     assert world1.run(wrap_with_timeout, stream_ordered=False, seconds=30, timeout_s=120) == [[]]
+
+
+def chosen_transport(rank: int, world_size: int, impl: str) -> list[str]:
+    """The executor and strategies `wrap` chooses for CPU tensors over gloo."""
+    import overlap
+    from models import encoder_stack
+
+    transport = overlap.wrap(encoder_stack(), all_gather_impl=impl)._overlap_state.runtime.transport
+    return [type(p).__name__ for p in (transport.executor, transport.all_gather, transport.reduce_scatter)]
+
+
+@pytest.mark.parametrize("impl", ["auto", "native", "all_to_all"])
+def test_cpu_tensors_take_host_waits_and_gloo_strategies(world1, impl):
+    (chosen,) = world1.run(chosen_transport, impl=impl, timeout_s=120)
+    assert chosen == [HostExecutor.__name__, GlooAllGather.__name__, GlooReduceScatter.__name__]
+    assert issubclass(GlooAllGather, AllGather) and issubclass(GlooReduceScatter, ReduceScatter)

@@ -142,8 +142,8 @@ def _caused(error: Exception, cause: Exception) -> Exception:
 def _device_done(state: OverlapState, timeout_s: float, poll_s: float = 0.01) -> bool:
     """Whether the work queued on the transport's streams (and the current one) finishes within
     `timeout_s`: polled through events, never a wait that could hang. True on the host."""
-    transport = state.runtime.transport
-    streams = [s for s in (transport.gather_stream, transport.reduce_stream, transport.all_reduce_stream) if s]
+    executor = state.runtime.transport.executor
+    streams = [s for s in (executor.gather_stream, executor.reduce_stream, executor.all_reduce_stream) if s]
     if not streams:
         return True
     events = [s.record_event() for s in (*streams, torch.cuda.current_stream(state.runtime.device))]

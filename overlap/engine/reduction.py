@@ -15,12 +15,12 @@ from dataclasses import dataclass
 from collections.abc import Iterable
 
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from overlap import kernels
 from overlap.compression.feedback import FeedbackResidual, make_residual_format
 from overlap.observe.labels import phase as _phase
-from overlap.engine.actions import Gather
 from overlap.engine.compose import grad_data
 from overlap.engine.unit_tensors import UnitTensors
 from overlap.engine.units import CHUNK_ALIGN_NUMEL
@@ -28,6 +28,7 @@ from overlap.observe.memory import nbytes
 from overlap.transport import collectives as comm
 from overlap.transport.fingerprint import TRAIL_MASK
 from overlap.transport.readback import HostRead
+from overlap.transport.strategy import held_bytes
 
 
 FLAG_PATTERNS = 64
@@ -60,8 +61,8 @@ def gradient_divisors(ranks: int, dtype: torch.dtype, native_average: bool) -> t
       65504 where no single one did. Each input is divided by `pre` before the sum (a power of
       two near sqrt(N): exact) and the sum by `post` = N / pre after, so neither the inputs nor
       the sum leave the range. At two ranks pre = 2, post = 1: DDP's g/2 + g/2 bitwise.
-    - otherwise (gloo, fp32/bf16): the sum, divided by N once (in the all-to-all's summing pass
-      where there is one, [Note: one pass for the sum]); at two ranks (a + b) / 2 equals DDP's
+    - otherwise (a backend without a mean, fp32/bf16): the sum, divided by N once (in the
+      strategy's summing pass where it has one, [Note: one pass for the sum]); at two ranks (a + b) / 2 equals DDP's
       a/2 + b/2 bitwise, a division by two being exact.
     """
     if ranks == 1:  # nothing to divide; a gradient_divide_factor below 1 still multiplies
@@ -102,10 +103,9 @@ class PendingReduce:
 class Reductions:
     """The reduction verbs of `Runtime` (Reduce, ReleaseReduce, WaitReduce) and what they keep."""
 
-    def reduce(self, bucket: int, indices: tuple[int, ...], fused: Gather | None = None) -> None:
-        """Copy the bucket's unsharded gradients into one rank-major buffer; reduce-scatter it.
-        With `fused`, that unit's backward all-gather travels in the same all-to-all
-        ([Note: fused exchange] in transport/host.py).
+    def reduce(self, bucket: int, indices: tuple[int, ...]) -> None:
+        """Copy the bucket's unsharded gradients into one rank-major buffer (the reduce-scatter
+        strategy's `allocate`); reduce-scatter it.
 
         [Note: used flags] After the gradient columns, each trainable parameter adds one column
         holding 1 where this rank produced a gradient for it, else 0 (padded with zero columns
@@ -140,7 +140,7 @@ class Reductions:
                 spans += unit.grad_spans
                 data_cols += unit.grad_cols
             # TP: [Note: tensor-parallel parameters]; the bucket's Partial() gradients summed together
-            srcs = grad_data(params, grads, self.transport.sum_over)
+            srcs = grad_data(params, grads, self._sum_over)
             del params, grads
             used = tuple(g is not None for g in srcs)
             # riding with the gradients (no codec), the flags take their dtype: one copy launch
@@ -151,62 +151,48 @@ class Reductions:
             sizes = [n * span for span in spans]
             if self.grad_codec is None:  # flags ride in the same buffer
                 srcs, sizes, data_cols = [*srcs, flags], [*sizes, n * flag_cols(len(used))], [*data_cols, len(used)]
-            reduce_cols = sum(sizes) // n
-            deferred = None  # a gather too large to ride along: issued right after, on its own
-            if fused is not None and not self.transport.fits_with(reduce_cols, fused.unit, dtype):
-                deferred, fused = fused, None
-            if fused is not None:  # the shard's columns, filled below
-                shard_send = self._fused_shard(fused.unit)
-                srcs, sizes, data_cols = [*srcs, None], [*sizes, n * shard_send.numel()], [*data_cols, 0]
-            total_cols = sum(sizes) // n
-            full = torch.empty(n, total_cols, dtype=dtype, device=self.device)
+            strategy, executor = self.transport.reduce_scatter, self.transport.executor
+            full = strategy.allocate(n, sum(sizes) // n, dtype, self.device)
             self._copy_in(indices, used, srcs, full, sizes, data_cols)
             del srcs
-            transport = self.transport
             ranks = n * self.num_replicas  # the mean over them, or over all of dp for experts:
             divide_by = self.gradient_divide_factor or ranks  # [Note: expert parallelism] in experts.py
-            native_ok = self.grad_codec is None and fused is None and transport.averages(dtype) and divide_by == ranks
+            native_ok = self.grad_codec is None and strategy.averages(dtype) and divide_by == ranks
             pre, post, native = gradient_divisors(divide_by, dtype, native_ok)
             if pre != 1:  # fp16: [Note: dividing the sum]; the used flags stay > 0 (1/pre, exact)
-                full[:, :reduce_cols].div_(pre)
-            if fused is not None:
-                full[:, reduce_cols:].copy_(shard_send.expand(n, shard_send.numel()))
-            transport.before_reduce()
-            span = self.timer.start("collective", "reduce", self._span_label(indices), transport.reduce_stream, nbytes(full))
+                full.div_(pre)
+            executor.before_reduce()
+            span = self.timer.start("collective", "reduce", self._span_label(indices), executor.reduce_stream, nbytes(full))
             # [Note: one pass for the sum] Through all-to-all, the received chunks are summed
             # here, and the average (sum, then divide, as wait_reduce does otherwise) is taken in
             # the same pass (kernels.sum_rows); not under HSDP, which divides after its all-reduce.
             divide = comm.Divide(width_grads, post) if self.replicate_group is None and post != 1 else None
-            host_divides = divide is not None and (fused is not None or (self.grad_codec is None and transport.reduce_divides))
+            host_divides = divide is not None and self.grad_codec is None and strategy.divides
             averaged = native or post == 1 or host_divides
-            with transport.on(transport.reduce_stream):
-                if fused is not None:
-                    result, gather = transport.reduce_scatter_and_gather(full, reduce_cols, divide)
-                elif self.grad_codec is None:
-                    result = transport.reduce_scatter(full, divide, native)
+            with executor.on(executor.reduce_stream):
+                if self.grad_codec is None:
+                    result = strategy(full, divide, native)
                 else:  # gradient rows contiguous for the encoder; flags exact, beside them
                     residual = self._residual(indices, width_grads)
-                    result = transport.reduce_scatter_encoded(full, flags.view(n, -1), self.grad_codec, residual)
+                    result = strategy.encoded(full, flags.view(n, -1), self.grad_codec, residual)
                 del full
                 # CUDA: the reduced shard and its event now, on the reduce stream ([Note: streams])
-                event, reduced = transport.reduce_issued(result, span)
-        input_bytes = nbytes(*result.inputs) + (nbytes(result.output) if result.finish is not None else 0)
-        gather_bytes = 0
-        if fused is not None:  # the shard's columns (sent and received) are the gather's buffers
-            gather_bytes = input_bytes * (total_cols - reduce_cols) // total_cols
-            input_bytes -= gather_bytes
-            self._fused_gather_issued(fused.unit, gather, gather_bytes)
+                event, reduced = executor.reduce_issued(result, span)
+        if result.nbytes is not None:
+            input_bytes = held_bytes(result)
+        else:
+            input_bytes = nbytes(*result.inputs) + (nbytes(result.output) if result.finish is not None else 0)
         self.memory.add("reduce_inputs", input_bytes)
         pending = PendingReduce(result, event, used, input_bytes, averaged=averaged, post=post, native=native)
         self._pending[bucket] = pending
         self._pending_units[bucket] = indices
-        sent = result.inputs[0]
-        num_bytes = sent.numel() * sent.element_size() - gather_bytes // 2
-        self.stats.record_issue("reduce", num_bytes)
+        self.stats.record_issue("reduce", nbytes(result.inputs[0]))
         if reduced is not None:
             self._reduced(bucket, indices, pending, reduced)
-        if deferred is not None:
-            self.gather(deferred.unit, deferred.for_backward)
+
+    def _sum_over(self, tensor: torch.Tensor, group: dist.ProcessGroup) -> None:
+        """Sum `tensor` in place over `group` where the executor runs reductions."""
+        self.transport.executor.sum_over(tensor, group, self.transport.all_reduce)
 
     # [Note: no_sync in reduce_dtype]
     # Under no_sync, autograd sums each micro-batch's gradient into the unsharded parameter's
@@ -268,29 +254,6 @@ class Reductions:
                         if total is not None:
                             total.zero_()
 
-    def _fused_shard(self, index: int) -> torch.Tensor:
-        """What unit `index`'s fused backward all-gather sends: its shard, tagged when the tags
-        are on ([Note: collective fingerprints]), the tag written now ([Note: fused exchange] in transport/host.py)."""
-        unit = self.units[index]
-        tagged = self._tagged[index]
-        unit.gather_from_secondary = False
-        unit.gather_tag = None if tagged is None else self._tag(index, unit, True)
-        if tagged is None:
-            return unit.shard
-        slot = self._tag_slots[index]
-        assert slot is not None and unit.gather_tag is not None
-        slot.fill_(unit.gather_tag)
-        return tagged
-
-    def _fused_gather_issued(self, index: int, gather: comm.CommResult, gather_bytes: int) -> None:
-        """Unit `index`'s all-gather is in flight inside a reduction's all-to-all: from here on
-        it is waited, checked and copied out as any CPU all-gather (`wait_gather`)."""
-        unit = self.units[index]
-        unit.gather = gather
-        unit.gather_bytes = gather_bytes
-        self.memory.add("gather_buffers", gather_bytes)
-        self.stats.record_issue("gather", gather_bytes // 2)
-
     def _copy_in(
         self,
         indices: tuple[int, ...],
@@ -339,7 +302,7 @@ class Reductions:
         if pending.result is None:
             return
         with _phase("release_reduce", f"bucket{bucket}"):
-            reduced = self.transport.release_reduce(pending.result, pending.event)  # host: now
+            reduced = self.transport.executor.release_reduce(pending.result, pending.event)  # host: now
             pending.result = None
             self.memory.sub("reduce_inputs", pending.input_bytes)
         if reduced is not None:
@@ -352,18 +315,20 @@ class Reductions:
         grad_numel = sum(self.units[i].layout.grad_shard_numel for i in indices)
         if self.replicate_group is None:  # HSDP: after its all-reduce, in wait_reduce
             if not pending.all_used:  # [Note: used counts]: copied right behind the reduction
-                pending.counts = HostRead(reduced[grad_numel:], self.transport.reduce_stream)
+                pending.counts = HostRead(reduced[grad_numel:], self.transport.executor.reduce_stream)
             reduced = self._finish_shard(indices, pending, reduced)
         pending.reduced = reduced
         self.memory.add("reduce_outputs", nbytes(reduced))
         if self.replicate_group is not None:
             with _phase("all_reduce", f"bucket{bucket}"):
-                pending.all_reduce, pending.all_reduce_event = self.transport.all_reduce(
-                    reduced, pending.event, self._span_label(indices), pending.native
+                assert self.replicate_group is not None
+                group, all_reduce = self.replicate_group, self.transport.all_reduce
+                pending.all_reduce, pending.all_reduce_event = self.transport.executor.all_reduce(
+                    lambda: all_reduce(reduced, group, pending.native), reduced, pending.event, self._span_label(indices)
                 )
             self.stats.record_issue("all_reduce", nbytes(reduced))
             if not pending.all_used:  # the counts over every replica: behind the all-reduce
-                pending.counts = HostRead(reduced[grad_numel:], self.transport.all_reduce_stream)
+                pending.counts = HostRead(reduced[grad_numel:], self.transport.executor.all_reduce_stream)
 
     def _finish_shard(self, indices: tuple[int, ...], pending: PendingReduce, reduced: torch.Tensor) -> torch.Tensor:
         """Divide the reduced gradients ([Note: dividing the sum]) and cast them to the sharded
@@ -385,7 +350,7 @@ class Reductions:
 
         # [Note: gather event] in streams.py, for reductions: ReleaseReduce keeps waiting for the
         # reduce-scatter alone (`event`), only WaitReduce for the division and cast (`ready`)
-        reduced, pending.ready = self.transport.after_reduction(finish, pending.event)
+        reduced, pending.ready = self.transport.executor.after_reduction(finish, pending.event)
         pending.averaged = True
         return reduced
 
@@ -443,7 +408,7 @@ class Reductions:
             self.release_reduce(bucket)
             del self._pending[bucket]
             del self._pending_units[bucket]
-            self.transport.finish_reduce(pending.ready or pending.event, pending.all_reduce, pending.all_reduce_event)
+            self.transport.executor.finish_reduce(pending.ready or pending.event, pending.all_reduce, pending.all_reduce_event)
         reduced = pending.reduced
         assert reduced is not None, f"rank {self.rank}: bucket {bucket} has no reduced shard"
         if self.grad_codec is not None:  # its last element: every rank's count ([Note: collective finite check])

@@ -1,14 +1,15 @@
 """Execution: carries out the schedule's actions on a unit's tensors, through the transport.
 
-The runtime knows units, buckets, layouts, tags and memory; how a collective is issued and where
-the work after it runs (a comm stream at issue, or the training thread at the wait) is the
-transport's (overlap/transport/base.py), chosen once at wrap. Gathers and the dispatch are here,
+The runtime knows units, buckets, layouts, tags and memory; which collective moves the bytes
+(the transport's strategies) and where the work after it runs (its executor: a comm stream at
+issue, or the training thread at the wait) are the transport's ([Note: the seam] in
+overlap/transport/strategy.py), chosen once at wrap. Gathers and the dispatch are here,
 reductions in reduction.py.
 
 [Note: buffer lifetime]
-A collective's buffers live in the `CommResult` it returns, and that result is stored with the
-unit (gathers) or the bucket (reductions) until the matching wait action; only then are the
-references dropped. On CUDA the wait first makes the compute stream wait for the comm stream's
+A collective's buffers live in the `CommResult` it returns, and that result is held by the
+runtime, in the gather's in-flight record (`GatherResult`) or the bucket's `PendingReduce`, until
+the matching wait action; only then are the references dropped. On CUDA the wait first makes the compute stream wait for the comm stream's
 event, so by the time the caching allocator may hand a freed block to the compute stream, the
 comm stream is done with it. No `record_stream` anywhere.
 
@@ -17,7 +18,7 @@ After the first step nothing here blocks the CPU on a CUDA device: no pageable h
 copies (the used flags are cached on the device per pattern), no `.item()`/`.tolist()`/
 `bool(tensor)` (the used counts are read back only for a bucket in which this rank left a
 parameter without gradient, the one documented exception, at the end of backward), no
-`Work.wait(timeout)` on NCCL work ([Note: NCCL is not gloo] in transport/backend.py).
+`Work.wait(timeout)` on NCCL work (it would block the CPU there: transport/backend.py).
 tests/test_host_sync.py records every such call made from library code and expects none.
 """
 
@@ -34,7 +35,7 @@ import torch.distributed as dist
 from overlap.compression import Codec
 from overlap.compression.feedback import FeedbackResidual
 from overlap import kernels
-from overlap.engine.reduction import PendingReduce, Reductions, _widest, flag_cols
+from overlap.engine.reduction import PendingReduce, Reductions, flag_cols
 from overlap.engine.actions import (
     Action,
     CheckOrder,
@@ -51,11 +52,13 @@ from overlap.observe.memory import MemoryAccount, nbytes
 from overlap.observe.stats import StatsRecorder
 from overlap.observe.timing import HostTimer, SpanTimer
 from overlap.observe.trace import TraceRecorder
-from overlap.transport import Transport, UnitWire
+from overlap.transport import GatherResult, Transport, UnitWire
 from overlap.engine.verdict import DIFFERS, agree_value, job_groups
 from overlap.transport import collectives as comm
 from overlap.transport import coded
+from overlap.transport.executor import TagRead
 from overlap.transport.fingerprint import TAG_NUMEL, Tag, tag_view
+from overlap.transport.strategy import held_bytes
 
 
 @dataclass
@@ -68,7 +71,7 @@ class Runtime(Reductions):
     gather_dtype: torch.dtype | None  # None: each unit's own dtype
     reduce_dtype: torch.dtype | None
     stats: StatsRecorder
-    transport: Transport  # how collectives are issued and completed: [Note: streams] / host.py
+    transport: Transport  # how collectives are issued and completed: [Note: the seam] in transport/strategy.py
     trace: TraceRecorder | None = None
     timer: SpanTimer = field(default_factory=HostTimer)  # wrap passes make_timer(device), as to the transport
     param_codec: Codec | None = None  # None: uncompressed all-gather
@@ -87,6 +90,7 @@ class Runtime(Reductions):
     """Experts: what the summed gradients are divided by ([Note: expert parallelism] in experts.py)."""
     _pending: dict[int, PendingReduce] = field(init=False, default_factory=dict)
     _pending_units: dict[int, tuple[int, ...]] = field(init=False, default_factory=dict)
+    _gathers: dict[int, GatherResult] = field(init=False, default_factory=dict)  # per unit: its gather in flight
     step: int = field(init=False, default=0)  # steps begun on this rank, in the tags
     reduce_trail: int = field(init=False, default=0)  # the reductions since the last roll: [Note: reduction trail]
     last_trail: int = field(init=False, default=0)  # those of the last step that reduced, in the tags
@@ -131,41 +135,32 @@ class Runtime(Reductions):
 
     @property
     def receive_floor_bytes(self) -> int:
-        """What each all-to-all leaves room for per peer ([Note: receive slack] in collectives.py); 0: none."""
-        return self.transport.receive_floor_bytes
+        """What each receive of the all-gather strategy leaves room for per peer; 0: none."""
+        return self.transport.all_gather.receive_floor_bytes
 
     def gather_nbytes(self, index: int) -> int:
         """Bytes an uncompressed all-gather of unit `index` holds while in flight (accounted as
-        gather_buffers), as the transport issues it."""
-        return self.transport.gather_nbytes(index)
+        gather_buffers), as the transport's strategy issues it."""
+        return self.transport.all_gather.nbytes(index)
+
+    def gather_in_flight(self, index: int) -> GatherResult | None:
+        """Unit `index`'s all-gather from its issue to its wait (None: none in flight)."""
+        return self._gathers.get(index)
 
     # ------------------------------------------------------------------ dispatch
     def run(self, actions: list[Action]) -> None:
+        """Carry out a batch of the schedule's actions, in order; what a strategy held back to
+        coalesce is issued by the end of the batch ([Note: coalesced collectives] in
+        transport/strategy.py)."""
         verbs = self._verbs
-        skip = -1  # the index of a Gather already issued with the Reduce before it
-        for k, action in enumerate(actions):
-            if k == skip:
-                continue
-            try:
-                if type(action) is Reduce and k + 1 < len(actions):
-                    fused = self._fused_gather(action, actions[k + 1])
-                    if fused is not None:
-                        self.reduce(action.bucket, action.units, fused)
-                        skip = k + 1
-                        continue
+        action: Action | None = None
+        try:
+            for action in actions:
                 verbs[type(action)](action)
-            except comm.CollectiveError as e:  # [Note: collective failures] in transport/results.py
-                raise comm.CollectiveError(f"overlap: rank {self.rank}: the {self._describe(action)} {e}") from e
-
-    def _fused_gather(self, reduce: Reduce, following: Action) -> Gather | None:
-        """`following`, if it is a Gather that may travel with `reduce` ([Note: fused exchange] in
-        transport/host.py)."""
-        if type(following) is not Gather or not following.for_backward or not self.transport.can_fuse(following.unit):
-            return None
-        if self.param_codec is not None or self.grad_codec is not None:
-            return None
-        dtype = self.reduce_dtype or _widest(self.units[i].unsharded_flat.dtype for i in reduce.units)
-        return following if dtype == self.units[following.unit].shard.dtype else None
+            self.transport.flush()
+        except comm.CollectiveError as e:  # [Note: collective failures] in transport/results.py
+            what = "collectives of this batch" if action is None else self._describe(action)
+            raise comm.CollectiveError(f"overlap: rank {self.rank}: the {what} {e}") from e
 
     def _make_verbs(self) -> dict[type, Any]:
         """Each action type's verb: one dict lookup per action (a `match` over seven class
@@ -196,81 +191,87 @@ class Runtime(Reductions):
         if unit.aliased:
             return  # [Note: aliased units]
         dtype = self.gather_dtype or unit.shard.dtype
-        unit.gather_from_secondary = for_backward and unit.secondary is not None
+        from_secondary = for_backward and unit.secondary is not None
+        executor, all_gather = self.transport.executor, self.transport.all_gather
         with _phase("gather", unit.layout.label):
-            transport = self.transport
-            transport.before_gather(lambda: self._alloc_unsharded(unit))  # CUDA: [Note: streams]
-            span = self.timer.start("collective", "gather", unit.layout.label, transport.gather_stream, unit.unsharded_nbytes)
-            with transport.on(transport.gather_stream):
-                if unit.gather_from_secondary:
+            executor.before_gather(lambda: self._alloc_unsharded(unit))  # CUDA: [Note: streams]
+            span = self.timer.start("collective", "gather", unit.layout.label, executor.gather_stream, unit.unsharded_nbytes)
+            with executor.on(executor.gather_stream):
+                if from_secondary:
                     assert unit.secondary is not None
-                    unit.gather_tag = None  # untagged ([Note: collective fingerprints])
-                    unit.gather = transport.all_gather_secondary(unit.secondary)
+                    tag = None  # untagged ([Note: collective fingerprints])
+                    result = all_gather.secondary(unit.secondary)
                 elif self.param_codec is None:
                     tagged = self._tagged[index] if self.world_size > 1 else None
-                    unit.gather_tag = None if tagged is None else self._tag(index, unit, for_backward)
+                    tag = None if tagged is None else self._tag(index, unit, for_backward)
                     send = unit.shard if tagged is None else tagged
-                    unit.gather = transport.all_gather(index, send, dtype, unit.gather_tag, self._tag_slots[index])
+                    result = all_gather(index, send, dtype, tag, self._tag_slots[index], for_backward)
                 else:
-                    unit.gather_tag = self._tag(index, unit, for_backward) if self.world_size > 1 else None
-                    unit.gather = transport.all_gather_encoded(
+                    tag = self._tag(index, unit, for_backward) if self.world_size > 1 else None
+                    result = all_gather.encoded(
                         self._encoded_shard(unit, for_backward), unit.shard.numel(), dtype, self.param_codec,
-                        unit.shard.dtype, unit.gather_tag,
+                        unit.shard.dtype, tag,
                     )
-                result = unit.gather
-                unit.gather_bytes = nbytes(result.output, *result.inputs)
-                self.memory.add("gather_buffers", unit.gather_bytes)
+                record = GatherResult(index, result, tag, from_secondary, held_bytes(result))
+                self.memory.add("gather_buffers", record.nbytes)
                 # CUDA: copy-out enqueued behind it now, on the gather stream ([Note: streams])
-                transport.gather_issued(unit, span, self._finish_gather)
-        self.stats.record_issue("gather", transport.gathered_bytes(index, result.output))
+                self._gathers[index] = executor.gather_issued(record, span, self._finish_gather)
+        plain = self.param_codec is None and not from_secondary
+        self.stats.record_issue("gather", all_gather.gathered_bytes(index, result.output) if plain else nbytes(result.output))
 
     def _tag(self, index: int, unit: UnitTensors, for_backward: bool) -> int:
         phase = 2 if for_backward else (0 if torch.is_grad_enabled() else 1)
         return Tag(self.step, phase, index, unit.signature ^ self.last_trail).pack()
 
-    def _check_tag(self, unit: UnitTensors, gathered: torch.Tensor, received: torch.Tensor) -> None:
+    def _check_tag(self, record: GatherResult, gathered: Any, received: torch.Tensor) -> None:
         """Compare the gathered tags with this rank's ([Note: collective fingerprints]), after
         copy-out: on the CPU on the host, at once; on CUDA from a pinned copy, two steps late."""
-        if unit.gather_tag is None:
+        if record.tag is None:
             return
-        what = f"all-gather of {unit.layout.label}"
-        self.transport.check_tag(self.fingerprints, unit, gathered, received, what, self.param_codec is not None)
+        unit = self.units[record.index]
+        read = TagRead(
+            record.index, record.tag, f"all-gather of {unit.layout.label}", unit.tag_out, gathered, received,
+            self.param_codec is not None, unit.unsharded_flat,
+        )
+        self.transport.executor.check_tag(self.fingerprints, read)
 
     def check_fingerprints(self) -> None:
         """Once per step: CUDA compares the tags copied to the host once the copies are done, a
         step late ([Note: deferred tag check]); on CPU every all-gather was checked at its wait."""
         self.fingerprints.check_pending()
 
-    def _drop_gather(self, unit: UnitTensors) -> None:
-        unit.gather = None  # [Note: buffer lifetime]
-        self.memory.sub("gather_buffers", unit.gather_bytes)
-        unit.gather_bytes = 0
+    def _drop_gather(self, record: GatherResult) -> None:
+        """The gather's buffers are dropped with the record ([Note: buffer lifetime]): on CUDA
+        `gather_issued` keeps a record without them, the event only."""
+        self.memory.sub("gather_buffers", record.nbytes)
 
     def wait_gather(self, index: int) -> None:
         unit = self.units[index]
         if unit.aliased:
             unit.swap_in(unit.unsharded_params)  # [Note: aliased units]
             return
-        assert unit.gather is not None or unit.gather_event is not None, (
-            f"rank {self.rank}: unit {index} waited before gather"
-        )
+        record = self._gathers.pop(index, None)
+        assert record is not None, f"rank {self.rank}: unit {index} waited before gather"
         stall = self.timer.start("stall", "gather", unit.layout.label)
         with _phase("wait_gather", unit.layout.label):
-            self.transport.wait_gather(unit, self._finish_gather)
+            self.transport.executor.wait_gather(record, self._finish_gather)
             unit.swap_in(unit.unsharded_params)
         self.timer.stop(stall)
 
-    def _finish_gather(self, unit: UnitTensors, gathered: torch.Tensor) -> None:
+    def _finish_gather(self, record: GatherResult, gathered: Any) -> torch.cuda.Event | None:
         """After a unit's all-gather has arrived (CUDA: enqueued on the gather stream at issue;
         CPU: at the wait): copy out, check the tags it copied, keep the hpZ part, drop the
-        buffers ([Note: buffer lifetime])."""
+        buffers ([Note: buffer lifetime]). Returns the event compute waits on (CUDA)."""
+        unit = self.units[record.index]
+        assert record.comm is not None
         self._alloc_unsharded(unit)  # CUDA: already allocated at issue, on the compute stream
         self._copy_out(unit, gathered)  # its tags too: checked next, before any use
-        self.transport.gather_copied(unit)  # CUDA: compute waits for this much ([Note: gather event] in streams.py)
-        self._check_tag(unit, gathered, unit.gather.output)
-        self._keep_secondary(unit, gathered)
+        event = self.transport.executor.gather_copied()  # CUDA: [Note: gather event] in streams.py
+        self._check_tag(record, gathered, record.comm.output)
+        self._keep_secondary(unit, gathered, record.from_secondary)
         del gathered
-        self._drop_gather(unit)
+        self._drop_gather(record)
+        return event
 
     def _encoded_shard(self, unit: UnitTensors, for_backward: bool) -> torch.Tensor:
         """The unit's shard encoded for a compressed all-gather. A forward gather encodes it
@@ -291,7 +292,7 @@ class Runtime(Reductions):
             self.memory.sub("gather_buffers", nbytes(unit.encoded))
             unit.encoded = None
 
-    def _keep_secondary(self, unit: UnitTensors, gathered: torch.Tensor) -> None:
+    def _keep_secondary(self, unit: UnitTensors, gathered: torch.Tensor, from_secondary: bool) -> None:
         """hpZ: after a forward gather, keep the parts this rank serves to its inner group.
 
         [Note: secondary copy]
@@ -309,7 +310,7 @@ class Runtime(Reductions):
         if (
             self.secondary_group is None
             or not unit.needs_secondary
-            or unit.gather_from_secondary
+            or from_secondary
             or not torch.is_grad_enabled()
         ):
             return
@@ -330,9 +331,10 @@ class Runtime(Reductions):
             storage.resize_(unit.unsharded_nbytes)
             self.memory.add("unsharded", unit.unsharded_nbytes)
 
-    def _copy_out(self, unit: UnitTensors, gathered: torch.Tensor) -> None:
+    def _copy_out(self, unit: UnitTensors, gathered: torch.Tensor | list[torch.Tensor]) -> None:
         """Rank-major gather output -> parameter-major unsharded buffer, one fused pass
-        (kernels.copy_out, [Note: fused copy layout] in overlap/kernels/copy.py)."""
+        (kernels.copy_out, [Note: fused copy layout] in overlap/kernels/copy.py). `gathered` is
+        one tensor, or its rows where a strategy left them where they landed (read in place)."""
         if unit.copy_out_views is None:  # views stay valid across storage resizes: built once
             n = self.world_size
             slots = unit.layout.slots
@@ -343,7 +345,7 @@ class Runtime(Reductions):
             unit.copy_out_sizes = [n * s.padded_chunk_numel for s in slots]
             unit.copy_out_cols = [s.chunk_numel for s in slots]
         outs, sizes, cols = unit.copy_out_views, unit.copy_out_sizes, unit.copy_out_cols
-        rows = gathered if isinstance(gathered, list) else None  # [Note: gather of a pair]
+        rows = gathered if isinstance(gathered, list) else None
         if rows is not None:
             gathered = rows[0]  # its dtype and device; the rows are read below
         numel = sum(r.numel() for r in rows) if rows is not None else gathered.numel()
@@ -413,6 +415,7 @@ class Runtime(Reductions):
     def check_order(self, what: str, order_hash: int, order: tuple[int, ...]) -> None:
         # over the shard, replicate and tp groups in turn, on every rank: all raise, none hangs
         # ([Note: job-wide verdicts] in verdict.py)
+        self.transport.flush()  # what a strategy held goes first: a collective of our own follows
         groups = job_groups(self.group, self.replicate_group, self.tensor_group)
         agreed, hashes = agree_value(order_hash, groups, self.device, self.timeout)
         if agreed == DIFFERS:

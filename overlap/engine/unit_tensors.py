@@ -1,5 +1,5 @@
 """A unit's tensors on this rank: its flat shard, the sharded and unsharded parameters that view
-it, and what the runtime keeps per unit between a collective and its wait."""
+it, and the buffers its copies reuse (a gather in flight is the runtime's `GatherResult`)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,7 @@ import torch
 import torch.nn as nn
 
 from overlap.engine.units import UnitLayout
-from overlap.transport import collectives as comm
-from overlap.transport.fingerprint import TAG_NUMEL, HostTags, signature
+from overlap.transport.fingerprint import TAG_NUMEL, signature
 
 
 # [Note: aliased units]
@@ -36,23 +35,17 @@ class UnitTensors:
     unsharded_flat: torch.Tensor  # gather dtype; storage has 0 bytes while SHARDED
     unsharded_params: list[nn.Parameter]  # views of unsharded_flat, what forward uses
     owners: list[list[tuple[nn.Module, str]]]  # per parameter, every (module, attribute) holding it
-    gather: comm.CommResult | None = None  # CPU: the all-gather until its wait; CUDA: dropped at issue
-    gather_event: torch.cuda.Event | None = None  # CUDA: copy-out done on the gather stream
-    gather_bytes: int = 0  # accounted bytes of the gather buffers held (see _drop_gather)
     secondary: torch.Tensor | None = None  # hpZ: see [Note: secondary copy]
     encoded: torch.Tensor | None = None  # wire bytes of the shard this step: _encoded_shard
-    gather_from_secondary: bool = False  # the gather in flight reads the secondary copies
     needs_secondary: bool = True  # hpZ: False for kept and root units (no backward gather)
     trainable: list[tuple[Any, nn.Parameter]] = field(init=False)  # (slot, sharded param) with grads
     copy_out_views: list[torch.Tensor] | None = None  # per slot, its span of unsharded_flat
-    gather_tag: int | None = None  # the tag of the all-gather in flight ([Note: collective fingerprints])
     tag_out: torch.Tensor | None = None  # copy-out's destination for the gathered tags (CPU: checked there)
     signature: int = 0  # of the trainable pattern, in the tags
     copy_out_sizes: list[int] | None = None  # per slot, its padded span of the gathered rows
     copy_out_cols: list[int] | None = None  # per slot, the data columns of its chunk
     aliased: bool = False  # unsharded params are views of the shard ([Note: aliased units])
     copy_out_bound: tuple[Any, Any] | None = None  # (gather dtype, outs) -> bound copy-out
-    host_tags: HostTags | None = None  # CPU: reads tag_out's tags ([Note: collective fingerprints])
     grad_sums: list[torch.Tensor | None] | None = None  # under no_sync: [Note: no_sync in reduce_dtype]
 
     def __post_init__(self) -> None:

@@ -147,8 +147,10 @@ def all_gather_flat(
     tag_slot: torch.Tensor | None = None,
     impl: GatherImpl = "native",
     slack: RecvSlack | None = None,
+    out: torch.Tensor | None = None,
 ) -> CommResult:
-    """Gather every rank's flat `shard` into one rank-major (world_size * numel) tensor.
+    """Gather every rank's flat `shard` into one rank-major (world_size * numel) tensor: `out`
+    when given (a strategy's allocation, `AllGather.allocate` in strategy.py), else a new one.
 
     The shard is cast to `dtype` first (mixed precision: the wire and the compute use it). With
     `tag`, the last `fingerprint.TAG_NUMEL` elements of `shard` are not data: the tag is written
@@ -167,7 +169,8 @@ def all_gather_flat(
     all-to-all as a gradient reduction (`reduce_scatter_and_gather`).
     """
     send = _send_of(shard, dtype, tag, tag_slot)
-    out = torch.empty(world_size * send.numel(), dtype=dtype, device=send.device)
+    if out is None:
+        out = torch.empty(world_size * send.numel(), dtype=dtype, device=send.device)
     if _local(world_size):
         out.copy_(send)
         return CommResult(out, None, (send,))

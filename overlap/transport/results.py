@@ -34,7 +34,8 @@ class CommResult(NamedTuple):
     output: torch.Tensor
     work: Any  # dist.Work, or None when the collective ran synchronously (world size 1)
     inputs: tuple[torch.Tensor, ...]  # kept alive until the wait
-    finish: Callable[[torch.Tensor], Any] | None = None  # applied to output by `wait` (a tensor; rows: all_gather_pair)
+    finish: Callable[[torch.Tensor], Any] | None = None  # applied to output by `wait` (a tensor, or its rows)
+    nbytes: int | None = None  # bytes its buffers hold in flight, where not those of output and inputs
 
 
 class RecvSlack(NamedTuple):

@@ -1,4 +1,4 @@
-"""The CUDA transport: comm streams and events around the backend's native collectives (NCCL).
+"""The CUDA executor: comm streams and events around the strategies' collectives (NCCL).
 
 [Note: streams]
 CUDA: `gather_stream` runs all-gathers and their copy-out; `reduce_stream` runs reduce-scatters
@@ -20,9 +20,9 @@ waiting, and the compute stream later waits on an event recorded after what it n
 of FSDP2's `_fsdp_collectives.py`, except that copy-out runs on the gather stream, so its buffers'
 last user is their own allocation stream ([Note: buffer lifetime] in engine/runtime.py).
 
-Gathers are the backend's all-gather: the all-to-all gathers, the receive slack, the fused
-exchange and the gather of a pair are gloo's (transport/host.py), and
-`all_gather_impl="all_to_all"` raises at wrap.
+Which collective moves the bytes is the strategies' ([Note: the seam] in strategy.py): the
+backend's own, or symmetric memory (symm_mem.py); gloo's mechanisms (gloo.py) are not used on
+CUDA, and `all_gather_impl="all_to_all"` raises at wrap (`check_settings`).
 """
 
 from __future__ import annotations
@@ -35,56 +35,58 @@ import torch
 from overlap.observe.memory import nbytes
 from overlap.transport import backend
 from overlap.transport import collectives as comm
-from overlap.transport.base import GatherDone, Transport
+from overlap.transport.executor import Executor, GatherDone, TagRead
 from overlap.transport.fingerprint import FingerprintCheck, byte_tags
+from overlap.transport.strategy import AllReduce, GatherResult
 
 
-class StreamTransport(Transport):
-    """CUDA tensors: collectives and the work after them on comm streams, ordered by events."""
+def check_settings(semantics: backend.CommSemantics, gather_impl: str) -> None:
+    """Raise ValueError for a setting CUDA tensors cannot honour."""
+    if gather_impl == "all_to_all":  # its receive slack would hang NCCL
+        raise ValueError(
+            f"overlap.wrap: all_gather_impl='all_to_all' is a gloo mechanism; {semantics.device_type} "
+            f"tensors over {semantics.backend} gather with the backend's all-gather: pass "
+            "all_gather_impl='auto' or 'native'"
+        )
+
+
+class StreamExecutor(Executor):
+    """CUDA tensors: the work after a collective on comm streams, ordered by events."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        # [Note: streams]
+        self.make_streams()
+
+    def make_streams(self) -> None:
+        """[Note: streams]; a stand-in executor on the CPU (tests) replaces this."""
         self.gather_stream = torch.cuda.Stream(self.device, priority=-1)
         self.reduce_stream = torch.cuda.Stream(self.device, priority=-1)
-        if self.replicate_group is not None:
+        if self.replicated:
             self.all_reduce_stream = torch.cuda.Stream(self.device, priority=-1)
 
-    @classmethod
-    def check_settings(cls, semantics: backend.CommSemantics, gather_impl: str) -> None:
-        if gather_impl == "all_to_all":  # its receive slack would hang NCCL
-            raise ValueError(
-                f"overlap.wrap: all_gather_impl='all_to_all' is a gloo mechanism; {semantics.device_type} "
-                f"tensors over {semantics.backend} gather with the backend's all-gather: pass "
-                "all_gather_impl='auto' or 'native'"
-            )
-
-    def _compute(self) -> torch.cuda.Stream:
+    def compute(self) -> torch.cuda.Stream:
+        """The stream compute runs on (a stand-in executor on the CPU replaces it)."""
         return torch.cuda.current_stream(self.device)
 
     # ------------------------------------------------------------------ gathers
     def before_gather(self, alloc: Any) -> None:
         assert self.gather_stream is not None
-        self.gather_stream.wait_stream(self._compute())
+        self.gather_stream.wait_stream(self.compute())
         alloc()  # on the compute stream, see [Note: streams]
 
-    def all_gather(
-        self, index: int, send: torch.Tensor, dtype: torch.dtype, tag: int | None, tag_slot: torch.Tensor | None
-    ) -> comm.CommResult:
-        return comm.all_gather_flat(send, self.group, self.world_size, dtype, tag, tag_slot, "native", None)
-
-    def gather_issued(self, unit: Any, span: Any, done: GatherDone) -> None:
+    def gather_issued(self, record: GatherResult, span: Any, done: GatherDone) -> GatherResult:
         # the gather stream waits, not the CPU; then copy-out and the tag copy to the host, on the device
-        gathered = self.wait(unit.gather)
+        assert record.comm is not None
+        gathered = self.wait(record.comm)
         self.timer.stop(span, self.gather_stream)
         # Later gather-stream allocations are ordered after this copy-out, so `done` drops the
         # buffers now: an in-flight prefetch holds the unsharded storage only, not 2x
         # ([Note: buffer lifetime] in engine/runtime.py).
-        unit.gather_event = None
-        done(unit, gathered)
-        assert unit.gather_event is not None, f"rank {self.rank}: no copy-out was enqueued for the gather"
+        event = done(record, gathered)
+        assert event is not None, f"rank {self.rank}: no copy-out was enqueued for the gather"
+        return record._replace(comm=None, event=event)
 
-    def gather_copied(self, unit: Any) -> None:
+    def gather_copied(self) -> torch.cuda.Event | None:
         """[Note: gather event]
         The event the compute stream waits on before using a unit's gathered parameters is
         recorded right after copy-out: what `done` enqueues after it on the gather stream (the
@@ -94,37 +96,31 @@ class StreamTransport(Transport):
         gather-stream buffers (the received rows, `tag_out`), so no block the compute stream
         frees is read behind its back ([Note: buffer lifetime] in engine/runtime.py)."""
         assert self.gather_stream is not None
-        unit.gather_event = self.gather_stream.record_event()
+        return self.gather_stream.record_event()
 
-    def wait_gather(self, unit: Any, done: GatherDone) -> None:
-        self._compute().wait_event(unit.gather_event)
-        unit.gather_event = None
+    def wait_gather(self, record: GatherResult, done: GatherDone) -> None:
+        assert record.event is not None, f"rank {self.rank}: unit {record.index} waited before its copy-out"
+        self.compute().wait_event(record.event)
 
-    def check_tag(
-        self, fingerprints: FingerprintCheck, unit: Any, gathered: Any, received: torch.Tensor, what: str, compressed: bool
-    ) -> None:
+    def check_tag(self, fingerprints: FingerprintCheck, read: TagRead) -> None:
         """One non-blocking copy of the received tags to pinned memory, on the gather stream
         behind copy-out; compared on the host two checks later ([Note: deferred tag check] in
-        fingerprint.py). Uncompressed: copy-out's tag destination (`unit.tag_out`, world_size
-        rows of TAG_NUMEL elements); compressed: the end of each byte row of `received`."""
-        tags = byte_tags(received, self.world_size) if compressed else unit.tag_out
+        fingerprint.py). Uncompressed: copy-out's tag destination (`read.tag_out`, world_size
+        rows of TAG_NUMEL elements); compressed: the end of each byte row of `read.received`."""
+        tags = byte_tags(read.received, self.world_size) if read.compressed else read.tag_out
+        assert tags is not None
         # after the gather event, so never from a block compute may free meanwhile ([Note: gather event])
-        assert tags.untyped_storage().data_ptr() != unit.unsharded_flat.untyped_storage().data_ptr(), (
+        assert tags.untyped_storage().data_ptr() != read.unsharded.untyped_storage().data_ptr(), (
             f"rank {self.rank}: the tags' copy to the host reads the unsharded storage behind compute's back"
         )
-        fingerprints.defer(tags, self.world_size, unit.gather_tag, what)
+        fingerprints.defer(tags, self.world_size, read.mine, read.what)
 
     # ------------------------------------------------------------------ reductions
-    def averages(self, dtype: torch.dtype) -> bool:
-        # fp16 is pre- and post-divided instead ([Note: dividing the sum] in engine/reduction.py)
-        native = self.semantics.native_average and self.reduce_impl == "native"
-        return native and dtype in (torch.float32, torch.bfloat16)
-
     def before_reduce(self) -> None:
         assert self.reduce_stream is not None
-        self.reduce_stream.wait_stream(self._compute())
+        self.reduce_stream.wait_stream(self.compute())
 
-    def sum_over(self, tensor: torch.Tensor, group: Any) -> None:
+    def sum_over(self, tensor: torch.Tensor, group: Any, all_reduce: AllReduce) -> None:
         # On the reduce stream, behind the gradients being summed ([Note: streams]): one
         # collective with the bucket's reduction, at its priority, instead of one per parameter
         # on compute. The copy-in, on compute, waits for its event, which also follows what the
@@ -133,10 +129,10 @@ class StreamTransport(Transport):
         # which reads it after that wait, so no other stream holds it when compute frees it.
         assert self.reduce_stream is not None
         self.before_reduce()
-        with torch.cuda.stream(self.reduce_stream):
-            self.wait(comm.all_reduce_flat(tensor, group))
+        with self.on(self.reduce_stream):
+            self.wait(all_reduce(tensor, group))
             summed = self.reduce_stream.record_event()
-        self._compute().wait_event(summed)
+        self.compute().wait_event(summed)
 
     def reduce_issued(self, result: comm.CommResult, span: Any) -> tuple[torch.cuda.Event | None, torch.Tensor | None]:
         # The reduce stream waits and sums (once: the tensor is kept, [Note: streams]).
@@ -149,24 +145,24 @@ class StreamTransport(Transport):
         # on the reduce stream, behind the reduction (`after` was recorded on it); what `fn`
         # allocates belongs to the reduce stream, as the reduced shard does ([Note: streams])
         assert self.reduce_stream is not None
-        with torch.cuda.stream(self.reduce_stream):
+        with self.on(self.reduce_stream):
             out = fn()
         return out, self.reduce_stream.record_event()
 
     def release_reduce(self, result: comm.CommResult, event: torch.cuda.Event | None) -> torch.Tensor | None:
         # compute may reuse the input once the reduce-scatter is done
-        self._compute().wait_event(event)
+        self.compute().wait_event(event)
         return None
 
     def all_reduce(
-        self, reduced: torch.Tensor, after: torch.cuda.Event | None, label: str, average: bool = False
+        self, issue: Any, reduced: torch.Tensor, after: torch.cuda.Event | None, label: str
     ) -> tuple[comm.CommResult, torch.cuda.Event | None]:
-        assert self.replicate_group is not None and self.all_reduce_stream is not None and after is not None
+        assert self.all_reduce_stream is not None and after is not None
         stream = self.all_reduce_stream
         stream.wait_event(after)
-        with torch.cuda.stream(stream):
+        with self.on(stream):
             span = self.timer.start("collective", "all_reduce", label, stream, nbytes(reduced))
-            result = comm.all_reduce_flat(reduced, self.replicate_group, average)
+            result = issue()
             self.wait(result)  # the all-reduce stream waits, in order ([Note: streams])
             self.timer.stop(span, stream)
             return result, stream.record_event()
@@ -174,4 +170,4 @@ class StreamTransport(Transport):
     def finish_reduce(
         self, event: torch.cuda.Event | None, all_reduce: comm.CommResult | None, all_reduce_event: torch.cuda.Event | None
     ) -> None:
-        self._compute().wait_event(all_reduce_event if all_reduce is not None else event)
+        self.compute().wait_event(all_reduce_event if all_reduce is not None else event)

@@ -225,7 +225,7 @@ def measure_host(model: nn.Module, reps: int = 3) -> HostCosts:
         for key, for_backward in (("gather issue", False), ("regather issue", True)):
             dist.barrier()
             timed(key, rt.gather, unit, for_backward)
-            settle(rt.units[unit].gather.work)
+            settle(rt.gather_in_flight(unit).comm.work)
             timed("gather wait", rt.wait_gather, unit)
             if not for_backward:
                 rt.free(unit)
