@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import overlap
@@ -77,16 +77,31 @@ class _BackpropAccumulated(torch.autograd.Function):
 
 def chunked_loss(head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor, num_chunks: int, tokens: int) -> torch.Tensor:
     """torchtitan's ChunkedLossWrapper: per chunk, head + cross-entropy (summed, divided by the
-    global token count) + its own backward; then one loss whose backward runs the model's."""
+    global token count) + its own backward; then one loss whose backward runs the model's. A
+    head that is an FSDP2 module of its own keeps its parameters gathered over the chunks and
+    syncs its gradient at the last chunk only, as the wrapper arranges."""
+    fsdp = isinstance(head, FSDPModule)
+    if fsdp:
+        head.set_reshard_after_forward(False)
+        head.set_reshard_after_backward(False)
+        head.set_requires_gradient_sync(False, recurse=False)
+        head.unshard()
     chunks = [c.detach().requires_grad_() for c in hidden.chunk(num_chunks, dim=1)]
-    total = hidden.new_zeros(())
+    total = hidden.new_zeros((), dtype=torch.float32)
     grads = []
-    for h, y in zip(chunks, labels.chunk(num_chunks, dim=1)):
+    for i, (h, y) in enumerate(zip(chunks, labels.chunk(num_chunks, dim=1))):
+        if fsdp and i == num_chunks - 1:
+            head.set_requires_gradient_sync(True, recurse=False)
         loss = F.cross_entropy(head(h).flatten(0, 1).float(), y.flatten(), reduction="sum") / tokens
         loss.backward()
-        grads.append(h.grad)
+        grads.append(h.grad.float())
         total = total + loss.detach()
-    return _BackpropAccumulated.apply(hidden, torch.cat(grads, dim=1), total)
+    if fsdp:
+        head.set_reshard_after_forward(True)
+        head.set_reshard_after_backward(True)
+        head.set_requires_gradient_sync(True, recurse=False)
+        head.reshard()
+    return _BackpropAccumulated.apply(hidden, torch.cat(grads, dim=1).to(hidden.dtype), total)
 
 
 def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -117,10 +132,15 @@ def compare_and_step(ours: nn.Module, ref: nn.Module, optims: tuple, step: int) 
     return bad
 
 
-def _fsdp2(model: Decoder, divide_factor: float | None) -> Decoder:
+def _fsdp2(model: Decoder, divide_factor: float | None, mixed: bool = False) -> Decoder:
+    """Per block and the root; `mixed`: torchtitan's layout and policy, the final norm and the
+    head one module group of their own, bf16 parameters, fp32 reduction."""
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed else MixedPrecisionPolicy()
     for block in model.layers.values():
-        fully_shard(block)
-    fully_shard(model)
+        fully_shard(block, mp_policy=policy)
+    if mixed:
+        fully_shard([model.norm, model.output], mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
     if divide_factor is not None:  # gloo has neither PREMUL_SUM nor AVG for this: sum, then divide
         for module in model.modules():
             if hasattr(module, "set_gradient_divide_factor"):
@@ -130,7 +150,14 @@ def _fsdp2(model: Decoder, divide_factor: float | None) -> Decoder:
 
 
 def chunked_vs_fsdp2(
-    rank: int, world: int, tied: bool, num_chunks: int, head_unit: bool, divide_factor: float | None = None, micro_batches: int = 1
+    rank: int,
+    world: int,
+    tied: bool,
+    num_chunks: int,
+    head_unit: bool,
+    divide_factor: float | None = None,
+    micro_batches: int = 1,
+    mixed: bool = False,
 ) -> list[str]:
     """Train the same model with overlap and FSDP2 under the chunked loss; the differences. With
     `micro_batches`, every micro-batch but the last of a step runs without gradient sync."""
@@ -139,8 +166,10 @@ def chunked_vs_fsdp2(
     ours = copy.deepcopy(base)
     policy = (lambda m, head=ours.output: isinstance(m, Block) or m is head) if head_unit else {Block}
     kwargs = {} if divide_factor is None else {"gradient_divide_factor": divide_factor}
+    if mixed:
+        kwargs.update(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     overlap.wrap(ours, unit_policy=policy, **kwargs)
-    ref = _fsdp2(copy.deepcopy(base), divide_factor)
+    ref = _fsdp2(copy.deepcopy(base), divide_factor, mixed)
     opt = torch.optim.AdamW(ours.parameters(), lr=1e-2)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     tokens = BATCH * SEQ * world
@@ -262,3 +291,12 @@ def test_blocks_still_reduce_as_early_as_their_gradients_allow(world2):
         blocks = [i for i in range(len(out["labels"])) if i != out["root"]]
         finished = list(dict.fromkeys(out["early"]))  # (a) and (b) may both report a unit
         assert len(blocks) == 3 and finished == blocks[::-1], (rank, out)  # in backward order
+
+
+def test_chunked_loss_bf16_matches_fsdp2_with_a_head_group(world2):
+    """bf16 parameters, fp32 reduction, and FSDP2 as torchtitan lays it out (the norm and the head
+    one group, gathered over the chunks, synced at the last): the head's chunk gradients add up
+    in fp32 on both sides ([Note: auxiliary backward runs] in overlap/engine/state.py)."""
+    kwargs = {"tied": False, "num_chunks": 4, "head_unit": False, "divide_factor": 1.0, "mixed": True}
+    for rank, bad in enumerate(world2.run(chunked_vs_fsdp2, **kwargs)):
+        assert not bad, f"rank {rank}: {bad}"

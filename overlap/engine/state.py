@@ -367,6 +367,10 @@ class OverlapState:
     # nothing. Those units finish when the step's backward ends ([Note: end of a unit's
     # backward] in autograd_hooks.py), so one reduction carries every chunk's gradient, as FSDP2
     # reduces its root's once; the units of the model's own backward reduce as early as before.
+    # A gradient an auxiliary run leaves in a dtype narrower than reduce_dtype (bf16 parameters,
+    # fp32 reduction) moves into the unit's sum in reduce_dtype at once ([Note: no_sync in
+    # reduce_dtype] in reduction.py): the chunks add up in fp32, as FSDP2 adds up the head's
+    # when its gradient sync is off for all chunks but the last (torchtitan's chunked loss).
 
     def _pre_backward(self, indices: tuple[int, ...], main: bool, grad: Any) -> None:
         if main:
@@ -400,6 +404,8 @@ class OverlapState:
             )
         if self._counts.grad_ready(index, position, self._main_backward):
             self._post_backward(index)
+        elif not self._main_backward and self.runtime.reduce_dtype is not None:
+            self.runtime._keep_grads(self.units[index])  # noqa: SLF001  [Note: auxiliary backward runs]
 
     def _autograd_run_ended(self) -> None:
         """The engine's end-of-backward callback, once per autograd run that reached a unit."""
