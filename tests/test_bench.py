@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from overlap.tools.bench import link
+from overlap.tools.worlds import link
 from overlap.tools.bench.comm import (
     OPS,
     algbw_gbps,
@@ -28,7 +28,7 @@ from overlap.tools.bench.comm import (
     sweep_sizes,
     variants,
 )
-from overlap.tools.bench.link import EmulatedLink, LinkError, LinkSpec
+from overlap.tools.worlds.link import EmulatedLink, LinkError, LinkSpec
 
 RUN_TIMEOUT_S = 120
 
@@ -193,7 +193,7 @@ def test_link_cleaned_up_on_signal(sig: signal.Signals) -> None:
     # the signal's (not 0).
     code = (
         "import signal, time\nsignal.signal(signal.SIGINT, signal.default_int_handler)\n"
-        "from overlap.tools.bench.link import EmulatedLink, LinkSpec\n"
+        "from overlap.tools.worlds.link import EmulatedLink, LinkSpec\n"
         "with EmulatedLink(LinkSpec.parse('100mbit'), 2):\n"
         "    print('up', flush=True)\n    time.sleep(60)\n"
     )

@@ -18,7 +18,7 @@ from overlap.tools.bench.memory import (
     num_params,
 )
 from overlap.tools.bench.step import process_peak_rss_bytes
-from overlap.tools.launch import run_local_world
+from overlap.tools.worlds.launch import run_local_world
 from overlap.observe.monitor import rss_bytes
 
 RUN_TIMEOUT_S = 240  # three spawned worlds of 2 ranks on a loaded 2-core machine

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from overlap import checkpoint
-from overlap.tools.data import ByteDataset, get_batch, load_stdlib_bytes, rank_generator
+from overlap.tools.workloads.data import ByteDataset, get_batch, load_stdlib_bytes, rank_generator
 from overlap.tools.demo import (
     CRASH_AT_ENV,
     CRASH_EXIT_CODE,
@@ -30,8 +30,8 @@ from overlap.tools.demo import (
     demo,
     injected_crash_step,
 )
-from overlap.tools.launch import num_cpu_cores, run_local_world
-from overlap.tools.models import GPT, GPTConfig
+from overlap.tools.worlds.launch import num_cpu_cores, run_local_world
+from overlap.tools.workloads import GPT, GPTConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = GPTConfig(block_size=32, n_layer=2, n_head=2, n_embd=64)

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch.multiprocessing.spawn import ProcessExitedException
 
-from overlap.tools.launch import _RankFailed, _world_error, run_local_world
+from overlap.tools.worlds.launch import _RankFailed, _world_error, run_local_world
 
 WORLD_DEADLINE_S = 120.0
 """Bound on one two-rank world here (seconds when the machine is not loaded)."""

@@ -165,7 +165,7 @@ KNOWN_CIRCLES: list[list[str]] = []
 def test_graph_reads_lazy_and_type_checking_imports():
     graph = import_graph()
     assert "overlap.tools.bench.mesh" in graph["overlap.tools.bench.step"]  # top-level
-    assert "overlap.tools.bench.link" in graph["overlap.tools.bench"]  # lazy, inside run()
+    assert "overlap.observe.report" in graph["overlap.tools.bench.step.contenders"]  # lazy, inside a function
     assert "overlap.engine.compose" in graph["overlap.engine.units"]  # TYPE_CHECKING only
     assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
@@ -184,3 +184,71 @@ def test_planner_dispatcher_sits_above_both_paths():
 
     for name in ("Cluster", "Estimate", "MemoryEstimate", "build_units", "check_whole_nodes", "dtype_bytes"):
         assert getattr(estimate, name) is getattr(fsdp, name), name
+
+
+APPS = ("demo", "plan", "tune", "bench")
+"""The commands' layers under overlap/tools; below them `worlds`, `workloads` and `flags`."""
+BELOW_APPS = ("worlds", "workloads", "flags", "moved")
+PLAN_CROSSINGS = {
+    "overlap.tools.plan.calibrate": {"overlap.tools.bench", "overlap.tools.bench.step"},
+    "overlap.tools.plan.measure": {"overlap.tools.bench.comm"},
+    "overlap.tools.plan.world": {"overlap.tools.bench.step"},
+}
+"""What the planner still reaches by the old paths (aliases of worlds and workloads, or bench's
+modules); this may only shrink."""
+
+
+def tool_layer(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[2] if len(parts) > 2 and parts[:2] == ["overlap", "tools"] else None
+
+
+def test_commands_use_worlds_and_workloads_never_each_other():
+    """demo, plan, tune and bench import (top-level, lazily or for types) their own modules,
+    worlds, workloads and the flag helper, never another command's; worlds, workloads and flags
+    import no command."""
+    graph = import_graph()
+    crossings: dict[str, set[str]] = {}
+    for module, edges in graph.items():
+        layer = tool_layer(module)
+        for target in edges:
+            other = tool_layer(target)
+            if layer is None or other is None or other == layer:
+                continue
+            if layer in APPS and other not in BELOW_APPS or layer in BELOW_APPS and other in APPS:
+                crossings.setdefault(module, set()).add(target)
+    plan = {m: t for m, t in crossings.items() if tool_layer(m) == "plan"}
+    others = {m: t for m, t in crossings.items() if tool_layer(m) != "plan"}
+    assert others == {}, others
+    for module, targets in plan.items():
+        assert targets <= PLAN_CROSSINGS.get(module, set()), (module, targets)
+    assert tool_layer("overlap.tools.worlds.launch") == "worlds" and "bench" in APPS  # the test reads names
+
+
+def test_old_tool_paths_are_the_new_modules_and_warn():
+    """Every module that moved is importable by its old name for one release: the same module
+    object, with one DeprecationWarning naming the new path."""
+    code = """
+import importlib, json, warnings
+from overlap.tools.moved import MOVED
+out = {}
+for old, new in MOVED.items():
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        module = importlib.import_module(old)
+    moved = [str(w.message) for w in seen if issubclass(w.category, DeprecationWarning) and old in str(w.message)]
+    out[old] = [module is importlib.import_module(new), len(moved), new in (moved or [""])[0]]
+from overlap.tools.models.gpt import GPT
+from overlap.tools.workloads import gpt
+out["from the old path"] = GPT is gpt.GPT
+print(json.dumps(out))
+"""
+    out = json.loads(run_python(code))
+    assert len(out) > 15
+    for old, row in out.items():
+        assert row in ([True, 1, True], True), (old, row)
+
+
+def test_import_overlap_tools_loads_no_command():
+    loaded = json.loads(run_python("import json, sys, overlap.tools; print(json.dumps(sorted(sys.modules)))"))
+    assert [m for m in loaded if tool_layer(m) in APPS] == []

@@ -424,7 +424,7 @@ def test_calibration_file_reaches_the_pruning(tmp_path):
     """`overlap tune --calibration FILE` loads the file into TuneConfig; the planner then prunes
     with it on this world's ranks (the one model of overlap/step_model/calibration.py)."""
     from overlap.step_model.calibration import default_world_calibration
-    from overlap.tools.bench.link import LinkSpec
+    from overlap.tools.worlds.link import LinkSpec
     from overlap.tools.cli import build_parser
     from overlap.tools.tune.command import command_from_args
     from overlap.tools.tune.predict import calibration_for

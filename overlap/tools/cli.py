@@ -1,7 +1,8 @@
 """The `overlap` console script: one entry point, one subcommand per task.
 
 Each subcommand lives in its own module exposing `add_arguments(parser)` and `run(args) -> int`
-(and an importable function doing the work); adding one is one row in `COMMANDS`.
+(and an importable function doing the work, taking a config dataclass whose fields are the
+command's flags: overlap/tools/flags.py); adding one is one row in `COMMANDS`.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("overlap.tools.demo", "train a small GPT on the Python stdlib's source with overlap.wrap"),
     "report": ("overlap.observe.report", "summarize an overlap trace (exposed comm per unit) and draw its timeline"),
     "plan": ("overlap.tools.plan.command", "predict step time, tokens/s, MFU, memory and cost on a cluster; best config; scaling curve"),
-    "bench": ("overlap.tools.bench", "benchmarks: collective bandwidth (comm), comm/compute overlap (overlap), training step vs FSDP2/DDP (step)"),
+    "bench": ("overlap.tools.bench", "benchmarks: collective bandwidth (comm), comm/compute overlap (overlap), training step vs FSDP2/DDP (step), per-unit overhead, memory, FSDP x TP (mesh)"),
     "tune": ("overlap.tools.tune.command", "measure and pick the fastest OverlapConfig for a model on this world; writes its JSON"),
 }
 """Subcommand -> (module, one-line help). Modules are imported only when their command runs,

@@ -5,16 +5,22 @@
     overlap bench step      a training step side by side: overlap, FSDP2, DDP and two floors
     overlap bench overhead  the CPU cost per unit of each wrapper on a model with almost no compute
     overlap bench memory    peak memory per rank, each contender in its own fresh processes
+    overlap bench mesh      FSDP x TP: overlap beside FSDP2 on a (dp, tp) mesh
 
 Each benchmark is a module exposing `add_arguments(parser)`, `run(args) -> int` and an importable
-function taking a frozen config; adding one is one row in `BENCHES`. All accept `--link RATE[,DELAY]`
-to run the ranks over an emulated network link (`overlap.tools.bench.link`).
+function taking a frozen config whose fields are its flags (overlap/tools/flags.py); adding one is
+one row in `BENCHES`. comm, overlap and step accept `--link RATE[,DELAY]` to run the ranks over an
+emulated network link (`overlap.tools.worlds.link`). The peers (DeepSpeed ZeRO-3, DDP's
+compression hooks, PowerSGD) are built in `peers/`; their packages come with the `bench` extra
+(`pip install overlap[bench]`), and a peer whose package is missing is skipped with one line.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+
+from overlap.tools.worlds.link import LinkError
 
 BENCHES: dict[str, tuple[str, str]] = {
     "comm": ("overlap.tools.bench.comm", "collective bandwidth sweep, printed as nccl-tests does"),
@@ -34,6 +40,7 @@ BENCHES: dict[str, tuple[str, str]] = {
         "overlap.tools.bench.memory",
         "peak memory per rank of overlap, FSDP2 and DDP, each in its own fresh process world",
     ),
+    "mesh": ("overlap.tools.bench.mesh", "FSDP x TP: overlap beside FSDP2 on a (dp, tp) mesh"),
 }
 """Benchmark -> (module, one-line help); a module is imported only when its benchmark is chosen."""
 
@@ -49,8 +56,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Run the benchmark chosen on the command line; its exit code. A link that cannot be set
     up here (not root, no iproute2) is a one-line error, not a traceback."""
-    from overlap.tools.bench.link import LinkError
-
     try:
         return int(importlib.import_module(BENCHES[args.bench][0]).run(args))
     except LinkError as e:

@@ -27,29 +27,26 @@ input aliases the output; torch does not promise that aliasing works).
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Literal, get_args
 
 import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from overlap.tools.bench.link import LinkSpec, active_link
-from overlap.tools.bench.world import run_bench
-from overlap.tools.launch import current_device
+from overlap.tools.flags import JSON_FLAG, LINK_FLAG, command, flag
+from overlap.tools.worlds.collectives import all_gather_single, iters_for, reduce_scatter_single
+from overlap.tools.worlds.launch import current_device
+from overlap.tools.worlds.link import LinkSpec, active_link
+from overlap.tools.worlds.runner import run_bench
 
 Op = Literal["all_gather", "reduce_scatter", "all_reduce", "all_to_all"]
 OPS: tuple[Op, ...] = get_args(Op)
 DTYPES = ("float32", "float64", "float16", "bfloat16", "int32", "int64", "int8", "uint8")
 _CHUNKED: frozenset[Op] = frozenset({"all_gather", "reduce_scatter", "all_to_all"})
 
-# torch 2.13 deprecates all_gather_into_tensor / reduce_scatter_tensor (a FutureWarning on every
-# call) in favour of the *_single names; torch 2.11 has only the old ones.
-all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def bus_factor(op: Op, world_size: int) -> float:
@@ -91,21 +88,14 @@ def count_for(op: Op, num_bytes: int, element_size: int, world_size: int) -> int
     return count - count % world_size if op in _CHUNKED else count
 
 
-def iters_for(num_bytes: int, iters: int, warmup: int, budget_bytes: int) -> tuple[int, int]:
-    """(iters, warmup) for one case: big sizes run fewer, so one case moves about
-    `budget_bytes` (at least 2 timed iterations and 1 warm-up)."""
-    scaled = max(2, min(iters, budget_bytes // max(num_bytes, 1)))
-    return scaled, max(1, min(warmup, scaled // 2))
-
-
 @dataclass(frozen=True, kw_only=True)
 class CommBenchConfig:
     """One sweep. Defaults: the nccl-tests sweep, about a minute on 2 CPU cores."""
 
-    ops: tuple[Op, ...] = OPS
+    ops: tuple[Op, ...] = field(default=OPS, metadata=flag(help=f"comma-separated, from {OPS}"))
     min_bytes: int = 8
     max_bytes: int = 256 * 2**20
-    dtype: str = "float32"
+    dtype: str = field(default="float32", metadata=flag(choices=DTYPES))
     """A torch dtype name from DTYPES."""
     iters: int = 20
     """Timed iterations per case, before `budget_bytes` scales them down."""
@@ -114,10 +104,10 @@ class CommBenchConfig:
     """A case moves about this many bytes per rank (at least 2 iterations): keeps the big sizes,
     and the default sweep, short on CPU."""
     nproc: int | None = None
-    """Ranks of the spawned local world; None: `default_world()`. Ignored under torchrun."""
-    link: str | None = None
-    """Emulated link for the local world, e.g. "1gbit" (see overlap.tools.bench.link)."""
-    json_path: str | None = None
+    """Ranks of the spawned local world; None: `default_world()` (2 on CPU). Ignored under torchrun."""
+    link: str | None = field(default=None, metadata=LINK_FLAG)
+    """Emulated link for the local world, e.g. "1gbit" (see overlap.tools.worlds.link)."""
+    json_path: str | None = field(default=None, metadata=JSON_FLAG)
 
     def __post_init__(self) -> None:
         bad = [op for op in self.ops if op not in OPS]
@@ -380,41 +370,9 @@ def bench_comm(cfg: CommBenchConfig) -> CommReport | None:
     return run_bench(comm_rank, cfg)
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    d = CommBenchConfig()
-    parser.add_argument("--ops", default=",".join(d.ops), help=f"comma-separated, from {OPS}")
-    parser.add_argument("--min-bytes", type=int, default=d.min_bytes)
-    parser.add_argument("--max-bytes", type=int, default=d.max_bytes)
-    parser.add_argument("--dtype", default=d.dtype, choices=DTYPES)
-    parser.add_argument("--iters", type=int, default=d.iters)
-    parser.add_argument("--warmup", type=int, default=d.warmup)
-    parser.add_argument(
-        "--budget-bytes", type=int, default=d.budget_bytes, help="bytes per case; scales iters"
-    )
-    parser.add_argument(
-        "--nproc", type=int, default=None, help="local world size (default 2 on CPU)"
-    )
-    parser.add_argument(
-        "--link", default=None, metavar="RATE[,DELAY]", help="e.g. 1gbit, 1gbit,200us"
-    )
-    parser.add_argument("--json", dest="json_path", default=None, metavar="PATH")
-
-
-def run(args: argparse.Namespace) -> int:
-    try:
-        cfg = CommBenchConfig(
-            ops=tuple(op.strip() for op in args.ops.split(",") if op.strip()),  # type: ignore[misc]
-            min_bytes=args.min_bytes,
-            max_bytes=args.max_bytes,
-            dtype=args.dtype,
-            iters=args.iters,
-            warmup=args.warmup,
-            budget_bytes=args.budget_bytes,
-            nproc=args.nproc,
-            link=args.link,
-            json_path=args.json_path,
-        )
-    except ValueError as e:
-        raise SystemExit(f"overlap bench comm: {e}") from None
-    report = bench_comm(cfg)
-    return 1 if report is not None and any(r.num_wrong for r in report.rows) else 0
+add_arguments, run = command(
+    CommBenchConfig,
+    bench_comm,
+    "overlap bench comm",
+    exit_code=lambda report: int(report is not None and any(r.num_wrong for r in report.rows)),
+)

@@ -17,13 +17,13 @@ bench step`; the first three are the default)
   fsdp2         fully_shard per layer, then the root; defaults
   ddp           DistributedDataParallel
   peers         deepspeed, deepspeed-tuned, ddp-bf16, ddp-fp16, ddp-powersgd1, ddp-powersgd4,
-                fsdp2-bf16reduce (see overlap/tools/bench/peers.py); one missing its package is skipped
+                fsdp2-bf16reduce (see overlap/tools/bench/peers/); one missing its package is skipped
                 with one line saying so
 
 Measured in each rank at the end, then the largest rank (all ranks in the JSON)
   peak RSS      the OS's high-water mark of the rank process's resident memory (VmHWM; not
                 ru_maxrss, which in a spawned rank also counts its launcher: see [Note: ru_maxrss
-                of a spawned rank] in step_protocol.py): torch import, model build before
+                of a spawned rank] in bench/step/protocol.py): torch import, model build before
                 sharding, every step; read before the train-RSS reset and at the end, the larger
                 of the two
   base RSS      RSS after the process group is up, before the model is built (the same for all)
@@ -50,21 +50,20 @@ JSON (`--json PATH`): `{"config", "model", "params", "runs": [{"name", "world_si
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any, Literal
 
 import torch
 from torch import nn
 
+from overlap.observe.monitor import rss_bytes
 from overlap.tools.bench import peers
 from overlap.tools.bench.peers import parse_overrides
-from overlap.tools.bench.step import StepBenchConfig, build_model, parse_nproc, process_peak_rss_bytes
-from overlap.tools.launch import current_device, default_world, run_local_world
-from overlap.observe.monitor import rss_bytes
+from overlap.tools.bench.step import process_peak_rss_bytes
+from overlap.tools.flags import JSON_FLAG, OVERLAP_CONFIG_FLAG, WORLD_SIZES_FLAG, command, flag, write_json
+from overlap.tools.workloads.step import Workload, build_model
+from overlap.tools.worlds.launch import current_device, default_world, run_local_world
 
 DEFAULT_CONTENDERS = ("overlap", "fsdp2", "ddp")
 CONTENDERS = DEFAULT_CONTENDERS + peers.PEERS
@@ -78,25 +77,31 @@ class MemoryBenchConfig:
     """One memory comparison. The defaults (151 M parameters) need ~2.5 GB per DDP rank on CPU."""
 
     layers: int = 12
+    """TransformerEncoderLayers in the model."""
     d_model: int = 1024
+    """Model width."""
     heads: int = 16
     ff: int = 4096
+    """Feed-forward width."""
     seq: int = 128
     batch: int = 2
+    """Sequences per rank."""
     steps: int = 3
+    """Training steps; PowerSGD allocates its error feedback at step 2, so >= 3 counts it."""
     lr: float = 1e-4
     seed: int = 0
-    contenders: tuple[str, ...] = DEFAULT_CONTENDERS
-    overlap_configs: tuple[str, ...] = ()
+    contenders: tuple[str, ...] = field(default=DEFAULT_CONTENDERS, metadata=flag(help=f"comma list from {CONTENDERS}"))
+    overlap_configs: tuple[str, ...] = field(default=(), metadata=OVERLAP_CONFIG_FLAG)
     """Extra overlap contenders, one per "key=value[,key=value]" of OverlapConfig overrides."""
-    nproc: tuple[int, ...] | None = None
+    nproc: tuple[int, ...] | None = field(default=None, metadata=WORLD_SIZES_FLAG)
     """World sizes; None: every local GPU, else 2 CPU ranks (overlap.launch.default_world)."""
     device: Device = "auto"
     """"cuda": NCCL, one GPU per rank; "cpu": gloo; "auto": cuda when there is a GPU."""
     threads: int | None = None
     """Torch threads per rank (None: the cores split evenly)."""
     timeout_s: float = 300.0
-    json_path: str | None = None
+    """Deadline of each world: a rank still running then is named in the error."""
+    json_path: str | None = field(default=None, metadata=JSON_FLAG)
 
     def __post_init__(self) -> None:
         sizes = (self.layers, self.d_model, self.heads, self.ff, self.seq, self.batch, self.steps)
@@ -120,11 +125,9 @@ class MemoryBenchConfig:
         for spec in self.overlap_configs:
             parse_overrides(spec)
 
-    def workload(self) -> StepBenchConfig:
+    def workload(self) -> Workload:
         """The same model as `overlap bench step --model w1` at these sizes."""
-        return StepBenchConfig(
-            layers=self.layers, dim=self.d_model, heads=self.heads, ff=self.ff, seed=self.seed
-        )
+        return Workload(layers=self.layers, dim=self.d_model, heads=self.heads, ff=self.ff, seed=self.seed)
 
     def contender_names(self) -> list[str]:
         names = []
@@ -320,66 +323,8 @@ def bench_memory(cfg: MemoryBenchConfig) -> dict[str, Any]:
         "runs": [asdict(r) for r in runs],
     }
     if cfg.json_path:
-        path = Path(cfg.json_path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(payload, indent=2) + "\n")
-        print(f"wrote {path}")
+        write_json(cfg.json_path, payload)
     return payload
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    d = MemoryBenchConfig()
-    parser.add_argument("--layers", type=int, default=d.layers)
-    parser.add_argument("--d-model", dest="d_model", type=int, default=d.d_model)
-    parser.add_argument("--heads", type=int, default=d.heads)
-    parser.add_argument("--ff", type=int, default=d.ff)
-    parser.add_argument("--seq", type=int, default=d.seq)
-    parser.add_argument("--batch", type=int, default=d.batch, help="sequences per rank")
-    parser.add_argument("--steps", type=int, default=d.steps)
-    parser.add_argument("--lr", type=float, default=d.lr)
-    parser.add_argument("--seed", type=int, default=d.seed)
-    parser.add_argument(
-        "--contenders", default=",".join(d.contenders), help=f"comma list from {CONTENDERS}"
-    )
-    parser.add_argument(
-        "--overlap-config",
-        dest="overlap_config",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE,...",
-        help="one more overlap contender with these OverlapConfig overrides (repeatable)",
-    )
-    parser.add_argument(
-        "--nproc", type=parse_nproc, default=None, metavar="N[,N...]",
-        help="world sizes (default: every GPU, else 2 CPU ranks)",
-    )  # fmt: skip
-    parser.add_argument("--device", default=d.device, choices=("auto", "cpu", "cuda"))
-    parser.add_argument("--threads", type=int, default=None, help="torch threads per rank")
-    parser.add_argument("--timeout-s", type=float, default=d.timeout_s)
-    parser.add_argument("--json", dest="json_path", default=None, metavar="PATH")
-
-
-def run(args: argparse.Namespace) -> int:
-    try:
-        cfg = MemoryBenchConfig(
-            layers=args.layers,
-            d_model=args.d_model,
-            heads=args.heads,
-            ff=args.ff,
-            seq=args.seq,
-            batch=args.batch,
-            steps=args.steps,
-            lr=args.lr,
-            seed=args.seed,
-            contenders=tuple(c.strip() for c in args.contenders.split(",") if c.strip()),
-            overlap_configs=tuple(args.overlap_config),
-            nproc=None if args.nproc is None else tuple(args.nproc),
-            device=args.device,
-            threads=args.threads,
-            timeout_s=args.timeout_s,
-            json_path=args.json_path,
-        )
-    except (ValueError, TypeError) as e:
-        raise SystemExit(f"overlap bench memory: {e}") from None
-    bench_memory(cfg)
-    return 0
+add_arguments, run = command(MemoryBenchConfig, bench_memory, "overlap bench memory")

@@ -1,12 +1,12 @@
-"""`overlap bench step --mesh dp=2,tp=2`: FSDP x TP, overlap beside FSDP2 on the same mesh.
+"""`overlap bench mesh`: FSDP x TP, overlap beside FSDP2 on the same (dp, tp) mesh.
 
-    overlap bench step --mesh dp=2,tp=2 --layers 4 --dim 256 --ff 1024 --no-memory
+    overlap bench mesh --dp 2 --tp 2 --layers 4 --dim 256 --ff 1024 --no-memory
 
 One spawned gloo world of dp x tp ranks, `init_device_mesh("cpu", (dp, tp), ("dp", "tp"))`. The
-model is `--layers` residual MLP blocks (dim -> ff -> dim, ReLU) and a plain head, each block made
-tensor-parallel by `parallelize_module(block, mesh["tp"], {"up": ColwiseParallel(), "down":
-RowwiseParallel()})`; the batch is `--batch` x `--seq` tokens per dp rank (the same on the tp
-ranks of a dp rank), loss mean(out^2). Contenders, both identically initialized in the same
+model is `--layers` residual MLP blocks (dim -> ff -> dim, ReLU) and a plain head
+(overlap.tools.workloads.toy), each block made tensor-parallel by `parallelize_module(block,
+mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})`; the batch is `--batch` x
+`--seq` tokens per dp rank (the same on the tp ranks of a dp rank), loss mean(out^2). Contenders, both identically initialized in the same
 processes:
   overlap   overlap.wrap(model, group=mesh["dp"]), default config (plus one per --overlap-config)
   fsdp2     fully_shard(block, mesh=mesh["dp"]) per block, then the root; defaults
@@ -22,9 +22,11 @@ rank's VmHWM, as `overlap bench step` measures it).
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -33,7 +35,9 @@ import torch.nn as nn
 import overlap
 from overlap.engine.autotune_memory import process_peak_rss_bytes
 from overlap.tools.bench.peers import parse_overrides, state_bytes
-from overlap.tools.launch import run_local_world
+from overlap.tools.flags import OVERLAP_CONFIG_FLAG, command, config_or_exit, from_flags
+from overlap.tools.workloads.toy import ResidualMlp, tensor_parallel
+from overlap.tools.worlds.launch import run_local_world
 
 WARMUP_STEPS = 2
 
@@ -43,22 +47,32 @@ class MeshBenchConfig:
     """One FSDP x TP comparison."""
 
     dp: int = 2
+    """Data-parallel ranks: overlap and FSDP2 shard over them."""
     tp: int = 2
-    overlap_configs: tuple[str, ...] = ()
+    """Tensor-parallel ranks per data-parallel rank."""
+    overlap_configs: tuple[str, ...] = field(default=(), metadata=OVERLAP_CONFIG_FLAG)
     """Extra overlap contenders, one per "key=value[,key=value]" of OverlapConfig overrides."""
     rounds: int = 3
+    """Rounds interleaving the contenders (order rotated each round)."""
     steps: int = 6
     """Timed steps per contender per round."""
     layers: int = 8
+    """Residual MLP blocks: the units of sharding."""
     dim: int = 512
+    """Model width (divisible by tp)."""
     ff: int = 2048
+    """Hidden width of each block (divisible by tp)."""
     batch: int = 4
+    """Sequences per dp rank (the same on the tp ranks of a dp rank)."""
     seq: int = 128
     lr: float = 1e-4
+    """AdamW's learning rate."""
     threads: int = 1
+    """Torch threads per rank."""
     memory: bool = True
     """Measure each contender's peak RSS in a fresh world of its own."""
     timeout_s: float = 300.0
+    """Process-group timeout: a hung collective fails after this long."""
 
     def __post_init__(self) -> None:
         if min(self.dp, self.tp, self.rounds, self.steps, self.layers, self.dim, self.ff, self.batch, self.seq) < 1:
@@ -77,35 +91,9 @@ def parse_mesh(text: str) -> tuple[int, int]:
     return int(sizes["dp"]), int(sizes["tp"])
 
 
-class _Block(nn.Module):
-    def __init__(self, dim: int, ff: int) -> None:
-        super().__init__()
-        self.up, self.down = nn.Linear(dim, ff), nn.Linear(ff, dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.down(torch.relu(self.up(x)))
-
-
-class _Net(nn.Module):
-    def __init__(self, cfg: MeshBenchConfig) -> None:
-        super().__init__()
-        self.layers = nn.ModuleList(_Block(cfg.dim, cfg.ff) for _ in range(cfg.layers))
-        self.head = nn.Linear(cfg.dim, cfg.dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for layer in self.layers:
-            x = layer(x)
-        return self.head(x)
-
-
-def _model(cfg: MeshBenchConfig, mesh) -> nn.Module:
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-
+def _model(cfg: MeshBenchConfig, mesh: Any) -> nn.Module:
     torch.manual_seed(0)
-    model = _Net(cfg)
-    for block in model.layers:
-        parallelize_module(block, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
-    return model
+    return tensor_parallel(ResidualMlp(cfg.layers, cfg.dim, cfg.ff), mesh["tp"])
 
 
 def _contender(cfg: MeshBenchConfig, mesh, name: str) -> nn.Module:
@@ -228,16 +216,15 @@ def bench_mesh(cfg: MeshBenchConfig) -> dict:
     return report
 
 
-def run(args) -> int:
-    """`overlap bench step --mesh ...`, from step's parsed flags (those it does not use ignored)."""
-    try:
+add_arguments, run = command(MeshBenchConfig, bench_mesh, "overlap bench mesh")
+
+
+def run_from_step_flags(args: argparse.Namespace) -> int:
+    """`overlap bench step --mesh dp=N,tp=M ...`, the old spelling: step's flags that this
+    benchmark has, the others ignored."""
+    def build() -> MeshBenchConfig:
         dp, tp = parse_mesh(args.mesh)
-        cfg = MeshBenchConfig(
-            dp=dp, tp=tp, overlap_configs=tuple(args.overlap_config), rounds=args.rounds,
-            steps=args.steps, layers=args.layers, dim=args.dim, ff=args.ff, batch=args.batch,
-            seq=args.seq, lr=args.lr, threads=args.threads, memory=args.memory, timeout_s=args.timeout_s,
-        )  # fmt: skip
-    except ValueError as e:
-        raise SystemExit(f"overlap bench step --mesh: {e}") from None
-    bench_mesh(cfg)
+        return from_flags(MeshBenchConfig, args, dp=dp, tp=tp)
+
+    bench_mesh(config_or_exit("overlap bench step --mesh", build))
     return 0

@@ -12,7 +12,7 @@ Contenders (every one a fresh, identically initialized model in the same process
   plain    the model itself: no wrapper, no communication
   ddp      DistributedDataParallel
   fsdp2    fully_shard per block, then the root; defaults
-  overlap  overlap.wrap with one unit per block (unit_policy={Block}, min_unit_numel=0)
+  overlap  overlap.wrap with one unit per block (unit_policy={TinyBlock}, min_unit_numel=0)
 
 Each world size of `--nproc` is its own spawned gloo world (1 thread per rank). Rounds interleave
 the contenders (order rotated each round) with the protocol of `overlap bench step`: 2 warm-up
@@ -32,13 +32,11 @@ JSON (`--json PATH`): `{"config", "worlds": [{"world_size", "runs": [{"name", "m
 
 from __future__ import annotations
 
-import argparse
 import cProfile
-import json
 import pstats
 import statistics
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -46,24 +44,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from overlap.tools.bench.step import Contender, parse_nproc, run_segment, train_step
-from overlap.tools.launch import run_local_world
+from overlap.tools.bench.step import Contender, run_segment
+from overlap.tools.flags import JSON_FLAG, WORLD_SIZES_FLAG, command, flag, write_json
+from overlap.tools.workloads.step import train_step
+from overlap.tools.workloads.toy import TinyBlock, tiny_blocks
+from overlap.tools.worlds.launch import run_local_world
 
 CONTENDERS = ("plain", "ddp", "fsdp2", "overlap")
 PROFILE_TOP = 25
 """Functions listed in the printed profile ranking (the JSON keeps PROFILE_TOP * 2)."""
-
-
-class Block(nn.Module):
-    """Linear + GELU: the unit of sharding (overlap's unit, FSDP2's fully_shard)."""
-
-    def __init__(self, dim: int) -> None:
-        super().__init__()
-        self.linear = nn.Linear(dim, dim)
-        self.act = nn.GELU()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.act(self.linear(x))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -71,20 +60,26 @@ class OverheadBenchConfig:
     """One per-unit overhead measurement. Defaults take about two minutes on 2 CPU cores."""
 
     units: int = 64
-    """Blocks in the model: U, the divisor of the overhead."""
+    """Blocks in the model (U): the divisor of the overhead."""
     dim: int = 64
+    """Width of each Linear(dim, dim)."""
     batch: int = 8
+    """Rows of the input per rank."""
     rounds: int = 5
+    """Rounds interleaving the contenders (order rotated each round)."""
     steps: int = 20
     """Timed steps per contender per round."""
-    contenders: tuple[str, ...] = CONTENDERS
-    nproc: tuple[int, ...] = (1, 2)
+    contenders: tuple[str, ...] = field(default=CONTENDERS, metadata=flag(help=f"comma list from {CONTENDERS}"))
+    nproc: tuple[int, ...] = field(default=(1, 2), metadata=WORLD_SIZES_FLAG)
+    """World sizes."""
     lr: float = 0.01
+    """SGD's learning rate."""
     seed: int = 0
     timeout_s: float = 300.0
-    json_path: str | None = None
-    profile_path: str | None = None
-    """Write a cProfile of overlap at world size 1 here (None: no profile)."""
+    """Deadline of each world: a rank still running then is named in the error."""
+    json_path: str | None = field(default=None, metadata=JSON_FLAG)
+    profile_path: str | None = field(default=None, metadata=flag(name="--profile", metavar="PATH"))
+    """Also cProfile overlap at world size 1 and write the pstats file here (None: no profile)."""
     profile_steps: int = 20
 
     def __post_init__(self) -> None:
@@ -103,8 +98,7 @@ class OverheadBenchConfig:
 
 
 def build_model(cfg: OverheadBenchConfig) -> nn.Sequential:
-    torch.manual_seed(cfg.seed)  # same init on every rank and for every contender
-    return nn.Sequential(*[Block(cfg.dim) for _ in range(cfg.units)])
+    return tiny_blocks(cfg.units, cfg.dim, cfg.seed)
 
 
 def make_contender(cfg: OverheadBenchConfig, name: str, batch: tuple[torch.Tensor]) -> Contender:
@@ -122,7 +116,7 @@ def make_contender(cfg: OverheadBenchConfig, name: str, batch: tuple[torch.Tenso
     elif name == "overlap":
         import overlap
 
-        model = overlap.wrap(model, unit_policy={Block}, min_unit_numel=0)
+        model = overlap.wrap(model, unit_policy={TinyBlock}, min_unit_numel=0)
     opt = torch.optim.SGD(model.parameters(), lr=cfg.lr)
 
     def step(on_stepped: Any = None) -> torch.Tensor:
@@ -326,10 +320,7 @@ def bench_overhead(cfg: OverheadBenchConfig) -> dict[str, Any]:
         print(format_profile(profile), flush=True)
     payload = {"config": asdict(cfg), "worlds": [asdict(w) for w in worlds], "profile": profile}
     if cfg.json_path:
-        path = Path(cfg.json_path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(payload, indent=2) + "\n")
-        print(f"wrote {path}")
+        write_json(cfg.json_path, payload)
     return payload
 
 
@@ -337,53 +328,4 @@ def bench_overhead(cfg: OverheadBenchConfig) -> dict[str, Any]:
 # command line
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    d = OverheadBenchConfig()
-    parser.add_argument("--units", type=int, default=d.units, help="blocks in the model (U)")
-    parser.add_argument("--dim", type=int, default=d.dim)
-    parser.add_argument("--batch", type=int, default=d.batch)
-    parser.add_argument("--rounds", type=int, default=d.rounds)
-    parser.add_argument(
-        "--steps", type=int, default=d.steps, help="timed steps per contender per round"
-    )
-    parser.add_argument(
-        "--contenders", default=",".join(d.contenders), help=f"comma list from {CONTENDERS}"
-    )
-    parser.add_argument(
-        "--nproc", type=parse_nproc, default=d.nproc, metavar="N[,N...]", help="world sizes"
-    )
-    parser.add_argument("--lr", type=float, default=d.lr)
-    parser.add_argument("--seed", type=int, default=d.seed)
-    parser.add_argument("--timeout-s", type=float, default=d.timeout_s)
-    parser.add_argument("--json", dest="json_path", default=None, metavar="PATH")
-    parser.add_argument(
-        "--profile",
-        dest="profile_path",
-        default=None,
-        metavar="PATH",
-        help="also cProfile overlap at world size 1 and write the pstats file here",
-    )
-    parser.add_argument("--profile-steps", type=int, default=d.profile_steps)
-
-
-def run(args: argparse.Namespace) -> int:
-    try:
-        cfg = OverheadBenchConfig(
-            units=args.units,
-            dim=args.dim,
-            batch=args.batch,
-            rounds=args.rounds,
-            steps=args.steps,
-            contenders=tuple(c.strip() for c in args.contenders.split(",") if c.strip()),
-            nproc=tuple(args.nproc),
-            lr=args.lr,
-            seed=args.seed,
-            timeout_s=args.timeout_s,
-            json_path=args.json_path,
-            profile_path=args.profile_path,
-            profile_steps=args.profile_steps,
-        )
-    except (ValueError, TypeError) as e:
-        raise SystemExit(f"overlap bench overhead: {e}") from None
-    bench_overhead(cfg)
-    return 0
+add_arguments, run = command(OverheadBenchConfig, bench_overhead, "overlap bench overhead")

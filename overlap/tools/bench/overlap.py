@@ -24,19 +24,19 @@ comm alone (agreed across ranks): the case where overlap matters most.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.distributed as dist
 
 from overlap.tools.bench.comm import OPS, Op, build_case, count_for
-from overlap.tools.bench.link import LinkSpec, active_link
-from overlap.tools.bench.world import run_bench
-from overlap.tools.launch import current_device
+from overlap.tools.flags import JSON_FLAG, LINK_FLAG, command
+from overlap.tools.worlds.launch import current_device
+from overlap.tools.worlds.link import LinkSpec, active_link
+from overlap.tools.worlds.runner import run_bench
 
 PHASES = ("compute", "comm", "together", "together_compute")
 """Per-round timings: the three phases, and the compute loop's own time inside "together"."""
@@ -58,9 +58,9 @@ class OverlapBenchConfig:
     rounds: int = 5
     dtype: str = "float32"
     nproc: int | None = None
-    """Ranks of the spawned local world; None: `default_world()`. Ignored under torchrun."""
-    link: str | None = None
-    json_path: str | None = None
+    """Ranks of the spawned local world; None: `default_world()` (2 on CPU). Ignored under torchrun."""
+    link: str | None = field(default=None, metadata=LINK_FLAG)
+    json_path: str | None = field(default=None, metadata=JSON_FLAG)
 
     def __post_init__(self) -> None:
         if self.op not in OPS:
@@ -306,41 +306,4 @@ def bench_overlap(cfg: OverlapBenchConfig) -> OverlapReport | None:
     return run_bench(overlap_rank, cfg)
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    d = OverlapBenchConfig()
-    parser.add_argument("--op", default=d.op, choices=OPS)
-    parser.add_argument("--comm-bytes", type=int, default=d.comm_bytes)
-    parser.add_argument("--num-comms", type=int, default=d.num_comms)
-    parser.add_argument("--matmul-dim", type=int, default=d.matmul_dim)
-    parser.add_argument(
-        "--num-matmuls", type=int, default=None, help="default: as long as the comm alone"
-    )
-    parser.add_argument("--rounds", type=int, default=d.rounds)
-    parser.add_argument("--dtype", default=d.dtype)
-    parser.add_argument(
-        "--nproc", type=int, default=None, help="local world size (default 2 on CPU)"
-    )
-    parser.add_argument(
-        "--link", default=None, metavar="RATE[,DELAY]", help="e.g. 1gbit, 1gbit,200us"
-    )
-    parser.add_argument("--json", dest="json_path", default=None, metavar="PATH")
-
-
-def run(args: argparse.Namespace) -> int:
-    try:
-        cfg = OverlapBenchConfig(
-            op=args.op,
-            comm_bytes=args.comm_bytes,
-            num_comms=args.num_comms,
-            matmul_dim=args.matmul_dim,
-            num_matmuls=args.num_matmuls,
-            rounds=args.rounds,
-            dtype=args.dtype,
-            nproc=args.nproc,
-            link=args.link,
-            json_path=args.json_path,
-        )
-    except (ValueError, TypeError) as e:
-        raise SystemExit(f"overlap bench overlap: {e}") from None
-    bench_overlap(cfg)
-    return 0
+add_arguments, run = command(OverlapBenchConfig, bench_overlap, "overlap bench overlap")

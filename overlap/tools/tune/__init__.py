@@ -11,9 +11,9 @@ and the command line (`command`) live in their own modules.
 """
 
 from overlap.tools.tune.halving import HalvingRound, halving_schedule, score, survivors
-from overlap.tools.tune.space import Codec, TuneSpace, default_space, describe
 from overlap.tools.tune.options import TuneConfig
 from overlap.tools.tune.result import RoundResult, TuneResult
+from overlap.tools.tune.space import Codec, TuneSpace, default_space, describe
 from overlap.tools.tune.tuner import default_optimizer, tune
 
 __all__ = [

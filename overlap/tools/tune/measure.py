@@ -23,9 +23,9 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from overlap.transport.backend import default_device
 from overlap.config import OverlapConfig
 from overlap.tools.tune.predict import OptimizerFn, StepFn
+from overlap.transport.backend import default_device
 
 TrialFn = Callable[[OverlapConfig, int], list[float]]
 """`trial(config, num_steps)`: build, wrap and warm up a model under `config`, time `num_steps`

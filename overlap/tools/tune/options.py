@@ -14,6 +14,7 @@ from typing import Any, Literal
 from overlap.config import OverlapConfig
 from overlap.step_model.calibration import Calibration
 from overlap.step_model.cost import Topology
+from overlap.tools.flags import flag
 from overlap.tools.tune.space import TuneSpace
 
 CachePolicy = Literal["use", "refresh", "off"]
@@ -23,10 +24,10 @@ CachePolicy = Literal["use", "refresh", "off"]
 class TuneConfig:
     """How `overlap.tune.tune` searches. Keyword overrides of `tune(...)` replace fields."""
 
-    space: TuneSpace | None = None
+    space: TuneSpace | None = field(default=None, metadata=flag(cli=False))
     """The grid. None: `default_space(model, base=base, allow_compression=...)`."""
 
-    base: OverlapConfig = field(default_factory=OverlapConfig)
+    base: OverlapConfig = field(default_factory=OverlapConfig, metadata=flag(cli=False))
     """Every field the space does not set (unit policy, mixed precision, ...) comes from here.
     The base config itself is always measured when it lies in the grid."""
 
@@ -42,7 +43,11 @@ class TuneConfig:
     first_round_steps: int = 1
     """Timed steps per candidate in the first round; each later round doubles them."""
 
-    total_steps: int | None = None
+    total_steps: int | None = field(
+        default=None,
+        metadata=flag(name="--budget", metavar="STEPS", help="timed steps per rank over all rounds "
+                      "(default: 1 step per candidate in the first round)"),
+    )  # fmt: skip
     """Budget: timed steps per rank over all rounds. When set, the first round gets as many steps
     as fit (at least one) and `first_round_steps` is ignored."""
 
@@ -55,22 +60,22 @@ class TuneConfig:
     max_unsharded_bytes: int | None = None
     """Drop candidates whose predicted peak of unsharded parameters exceeds this (a memory cap)."""
 
-    cache: CachePolicy = "use"
+    cache: CachePolicy = field(default="use", metadata=flag(cli=False))  # --refresh / --no-cache
     """"use": return a cached config for the same key, else tune and store; "refresh": tune and
     overwrite; "off": neither read nor write."""
 
     cache_dir: str | None = None
     """Where entries live (None: `overlap.tools.tune.cache.default_cache_dir()`)."""
 
-    key_extra: Mapping[str, Any] = field(default_factory=dict)
+    key_extra: Mapping[str, Any] = field(default_factory=dict, metadata=flag(cli=False))
     """More of the cache key: what the model signature cannot see (batch size, sequence length)."""
 
-    calibration: Calibration | str | Path | None = None
+    calibration: Calibration | str | Path | None = field(default=None, metadata=flag(parse=str, metavar="FILE"))
     """The planner's costs: a `Calibration` or its JSON file (`overlap plan --calibrate FILE`);
     None: the defaults for this world (`default_world_calibration`). See [Note: one model] in
     overlap/step_model/calibration.py."""
 
-    topology: Topology | None = None
+    topology: Topology | None = field(default=None, metadata=flag(cli=False))
     """The planner's links, over the calibration's (None: the calibration's, on this world's
     ranks; without a calibration on NCCL, NVLink within a node and NDR across nodes)."""
 

@@ -38,8 +38,8 @@ from overlap.engine.units import group_units
 from overlap.step_model.calibration import Calibration, codec_path, default_world_calibration
 from overlap.step_model.cost import LINKS, Topology, UnitCost
 from overlap.step_model.simulate import Prediction
-from overlap.tools.bench.link import LinkSpec
 from overlap.tools.tune.space import Codec, unit_numels
+from overlap.tools.worlds.link import LinkSpec
 
 StepFn = Callable[[nn.Module, torch.optim.Optimizer], Any]
 OptimizerFn = Callable[[Any], torch.optim.Optimizer]

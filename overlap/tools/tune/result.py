@@ -15,6 +15,7 @@ from overlap.config import OverlapConfig
 from overlap.tools.tune.cache import config_fields
 from overlap.tools.tune.space import TuneSpace, tuned_fields
 
+
 @dataclass(frozen=True)
 class RoundResult:
     """One round of successive halving, as rank 0 decided it (identical on every rank)."""

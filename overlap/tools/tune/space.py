@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 from typing import Any, NamedTuple
 
 import torch
@@ -18,6 +18,19 @@ import torch.nn as nn
 from overlap.compression import GRAD_CODECS, PARAM_CODECS
 from overlap.config import OverlapConfig
 from overlap.engine.units import find_unit_modules, group_units
+from overlap.tools.flags import comma_list, flag
+
+SPACE = "search space (default: sized to the model's units)"
+
+
+def count(text: str) -> int:
+    """"50e6" -> 50000000: a count or byte size, written as a number."""
+    return int(float(text))
+
+
+def cap(text: str) -> int | None:
+    """"none" -> None (no cap), else a byte count."""
+    return None if text.lower() == "none" else count(text)
 
 
 class Codec(NamedTuple):
@@ -90,64 +103,59 @@ def _as_tuple(name: str, values: Any) -> tuple[Any, ...]:
 class TuneSpace:
     """Values tried per `OverlapConfig` field; the grid is their product (in field order)."""
 
-    min_unit_numel: tuple[int, ...] = (0,)
+    min_unit_numel: tuple[int, ...] = field(default=(0,), metadata=flag(group=SPACE, parse=comma_list(count), metavar="N,N,..."))
     """Shard granularity: consecutive units merge until each holds this many elements."""
 
-    prefetch_depth: tuple[int, ...] = (1, 2)
+    prefetch_depth: tuple[int, ...] = field(default=(1, 2), metadata=flag(group=SPACE, parse=comma_list(count), metavar="D,D,..."))
     """Units all-gathered ahead of use."""
 
-    max_inflight_allgather_bytes: tuple[int | None, ...] = (None,)
+    max_inflight_allgather_bytes: tuple[int | None, ...] = field(
+        default=(None,), metadata=flag(name="--max-inflight-bytes", group=SPACE, parse=comma_list(cap), metavar="none,B,...")
+    )
     """Byte caps on unsharded parameters in flight (None: only the depth limits)."""
 
-    reduce_scatter_bucket_bytes: tuple[int, ...] = (0,)
+    reduce_scatter_bucket_bytes: tuple[int, ...] = field(
+        default=(0,), metadata=flag(name="--bucket-bytes", group=SPACE, parse=comma_list(count), metavar="B,B,...")
+    )
     """Gradient bucket sizes (0: every unit reduced on its own)."""
 
-    max_reduce_inputs: tuple[int, ...] = (1,)
+    max_reduce_inputs: tuple[int, ...] = field(default=(1,), metadata=flag(group=SPACE, parse=comma_list(count), metavar="K,K,..."))
     """Reduce-scatter inputs alive at once (2 lets a second reduce-scatter queue on a slow link:
     autotune found it 13% faster behind 1 Gbit, RESULTS.md "Self-tuning")."""
 
-    reshard_after_forward: tuple[bool, ...] = (True,)
+    reshard_after_forward: tuple[bool, ...] = field(default=(True,), metadata=flag(cli=False))
     """ZeRO-3 (True) and/or ZeRO-2 (False). Only (True,) by default: ZeRO-2 trades memory for
     speed, which is the user's decision, not a measurement's."""
 
-    codecs: tuple[Codec, ...] = (NO_CODEC,)
+    codecs: tuple[Codec, ...] = field(
+        default=(NO_CODEC,),
+        metadata=flag(group=SPACE, parse=comma_list(Codec.parse), metavar="C,C,...",
+                      help="e.g. none,bf16,int8+ef,fp8/int4+ef (a lossy one needs --allow-compression)"),
+    )  # fmt: skip
     """Compression choices (strings such as "int8+ef" are parsed). Anything lossy changes the
     numerics: `overlap.tune` refuses it unless compression is allowed."""
 
     def __post_init__(self) -> None:
-        for name in (
-            "min_unit_numel",
-            "prefetch_depth",
-            "max_inflight_allgather_bytes",
-            "reduce_scatter_bucket_bytes",
-            "max_reduce_inputs",
-            "reshard_after_forward",
-        ):
-            object.__setattr__(self, name, _as_tuple(name, getattr(self, name)))
+        for f in fields(self):
+            if f.name != "codecs":
+                object.__setattr__(self, f.name, _as_tuple(f.name, getattr(self, f.name)))
         codecs = tuple(Codec.parse(c) if isinstance(c, str) else Codec(*c) for c in self.codecs)
         for codec in codecs:
             codec.validate()
         object.__setattr__(self, "codecs", _as_tuple("codecs", codecs))
-        for flag in self.reshard_after_forward:
-            if not isinstance(flag, bool):
-                raise TypeError(f"TuneSpace.reshard_after_forward holds bools, got {flag!r}")
+        for value in self.reshard_after_forward:
+            if not isinstance(value, bool):
+                raise TypeError(f"TuneSpace.reshard_after_forward holds bools, got {value!r}")
         # Let OverlapConfig name any bad value (negative depth, zero cap, ...) up front.
         self.candidates(OverlapConfig())
 
+    def axes(self) -> tuple[tuple[Any, ...], ...]:
+        """The values of every field, in field order: the grid's axes."""
+        return tuple(getattr(self, f.name) for f in fields(self))
+
     @property
     def size(self) -> int:
-        return math.prod(
-            len(v)
-            for v in (
-                self.min_unit_numel,
-                self.prefetch_depth,
-                self.max_inflight_allgather_bytes,
-                self.reduce_scatter_bucket_bytes,
-                self.max_reduce_inputs,
-                self.reshard_after_forward,
-                self.codecs,
-            )
-        )
+        return math.prod(len(values) for values in self.axes())
 
     @property
     def lossless(self) -> bool:
@@ -157,15 +165,7 @@ class TuneSpace:
     def candidates(self, base: OverlapConfig) -> list[OverlapConfig]:
         """The grid: `base` with every combination of the values, in a fixed order (the same on
         every rank; candidates are named by their index in it)."""
-        grid = itertools.product(
-            self.min_unit_numel,
-            self.prefetch_depth,
-            self.max_inflight_allgather_bytes,
-            self.reduce_scatter_bucket_bytes,
-            self.max_reduce_inputs,
-            self.reshard_after_forward,
-            self.codecs,
-        )
+        grid = itertools.product(*self.axes())
         return [
             base.replace(
                 min_unit_numel=unit,

@@ -16,7 +16,7 @@ optimizer with `optimizer_fn`, runs `warmup_steps` untimed and then the round's 
 it): forward, backward, optimizer step, zero_grad.
 
 `TuneConfig` lives in options.py and `TuneResult`, `RoundResult` in result.py; both are
-importable from here as before.
+importable from here.
 """
 
 from __future__ import annotations
@@ -33,7 +33,6 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from overlap.transport.backend import semantics
 from overlap.config import OverlapConfig
 from overlap.step_model.calibration import Calibration
 from overlap.tools.tune.cache import (
@@ -61,6 +60,9 @@ from overlap.tools.tune.measure import (
     gather_to_rank0,
     process_group,
 )
+
+# How tune searches (importable from here too): overlap/tools/tune/options.py
+from overlap.tools.tune.options import CachePolicy, TuneConfig
 from overlap.tools.tune.predict import (
     ModelProfile,
     OptimizerFn,
@@ -71,14 +73,11 @@ from overlap.tools.tune.predict import (
     profile_model,
     prune,
 )
-from overlap.tools.tune.space import Codec, TuneSpace, default_space, describe, tuned_fields
-
-# Re-exported: these lived in this module before it was split; importers keep using tuner.X.
-# How tune searches: overlap/tools/tune/options.py
-from overlap.tools.tune.options import CachePolicy, TuneConfig
 
 # What it decided: overlap/tools/tune/result.py
 from overlap.tools.tune.result import RoundResult, TuneResult
+from overlap.tools.tune.space import Codec, TuneSpace, default_space, describe, tuned_fields
+from overlap.transport.backend import semantics
 
 __all__ = [
     "CachePolicy",
@@ -97,7 +96,7 @@ def default_optimizer(params: Any) -> torch.optim.Optimizer:
 def _make_key(
     model: nn.Module, pg: dist.ProcessGroup, space: TuneSpace, cfg: TuneConfig
 ) -> TuneKey:
-    from overlap.tools.bench.link import active_link
+    from overlap.tools.worlds.link import active_link
 
     device = next(model.parameters()).device
     backend = semantics(pg, device).backend  # [Note: NCCL is not gloo] in backend.py
@@ -124,7 +123,7 @@ def _plan(
 ) -> tuple[list[int], list[float]]:
     """Rank 0: the planner's step time for every grid candidate (ms, by grid index) and the grid
     indices worth measuring (see [Note: pruning])."""
-    from overlap.tools.bench.link import active_link
+    from overlap.tools.worlds.link import active_link
 
     backend = semantics(pg, torch.device(profile.device_type)).backend
     given = cfg.calibration

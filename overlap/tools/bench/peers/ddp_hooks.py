@@ -1,7 +1,7 @@
 """The DDP communication-hook peers of the benchmarks: ddp-bf16, ddp-fp16, ddp-powersgd1 and
 ddp-powersgd4 (torch's bf16/fp16 compress hooks and powerSGD_hook).
 
-Split out of overlap/tools/bench/peers.py, which holds [Note: PowerSGD settings].
+The package's docstring (overlap/tools/bench/peers/__init__.py) holds [Note: PowerSGD settings].
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from overlap.tools.bench.peers_trainer import TrainSetup, Trainer, ddp, plain_trainer, storage_bytes
+from overlap.tools.bench.peers.trainer import Trainer, TrainSetup, ddp, plain_trainer, storage_bytes
 
 POWERSGD_RANKS = {"ddp-powersgd1": 1, "ddp-powersgd4": 4}
 

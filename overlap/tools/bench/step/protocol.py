@@ -1,7 +1,7 @@
 """`overlap bench step`'s protocol, run on every rank: warm-up, parity check, state accounting,
 the timed rounds, and the memory pass's per-rank peak.
 
-Split out of overlap/tools/bench/step.py, whose docstring describes the protocol.
+The package's docstring (overlap/tools/bench/step/__init__.py) describes the protocol.
 """
 
 from __future__ import annotations
@@ -15,14 +15,15 @@ from overlap.engine.autotune_memory import process_peak_rss_bytes
 from overlap.observe.monitor import rss_bytes
 from overlap.tools.bench import peers
 from overlap.tools.bench.peers import state_bytes
-from overlap.tools.bench.step_contenders import (
+from overlap.tools.bench.step.config import StepBenchConfig
+from overlap.tools.bench.step.contenders import (
     Contender,
     build_contender,
     build_contenders,
     train_setup,
 )
-from overlap.tools.bench.step_report import StepReport, summarize
-from overlap.tools.bench.step_workload import StepBenchConfig, make_batch
+from overlap.tools.bench.step.report import StepReport, summarize
+from overlap.tools.workloads.step import make_batch
 
 WARMUP_STEPS = 2
 """Untimed steps per contender per round (and once up front, where step 1 is the parity check)."""

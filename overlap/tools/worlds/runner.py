@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
 
-from overlap.tools.bench.link import LinkSpec, run_linked_world
-from overlap.tools.launch import default_world, in_torchrun, init_from_env, run_local_world
+from overlap.tools.flags import write_json
+from overlap.tools.worlds.launch import default_world, in_torchrun, init_from_env, run_local_world
+from overlap.tools.worlds.link import LinkSpec, run_linked_world
 
 
 def run_bench(rank_fn: Callable[[int, int, Any], Any], cfg: Any) -> Any:
@@ -38,8 +37,5 @@ def run_bench(rank_fn: Callable[[int, int, Any], Any], cfg: Any) -> Any:
         else:
             report = run_local_world(rank_fn, nproc, cfg, backend=backend)[0]
     if report is not None and cfg.json_path:
-        path = Path(cfg.json_path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(report.to_json(), indent=2) + "\n")
-        print(f"wrote {path}")
+        write_json(cfg.json_path, report.to_json())
     return report

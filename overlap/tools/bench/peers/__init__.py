@@ -58,9 +58,9 @@ one order on every rank; PowerSGD then overlaps no communication with backward h
 callbacks run in stream order and the race does not arise.
 
 Layout: `TrainSetup`, `Trainer`, the state accounting and the plain trainer are in
-peers_trainer.py, the DDP-hook peers in peers_ddp_hooks.py, the DeepSpeed peers in
-peers_deepspeed.py; this module names the contenders, checks their packages and builds them
-(overlap, DDP and FSDP2 here). Every name those modules define is importable from here as before.
+trainer.py, the DDP-hook peers in ddp_hooks.py, the DeepSpeed peers in
+deepspeed.py; this module names the contenders, checks their packages and builds them
+(overlap, DDP and FSDP2 here). Every name those modules define is importable from here.
 """
 
 from __future__ import annotations
@@ -74,20 +74,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-# Re-exported: these lived in this module before it was split; importers keep using peers.X.
-# Setup, trainer, accounting, plain trainer: overlap/tools/bench/peers_trainer.py
-from overlap.tools.bench.peers_trainer import (
-    TrainSetup,
-    Trainer,
-    ddp,
-    local_bytes,
-    plain_trainer,
-    state_bytes,
-    storage_bytes,
-)
-
-# DDP with torch's communication hooks: overlap/tools/bench/peers_ddp_hooks.py
-from overlap.tools.bench.peers_ddp_hooks import (
+# DDP with torch's communication hooks: overlap/tools/bench/peers/ddp_hooks.py
+from overlap.tools.bench.peers.ddp_hooks import (
     POWERSGD_RANKS,
     bf16_hook,
     ddp_hook_trainer,
@@ -95,12 +83,23 @@ from overlap.tools.bench.peers_ddp_hooks import (
     serialized_powersgd_hook,
 )
 
-# DeepSpeed ZeRO-3: overlap/tools/bench/peers_deepspeed.py
-from overlap.tools.bench.peers_deepspeed import (
+# DeepSpeed ZeRO-3: overlap/tools/bench/peers/deepspeed.py
+from overlap.tools.bench.peers.deepspeed import (
     DEEPSPEED_QUIET_STEPS,
     deepspeed_config,
     deepspeed_trainer,
     import_deepspeed,
+)
+
+# Setup, trainer, accounting, plain trainer: overlap/tools/bench/peers/trainer.py
+from overlap.tools.bench.peers.trainer import (
+    Trainer,
+    TrainSetup,
+    ddp,
+    local_bytes,
+    plain_trainer,
+    state_bytes,
+    storage_bytes,
 )
 
 __all__ = [

@@ -1,7 +1,7 @@
 """`overlap demo`'s numbers: per-rank memory by accounting and by the OS, the small cross-rank
 gathers, the per-step log and its progress line.
 
-Split out of overlap/tools/demo.py.
+Part of `overlap demo` (overlap/tools/demo/__init__.py).
 """
 
 from __future__ import annotations
@@ -16,8 +16,9 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from overlap.observe.monitor import rss_bytes
-from overlap.tools.demo_config import DemoConfig
-from overlap.tools.launch import current_device
+from overlap.tools.demo.config import DemoConfig
+from overlap.tools.worlds.launch import current_device
+
 
 def _local_bytes(t: torch.Tensor) -> int:
     """Bytes this rank stores for `t`: a DTensor shard counts only its local piece."""

@@ -29,10 +29,10 @@ not when `TORCHELASTIC_RESTART_COUNT` is above 0 (a torchrun restart), nor when 
 `DIR/.overlap_demo_crash_injected`, written just before the exit, exists (a rerun of a spawned
 local world).
 
-Layout: the config and result are in demo_config.py, the memory figures and progress lines in
-demo_metrics.py, checkpoints and crash injection in demo_checkpoint.py, the training of one rank
-in demo_train.py; this module launches the world and holds the command line. Every public name
-those modules define is importable from here as before.
+Layout: the config and result are in config.py, the memory figures and progress lines in
+metrics.py, checkpoints and crash injection in checkpoint.py, the training of one rank in
+train.py; this module launches the world and holds the command line. Every public name
+those modules define is importable from here.
 """
 
 from __future__ import annotations
@@ -42,35 +42,13 @@ import gc
 import json
 import math
 import sys
-from dataclasses import asdict, fields
+from dataclasses import asdict
 from pathlib import Path
 
 import torch.distributed as dist
 
-from overlap.tools.launch import (
-    default_world,
-    exit_now,
-    in_torchrun,
-    init_from_env,
-    run_local_world,
-)
-
-# Re-exported: these lived in this module before it was split; importers keep using demo.X.
-# Config and result: overlap/tools/demo_config.py
-from overlap.tools.demo_config import DEFAULT_SAVE_EVERY, DemoConfig, DemoResult, Engine
-
-# Memory figures, cross-rank gathers, progress lines: overlap/tools/demo_metrics.py
-from overlap.tools.demo_metrics import (
-    gather_floats,
-    library_peak_bytes,
-    log_line,
-    mean_across_ranks,
-    peak_rss_bytes,
-    sharded_state_bytes,
-)
-
-# Checkpoints and crash injection: overlap/tools/demo_checkpoint.py
-from overlap.tools.demo_checkpoint import (
+# Checkpoints and crash injection: overlap/tools/demo/checkpoint.py
+from overlap.tools.demo.checkpoint import (
     CRASH_AT_ENV,
     CRASH_EXIT_CODE,
     CRASH_MARKER,
@@ -81,8 +59,21 @@ from overlap.tools.demo_checkpoint import (
     save,
 )
 
-# Training on one rank: overlap/tools/demo_train.py
-from overlap.tools.demo_train import (
+# Config and result: overlap/tools/demo/config.py
+from overlap.tools.demo.config import DEFAULT_SAVE_EVERY, DemoConfig, DemoResult, Engine
+
+# Memory figures, cross-rank gathers, progress lines: overlap/tools/demo/metrics.py
+from overlap.tools.demo.metrics import (
+    gather_floats,
+    library_peak_bytes,
+    log_line,
+    mean_across_ranks,
+    peak_rss_bytes,
+    sharded_state_bytes,
+)
+
+# Training on one rank: overlap/tools/demo/train.py
+from overlap.tools.demo.train import (
     batches,
     build_model,
     build_optimizer,
@@ -93,6 +84,14 @@ from overlap.tools.demo_train import (
     sync,
     train_rank,
     train_step,
+)
+from overlap.tools.flags import add_flags, from_flags
+from overlap.tools.worlds.launch import (
+    default_world,
+    exit_now,
+    in_torchrun,
+    init_from_env,
+    run_local_world,
 )
 
 __all__ = [
@@ -137,7 +136,7 @@ def demo(cfg: DemoConfig, deadline_s: float | None = None) -> DemoResult | None:
         init_from_env()
         try:
             result = train_rank(dist.get_rank(), dist.get_world_size(), cfg)
-            gc.collect()  # [Note: rank exit] in overlap/tools/launch.py, as a spawned rank does
+            gc.collect()  # [Note: rank exit] in overlap/tools/worlds/launch.py, as a spawned rank does
             return result
         finally:
             dist.destroy_process_group()
@@ -151,44 +150,8 @@ def demo(cfg: DemoConfig, deadline_s: float | None = None) -> DemoResult | None:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Flags of `overlap demo`; each maps to a `DemoConfig` field of the same name."""
-    d = DemoConfig()
-    parser.add_argument("--steps", type=int, default=d.steps)
-    parser.add_argument(
-        "--nproc", type=int, default=d.nproc, help="ranks (default: 2 on CPU, all GPUs)"
-    )
-    parser.add_argument("--layers", type=int, default=d.layers)
-    parser.add_argument("--dim", type=int, default=d.dim)
-    parser.add_argument("--heads", type=int, default=d.heads)
-    parser.add_argument("--block-size", type=int, default=d.block_size)
-    parser.add_argument("--batch-size", type=int, default=d.batch_size, help="per rank")
-    parser.add_argument("--lr", type=float, default=d.lr)
-    parser.add_argument("--seed", type=int, default=d.seed)
-    parser.add_argument("--log-every", type=int, default=d.log_every)
-    parser.add_argument("--eval-batches", type=int, default=d.eval_batches)
-    parser.add_argument(
-        "--max-bytes", type=int, default=d.max_bytes, help="bytes of stdlib source to train on"
-    )
-    parser.add_argument(
-        "--engine",
-        choices=["overlap", "ddp"],
-        default=d.engine,
-        help="ddp: the DistributedDataParallel baseline",
-    )
-    ckpt = parser.add_argument_group("checkpoints (resume after a crash)")
-    ckpt.add_argument(
-        "--checkpoint-dir",
-        default=None,
-        metavar="DIR",
-        help="save sharded checkpoints here; resume from the latest one found",
-    )
-    ckpt.add_argument(
-        "--save-every",
-        type=int,
-        default=None,
-        metavar="N",
-        help=f"steps between checkpoints (default {DEFAULT_SAVE_EVERY}; the last step is saved)",
-    )
+    """Flags of `overlap demo`: `DemoConfig`'s fields, and `--json`."""
+    add_flags(parser, DemoConfig)
     parser.add_argument(
         "--json",
         dest="json_path",
@@ -196,27 +159,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="PATH",
         help="write the result (every step's loss, val loss, timings) as JSON",
     )
-    knobs = parser.add_argument_group("engine knobs (overlap.wrap overrides)")
-    knobs.add_argument("--prefetch-depth", type=int, default=None)
-    knobs.add_argument("--bucket-bytes", type=int, default=None, help="reduce_scatter_bucket_bytes")
-    knobs.add_argument(
-        "--no-reshard-after-forward",
-        dest="reshard_after_forward",
-        action="store_const",
-        const=False,
-        default=None,
-        help="keep gathered weights until backward (ZeRO-2)",
-    )
-    knobs.add_argument("--param-compression", choices=["bf16", "int8", "fp8"], default=None)
-    knobs.add_argument("--grad-compression", choices=["bf16", "int8", "int4"], default=None)
-    knobs.add_argument(
-        "--error-feedback", action="store_const", const=True, default=None, help="with --grad-compression"
-    )
 
 
 def run(args: argparse.Namespace) -> int:
-    names = {f.name for f in fields(DemoConfig)}
-    cfg = DemoConfig(**{k: v for k, v in vars(args).items() if k in names})
+    cfg = from_flags(DemoConfig, args)
     result = demo(cfg)
     if result is not None and args.json_path is not None:
         Path(args.json_path).parent.mkdir(parents=True, exist_ok=True)

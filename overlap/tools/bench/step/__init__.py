@@ -10,8 +10,8 @@ and the peers a user would pick instead (DeepSpeed ZeRO-3, DDP compression hooks
 
 Models (`--model`): `w1`, the core issue's workload, a stack of `--layers`
 nn.TransformerEncoderLayer(d=`--dim`, ff=`--ff`) trained on a fixed random input with loss
-mean(out^2); `gpt`, the package's byte-level GPT (overlap.tools.models.gpt) on a fixed batch of the
-stdlib's bytes (overlap.data) with its own cross-entropy. The unit of sharding is a layer (W1) or
+mean(out^2); `gpt`, the package's byte-level GPT (overlap.tools.workloads.gpt) on a fixed batch of the
+stdlib's bytes (overlap.tools.workloads.data) with its own cross-entropy. The unit of sharding is a layer (W1) or
 a Block (gpt); the GPT's embeddings, final norm and head are the root's.
 
 Each world size of `--nproc` (a comma list, e.g. 1,2,4) is its own spawned gloo world of that many
@@ -67,7 +67,7 @@ DeepSpeed's reduce bucket and overlap's/FSDP2's transient unsharded buffers excl
 peak RSS is per contender: after the timed rounds, each contender runs again in a world of its
 own freshly spawned processes (same world size and threads, no --link), 2 warm-up steps plus 1,
 and each rank reads the OS's high-water mark of its resident memory (VmHWM; see [Note: ru_maxrss
-of a spawned rank] in step_protocol.py) at the end; reported is the largest rank. It covers the whole process (torch import, model build, steps), the same baseline
+of a spawned rank] in protocol.py) at the end; reported is the largest rank. It covers the whole process (torch import, model build, steps), the same baseline
 for every contender. "train" is that peak less the RSS the rank had just before the contender
 was built (torch, the process group and the contender's package loaded): what training adds,
 the CPU's counterpart of CUDA's max_memory_allocated, without the ~600 MB of interpreter and
@@ -83,43 +83,24 @@ JSON (`--json PATH`): `{"world_size", "link", "model", "config", "runs": [{"name
 file per world size: PATH itself for a single world size, else PATH with `.n<world size>` before
 its suffix (out/w1.json -> out/w1.n1.json, out/w1.n2.json, ...).
 
-Layout: the workload (config, models, units, batch, loss) is in step_workload.py, the contenders
-in step_contenders.py, the protocol every rank runs in step_protocol.py, the numbers, tables and
-JSON in step_report.py; this module runs the worlds (the timed one, then the memory pass) and holds
-the command line. Every name those modules define is importable from here as before.
+Layout: the workload (models, units, batch, loss) is overlap/tools/workloads/step.py; here, the
+config in config.py, the contenders in contenders.py, the protocol every rank runs in
+protocol.py, the numbers, tables and JSON in report.py; this module runs the worlds (the timed
+one, then the memory pass) and holds the command line, whose flags are StepBenchConfig's fields.
+Every name those modules define is importable from here.
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import warnings
 from dataclasses import dataclass, replace
 
 from overlap.tools.bench import mesh, peers
-from overlap.tools.bench.link import LinkSpec, run_linked_world
 from overlap.tools.bench.peers import parse_overrides
-from overlap.tools.launch import run_local_world
-
-# Re-exported: these lived in this module before it was split; importers keep using step.X.
-# The workload: overlap/tools/bench/step_workload.py
-from overlap.tools.bench.step_workload import (
-    ALL_CONTENDERS,
-    DEFAULT_CONTENDERS,
-    GPT_CORPUS_BYTES,
-    MODELS,
-    Batch,
-    ModelName,
-    StepBenchConfig,
-    build_model,
-    compute_loss,
-    describe,
-    make_batch,
-    root_params,
-    shard_units,
-)
-
-# The contenders: overlap/tools/bench/step_contenders.py
-from overlap.tools.bench.step_contenders import (
+from overlap.tools.bench.step.config import ALL_CONTENDERS, DEFAULT_CONTENDERS, StepBenchConfig
+from overlap.tools.bench.step.contenders import (
     Contender,
     attach_zero3_comm,
     build_contender,
@@ -130,12 +111,9 @@ from overlap.tools.bench.step_contenders import (
     make_overlap,
     standard,
     train_setup,
-    train_step,
     trainer_step,
 )
-
-# The per-rank protocol and memory reading: overlap/tools/bench/step_protocol.py
-from overlap.tools.bench.step_protocol import (
+from overlap.tools.bench.step.protocol import (
     PARITY_RTOL,
     WARMUP_STEPS,
     check_parity,
@@ -146,9 +124,7 @@ from overlap.tools.bench.step_protocol import (
     step_rank,
     warm_up_and_account,
 )
-
-# The report: overlap/tools/bench/step_report.py
-from overlap.tools.bench.step_report import (
+from overlap.tools.bench.step.report import (
     RATIO_BASES,
     StepReport,
     StepRun,
@@ -158,6 +134,23 @@ from overlap.tools.bench.step_report import (
     summarize,
     write_json,
 )
+from overlap.tools.flags import add_flags, comma_list, config_or_exit, from_flags
+from overlap.tools.workloads.step import (
+    GPT_CORPUS_BYTES,
+    MODELS,
+    Batch,
+    ModelName,
+    Workload,
+    build_model,
+    compute_loss,
+    describe,
+    make_batch,
+    root_params,
+    shard_units,
+    train_step,
+)
+from overlap.tools.worlds.launch import run_local_world
+from overlap.tools.worlds.link import LinkSpec, run_linked_world
 
 __all__ = [
     "ALL_CONTENDERS",
@@ -174,6 +167,7 @@ __all__ = [
     "StepReport",
     "StepRun",
     "WARMUP_STEPS",
+    "Workload",
     "add_arguments",
     "attach_zero3_comm",
     "bench_step",
@@ -212,6 +206,9 @@ __all__ = [
     "write_json",
 ]
 
+parse_nproc = comma_list(int)
+"""`--nproc 1,2,4` -> (1, 2, 4)."""
+
 
 # ---------------------------------------------------------------------------------------------
 # the worlds: timed comparison, then the memory pass
@@ -234,12 +231,8 @@ def measure_peaks(cfg: StepBenchConfig, world_size: int) -> dict[str, Peaks]:
     seen: dict[str, list[tuple[int, int]]] = {name: [] for name in names}
     for _ in range(cfg.memory_repeats):
         for name in names:
-            seen[name].append(
-                run_local_world(
-                    peak_rank, world_size, cfg, name, timeout_s=cfg.timeout_s,
-                    threads_per_rank=cfg.threads,
-                )[0]
-            )  # fmt: skip
+            ranks = run_local_world(peak_rank, world_size, cfg, name, timeout_s=cfg.timeout_s, threads_per_rank=cfg.threads)
+            seen[name].append(ranks[0])
     out = {}
     for name, runs in seen.items():
         train = [t for _, t in runs]
@@ -263,12 +256,9 @@ def bench_step(cfg: StepBenchConfig) -> list[StepReport]:
     reports = []
     for n in cfg.nproc:
         if cfg.link is not None:
-            spec = LinkSpec.parse(cfg.link)
-            report = run_linked_world(step_rank, n, cfg, spec=spec)[0]
+            report = run_linked_world(step_rank, n, cfg, spec=LinkSpec.parse(cfg.link))[0]
         else:
-            report = run_local_world(
-                step_rank, n, cfg, timeout_s=cfg.timeout_s, threads_per_rank=cfg.threads
-            )[0]
+            report = run_local_world(step_rank, n, cfg, timeout_s=cfg.timeout_s, threads_per_rank=cfg.threads)[0]
         assert report is not None, f"rank 0 of world size {n} returned no report"
         if cfg.memory:
             peaks = measure_peaks(cfg, n)
@@ -295,123 +285,34 @@ def bench_step(cfg: StepBenchConfig) -> list[StepReport]:
 # command line
 
 
-def parse_nproc(text: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"--nproc expects a comma list of ints, got {text!r}"
-        ) from None
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    d = StepBenchConfig()
-    parser.add_argument("--model", default=d.model, choices=MODELS)
-    parser.add_argument(
-        "--contenders", default=",".join(d.contenders), help=f"comma list from {ALL_CONTENDERS}"
-    )
-    parser.add_argument(
-        "--overlap-config",
-        dest="overlap_config",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE,...",
-        help="one more overlap contender with these OverlapConfig overrides (repeatable)",
-    )
-    parser.add_argument(
-        "--no-keep-freed-memory",
-        dest="keep_freed_memory",
-        action="store_false",
-        help="leave glibc's malloc thresholds alone for every contender",
-    )
-    parser.add_argument(
-        "--no-memory",
-        dest="memory",
-        action="store_false",
-        help="skip the per-contender peak RSS pass (one fresh world per contender)",
-    )
-    parser.add_argument(
-        "--memory-repeats",
-        type=int,
-        default=d.memory_repeats,
-        help="fresh worlds per contender in the peak RSS pass (medians reported)",
-    )
-    parser.add_argument("--rounds", type=int, default=d.rounds)
-    parser.add_argument(
-        "--steps", type=int, default=d.steps, help="timed steps per contender per round"
-    )
-    parser.add_argument("--layers", type=int, default=d.layers)
-    parser.add_argument("--dim", type=int, default=d.dim)
-    parser.add_argument("--heads", type=int, default=d.heads)
-    parser.add_argument("--ff", type=int, default=d.ff, help="W1's feed-forward width")
-    parser.add_argument("--batch", type=int, default=d.batch, help="sequences per rank")
-    parser.add_argument("--seq", type=int, default=d.seq)
-    parser.add_argument("--lr", type=float, default=d.lr)
-    parser.add_argument("--seed", type=int, default=d.seed)
-    parser.add_argument(
-        "--nproc",
-        type=parse_nproc,
-        default=d.nproc,
-        metavar="N[,N...]",
-        help="world sizes, e.g. 1,2,4 (several: a scaling table)",
-    )
-    parser.add_argument("--threads", type=int, default=d.threads, help="torch threads per rank")
-    parser.add_argument(
-        "--timeout-s", type=float, default=d.timeout_s, help="process-group timeout"
-    )
-    parser.add_argument(
-        "--link", default=None, metavar="RATE[,DELAY]", help="e.g. 1gbit, 1gbit,200us"
-    )
+    """StepBenchConfig's fields as flags, and `--mesh`, the old spelling of `overlap bench mesh`."""
+    add_flags(parser, StepBenchConfig)
     parser.add_argument(
         "--mesh",
         default=None,
         metavar="dp=N,tp=M",
-        help="FSDP x TP: overlap beside FSDP2 on a (dp, tp) mesh (overlap.tools.bench.mesh)",
-    )
-    parser.add_argument(
-        "--json",
-        dest="json_path",
-        default=None,
-        metavar="PATH",
-        help="one file per world size: PATH, or PATH with .n<N> before its suffix for several",
+        help="deprecated: `overlap bench mesh --dp N --tp M` (FSDP x TP, overlap beside FSDP2)",
     )
 
 
 def config_from_args(args: argparse.Namespace) -> StepBenchConfig:
     if args.model == "gpt" and args.ff != StepBenchConfig.ff:
         print(f"WARNING: --ff {args.ff} is ignored for --model gpt (its MLP is 4 x dim)")
-    return StepBenchConfig(
-        model=args.model,
-        contenders=tuple(c.strip() for c in args.contenders.split(",") if c.strip()),
-        overlap_configs=tuple(args.overlap_config),
-        rounds=args.rounds,
-        steps=args.steps,
-        layers=args.layers,
-        dim=args.dim,
-        heads=args.heads,
-        ff=args.ff,
-        batch=args.batch,
-        seq=args.seq,
-        lr=args.lr,
-        seed=args.seed,
-        nproc=tuple(args.nproc),
-        threads=args.threads,
-        keep_freed_memory=args.keep_freed_memory,
-        memory=args.memory,
-        memory_repeats=args.memory_repeats,
-        timeout_s=args.timeout_s,
-        link=args.link,
-        json_path=args.json_path,
-    )
+    return from_flags(StepBenchConfig, args)
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.mesh is not None:  # a benchmark of its own, sharing these flags
-        return mesh.run(args)
-    try:
-        cfg = config_from_args(args)
-    except (ValueError, TypeError) as e:
-        raise SystemExit(f"overlap bench step: {e}") from None
+    if args.mesh is not None:  # the old spelling of `overlap bench mesh`, sharing these flags
+        warnings.warn(
+            "overlap bench step --mesh dp=N,tp=M moved to overlap bench mesh --dp N --tp M "
+            "(an alias for one release)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        print("note: `overlap bench step --mesh` is now `overlap bench mesh --dp N --tp M`")
+        return mesh.run_from_step_flags(args)
+    cfg = config_or_exit("overlap bench step", lambda: config_from_args(args))
     try:
         bench_step(cfg)
     except ValueError as e:  # every contender asked for was skipped

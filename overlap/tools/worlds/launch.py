@@ -89,7 +89,7 @@ def init_from_env(timeout_s: float = DEFAULT_TIMEOUT_S) -> WorldInfo:
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     single_agent = os.environ.get("LOCAL_WORLD_SIZE") == os.environ["WORLD_SIZE"]
     if not dist.is_initialized() and not (agent_store and single_agent):
-        # A plain env:// world (e.g. the linked ranks of overlap.tools.bench.link: rank 0 hosts the
+        # A plain env:// world (e.g. the linked ranks of overlap.tools.worlds.link: rank 0 hosts the
         # store), or several agents (nodes): torch's own env:// handling of the agent's store.
         # The per-attempt prefix below needs one restart count for every rank, and a node that
         # replaces a dead one starts counting at 0 while the survivors are at 1.

@@ -2,7 +2,7 @@
 per-rank state accounting; the plain trainer (autograd backward, the setup's optimizer) and the
 DDP wrapper that the baselines and the DDP-hook peers build on.
 
-Split out of overlap/tools/bench/peers.py, whose docstring lists the contenders and holds the
+The package's docstring (overlap/tools/bench/peers/__init__.py) lists the contenders and holds the
 [Note: ...] blocks referenced here.
 """
 
@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
+
 
 @dataclass(frozen=True, kw_only=True)
 class TrainSetup:

@@ -1,7 +1,7 @@
 """`overlap demo`'s checkpoints (resume from the latest, save every N steps) and its crash
 injection for tests of the restart path.
 
-Split out of overlap/tools/demo.py, whose docstring holds [Note: demo resume] and
+The package's docstring (overlap/tools/demo/__init__.py) holds [Note: demo resume] and
 [Note: demo crash injection].
 """
 
@@ -17,7 +17,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from overlap import checkpoint
-from overlap.tools.demo_config import DemoConfig
+from overlap.tools.demo.config import DemoConfig
 
 CRASH_AT_ENV = "OVERLAP_DEMO_CRASH_AT"
 CRASH_RANK_ENV = "OVERLAP_DEMO_CRASH_RANK"

@@ -1,6 +1,6 @@
 """The DeepSpeed ZeRO-3 peers of the benchmarks: deepspeed and deepspeed-tuned.
 
-Split out of overlap/tools/bench/peers.py, which holds [Note: DeepSpeed ZeRO-3 configs].
+The package's docstring (overlap/tools/bench/peers/__init__.py) holds [Note: DeepSpeed ZeRO-3 configs].
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from overlap.tools.bench.peers_trainer import TrainSetup, Trainer, storage_bytes
+from overlap.tools.bench.peers.trainer import Trainer, TrainSetup, storage_bytes
 
 DEEPSPEED_QUIET_STEPS = 10**9
 """`steps_per_print`: DeepSpeed's periodic log line, never in a benchmark."""

@@ -45,7 +45,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from overlap.tools.launch import num_cpu_cores
+from overlap.tools.worlds.launch import num_cpu_cores
 
 SUBNET = "10.213.0"
 """A private /24 that exists only inside our namespaces; rank k is SUBNET.(k+1)."""
@@ -384,7 +384,7 @@ def run_linked_world(
     on `nproc` ranks, each in its own namespace; the ranks' return values in rank order.
 
     `fn` must be importable by name (a module-level function of a module, not of `__main__`):
-    each rank is a fresh `python -m overlap.tools.bench.link TASK_DIR` that unpickles it.
+    each rank is a fresh `python -m overlap.tools.worlds.link TASK_DIR` that unpickles it.
     """
     if fn.__module__ == "__main__":
         raise ValueError(
@@ -394,7 +394,7 @@ def run_linked_world(
     with tempfile.TemporaryDirectory(prefix="overlap-link-") as tmp:
         task_dir = Path(tmp)
         (task_dir / "task.pkl").write_bytes(pickle.dumps((fn, args)))
-        argv = [sys.executable, "-m", "overlap.tools.bench.link", str(task_dir)]
+        argv = [sys.executable, "-m", "overlap.tools.worlds.link", str(task_dir)]
         run_linked_command(argv, nproc, spec, timeout_s=timeout_s)
         return [pickle.loads((task_dir / f"rank{r}.pkl").read_bytes()) for r in range(nproc)]
 
@@ -405,7 +405,7 @@ def _rank_main(task_dir: Path) -> None:
     import torch
     import torch.distributed as dist
 
-    from overlap.tools.launch import init_from_env
+    from overlap.tools.worlds.launch import init_from_env
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     fn, args = pickle.loads((task_dir / "task.pkl").read_bytes())

@@ -1,20 +1,21 @@
 """`overlap bench step`'s report: per-contender numbers, the table, the scaling table and the JSON.
 
-Split out of overlap/tools/bench/step.py, whose docstring describes the columns and the JSON.
+The package's docstring (overlap/tools/bench/step/__init__.py) describes the columns and the JSON.
 """
 
 from __future__ import annotations
 
-import json
 import statistics
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from overlap.tools import flags
 from overlap.tools.bench import peers
-from overlap.tools.bench.link import active_link
-from overlap.tools.bench.step_contenders import Contender
-from overlap.tools.bench.step_workload import StepBenchConfig, describe
+from overlap.tools.bench.step.config import StepBenchConfig
+from overlap.tools.bench.step.contenders import Contender
+from overlap.tools.workloads.step import describe
+from overlap.tools.worlds.link import active_link
 
 RATIO_BASES = ("fsdp2", "fsdp2-tuned", "floor-compute||comm", "ddp", *peers.PEERS)
 """Each overlap row's step time is printed as a ratio to these, where they ran."""
@@ -35,7 +36,7 @@ class StepRun:
     """True: step - floor-compute, not the contender's own measure."""
     peak_mem_bytes: int | None
     """Peak RSS (VmHWM) of a fresh world that ran only this contender, largest rank; None
-    when not measured (--no-memory). See "Memory" in step.py's docstring."""
+    when not measured (--no-memory). See "Memory" in bench/step's docstring."""
     train_mem_bytes: int | None = None
     """The same peak less the RSS the rank had just before the contender was built (torch, the
     process group and the contender's package already loaded): the memory training adds (model,
@@ -202,6 +203,4 @@ def json_path_for(path: str, world_size: int, num_worlds: int) -> Path:
 
 
 def write_json(report: StepReport, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(report.to_json(), indent=2) + "\n")
-    print(f"wrote {path}")
+    flags.write_json(path, report.to_json())

@@ -18,10 +18,9 @@ from tqdm import tqdm
 
 import overlap
 from overlap.observe.monitor import rss_bytes
-from overlap.tools.data import ByteDataset, get_batch, rank_generator
-from overlap.tools.demo_checkpoint import crash, injected_crash_step, resume, save
-from overlap.tools.demo_config import DemoConfig, DemoResult
-from overlap.tools.demo_metrics import (
+from overlap.tools.demo.checkpoint import crash, injected_crash_step, resume, save
+from overlap.tools.demo.config import DemoConfig, DemoResult
+from overlap.tools.demo.metrics import (
     _fmt_share,
     _StepLog,
     gather_floats,
@@ -31,8 +30,10 @@ from overlap.tools.demo_metrics import (
     peak_rss_bytes,
     sharded_state_bytes,
 )
-from overlap.tools.launch import current_device
-from overlap.tools.models import GPT, GPTConfig
+from overlap.tools.workloads import GPT, GPTConfig
+from overlap.tools.workloads.data import ByteDataset, get_batch, rank_generator
+from overlap.tools.worlds.launch import current_device
+
 
 def build_model(cfg: DemoConfig, device: torch.device) -> nn.Module:
     """The same initial weights on every rank (seeded), then sharded (or DDP-replicated)."""

@@ -1,18 +1,24 @@
 """`overlap demo`'s config (`DemoConfig`) and what rank 0 reports (`DemoResult`).
 
-Split out of overlap/tools/demo.py, whose docstring holds [Note: demo resume].
+The package's docstring (overlap/tools/demo/__init__.py) holds [Note: demo resume].
 """
 
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
+
+from overlap.compression import GRAD_CODECS, PARAM_CODECS
+from overlap.tools.flags import flag
 
 Engine = Literal["overlap", "ddp"]
 
 
 DEFAULT_SAVE_EVERY = 50
+
+KNOBS = "engine knobs (overlap.wrap overrides)"
+CHECKPOINTS = "checkpoints (resume after a crash)"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -20,31 +26,43 @@ class DemoConfig:
     """One demo run. Defaults take about two minutes on two CPU cores and end near loss 2.1."""
 
     steps: int = 200
+    """Training steps."""
     nproc: int | None = None
-    """Ranks of the spawned local world; None: `default_world()`. Ignored under torchrun."""
+    """Ranks of the spawned local world; None: `default_world()` (2 on CPU, all GPUs). Ignored
+    under torchrun."""
     layers: int = 4
+    """GPT blocks."""
     dim: int = 192
+    """Embedding width."""
     heads: int = 6
     block_size: int = 128
+    """Tokens (bytes) per sequence."""
     batch_size: int = 16
     """Sequences per rank per step."""
     lr: float = 3e-3
+    """Peak AdamW learning rate (warm-up, then cosine decay)."""
     seed: int = 0
+    """Model initialization and every rank's batch stream."""
     log_every: int = 50
+    """Steps between progress lines."""
     eval_batches: int = 8
+    """Held-out batches of the validation loss at the end."""
     max_bytes: int = 8 * 1024 * 1024
+    """Bytes of stdlib source to train on."""
     engine: Engine = "overlap"
     """"ddp" trains the same model with DistributedDataParallel: the baseline to compare with."""
-    prefetch_depth: int | None = None
+    prefetch_depth: int | None = field(default=None, metadata=flag(group=KNOBS))
     """Engine knobs: None keeps `overlap.OverlapConfig`'s default."""
-    bucket_bytes: int | None = None
-    reshard_after_forward: bool | None = None
-    param_compression: str | None = None
-    grad_compression: str | None = None
-    error_feedback: bool | None = None
-    checkpoint_dir: str | None = None
-    """Save checkpoints here and resume from the latest one found ([Note: demo resume])."""
-    save_every: int | None = None
+    bucket_bytes: int | None = field(default=None, metadata=flag(group=KNOBS, help="reduce_scatter_bucket_bytes"))
+    reshard_after_forward: bool | None = field(
+        default=None, metadata=flag(group=KNOBS, const=False, help="keep gathered weights until backward (ZeRO-2)")
+    )
+    param_compression: str | None = field(default=None, metadata=flag(group=KNOBS, choices=[n for n in PARAM_CODECS if n]))
+    grad_compression: str | None = field(default=None, metadata=flag(group=KNOBS, choices=[n for n in GRAD_CODECS if n]))
+    error_feedback: bool | None = field(default=None, metadata=flag(group=KNOBS, const=True, help="with --grad-compression"))
+    checkpoint_dir: str | None = field(default=None, metadata=flag(group=CHECKPOINTS, metavar="DIR"))
+    """Save sharded checkpoints here and resume from the latest one found ([Note: demo resume])."""
+    save_every: int | None = field(default=None, metadata=flag(group=CHECKPOINTS, metavar="N"))
     """Steps between checkpoints (None: 50); the last step is always saved. Needs checkpoint_dir."""
 
     def __post_init__(self) -> None:

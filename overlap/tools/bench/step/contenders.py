@@ -1,13 +1,12 @@
 """`overlap bench step`'s contenders: each one a model, its optimizer and its training step.
 
-overlap and the peers are built by overlap.tools.bench.peers; the two floors are built here. Split
-out of overlap/tools/bench/step.py, whose docstring lists the contenders.
+overlap and the peers are built by overlap.tools.bench.peers; the two floors are built here. The
+package's docstring (overlap/tools/bench/step/__init__.py) lists the contenders.
 """
 
 from __future__ import annotations
 
 import tempfile
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,19 +17,13 @@ import torch.distributed as dist
 from torch import nn
 
 from overlap.tools.bench import peers
-from overlap.tools.bench.comm import all_gather_single, reduce_scatter_single
 from overlap.tools.bench.peers import parse_overrides
+from overlap.tools.bench.step.config import ALL_CONTENDERS, StepBenchConfig
+from overlap.tools.workloads.step import Batch, build_model, compute_loss, root_params, shard_units, train_step
+from overlap.tools.worlds.collectives import all_gather_single, reduce_scatter_single
 from overlap.transport import backend
 from overlap.transport import collectives as comm
-from overlap.tools.bench.step_workload import (
-    ALL_CONTENDERS,
-    Batch,
-    StepBenchConfig,
-    build_model,
-    compute_loss,
-    root_params,
-    shard_units,
-)
+
 
 @dataclass
 class Contender:
@@ -58,31 +51,6 @@ class Contender:
     parity_rel: float | None = None
     keep_alive: tuple[Any, ...] = ()
     """What lives exactly as long as the contender (its trace's temporary directory)."""
-
-
-def train_step(
-    model: nn.Module,
-    opt: torch.optim.Optimizer,
-    batch: Batch,
-    on_stepped: Callable[[], None] | None = None,
-    marks: list[float] | None = None,
-) -> torch.Tensor:
-    """One step; `marks`, if given, gets `time.perf_counter()` at the end of the forward (the
-    loss computed), of the backward and of the optimizer step (benchmarks/plan_validate.py's
-    phases)."""
-    loss = compute_loss(model, batch)
-    if marks is not None:
-        marks.append(time.perf_counter())
-    loss.backward()
-    if marks is not None:
-        marks.append(time.perf_counter())
-    opt.step()
-    if on_stepped is not None:  # gradients still alive here: the accounting hook
-        on_stepped()
-    opt.zero_grad(set_to_none=True)
-    if marks is not None:
-        marks.append(time.perf_counter())
-    return loss.detach()
 
 
 def standard(name: str, model: nn.Module, batch: Batch, lr: float, **kw: Any) -> Contender:
@@ -183,7 +151,7 @@ def attach_zero3_comm(
     gather_in_backward: bool,
 ) -> None:
     """Hooks that issue the ZeRO-3 collectives of `params` (owned by `module`); see
-    [Note: what floor-compute||comm issues, and when] in step.py."""
+    [Note: what floor-compute||comm issues, and when] in bench/step/__init__.py."""
     world = dist.get_world_size()
     padded_numel = -(-sum(p.numel() for p in params) // world) * world
     shard = torch.zeros(padded_numel // world)
