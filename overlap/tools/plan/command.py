@@ -7,6 +7,8 @@ prints the predicted step time, tokens/s (per GPU and total), MFU, exposed commu
 per GPU, the best config a small search on the simulator finds, and a scaling curve from 8 to
 4,096 GPUs (--png draws it). With --gpu-hour-price and --tokens it prices the whole run. --tp and
 --pp plan tensor and pipeline parallelism around the data-parallel FSDP step (layout.py, parallel.py).
+A preset model's blocks are priced by the kernel model (`--stack`; overlap/step_model/kernels.py);
+`--run FILE` predicts any published-style run from a RunSpec JSON (run_spec.py, run_step.py).
 
 Every prediction replays the runtime's own `Schedule` on the virtual clock of
 `overlap.step_model.simulate`; the inputs are stated in the output with their sources (model shapes,
