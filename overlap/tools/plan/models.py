@@ -258,8 +258,9 @@ GPUS: dict[str, GpuSpec] = {
 }
 
 DEFAULT_MFU = 0.40
-"""Achieved share of peak for the model's compute kernels, when neither --mfu nor --tflops is
-given. Source: "The Llama 3 Herd of Models" (arXiv:2407.21783), Table 4: 38-43% BF16 MFU
+"""Achieved share of peak for the compute kernels of a model the kernel model cannot price (a
+module path: no shape), when neither --mfu nor --tflops is given; preset models are priced by
+overlap/step_model/kernels.py instead. Source: "The Llama 3 Herd of Models" (arXiv:2407.21783), Table 4: 38-43% BF16 MFU
 training Llama 3 405B on 8K-16K H100s; 0.40 is the middle of that range. It is an independent
 figure: nothing here is fitted to a throughput we compare against."""
 
