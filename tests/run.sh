@@ -10,7 +10,7 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1
 # torch: keep the one installed (2.11 on the GPU machines); else the CPU build of 2.13.0 (a bare
 # `torch` would pull a multi-GB CUDA build).
 python3 -c "import torch" 2>/dev/null || python3 -m pip install --quiet torch==2.13.0
-DS_BUILD_OPS=0 python3 -m pip install --quiet -e ".[test,hf,plot,triton,bench,integrations]"
+DS_BUILD_OPS=0 python3 -m pip install --quiet -e ".[test,hf,plot,triton,bench,integrations,torchtitan]"
 python3 -c "import torch, overlap; print('torch', torch.__version__, '| overlap', overlap.__version__)"
 # Build the C++ CPU kernels once up front (JIT, cached); the kernel tests then fail rather than
 # skip if the build breaks.

@@ -4,6 +4,8 @@
     overlap.integrations.lightning   OverlapStrategy (Trainer), OverlapFabricStrategy (Fabric)
     overlap.integrations.accelerate  prepare / save_state / load_state around an `Accelerator`
     overlap.integrations.pipelining PipelineStage: torch.distributed.pipelining, reducing once per step
+    overlap.integrations.torchtitan  use_overlap: torchtitan's Trainer with overlap as its data-parallel
+                                     step (extra `torchtitan`; torchtitan imported when called)
 
 and two modules shared by them, which import no framework:
 
