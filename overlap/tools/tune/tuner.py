@@ -77,6 +77,7 @@ from overlap.tools.tune.predict import (
 # What it decided: overlap/tools/tune/result.py
 from overlap.tools.tune.result import RoundResult, TuneResult
 from overlap.tools.tune.space import Codec, TuneSpace, default_space, describe, tuned_fields
+from overlap.tools.worlds.link import active_link
 from overlap.transport.backend import semantics
 
 __all__ = [
@@ -96,8 +97,6 @@ def default_optimizer(params: Any) -> torch.optim.Optimizer:
 def _make_key(
     model: nn.Module, pg: dist.ProcessGroup, space: TuneSpace, cfg: TuneConfig
 ) -> TuneKey:
-    from overlap.tools.worlds.link import active_link
-
     device = next(model.parameters()).device
     backend = semantics(pg, device).backend  # [Note: NCCL is not gloo] in backend.py
     device_kind = "cpu"
@@ -123,8 +122,6 @@ def _plan(
 ) -> tuple[list[int], list[float]]:
     """Rank 0: the planner's step time for every grid candidate (ms, by grid index) and the grid
     indices worth measuring (see [Note: pruning])."""
-    from overlap.tools.worlds.link import active_link
-
     backend = semantics(pg, torch.device(profile.device_type)).backend
     given = cfg.calibration
     assert given is None or isinstance(given, Calibration), f"rank {pg.rank()}: {given!r} not loaded"

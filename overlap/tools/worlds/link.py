@@ -45,7 +45,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from overlap.tools.worlds.launch import num_cpu_cores
+from overlap.tools.worlds.launch import init_from_env, num_cpu_cores
 
 SUBNET = "10.213.0"
 """A private /24 that exists only inside our namespaces; rank k is SUBNET.(k+1)."""
@@ -405,7 +405,6 @@ def _rank_main(task_dir: Path) -> None:
     import torch
     import torch.distributed as dist
 
-    from overlap.tools.worlds.launch import init_from_env
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     fn, args = pickle.loads((task_dir / "task.pkl").read_bytes())
