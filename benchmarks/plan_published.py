@@ -154,6 +154,16 @@ def main() -> int:
         if errs:
             out["per_source"][source] = summary(errs)
             print(f"  {source:26} {len(errs):3} rows  {100 * statistics.fmean(errs):+6.1f}%  {100 * statistics.fmean(map(abs, errs)):5.1f}%")
+    print("by GPU and by parallelism (all rows):")
+    out["per_group"] = {}
+    for label, keep in [*((f"gpu {g}", (lambda r, g=g: r["run"]["gpu"] == g))
+                          for g in sorted({r["run"]["gpu"] for r in results})),
+                        ("FSDP/ZeRO only", lambda r: all(r["run"].get(k, 1) == 1 for k in ("tp", "pp", "cp"))),
+                        ("3-D (TP/PP, no CP)", lambda r: r["run"].get("cp", 1) == 1 and (r["run"].get("tp", 1) > 1 or r["run"].get("pp", 1) > 1)),
+                        ("context parallel", lambda r: r["run"].get("cp", 1) > 1)]:
+        errs = [1.0 if r["error"] is None else r["error"] for r in results if keep(r)]
+        out["per_group"][label] = summary(errs)
+        print(f"  {label:22} {fmt(out['per_group'][label])}")
     specs = {row["id"]: spec for row, spec, _ in rows if spec is not None}
     out["scale_out"] = summary(scale_out(results, specs))
     print(f"scale-out (the smallest size of a configuration calibrates the kernels): {fmt(out['scale_out'])}")
