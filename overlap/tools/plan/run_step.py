@@ -207,8 +207,6 @@ def _lacks(spec: RunSpec) -> list[str]:
     if spec.cp > 1:
         out.append("ring attention priced as one flash kernel over the rank's causal share plus its K/V passes: "
                    "per-block kernels and the partial results' merges are not modelled")
-    if spec.pp > 1 and spec.micro_batch * spec.seq_len < 4096:
-        out.append("small micro-batches: per-kernel launch and pipeline send latencies beyond alpha not modelled")
     return out
 
 
