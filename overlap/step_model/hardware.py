@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from overlap.step_model.cost import Link
 
 HBM_SHARE = 0.85
-"""Share of the datasheet HBM bandwidth a streaming element-wise kernel sustains (STREAM-like
-copies reach 85-90% on A100/H100 in NVIDIA's and public microbenchmarks)."""
+"""Share of the datasheet HBM bandwidth a streaming element-wise kernel sustains (public copy
+microbenchmarks on A100/H100-class cards report ~85-91% of the quoted bandwidth)."""
 RAIL_SHARE = 0.9
 """Share of an adapter's line rate NCCL's inter-node rings sustain (nccl-tests busbw of one
 400 Gb/s rail ~ 45 GB/s of 50; the `ndr400` preset)."""

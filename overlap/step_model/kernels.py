@@ -76,8 +76,9 @@ class KernelStack:
 # Attention shares: FlashAttention-2 (Dao 2023, arXiv:2307.08691) reaches 50-73% of the A100
 # peak forward and ~225 TFLOPs/s (72%) forward+backward; on H100 it runs Ampere-style MMAs and
 # reaches ~335 TFLOPs/s (34%). FlashAttention-3 (Shah et al. 2024, arXiv:2407.08608) reaches 75%
-# of H100 forward and 1.5-1.75x FA2's backward: ~50% forward+backward; cuDNN's fused attention
-# (Transformer Engine) is in the same range. Causal masking keeps these shares (both papers).
+# of H100 forward and 1.5-1.75x FA2's backward: ~50% forward+backward, taken for cuDNN's fused
+# attention (Transformer Engine) as well. The causal kernels are given the same shares (an
+# assumption: the papers' causal curves sit close to the non-causal ones at long sequences).
 _FA2 = {"ampere": 0.60, "hopper": 0.34, "blackwell": 0.34}
 _FA3 = {"ampere": 0.60, "hopper": 0.50, "blackwell": 0.50}
 STACKS: dict[str, KernelStack] = {
