@@ -52,13 +52,16 @@ class DemoConfig:
     engine: Engine = "overlap"
     """"ddp" trains the same model with DistributedDataParallel: the baseline to compare with."""
     prefetch_depth: int | None = field(default=None, metadata=flag(group=KNOBS))
-    """Engine knobs: None keeps `overlap.OverlapConfig`'s default."""
+    """Units all-gathered ahead of use. Every engine knob left unset (None) keeps
+    `overlap.OverlapConfig`'s default."""
     bucket_bytes: int | None = field(default=None, metadata=flag(group=KNOBS, help="reduce_scatter_bucket_bytes"))
     reshard_after_forward: bool | None = field(
         default=None, metadata=flag(group=KNOBS, const=False, help="keep gathered weights until backward (ZeRO-2)")
     )
     param_compression: str | None = field(default=None, metadata=flag(group=KNOBS, choices=[n for n in PARAM_CODECS if n]))
+    """Codec of the weight all-gather."""
     grad_compression: str | None = field(default=None, metadata=flag(group=KNOBS, choices=[n for n in GRAD_CODECS if n]))
+    """Codec of the gradient reduce-scatter."""
     error_feedback: bool | None = field(default=None, metadata=flag(group=KNOBS, const=True, help="with --grad-compression"))
     checkpoint_dir: str | None = field(default=None, metadata=flag(group=CHECKPOINTS, metavar="DIR"))
     """Save sharded checkpoints here and resume from the latest one found ([Note: demo resume])."""
