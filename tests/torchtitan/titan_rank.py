@@ -36,6 +36,7 @@ from torchtitan.components.validate import Validator  # noqa: E402
 from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC  # noqa: E402
 from torchtitan.trainer import Trainer  # noqa: E402
 
+import overlap  # noqa: E402
 from overlap.integrations.torchtitan import use_overlap  # noqa: E402
 
 _STEPS: list[dict[str, float]] = []
@@ -156,6 +157,9 @@ def run(spec: dict[str, Any], dump_root: str) -> dict[str, Any]:
     result["seconds"] = time.monotonic() - start  # build, init and training
     # the process's peak (its first run's alone in a fresh process) and its size before the build
     result.update(peak_rss_bytes=shims.peak_rss_bytes(), baseline_rss_bytes=baseline)
+    if spec["impl"] == "overlap":  # overlap's own buffers (gathered, reduced): high-water by kind
+        stats = overlap.memory_stats(trainer.model_parts[0])
+        result["overlap_peak_bytes"] = {**stats.peak, "total": stats.peak_total_bytes}
     return result
 
 
