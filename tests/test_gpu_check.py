@@ -232,7 +232,8 @@ def test_part_errors_are_recorded_and_the_run_goes_on(tmp_path: Path) -> None:
     runner = load_runner()
     out = tmp_path / "parts.json"
     start = time.monotonic()
-    report = runner.run_checks(out, "cpu", paths=[fake_checks(tmp_path, "x,y,z,v,w")])
+    # the stuck part is there but not asked for (`--only`): it never runs
+    report = runner.run_checks(out, "cpu", ["x", "y", "z", "v", "w"], paths=[fake_checks(tmp_path, "x,y,z,v,w,stuck")])
     assert time.monotonic() - start < 120  # the overrun was cut at its budget (10 s: 5 s x the dry run's scale)
     on_disk = json.loads(out.read_text())
     assert on_disk == json.loads(json.dumps(report, default=str))
@@ -268,6 +269,28 @@ def test_without_a_gpu_the_checks_skip(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stdout[-3000:]
     reasons = [line for line in proc.stdout.splitlines() if line.startswith("SKIPPED") and "needs a CUDA GPU" in line]
     assert f"{len(PARTS)} skipped" in proc.stdout and len(reasons) == len(PARTS), proc.stdout[-3000:]
+
+
+def test_device_selection(monkeypatch) -> None:
+    """OVERLAP_GPU_DEVICE picks the device: cpu is the dry run, cuda insists on a GPU; unset, a
+    GPU where there is one, else none (the checks skip)."""
+    from gpu.conftest import selected_device
+
+    for has_cuda in (False, True):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda has_cuda=has_cuda: has_cuda)
+        monkeypatch.delenv("OVERLAP_GPU_DEVICE", raising=False)
+        assert selected_device() == (torch.device("cuda", 0) if has_cuda else None)
+        monkeypatch.setenv("OVERLAP_GPU_DEVICE", "cpu")
+        assert selected_device() == torch.device("cpu")
+        monkeypatch.setenv("OVERLAP_GPU_DEVICE", "cuda")
+        if has_cuda:
+            assert selected_device() == torch.device("cuda", 0)
+        else:
+            with pytest.raises(pytest.UsageError, match="CUDA is not available"):
+                selected_device()
+    monkeypatch.setenv("OVERLAP_GPU_DEVICE", "gpu")
+    with pytest.raises(pytest.UsageError, match="use cuda or cpu"):
+        selected_device()
 
 
 def test_compare_tells_bits_from_ulps() -> None:
