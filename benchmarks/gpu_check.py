@@ -10,12 +10,12 @@ Dry run (CI, tests/test_gpu_check.py), and a subset of parts:
     python benchmarks/gpu_check.py --only numerics,world2
 
 The checks are pytest tests, one per part, in tests/gpu (its package docstring and each file's
-say what they prove; tests/gpu/parts.py lists the parts in order with their budgets): compile,
-numerics, world2, hsdp2x2, world3, tp2x2, memory, autotune, nccl_path, sync_free, overlap,
-parity, bandwidth. This script runs them with `pytest tests/gpu` in a process of its own: each
-part under its budget (all together 240 s; the dry run twice each), where one that raises or
-overruns records the error and the run goes on, and a watchdog that ends the whole run 30 s past
-the total budget (a part stuck in a C++ call never sees its timeout).
+say what they prove; tests/gpu/parts.py lists the parts in order with their budgets: compile,
+numerics, the worlds, the world-size-1 parts, bandwidth). This script runs them with
+`pytest tests/gpu` in a process of its own: each part under its budget (all together 240 s; the
+dry run twice each), where one that raises or overruns records the error and the run goes on,
+and a watchdog that ends a part 30 s past its budget, or the whole run 30 s past the total (a
+part stuck in a C++ call never sees its timeout).
 
 The JSON at `--out` holds the environment (torch, Triton, CUDA, NCCL, driver, GPU, the private
 torch APIs tensor and expert parallelism use) and one entry per part, written before the part
