@@ -126,3 +126,19 @@ def test_commands_take_their_old_flags(command: str) -> None:
         assert args.overlap_configs == ["prefetch_depth=2", "a=1"] and args.nproc == (1, 2) and not args.memory
     if command == "demo":
         assert args.reshard_after_forward is False and args.error_feedback is True and args.json_path == "x.json"
+
+
+def test_bench_step_mesh_is_bench_mesh_with_a_warning(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The old spelling `overlap bench step --mesh dp=N,tp=M` runs `overlap bench mesh` with the
+    step flags it shares, and warns."""
+    from overlap.tools.bench import mesh, step
+
+    ran = []
+    monkeypatch.setattr(mesh, "bench_mesh", ran.append)
+    argv = ["bench", "step", "--mesh", "dp=1,tp=4", "--layers", "2", "--dim", "64", "--ff", "128", "--no-memory"]
+    with pytest.warns(DeprecationWarning, match="overlap bench mesh"):
+        assert step.run(build_parser("bench").parse_args(argv)) == 0
+    assert ran == [MeshBenchConfig(dp=1, tp=4, layers=2, dim=64, ff=128, memory=False)]
+    new = build_parser("bench").parse_args(["bench", "mesh", "--dp", "1", "--tp", "4", "--layers", "2", "--dim", "64",
+                                            "--ff", "128", "--no-memory"])  # fmt: skip
+    assert from_flags(MeshBenchConfig, new) == ran[0]
