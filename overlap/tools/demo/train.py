@@ -20,16 +20,7 @@ import overlap
 from overlap.observe.monitor import rss_bytes
 from overlap.tools.demo.checkpoint import crash, injected_crash_step, resume, save
 from overlap.tools.demo.config import DemoConfig, DemoResult
-from overlap.tools.demo.metrics import (
-    _fmt_share,
-    _StepLog,
-    gather_floats,
-    library_peak_bytes,
-    log_line,
-    mean_across_ranks,
-    peak_rss_bytes,
-    sharded_state_bytes,
-)
+from overlap.tools.demo import metrics
 from overlap.tools.workloads import GPT, GPTConfig
 from overlap.tools.workloads.data import ByteDataset, get_batch, rank_generator
 from overlap.tools.worlds.launch import current_device
@@ -106,7 +97,7 @@ def evaluate(model: nn.Module, data: torch.Tensor, cfg: DemoConfig, device: torc
         x, y = get_batch(data, cfg.batch_size, cfg.block_size, gen)
         losses.append(model(x.to(device), y.to(device))[1].item())
     model.train()
-    return mean_across_ranks([statistics.fmean(losses)])[0]
+    return metrics.mean_across_ranks([statistics.fmean(losses)])[0]
 
 
 def train_step(
@@ -132,7 +123,7 @@ def train_rank(rank: int, world_size: int, cfg: DemoConfig) -> DemoResult | None
     data = ByteDataset.from_stdlib(cfg.max_bytes)
     model = build_model(cfg, device)
     opt, sched = build_optimizer(model, cfg)
-    log = _StepLog([], [], [])
+    log = metrics._StepLog([], [], [])
     say = tqdm.write if rank == 0 else (lambda _: None)
     if rank == 0:
         n = sum(p.numel() for p in model.parameters())
@@ -162,8 +153,8 @@ def train_rank(rank: int, world_size: int, cfg: DemoConfig) -> DemoResult | None
         log.exposed_ms.append(exposed_comm_ms(model, cfg))
         bar.set_postfix(loss=f"{log.losses[-1]:.3f}")
         if (step + 1) % cfg.log_every == 0 or step + 1 == cfg.steps:
-            state_bytes = sharded_state_bytes(model, opt)  # before zero_grad: gradients count
-            say(log_line(step, cfg, log, window_start, state_bytes))
+            state_bytes = metrics.sharded_state_bytes(model, opt)  # before zero_grad: gradients count
+            say(metrics.log_line(step, cfg, log, window_start, state_bytes))
             window_start = len(log.losses)
         opt.zero_grad(set_to_none=True)
         sched.step()
@@ -171,7 +162,7 @@ def train_rank(rank: int, world_size: int, cfg: DemoConfig) -> DemoResult | None
         if cfg.checkpoint_dir is not None and (
             done % cfg.save_interval == 0 or done == cfg.steps
         ):
-            save(cfg, model, opt, sched, done, history + mean_across_ranks(log.losses))
+            save(cfg, model, opt, sched, done, history + metrics.mean_across_ranks(log.losses))
     bar.close()
     if first >= cfg.steps:
         say(f"the checkpoint is at step {first}: nothing left to train (--steps {cfg.steps})")
@@ -183,7 +174,7 @@ def _finish(
     model: nn.Module,
     data: ByteDataset,
     cfg: DemoConfig,
-    log: _StepLog,
+    log: metrics._StepLog,
     history: list[float],
     first: int,
     state_bytes: int,
@@ -191,9 +182,9 @@ def _finish(
 ) -> DemoResult | None:
     """Validation loss, cross-rank numbers and the summary line (rank 0). `history`: the
     rank-averaged losses of the `first` steps done before this run resumed."""
-    lib_peak = library_peak_bytes(model)  # the last training step's, before eval resets it
+    lib_peak = metrics.library_peak_bytes(model)  # the last training step's, before eval resets it
     val = evaluate(model, data.val, cfg, current_device())
-    losses = history + (mean_across_ranks(log.losses) if log.losses else [])
+    losses = history + (metrics.mean_across_ranks(log.losses) if log.losses else [])
     ms, share = log.window(0)
     result = DemoResult(
         losses=losses,
@@ -202,10 +193,10 @@ def _finish(
         val_loss=val,
         median_step_ms=ms,
         exposed_comm_share=share,
-        rss_mb_per_rank=[v / 2**20 for v in gather_floats(float(rss_bytes()))],
-        sharded_state_mb_per_rank=[v / 2**20 for v in gather_floats(float(state_bytes))],
-        peak_rss_mb_per_rank=[v / 2**20 for v in gather_floats(float(peak_rss_bytes()))],
-        library_peak_mb_per_rank=[v / 2**20 for v in gather_floats(float(lib_peak))],
+        rss_mb_per_rank=[v / 2**20 for v in metrics.gather_floats(float(rss_bytes()))],
+        sharded_state_mb_per_rank=[v / 2**20 for v in metrics.gather_floats(float(state_bytes))],
+        peak_rss_mb_per_rank=[v / 2**20 for v in metrics.gather_floats(float(metrics.peak_rss_bytes()))],
+        library_peak_mb_per_rank=[v / 2**20 for v in metrics.gather_floats(float(lib_peak))],
         wall_s=wall_s,
         start_step=first,
     )
@@ -214,7 +205,7 @@ def _finish(
     print(
         f"demo done: train loss {result.first_loss:.3f} -> {result.final_loss:.3f} | "
         f"val loss {result.val_loss:.3f} | median step {ms:.1f} ms | "
-        f"exposed comm {_fmt_share(share)} | "
+        f"exposed comm {metrics._fmt_share(share)} | "
         f"rss {'/'.join(f'{v:.0f}' for v in result.rss_mb_per_rank)} MB | "
         f"param+grad+optim {'/'.join(f'{v:.1f}' for v in result.sharded_state_mb_per_rank)} MB | "
         f"peak rss (OS) {'/'.join(f'{v:.0f}' for v in result.peak_rss_mb_per_rank or [])} MB, "
