@@ -165,19 +165,13 @@ class TuneSpace:
     def candidates(self, base: OverlapConfig) -> list[OverlapConfig]:
         """The grid: `base` with every combination of the values, in a fixed order (the same on
         every rank; candidates are named by their index in it)."""
-        grid = itertools.product(*self.axes())
-        return [
-            base.replace(
-                min_unit_numel=unit,
-                prefetch_depth=depth,
-                max_inflight_allgather_bytes=cap,
-                reduce_scatter_bucket_bytes=bucket,
-                max_reduce_inputs=inputs,
-                reshard_after_forward=reshard,
-                **codec.overrides(),
-            )
-            for unit, depth, cap, bucket, inputs, reshard, codec in grid
-        ]
+        names = [f.name for f in fields(self)]  # OverlapConfig's own names, and `codecs`
+        out = []
+        for values in itertools.product(*self.axes()):
+            chosen = dict(zip(names, values, strict=True))
+            codec = chosen.pop("codecs")
+            out.append(base.replace(**chosen, **codec.overrides()))
+        return out
 
     def to_dict(self) -> dict[str, Any]:
         return {
