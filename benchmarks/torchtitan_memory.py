@@ -10,7 +10,8 @@ parameters with fp32 reduction), with SDPA attention and synthetic tokens. The p
 process's peak resident set size (`ru_maxrss`: on the CPU every tensor lives there), shown whole
 and above the process's size just before the Trainer is built (torch, torchtitan and the process
 group already in), which is what the model, its optimizer state, the gathered parameters and the
-activations add.
+activations add; "of it by init" is that peak through the Trainer's build (parallelize, wrap,
+`to_empty`, `init_weights`) before the first step.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ def measure(impl: str, args: argparse.Namespace) -> list[dict[str, float]]:
         {
             "peak_mib": r[impl]["peak_rss_bytes"] / MIB,
             "added_mib": (r[impl]["peak_rss_bytes"] - r[impl]["baseline_rss_bytes"]) / MIB,
+            "build_added_mib": (r[impl]["build_peak_rss_bytes"] - r[impl]["baseline_rss_bytes"]) / MIB,
             "seconds": r[impl]["seconds"],
             "final_loss": r[impl]["steps"][-1]["loss"],
         }
@@ -65,11 +67,12 @@ def main() -> None:
     results = {impl: measure(impl, args) for impl in ("fsdp2", "overlap")}
     print(f"{args.model}, {args.ranks} ranks, {args.steps} steps, seq {args.seq_len} x {args.local_batch_size}, "
           f"{args.param_dtype} parameters")
-    print(f"{'impl':8} {'rank':>4} {'peak RSS MiB':>13} {'above start MiB':>16} {'s':>6} {'last loss':>10}")
+    print(f"{'impl':8} {'rank':>4} {'peak RSS MiB':>13} {'above start MiB':>16} {'of it by init':>14} {'s':>6} "
+          f"{'last loss':>10}")
     for impl, ranks in results.items():
         for rank, r in enumerate(ranks):
-            print(f"{impl:8} {rank:>4} {r['peak_mib']:>13.0f} {r['added_mib']:>16.0f} {r['seconds']:>6.0f} "
-                  f"{r['final_loss']:>10.4f}")
+            print(f"{impl:8} {rank:>4} {r['peak_mib']:>13.0f} {r['added_mib']:>16.0f} {r['build_added_mib']:>14.0f} "
+                  f"{r['seconds']:>6.0f} {r['final_loss']:>10.4f}")
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:

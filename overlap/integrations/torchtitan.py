@@ -21,7 +21,8 @@ stage under pipeline parallelism). `use_overlap` replaces the config's `model_sp
 `parallelize_fn` runs the original with that one call redirected to `apply_overlap_to_decoder`
 (the modules of torchtitan that hold it, for the duration of the call), and whose `pipelining_fn`
 builds overlap's pipeline stages (gradients reduced once per step, FSDP2's arithmetic: [Note:
-gradients reduced once per pipeline step] in pipelining.py). A parallelize function that calls
+gradients reduced once per pipeline step] in pipelining.py; the gradients torch's shape inference
+leaves on the first step are dropped, as torch drops FSDP2's). A parallelize function that calls
 FSDP2's `fully_shard` anywhere else is refused after it returns.
 
 `apply_overlap_to_decoder` takes `apply_fsdp_to_decoder`'s arguments and maps them:
@@ -284,6 +285,13 @@ class _PipelineStage(_OverlapPipelineStage):
 
     def __init__(self, submodule: Any, *args: Any, **kwargs: Any) -> None:
         _TorchPipelineStage.__init__(self, submodule, *args, **kwargs)
+
+    def _post_metadata_inference_cleanup(self) -> None:
+        # The schedule's first step infers shapes by a real forward and backward of one
+        # micro-batch; torchtitan's chunked loss runs its chunks' backwards in it, which leave the
+        # head's gradients behind. torch drops them for FSDP2's modules only: drop ours too.
+        super()._post_metadata_inference_cleanup()
+        self.submod.zero_grad(set_to_none=True)
 
 
 __all__ = ["SPMD_BACKEND_FIX", "apply_overlap_to_decoder", "use_overlap"]

@@ -31,7 +31,8 @@ RUNS = [
     {"name": "resume-from-fsdp2", "impl": "overlap", **ACCUM, **_ckpt("ckpt-fsdp2", load_step=2)},
     {"name": "compile-fsdp2", "impl": "fsdp2", **COMPILED},
     {"name": "compile-overlap", "impl": "overlap", **COMPILED},
-    # last: a refusal ends the world's runs on error paths
+    # last, the refusals
+    {"name": "cpu-offload", "impl": "overlap", "n_layers": 2, "cpu_offload": True, "expect_error": "CPU offload"},
     {"name": "spmd-types-tp", "impl": "overlap", "n_layers": 2, "tp": 2, "spmd_backend": "spmd_types",
      "expect_error": "--parallelism.spmd_backend partial_dtensor"},
 ]
@@ -72,3 +73,9 @@ def test_spmd_types_with_tp_refused_on_every_rank(results):
         error = runs["spmd-types-tp"]["error"]
         assert error.startswith("ValueError") and "--parallelism.spmd_backend partial_dtensor" in error, (rank, error)
         assert "dims ['tp'] are not data parallel" in error, (rank, error)
+
+
+def test_cpu_offload_refused_on_every_rank(results):
+    for rank, runs in enumerate(results):
+        error = runs["cpu-offload"]["error"]
+        assert error.startswith("ValueError") and "--training.enable_cpu_offload" in error, (rank, error)

@@ -92,6 +92,7 @@ def build_config(spec: dict[str, Any], dump_root: str) -> Trainer.Config:
     training.global_batch_size = spec.get("global_batch_size", -1)
     training.mixed_precision_param = spec.get("param_dtype", "float32")
     training.disable_cuda_graphs = True
+    training.enable_cpu_offload = bool(spec.get("cpu_offload", False))
     parallelism = config.parallelism
     parallelism.spmd_backend = spec.get("spmd_backend", "partial_dtensor")
     parallelism.tensor_parallel_degree = spec.get("tp", 1)
@@ -103,7 +104,7 @@ def build_config(spec: dict[str, Any], dump_root: str) -> Trainer.Config:
     config.compile.enable = bool(spec.get("compile", False))
     config.compile.backend = spec.get("compile_backend", "inductor")
     config.debug.seed = 42
-    config.comm.train_timeout_seconds = 600
+    config.comm.init_timeout_seconds = config.comm.train_timeout_seconds = 600  # a loaded machine
     ckpt = config.checkpoint
     ckpt.enable = "checkpoint" in spec
     if ckpt.enable:
@@ -142,6 +143,7 @@ def run(spec: dict[str, Any], dump_root: str) -> dict[str, Any]:
         result: dict[str, Any] = {
             "init": param_digests(trainer.model_parts),
             "units": num_units(trainer.model_parts),
+            "build_peak_rss_bytes": shims.peak_rss_bytes(),  # the peak through build and init
         }
         trainer.train()
     except Exception as error:
