@@ -6,7 +6,8 @@ import pytest
 from titan_launch import WORLD_TIMEOUT_S, assert_same_training
 
 WORLD_SIZE = 2
-pytestmark = pytest.mark.timeout(WORLD_TIMEOUT_S + 60)  # the first test waits for the whole world
+# slow: a world of fresh processes; the first test waits for the whole world
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(WORLD_TIMEOUT_S + 60)]
 
 # torchtitan's defaults: chunked loss (8 chunks), selective AC, bf16 parameters, fp32 reduction,
 # reshard_after_forward_policy "default", gradients summed over dp (divide factor 1)

@@ -9,7 +9,8 @@ import pytest
 from titan_launch import WORLD_TIMEOUT_S, assert_same_training
 
 WORLD_SIZE = 4
-pytestmark = pytest.mark.timeout(WORLD_TIMEOUT_S + 60)  # the first test waits for the whole world
+# slow: a world of fresh processes; the first test waits for the whole world
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(WORLD_TIMEOUT_S + 60)]
 
 TP = {"n_layers": 2, "steps": 2, "tp": 2}
 PP = {"n_layers": 2, "steps": 2, "pp": 2, "local_batch_size": 4}  # 4 micro-batches, 2 stages a rank
