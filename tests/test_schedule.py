@@ -304,7 +304,9 @@ def test_zero2_prefetches_in_forward():
     assert not any(isinstance(a, Gather) for a in second[len(forward):])
 
 
-def test_second_forward_before_backward_unparks():
+def test_second_forward_before_backward_keeps_kept_units():
+    """A second forward before backward (a pipeline's warm-up micro-batches) frees what
+    end_forward prefetched for backward and keeps the units kept for backward, parked."""
     s = make_keeping(3, keep=1000)
     sequential_step(s, 3)
     s.begin_forward()
@@ -313,4 +315,13 @@ def test_second_forward_before_backward_unparks():
         s.post_forward(u, True)
     assert s._parked == {0, 1}
     frees = [a for a in s.begin_forward() if isinstance(a, Free)]  # e.g. a second micro-forward
-    assert sorted(a.unit for a in frees) == [0, 1, 2] and not s._parked
+    assert not frees and s._parked == {0, 1, 2}
+    s = make_keeping(3, keep=100)  # only the last unit kept
+    sequential_step(s, 3)
+    s.begin_forward()
+    for u in range(3):
+        s.pre_forward(u)
+        s.post_forward(u, True)
+    s.end_forward(True)  # prefetches unit 1 for backward
+    frees = [a for a in s.begin_forward() if isinstance(a, Free)]
+    assert [a.unit for a in frees] == [1] and s._parked == {2}

@@ -28,6 +28,15 @@ class Free:
 
 
 @dataclass(frozen=True)
+class Retain:
+    """Keep the unit unsharded after a backward that does not sync ([Note: retained across
+    micro-batches] in unit_state.py): its parameters stay; its gradients are treated as `Free`
+    treats them under no_sync ([Note: no_sync in reduce_dtype] in reduction.py)."""
+
+    unit: int
+
+
+@dataclass(frozen=True)
 class Reduce:
     bucket: int
     units: tuple[int, ...]
@@ -55,7 +64,7 @@ class CheckOrder:
     order: tuple[int, ...]
 
 
-Action = Gather | WaitGather | Free | Reduce | ReleaseReduce | WaitReduce | CheckOrder
+Action = Gather | WaitGather | Free | Retain | Reduce | ReleaseReduce | WaitReduce | CheckOrder
 
 
 class UnitActions:
@@ -67,6 +76,7 @@ class UnitActions:
         self.gather = ([Gather(u, False) for u in units], [Gather(u, True) for u in units])
         self.wait = [WaitGather(u) for u in units]
         self.free = [Free(u) for u in units]
+        self.retain = [Retain(u) for u in units]
 
 
 def order_hash(order: tuple[int, ...]) -> int:

@@ -9,6 +9,8 @@ method it had, `isinstance(model, OriginalClass)` still holds, and the subclass 
     with model.no_sync(): ...                  # DDP: accumulate, do not reduce (overlap.no_sync)
     model.set_requires_gradient_sync(False)    # FSDP2's switch for the same
     model.set_gradient_divide_factor(1.0)      # FSDP2's: sum the gradients over ranks
+    model.set_reshard_after_backward(False)    # FSDP2's: keep units unsharded between
+                                               # micro-batches whose gradients are not synced
     model.unshard() / model.reshard()          # FSDP2: gather every unit and keep it, e.g. while
                                                # generating; free them again
     model.zero_grad()                          # DDP's: also drops what no_sync accumulated
@@ -42,7 +44,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from overlap.engine.schedule import Phase
+from overlap.engine.schedule import Phase, Schedule
 from overlap.engine.state import state_of
 
 
@@ -70,14 +72,20 @@ class OverlapModule:
         """FSDP2's switch: with False, backward accumulates gradients locally and reduces nothing
         (as inside `no_sync`) until it is set back to True. `recurse` is accepted for FSDP2's
         signature; the whole model is one wrapped module, so it always covers every parameter."""
-        if not recurse:
-            raise ValueError(
-                "set_requires_gradient_sync(recurse=False): overlap wraps the whole model as one "
-                "module, so the switch covers all its parameters; call it with recurse=True"
-            )
-        state = state_of(self)  # type: ignore[arg-type]
-        for each in (state, *state.experts):  # [Note: expert parallelism] in experts.py
-            each.schedule.sync_grads = bool(requires_gradient_sync)
+        for schedule in _schedules(self, "set_requires_gradient_sync", recurse):
+            schedule.sync_grads = bool(requires_gradient_sync)
+
+    def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
+        """FSDP2's: with False, a backward whose gradients are not synced (under `no_sync` or
+        `set_requires_gradient_sync(False)`) keeps every unit unsharded, so the next micro-batch
+        gathers nothing; the next backward that syncs frees them, and so does `reshard()`.
+        Memory: the whole model's unsharded parameters, kept only where they fit
+        `max_inflight_allgather_bytes` (no cap: always); otherwise units are freed as before.
+        Do not step the optimizer between: the kept copies would not see the update (unlike
+        FSDP2, a backward that syncs always reshards). [Note: retained across micro-batches]
+        in overlap/engine/unit_state.py. `recurse` is accepted for FSDP2's signature."""
+        for schedule in _schedules(self, "set_reshard_after_backward", recurse):
+            schedule.set_reshard_after_backward(bool(reshard_after_backward))
 
     def set_gradient_divide_factor(self, factor: float | None) -> None:
         """FSDP2's: the sum of the ranks' gradients is divided by `factor` (1.0: summed; None:
@@ -153,6 +161,18 @@ def _same_place(converted: torch.Tensor, tensor: torch.Tensor) -> bool:
     return same_device and converted.dtype == tensor.dtype
 
 
+def _schedules(model: Any, method: str, recurse: bool) -> list[Schedule]:
+    """The schedules an FSDP2-style setter covers: the model's and its experts' ([Note: expert
+    parallelism] in experts.py); `recurse=False` is refused (the model is one wrapped module)."""
+    if not recurse:
+        raise ValueError(
+            f"{method}(recurse=False): overlap wraps the whole model as one module, so the setting "
+            "covers all its parameters; call it with recurse=True"
+        )
+    state = state_of(model)
+    return [each.schedule for each in (state, *state.experts)]
+
+
 def _check_between_steps(phase: Phase, verb: str) -> None:
     if phase is not Phase.IDLE:
         raise ValueError(
@@ -163,7 +183,9 @@ def _check_between_steps(phase: Phase, verb: str) -> None:
 
 
 _CLASSES: dict[type, type] = {}  # original class -> its wrapped subclass, one per class
-_METHODS = frozenset({"no_sync", "set_requires_gradient_sync", "set_gradient_divide_factor", "unshard", "reshard"})
+_METHODS = frozenset(
+    {"no_sync", "set_requires_gradient_sync", "set_reshard_after_backward", "set_gradient_divide_factor", "unshard", "reshard"}
+)
 
 
 def as_overlap_module(model: nn.Module) -> None:

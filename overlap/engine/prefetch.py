@@ -44,7 +44,7 @@ from collections.abc import Collection, Sequence
 from overlap.engine.unit_state import ScheduleConfig, UnitState
 
 # Held already, or done with this step (a tuple: `in` compares identities, no Enum hash).
-_NOT_TO_GATHER = (UnitState.GATHERING, UnitState.UNSHARDED, UnitState.REDUCING)
+_NOT_TO_GATHER = (UnitState.GATHERING, UnitState.UNSHARDED, UnitState.REDUCING, UnitState.RETAINED)
 
 def units_to_prefetch(
     ahead: Sequence[int],
@@ -90,3 +90,11 @@ def units_kept(forward: Sequence[int], unit_bytes: Sequence[int], config: Schedu
                 break
             kept.add(unit)
     return frozenset(kept)
+
+
+def retention_fits(unit_bytes: Sequence[int], config: ScheduleConfig) -> bool:
+    """Whether units may be retained across micro-batches ([Note: retained across micro-batches]
+    in unit_state.py): every unit's unsharded bytes together within `max_inflight_allgather_bytes`
+    (no cap: always, as FSDP2 keeps every unit when asked)."""
+    cap = config.max_inflight_allgather_bytes
+    return cap is None or sum(unit_bytes) <= cap

@@ -43,6 +43,7 @@ from overlap.engine.actions import (
     Gather,
     Reduce,
     ReleaseReduce,
+    Retain,
     WaitGather,
     WaitReduce,
 )
@@ -169,6 +170,7 @@ class Runtime(Reductions):
             Gather: lambda a: self.gather(a.unit, a.for_backward),
             WaitGather: lambda a: self.wait_gather(a.unit),
             Free: lambda a: self.free(a.unit),
+            Retain: lambda a: self.retain(a.unit),
             Reduce: lambda a: self.reduce(a.bucket, a.units),
             ReleaseReduce: lambda a: self.release_reduce(a.bucket),
             WaitReduce: lambda a: self.wait_reduce(a.bucket, a.units),
@@ -384,6 +386,12 @@ class Runtime(Reductions):
             if storage.nbytes() > 0:
                 storage.resize_(0)
                 self.memory.sub("unsharded", unit.unsharded_nbytes)
+
+    def retain(self, index: int) -> None:
+        """The unit stays unsharded after a backward that does not sync ([Note: retained across
+        micro-batches] in unit_state.py); its gradients move into reduce_dtype as `free` moves them."""
+        if self.reduce_dtype is not None:
+            self._keep_grads(self.units[index])  # [Note: no_sync in reduce_dtype]
 
     def begin_step(self) -> None:
         """A step starts: recount the gradient shards the optimizer holds (it may have freed

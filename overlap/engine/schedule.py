@@ -32,8 +32,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 # The actions are re-exported: the schedule's vocabulary (the planner and tests import them here).
-from overlap.engine.actions import Action, CheckOrder, Free, Gather, ReleaseReduce, Reduce, UnitActions, WaitGather, WaitReduce, order_hash  # noqa: F401
-from overlap.engine.prefetch import units_kept, units_to_prefetch
+from overlap.engine.actions import Action, CheckOrder, Free, Gather, ReleaseReduce, Reduce, Retain, UnitActions, WaitGather, WaitReduce, order_hash  # noqa: F401
+from overlap.engine.prefetch import retention_fits, units_kept, units_to_prefetch
 # The unit states and the schedule's config are re-exported with the actions.
 from overlap.engine.unit_state import _HELD, LEGAL_TRANSITIONS, Phase, ScheduleConfig, UnitState  # noqa: F401
 
@@ -57,6 +57,11 @@ class Schedule:
     backward_order: tuple[int, ...] | None = field(init=False, default=None)
     sync_grads: bool = field(init=False, default=True)  # False inside overlap.no_sync
     pinned: bool = field(init=False, default=False)  # [Note: pinned units]
+    # False: units are retained across backwards that do not sync ([Note: retained across micro-batches])
+    reshard_after_backward: bool = field(init=False, default=True)
+    _retain_allowed: bool = field(init=False, default=False)  # reshard_after_backward off and it fits
+    _retain_now: bool = field(init=False, default=False)  # this backward retains its units
+    _retaining: bool = field(init=False, default=False)  # units are retained: forwards keep them
     _seen_forward: list[int] = field(init=False, default_factory=list)
     _seen_backward: list[int] = field(init=False, default_factory=list)
     _finished_backward: set[int] = field(init=False, default_factory=set)  # this backward's, as a set
@@ -153,8 +158,11 @@ class Schedule:
                 f"unit {unit} is needed again after its backward finished in this step; "
                 "a unit may run forward several times but backward through it only once per step"
             )
-        if self.states[unit] is UnitState.SHARDED:
+        state = self.states[unit]
+        if state is UnitState.SHARDED:
             self._gather(unit, out)
+        elif state is UnitState.RETAINED:  # no gather: [Note: retained across micro-batches]
+            self._move(unit, UnitState.UNSHARDED)
 
     def _wait(self, unit: int, out: list[Action]) -> None:
         if self.states[unit] is UnitState.GATHERING:
@@ -179,9 +187,17 @@ class Schedule:
             self._seen_forward = []
             self.reset_peak()
         elif not self.pinned:
-            # Another forward before backward: what end_forward gathered for backward is not
-            # needed yet, and keeping it would break the prefetch budget. Free it.
+            # Another forward before backward (a pipeline's warm-up micro-batches): what
+            # end_forward gathered for backward is not needed yet, and keeping it would break the
+            # prefetch budget. Free it. A unit kept from its forward for its backward stays (this
+            # forward uses it again, the first backward needs it), parked as it was.
             for unit in self.held_units():
+                state = self.states[unit]
+                if state is UnitState.RETAINED:
+                    continue  # kept until a backward syncs: [Note: retained across micro-batches]
+                if state is UnitState.UNSHARDED and (not self.config.reshard_after_forward or unit in self._kept):
+                    self._parked.add(unit)  # [Note: units kept for backward]
+                    continue
                 self._wait(unit, out)
                 self._move(unit, UnitState.SHARDED)
                 out.append(self._actions.free[unit])
@@ -210,6 +226,10 @@ class Schedule:
         if unit == self.root or self.pinned:
             return out  # the root stays unsharded until the step ends; [Note: pinned units]
         if self.states[unit] is not UnitState.UNSHARDED:
+            return out
+        if self._retaining:  # back to RETAINED, not freed: [Note: retained across micro-batches]
+            self._move(unit, UnitState.RETAINED)
+            self._parked.add(unit)
             return out
         keep = grad_enabled and (not self.config.reshard_after_forward or unit in self._kept)
         if not keep:
@@ -253,9 +273,10 @@ class Schedule:
         for unit, state in enumerate(self.states):
             if state is UnitState.GATHERING:
                 self._wait(unit, out)
-            if self.states[unit] is UnitState.UNSHARDED:
+            if self.states[unit] is UnitState.UNSHARDED or self.states[unit] is UnitState.RETAINED:
                 self._move(unit, UnitState.SHARDED)
                 out.append(self._actions.free[unit])
+        self._retaining = False
         return out
 
     def retune(self, config: ScheduleConfig) -> None:
@@ -264,6 +285,7 @@ class Schedule:
         assert self.phase is Phase.IDLE, f"retune in phase {self.phase}"
         self.config = config
         self._kept = self.choose_kept()
+        self.set_reshard_after_backward(self.reshard_after_backward)  # the cap may have changed
 
     def set_grad_bytes(self, unit: int, num_bytes: int) -> None:
         """The unit's trainable parameters changed between steps: new bucket sizes. (Ranks that
@@ -273,6 +295,20 @@ class Schedule:
         all-gathers.)"""
         assert self.phase is Phase.IDLE, f"grad bytes changed in phase {self.phase}"
         self.grad_bytes[unit] = num_bytes
+
+    # ---------------------------------------------------------------- retention
+    def set_reshard_after_backward(self, reshard_after_backward: bool) -> None:
+        """`model.set_reshard_after_backward(b)`: with False, the backwards that do not sync
+        keep their units unsharded when they fit ([Note: retained across micro-batches])."""
+        self.reshard_after_backward = reshard_after_backward
+        self._retain_allowed = not reshard_after_backward and retention_fits(self.unit_bytes, self.config)
+
+    def _retain(self, unit: int, out: list[Action]) -> None:
+        """The unit's backward ended without sync: keep it (`Retain`) instead of freeing it."""
+        self._move(unit, UnitState.RETAINED)
+        if unit != self.root:  # the root is outside the budget anyway
+            self._parked.add(unit)  # outside the prefetch budget until it computes again
+        out.append(self._actions.retain[unit])
 
     # ---------------------------------------------------------------- pinning
     def unshard_all(self) -> list[Action]:
@@ -302,6 +338,7 @@ class Schedule:
             self._seen_backward = []
             self._finished_backward = set()
             self._started_backward = set()
+            self._retain_now = not self.sync_grads and self._retain_allowed
 
     def pre_backward(self, unit: int) -> list[Action]:
         """The gradient of one of the unit's forward outputs arrived."""
@@ -334,6 +371,9 @@ class Schedule:
         self._finished_backward.add(unit)
         reduce = self.sync_grads and self.grad_bytes[unit] > 0
         if self.states[unit] is UnitState.UNSHARDED:
+            if self._retain_now:  # not synced: [Note: retained across micro-batches]
+                self._retain(unit, out)
+                return
             self._move(unit, UnitState.REDUCING if reduce else UnitState.SHARDED)
             out.append(self._actions.free[unit])
         elif reduce:  # no gradient reached this unit: it is reduced (as zeros) all the same
@@ -381,6 +421,8 @@ class Schedule:
         order += tuple(u for u in range(self.num_units) if u not in order)
         for unit in order:  # prefetched for a backward that did not come
             self._wait(unit, out)
+            if self.states[unit] is UnitState.RETAINED and not self._retain_now:
+                self._move(unit, UnitState.UNSHARDED)  # not reached: reduced or freed below
         # Units that did not see all their gradients (unused parameters, or no gradient at all)
         # are reduced anyway, in a fixed order, so every rank issues the same collectives.
         for unit in order:
@@ -395,7 +437,9 @@ class Schedule:
                 self._move(unit, UnitState.SHARDED)
         self._in_flight = []
         self._inputs_alive = []
-        assert not self.held_units(), f"units still unsharded after backward: {self.held_units()}"
+        retained = UnitState.RETAINED
+        assert all(self.states[u] is retained for u in self._held), f"units still unsharded after backward: {self.held_units()}"
+        self._retaining = self._retain_now
         self._backward_gathers_checked = True
         if not self._backward_checked and self.sync_grads:
             self._backward_checked = True

@@ -19,6 +19,20 @@ the sum within rounding). This stage sets the wrapped module's `set_requires_gra
 sharded gradients by the number of micro-batches as it does FSDP2's. Schedules that split a
 backward into its input and weight parts (zero-bubble) pass `last_backward=False` to the weight
 part, so they are refused here.
+
+[Note: parameters gathered once per pipeline step]
+Accumulating without reducing is not enough: each micro-batch's backward would still free every
+unit and the next micro-batch gather it again, forward and backward (ZeRO-3 per micro-batch).
+As torch's stage does for FSDP2, this stage also sets `set_reshard_after_backward` to
+`last_backward`: the units a backward leaves unsharded stay so through the next micro-batches'
+forwards and backwards, and the step's last backward reduces and frees them ([Note: retained
+across micro-batches] in overlap/engine/unit_state.py). Before the stage's first backward (the
+warm-up forwards of 1F1B) a unit is gathered once if it is kept from forward to backward
+(reshard_after_forward=False, or within keep_for_backward_bytes: the warm-up forwards reuse
+it), else once per warm-up forward and once for that backward; after it, never again that
+step. So with reshard_after_forward=False each unit is gathered once per step, as FSDP2 under
+torchtitan's pipeline settings. Units are kept where the whole stage's unsharded parameters fit
+`max_inflight_allgather_bytes` (no cap: always); tests/test_pipeline_gathers.py counts them.
 """
 
 from __future__ import annotations
@@ -30,7 +44,8 @@ from torch.distributed.pipelining import PipelineStage as _PipelineStage
 
 class PipelineStage(_PipelineStage):
     """torch's `PipelineStage` for a module wrapped by `overlap.wrap`: its gradients are reduced
-    once per schedule step ([Note: gradients reduced once per pipeline step])."""
+    once per schedule step ([Note: gradients reduced once per pipeline step]) and its units are
+    kept unsharded between micro-batches ([Note: parameters gathered once per pipeline step])."""
 
     def __init__(self, submodule: Any, *args: Any, **kwargs: Any) -> None:
         if getattr(submodule, "_overlap_state", None) is None:
@@ -48,4 +63,5 @@ class PipelineStage(_PipelineStage):
                 "Schedule1F1B, ScheduleGPipe or ScheduleInterleaved1F1B"
             )
         self.submod.set_requires_gradient_sync(last_backward)
+        self.submod.set_reshard_after_backward(last_backward)  # [Note: parameters gathered once per pipeline step]
         return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
