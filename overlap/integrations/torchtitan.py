@@ -80,6 +80,8 @@ def use_overlap(config: Any, **overrides: Any) -> Any:
     spec = config.model_spec
     if spec is None:
         raise ValueError("use_overlap: config.model_spec is None; call it on a model's config (e.g. llama3_8b())")
+    if isinstance(spec.parallelize_fn, _Parallelize):
+        raise ValueError("use_overlap: this config already uses overlap (use_overlap was called on it before)")
     pipelining = spec.pipelining_fn
     config.model_spec = dataclasses.replace(
         spec,
