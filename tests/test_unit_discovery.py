@@ -53,6 +53,14 @@ class Net(nn.Module):
         return self.head(h)
 
 
+class MoEBlock(Block):
+    """A block holding repeated parts of its own (experts), most of the model's parameters."""
+
+    def __init__(self, dim: int = 8) -> None:
+        super().__init__(dim)
+        self.experts = nn.ModuleList(nn.Linear(dim, 8 * dim) for _ in range(4))
+
+
 def test_auto_finds_blocks_in_every_container():
     for kind in ("dict", "list", "sequential"):
         assert find_unit_modules(Net(kind), "auto") == ["layers.0", "layers.1", "layers.2"], kind
@@ -94,6 +102,11 @@ def discovery_on_ranks(rank: int, world: int) -> dict:
     _, out["no_class"] = _wrap_and_warnings(Net("dict"), unit_policy={nn.GRU})
     _, out["merged"] = _wrap_and_warnings(Net("list"), min_unit_numel=10**6)
     _, out["small_blocks"] = _wrap_and_warnings(Net("list", num_blocks=1), unit_policy={nn.GRU})
+    moe = Net("dict")
+    moe.layers["2"] = MoEBlock()  # a unit of its own, most parameters, repeated experts inside
+    out["moe_share"] = round(100 * sum(p.numel() for p in moe.layers["2"].parameters()) / sum(p.numel() for p in moe.parameters()))
+    model, out["moe"] = _wrap_and_warnings(moe, unit_policy={Block})  # MoEBlock too: a block, a unit
+    out["moe_units"] = [u.layout.module_fqns for u in state_of(model).units]
     return out
 
 
@@ -108,3 +121,5 @@ def test_auto_units_and_the_lopsided_unit_warning(world2):
         (merged,) = out["merged"]  # min_unit_numel merged every block into one unit
         assert "layers.0 + layers.1 + layers.2" in merged and _share(merged) == out["blocks_share"] > 50
         assert out["small_blocks"] == [], (rank, out)  # one block is nothing repeated
+        assert ("layers.2",) in out["moe_units"] and out["moe_share"] > 50, (rank, out)
+        assert out["moe"] == [], (rank, out)  # the repeated experts inside a block belong to its unit

@@ -302,7 +302,11 @@ def warn_lopsided_units(root: nn.Module, layouts: list[UnitLayout]) -> None:
         return
     owners = {module for layout in parts for slot in layout.slots for module, _ in slot.owners}
     blocks = repeated_blocks(root)
-    inside = [fqn for fqn in blocks if any(o == fqn or o.startswith(fqn + ".") for o in owners)]
+    # the outermost blocks (experts inside a layer are the layer's), and not those inside one of
+    # the unit's own modules: a unit that is one block holding repeated parts is as it should be
+    outer = [b for b in blocks if not any(b.startswith(o + ".") for o in blocks)]
+    outer = [b for b in outer if members == ("",) or not any(b.startswith(m + ".") for m in members)]
+    inside = [fqn for fqn in outer if any(o == fqn or o.startswith(fqn + ".") for o in owners)]
     if len(inside) < 2:
         return
     name = "the root (parameters outside every unit)" if members == ("",) else " + ".join(members)
