@@ -189,13 +189,8 @@ def test_planner_dispatcher_sits_above_both_paths():
 APPS = ("demo", "plan", "tune", "bench")
 """The commands' layers under overlap/tools; below them `worlds`, `workloads` and `flags`."""
 BELOW_APPS = ("worlds", "workloads", "flags", "moved")
-PLAN_CROSSINGS = {
-    "overlap.tools.plan.calibrate": {"overlap.tools.bench", "overlap.tools.bench.step"},
-    "overlap.tools.plan.measure": {"overlap.tools.bench.comm"},
-    "overlap.tools.plan.world": {"overlap.tools.bench.step"},
-}
-"""What the planner still reaches by the old paths (aliases of worlds and workloads, or bench's
-modules); this may only shrink."""
+PLAN_CROSSINGS: dict[str, set[str]] = {}
+"""What the planner may still reach of another command (none: it uses worlds and workloads)."""
 
 
 def tool_layer(module: str) -> str | None:

@@ -67,6 +67,7 @@ from overlap.tools.plan.measure import (  # the measurements (measure.py)
     profile_slowest,
 )
 from overlap.tools.plan.world import World, groups, max_over_ranks, mean_over_ranks, set_up_rank, w1  # re-exported
+from overlap.tools.workloads import step as workload
 
 CODEC_OVERRIDES: dict[str, dict[str, Any]] = {
     NO_CODEC: {},
@@ -107,19 +108,18 @@ class Rig:
     def build(cls, world: World, codecs: dict[str, dict[str, Any]] | None = None, bench: Any = None) -> Rig:
         """`bench`: the W1 to build (default `w1()`)."""
         import overlap
-        from overlap.tools.bench import step as bench_step
 
         bench = bench or w1()
         group, shard, replicas = groups(world)
-        batch = bench_step.make_batch(bench, dist.get_rank())
-        plain = bench_step.build_model(bench)
-        host_models = {path: overlap.wrap(bench_step.build_model(bench), group=group, **o)
+        batch = workload.make_batch(bench, dist.get_rank())
+        plain = workload.build_model(bench)
+        host_models = {path: overlap.wrap(workload.build_model(bench), group=group, **o)
                        for path, o in (codecs or CODEC_OVERRIDES).items()}  # fmt: skip
         for model in host_models.values():  # warm, as training is before anything is timed: a
             for _ in range(HOST_WARMUP_STEPS):  # cold int8 + EF reduction issued in 43 ms, warm 4
                 model(batch[0]).pow(2).mean().backward()
                 model.zero_grad(set_to_none=True)
-        opt_model = overlap.wrap(bench_step.build_model(bench), group=group)
+        opt_model = overlap.wrap(workload.build_model(bench), group=group)
         opt = torch.optim.AdamW(opt_model.parameters(), lr=bench.lr)
         opt_model(batch[0]).pow(2).mean().backward()
         grads = [(p, p.grad) for p in opt_model.parameters() if p.grad is not None]

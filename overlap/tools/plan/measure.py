@@ -15,6 +15,7 @@ from torch import nn
 
 from overlap.step_model.calibration import HostCosts, fit_link, gather_op
 from overlap.tools.plan.world import World, max_over_ranks, mean_over_ranks, w1
+from overlap.tools.worlds.collectives import all_gather_single, iters_for
 
 LINK_SIZES_BYTES = tuple(k * 2**20 for k in (1, 4, 12, 24))
 """Up to what W1 moves: 12 MiB (a layer) and 24 MiB (two). A 32 MiB all-gather measured up to
@@ -43,7 +44,6 @@ def launcher(op: str, num_bytes: int, group: dist.ProcessGroup) -> Callable[[boo
     rank's own part stays home ([Note: own part stays home] in overlap/transport/collectives.py)
     and, on gloo, receives are posted first ([Note: receive before send] in
     overlap/transport/pairwise.py)."""
-    from overlap.tools.bench.comm import all_gather_single
     from overlap.transport import collectives as comm
 
     n, me = group.size(), group.rank()
@@ -73,8 +73,6 @@ def layer_gather_op(world: World, layer_bytes: int) -> str:
 def time_collective(op: str, num_bytes: int, group: dist.ProcessGroup) -> float:
     """Seconds of one `op` of `num_bytes` (`launcher`) on `group`, back to back (at least
     `LINK_MIN_ITERS`); every group of the world at once; each rank's median, the slowest rank's."""
-    from overlap.tools.bench.comm import iters_for
-
     launch = launcher(op, num_bytes, group)
     iters, warmup = iters_for(num_bytes, 8, 2, 48 * 2**20)
     for _ in range(warmup):

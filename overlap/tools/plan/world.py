@@ -10,6 +10,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from overlap.tools.workloads.step import Workload
+
 
 @dataclass(frozen=True)
 class World:
@@ -76,12 +78,10 @@ def groups(world: World) -> tuple[Any, dist.ProcessGroup, dist.ProcessGroup | No
     return mesh, mesh.get_group(1), mesh.get_group(0)
 
 
-def w1(**sizes: Any) -> Any:
-    """W1, `overlap bench step`'s default model (`sizes`: other `StepBenchConfig` fields, such
-    as `seq`)."""
-    from overlap.tools.bench.step import StepBenchConfig
-
-    return StepBenchConfig(**sizes)
+def w1(**sizes: Any) -> Workload:
+    """W1, `overlap bench step`'s default model (`sizes`: other `Workload` fields, such as
+    `seq`)."""
+    return Workload(**sizes)
 
 
 def mean_over_ranks(values: list[float]) -> list[float]:
