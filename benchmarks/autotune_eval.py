@@ -83,7 +83,7 @@ def eval_rank(rank: int, world_size: int, cfg: EvalConfig) -> dict[str, Any] | N
     from tqdm import tqdm
 
     import overlap
-    from overlap.tools.bench.link import active_link
+    from overlap.tools.worlds.link import active_link
     from overlap.tools.tune import tune
     from overlap.tools.tune.command import resolve_space, workload_fns, workload_key
     from overlap.tools.tune.measure import process_group
@@ -184,7 +184,7 @@ def format_report(report: dict[str, Any], r: Rounds) -> str:
 
 
 def main() -> int:
-    from overlap.tools.bench.world import run_bench
+    from overlap.tools.worlds.runner import run_bench
     from overlap.tools.tune import command
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from overlap.tools.bench.comm import iters_for, measure
-from overlap.tools.launch import run_local_world
+from overlap.tools.worlds.launch import run_local_world
 
 
 def bare_busbw_gbps(op: str, num_bytes: int, iters: int, warmup: int) -> float:

@@ -58,10 +58,10 @@ import torch  # noqa: E402
 
 from overlap.tools.bench import peers  # noqa: E402
 from overlap.tools.bench.step import process_peak_rss_bytes  # noqa: E402
-from overlap.tools.data import ByteDataset  # noqa: E402
+from overlap.tools.workloads.data import ByteDataset  # noqa: E402
 from overlap.tools.demo import DemoConfig, batches, evaluate, lr_factor, mean_across_ranks  # noqa: E402
-from overlap.tools.launch import current_device, default_world, run_local_world  # noqa: E402
-from overlap.tools.models import GPT, GPTConfig  # noqa: E402
+from overlap.tools.worlds.launch import current_device, default_world, run_local_world  # noqa: E402
+from overlap.tools.workloads import GPT, GPTConfig  # noqa: E402
 
 REFERENCE = "ddp"
 OVERLAP_CONFIGS = (

@@ -30,7 +30,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 import overlap
-from overlap.tools.launch import run_local_world
+from overlap.tools.worlds.launch import run_local_world
 from overlap.observe.monitor import rss_bytes
 
 CONTENDERS = ("overlap", "fsdp2", "ddp")

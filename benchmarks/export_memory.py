@@ -147,7 +147,7 @@ def _cpu_model() -> str:
 
 
 def main() -> None:
-    from overlap.tools.launch import run_local_world
+    from overlap.tools.worlds.launch import run_local_world
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dim", type=int, default=1024)

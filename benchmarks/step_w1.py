@@ -7,7 +7,7 @@
 
 `overlap bench step --model w1` with W1's defaults, plus `--world-size N` (the same as
 `--nproc N`). The protocol, contenders, floors, parity guard, memory accounting and JSON schema
-are documented in overlap/tools/bench/step.py.
+are documented in overlap/tools/bench/step/.
 """
 
 from __future__ import annotations

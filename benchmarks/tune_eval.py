@@ -92,7 +92,7 @@ def _load_kernels() -> None:
 def eval_rank(rank: int, world_size: int, cfg: EvalConfig) -> EvalReport | None:
     from tqdm import tqdm
 
-    from overlap.tools.bench.link import active_link
+    from overlap.tools.worlds.link import active_link
     from overlap.tools.tune import tune
     from overlap.tools.tune.command import resolve_space, workload_fns, workload_key
     from overlap.tools.tune.measure import MeasuredTrial, process_group
@@ -239,7 +239,7 @@ def format_report(r: EvalReport, result: Any) -> str:
 
 
 def main() -> int:
-    from overlap.tools.bench.world import run_bench
+    from overlap.tools.worlds.runner import run_bench
     from overlap.tools.tune import command
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -24,7 +24,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import overlap
-from overlap.tools.launch import run_local_world
+from overlap.tools.worlds.launch import run_local_world
 
 MODELS = {  # name: (layers, d_model, heads, dim_feedforward)
     "W1 (8 x TEL 512/8/2048)": (8, 512, 8, 2048),

@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from harness import World
 from overlap.transport import collectives as comm
-from overlap.tools.launch import run_local_world
+from overlap.tools.worlds.launch import run_local_world
 
 
 @pytest.fixture(scope="module")
