@@ -26,6 +26,9 @@ their own. The last unit is kept but not parked: its backward is the next comput
 on gathered bytes (`max_inflight_allgather_bytes`) turns the keeping off beyond the last unit: the cap
 is the user's bound on every unsharded byte. Why a byte budget and what it is by default (a
 fixed amount, not a share of the model): OverlapConfig.keep_for_backward_bytes.
+Another forward before that backward (a pipeline's warm-up micro-batches) keeps them too, parked:
+it uses them again and the first backward still needs them; what was prefetched for backward
+and not kept is freed (Schedule.begin_forward).
 
 [Note: a finished unit is not prefetched again]
 A unit runs backward once per step, so one whose backward finished is never gathered
