@@ -7,8 +7,9 @@ the sequence), the head and loss, recomputation by the checkpointing policy. Com
     data parallel   [Note: data-parallel modes] in run_spec.py. ZeRO-3 and ZeRO-2 replay the
                     runtime's own Schedule on the simulator's clock, one micro-batch at a time:
                     without pipelining each micro-batch gathers and reduces (as FSDP does under
-                    gradient accumulation); under pipelining each gathers (overlap's
-                    PipelineStage today) and the stage reduces once per step. DDP, ZeRO-1 and a
+                    gradient accumulation); under pipelining each gathers (FSDP2 with
+                    reshard_after_forward=True) and the stage reduces once per step; overlap's
+                    PipelineStage keeps its units for the step (zero3-keep). DDP, ZeRO-1 and a
                     kept ZeRO-3 exchange once per step, hidden behind one micro-batch's
                     backward (forward) when `dp_overlap`, else exposed. While a
                     collective overlaps compute it takes NCCL's SMs from it (`nccl_share`).
@@ -242,8 +243,9 @@ def predict_run(spec: RunSpec, *, compute_scale: float = 1.0) -> RunPrediction:
         step = m * (mb_s + tp_mb + cp_mb) + optimizer_s
         bubble, dp_exposed = 0.0, m * mb_exposed
     else:
-        # ZeRO-3 and ZeRO-2 under pipelining gather every micro-batch, as overlap's PipelineStage
-        # runs them; their reduction (and every other mode's exchange) is once per step
+        # ZeRO-3 and ZeRO-2 under pipelining gather every micro-batch, as FSDP2's stages with
+        # reshard_after_forward=True do (overlap's PipelineStage keeps its units: zero3-keep);
+        # their reduction (and every other mode's exchange) is once per step
         gathers_mb = 0.0
         if spec.dp_mode in ("zero3", "zero2"):
             gathers_mb = max(0.0, _simulated_fsdp(spec, blocks, head, reduce=False)[0] - compute_mb)
