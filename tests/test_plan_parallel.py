@@ -95,9 +95,26 @@ def test_pipeline_step_assembles_microbatches_bubble_and_tail():
                            _cluster(64, replace(dims, pp_schedule="interleaved", virtual_stages=2)))  # fmt: skip
     assert interleaved.parallel is not None and interleaved.parallel.bubble_s < b.bubble_s
     assert interleaved.step_s < e.step_s
-    # every micro-batch gathers every unit; one reduction per step
-    assert e.prediction.num_allgathers == 8 * (e.prediction.num_allgathers // 8)
-    assert e.prediction.num_reduce_scatters <= b.layers_per_rank + 1
+    assert e.prediction.num_reduce_scatters <= b.layers_per_rank + 1  # one reduction per step
+
+
+def test_pipeline_stage_keeps_its_units_across_micro_batches_unless_capped():
+    """[Note: pipeline step]: the stage's units stay gathered from the first micro-batch to the
+    last when they fit `max_inflight_allgather_bytes` (no cap by default): one micro-batch's
+    gathers per step, every unit held; under a cap they do not fit, every micro-batch gathers."""
+    profile = load_model("llama-8b", 8192, 8, "full")
+    dims = ParallelDims(tp=2, pp=4, microbatches=8)
+    kept = estimate(profile, PLAN_DEFAULT_CONFIG, _cluster(64, dims))
+    capped = estimate(profile, PLAN_DEFAULT_CONFIG.replace(max_inflight_allgather_bytes=1), _cluster(64, dims))
+    per_microbatch = capped.prediction.num_allgathers // 8
+    assert per_microbatch > 0 and capped.prediction.num_allgathers == 8 * per_microbatch
+    assert kept.prediction.num_allgathers == per_microbatch
+    assert kept.prediction.exposed_s < capped.prediction.exposed_s and kept.step_s < capped.step_s
+    stage_units = kept.parallel.layers_per_rank  # one block per unit by default
+    assert kept.prediction.peak_unsharded_units == stage_units > capped.prediction.peak_unsharded_units
+    assert kept.memory.units_in_flight_bytes == kept.prediction.peak_unsharded_bytes
+    for e in (kept, capped):
+        assert e.step_s == pytest.approx(e.prediction.compute_s + e.prediction.exposed_s + e.parallel.bubble_s)
 
 
 def test_cli_tp_pp_prints_and_writes_the_new_fields(tmp_path, capsys):

@@ -41,7 +41,12 @@ of each of its v stages). The bubble is (P-1)/v of those slots: a share (P-1)/v 
 of the step, (P-1)/(M+P-1) for 1F1B and GPipe (Narayanan et al. 2021, arXiv:2104.04473). The
 reduce tail is the extra time of the one micro-batch that reduces: our PipelineStage reduces once
 per step ([Note: gradients reduced once per pipeline step] in overlap/integrations/pipelining.py)
-but gathers every micro-batch (each forward and, with reshard_after_forward, each backward).
+and keeps its units gathered from the first micro-batch to the last ([Note: retained across
+micro-batches] in overlap/engine/unit_state.py) when all of them fit
+`max_inflight_allgather_bytes` (always without a cap): then only the first micro-batch gathers,
+t_mb is the mean of that micro-batch and M-1 that only compute, and every unit of the stage is
+held. Past the cap every micro-batch gathers (each forward and, with reshard_after_forward, each
+backward), as FSDP2's stages with reshard_after_forward=True do.
 The bottleneck rank is planned: ceil(layers / (P·v)) layers per stage, and the root's compute
 and parameters (embeddings and head, which sit on the first and last stages) counted on it.
 """
@@ -284,7 +289,8 @@ class ParallelBreakdown:
     """t_mb: one micro-batch on the bottleneck rank (FSDP forward+backward without reduction,
     exposed TP collectives, pipeline sends)."""
     fsdp_microbatch_s: float
-    """The simulator's forward+backward of one micro-batch that does not reduce."""
+    """The simulator's forward+backward of one micro-batch that does not reduce, averaged over
+    the micro-batches (only the first gathers when the stage keeps its units)."""
     reduce_tail_s: float
     """What the micro-batch that reduces adds (its reduce-scatters' exposed part)."""
     tp: TpCost

@@ -59,19 +59,26 @@ def estimate_parallel(profile: ModelProfile, config: OverlapConfig, cluster: Clu
     p2p = p2p_s(profile, dims, layout, stage.local_batch)
     m = dims.num_microbatches
     fill = (dims.pp - 1) / dims.virtual_stages
-    microbatch_s = unsynced.step_s + tp.exposed_s + p2p
+    # [Note: pipeline step]: the stage keeps its units across micro-batches when they all fit
+    stage_bytes = sum(u.param_bytes for u in units[1:])  # units[0]: the root, held all step anyway
+    cap = stage_config.max_inflight_allgather_bytes
+    gathering = 1 if cap is None or stage_bytes <= cap else m  # micro-batches that gather
+    fsdp_s = (gathering * unsynced.step_s + (m - gathering) * unsynced.compute_s) / m
+    microbatch_s = fsdp_s + tp.exposed_s + p2p
     reduce_tail_s = max(0.0, synced.prediction.step_s - synced.optimizer_s - unsynced.step_s)
     bubble_s = fill * microbatch_s
     step_s = (m + fill) * microbatch_s + reduce_tail_s + synced.optimizer_s
     s = synced.prediction
+    held = (stage_bytes, len(units) - 1) if gathering == 1 else (s.peak_unsharded_bytes, s.peak_unsharded_units)
     prediction = Prediction(
         step_s=step_s,
         compute_s=m * unsynced.compute_s + synced.optimizer_s,
-        exposed_s=m * (unsynced.exposed_s + tp.exposed_s + p2p) + reduce_tail_s,
-        comm_busy_s=m * (unsynced.comm_busy_s + tp.busy_s + p2p) + max(0.0, s.comm_busy_s - unsynced.comm_busy_s),
-        peak_unsharded_bytes=s.peak_unsharded_bytes,
-        peak_unsharded_units=s.peak_unsharded_units,
-        num_allgathers=m * unsynced.num_allgathers,
+        exposed_s=gathering * unsynced.exposed_s + m * (tp.exposed_s + p2p) + reduce_tail_s,
+        comm_busy_s=gathering * unsynced.comm_busy_s + m * (tp.busy_s + p2p)
+        + max(0.0, s.comm_busy_s - unsynced.comm_busy_s),
+        peak_unsharded_bytes=held[0],
+        peak_unsharded_units=held[1],
+        num_allgathers=gathering * unsynced.num_allgathers,
         num_reduce_scatters=s.num_reduce_scatters,
         peak_reduce_bytes=s.peak_reduce_bytes,
     )
@@ -84,7 +91,7 @@ def estimate_parallel(profile: ModelProfile, config: OverlapConfig, cluster: Clu
         layers_per_rank=num_layers,
         microbatch_size=stage.local_batch,
         microbatch_s=microbatch_s,
-        fsdp_microbatch_s=unsynced.step_s,
+        fsdp_microbatch_s=fsdp_s,
         reduce_tail_s=reduce_tail_s,
         tp=tp,
         p2p_microbatch_s=p2p,
@@ -95,7 +102,7 @@ def estimate_parallel(profile: ModelProfile, config: OverlapConfig, cluster: Clu
         synced,
         config=config,
         prediction=prediction,
-        memory=replace(synced.memory, activation_bytes=activation),
+        memory=replace(synced.memory, activation_bytes=activation, units_in_flight_bytes=held[0]),
         num_gpus=cluster.num_gpus,
         tokens_per_gpu_step=tokens_per_gpu,
         model_flops_per_token=profile.model_flops_per_token,
