@@ -1,11 +1,13 @@
 """Start a torchtitan world as torchrun would (one fresh process per rank, env:// rendezvous) and
 collect what each rank's runs saw (titan_rank.py). A world that misses its deadline is killed,
-rank by rank, and the failure names the ranks that hung and shows each rank's last output."""
+rank by rank, and the failure names the ranks that hung and shows each rank's last output; the
+world's folder (logs, checkpoints) is removed when every rank succeeded."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -82,8 +84,9 @@ def run_world(world_size: int, runs: list[dict[str, Any]], timeout_s: float = WO
             what = "hung" if rank in hung else f"exited {p.returncode}"
             tail = open(os.path.join(out, f"rank{rank}.log")).read()[-4000:]
             problems.append(f"rank {rank} {what} (within {timeout_s:.0f}s); last output:\n{tail}")
-    if problems:
+    if problems:  # the folder (logs, checkpoints) is kept to look into
         raise AssertionError(f"torchtitan world of {world_size} ({out}):\n" + "\n".join(problems))
+    shutil.rmtree(out, ignore_errors=True)
     return results
 
 
