@@ -120,7 +120,17 @@ class OverlapConfig:
     elsewhere (NCCL). With all_to_all on both sides, a backward all-gather issued right after a gradient
     reduction in the same group travels in the same all-to-all: one collective instead of two
     per unit in backward. See [Note: all-gather through all-to-all] in transport/collectives.py and
-    [Note: fused exchange] in transport/host.py."""
+    [Note: fused exchange] in transport/gloo.py."""
+    shared_memory: str = "auto"
+    """How ranks of the shard group that share one host exchange CPU tensors: "auto" (through
+    shared-memory segments when every rank of the group is on this host, found at wrap: the
+    all-gathers and reduce-scatters never leave the machine's memory), or "off" (through the
+    process group's backend, gloo). HSDP's sums across replicas and codecs' exchanges stay on the
+    backend. See [Note: shared-memory exchange] in transport/shm.py."""
+    symmetric_memory: bool = False
+    """CUDA over NCCL: allocate every all-gather's output in torch's symmetric memory, so that
+    NCCL runs its symmetric or copy-engine all-gather (one-shot copies that leave the SMs to
+    compute). Off by default; ignored with a warning for CPU tensors. See transport/symm_mem.py."""
 
     hybrid_mode: str = "replicate"
     """What a 2-D DeviceMesh (outer, inner) passed as `group` means (ignored for a 1-D group):
@@ -309,6 +319,8 @@ class OverlapConfig:
             raise ValueError(
                 f"all_gather_impl must be 'auto', 'native' or 'all_to_all', got {self.all_gather_impl!r}"
             )
+        if self.shared_memory not in ("auto", "off"):
+            raise ValueError(f"shared_memory must be 'auto' or 'off', got {self.shared_memory!r}")
         if self.hybrid_mode not in ("replicate", "secondary"):
             raise ValueError(f"hybrid_mode must be 'replicate' or 'secondary', got {self.hybrid_mode!r}")
         timeout = self.collective_timeout_s

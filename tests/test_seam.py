@@ -106,7 +106,7 @@ class CountingAllGather(AllGather):
         return super().__call__(*args)
 
 
-def _parity(rank: int, steps: int, setup: Any, layers: int = 3, **config: Any) -> dict:
+def _parity(rank: int, steps: int, setup: Any, layers: int = 3, group: Any = None, **config: Any) -> dict:
     """`steps` SGD steps of ours (after `setup(model)`) against DDP: the largest difference of
     the parameters (bitwise expected at two ranks in fp32) and what `setup` returned."""
     import overlap
@@ -114,7 +114,7 @@ def _parity(rank: int, steps: int, setup: Any, layers: int = 3, **config: Any) -
     torch.manual_seed(0)
     base = encoder_stack(layers=layers, dim=16)
     ref = DDP(copy.deepcopy(base))
-    ours = overlap.wrap(base, collective_timeout_s=60, **config)
+    ours = overlap.wrap(base, group=group, collective_timeout_s=60, **config)
     seen = setup(ours)
     pairs = [(model, torch.optim.SGD(model.parameters(), lr=0.1)) for model in (ref, ours)]
     for step in range(steps):
@@ -160,7 +160,8 @@ def fused_exchanges(rank: int, world: int) -> dict:
         return lambda: dict(calls)
 
     try:
-        return _parity(rank, 3, setup, layers=6, **STRICT_ZERO3)  # every unit gathered again for backward
+        # every unit gathered again for backward; through gloo (not shared memory: one host)
+        return _parity(rank, 3, setup, layers=6, shared_memory="off", **STRICT_ZERO3)
     finally:
         comm.reduce_scatter_and_gather = real
 

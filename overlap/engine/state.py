@@ -112,6 +112,8 @@ class OverlapState:
             gather_impl=config.all_gather_impl,
             replicate_group=replicate_group,
             secondary_group=secondary_group,
+            shared_memory=config.shared_memory,
+            symmetric_memory=config.symmetric_memory,
         )
         self.runtime = Runtime(
             units,

@@ -1,4 +1,4 @@
-"""The C++ CPU extension (`csrc/quantize.cpp`, `csrc/copy.cpp`, `csrc/reduce.cpp`), built just in time at first use and cached.
+"""The C++ CPU extension (`csrc/quantize.cpp`, `csrc/copy.cpp`, `csrc/reduce.cpp`, `csrc/shm.cpp`), built just in time at first use and cached.
 
 [Note: just-in-time C++ build]
 `setup.py` never imports torch (pip's build isolation would need a second torch), so the
@@ -44,7 +44,7 @@ build_seconds: float | None = None
 
 def source_paths() -> list[Path]:
     """The extension's sources: one module, ops registered under torch.ops.overlap_cpu."""
-    return [_CSRC / "quantize.cpp", _CSRC / "copy.cpp", _CSRC / "reduce.cpp"]
+    return [_CSRC / "quantize.cpp", _CSRC / "copy.cpp", _CSRC / "reduce.cpp", _CSRC / "shm.cpp"]
 
 
 def load_extension() -> Any | None:

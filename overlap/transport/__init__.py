@@ -13,19 +13,21 @@ package, never the reverse.
 
 from __future__ import annotations
 
+import warnings
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from overlap.transport import backend
+from overlap.transport import backend, shm
 from overlap.transport.base import Transport, honoured_timeout, make_wire
 from overlap.transport.executor import Executor
 from overlap.transport.gloo import gloo_strategies
 from overlap.transport.host import HostExecutor
 from overlap.transport.streams import StreamExecutor
 from overlap.transport.streams import check_settings as _check_stream_settings
+from overlap.transport.symm_mem import SymmMemAllGather
 from overlap.transport.strategy import AllGather, AllReduce, GatherResult, ReduceScatter, UnitWire, native_strategies
 
 
@@ -38,10 +40,15 @@ def make_transport(
     gather_impl: str,
     replicate_group: dist.ProcessGroup | None = None,
     secondary_group: dist.ProcessGroup | None = None,
+    shared_memory: str = "auto",
+    symmetric_memory: bool = False,
 ) -> Transport:
     """The transport for `device`'s tensors over `group`, chosen once at wrap: CUDA tensors
     through comm streams and events and the backend's collectives; CPU tensors through host
-    waits and gloo's own mechanisms. Raises ValueError for a setting it cannot honour."""
+    waits, and shared memory where every rank of `group` is on this host (`shared_memory`,
+    [Note: shared-memory exchange] in shm.py), else gloo's own mechanisms. `symmetric_memory`:
+    CUDA all-gathers into symmetric memory (symm_mem.py). Raises ValueError for
+    a setting it cannot honour. Collective over `group` (CPU)."""
     semantics = backend.semantics(group, device)  # [Note: NCCL is not gloo] in backend.py
     check_settings(group, device, gather_impl)
     cuda = device.type == "cuda"
@@ -50,9 +57,36 @@ def make_transport(
     executor = executor_kind(
         rank, world_size, device, timer, honoured_timeout(semantics, timeout), replicate_group is not None
     )
-    strategies = native_strategies() if cuda else gloo_strategies()
+    if cuda:
+        strategies = native_strategies()
+        if symmetric_memory:  # symm_mem.py: where the all-gather's output lives
+            strategies = (SymmMemAllGather(), *strategies[1:])
+    else:
+        if symmetric_memory:
+            warnings.warn("overlap.wrap: symmetric_memory=True applies to CUDA tensors only; ignored", stacklevel=2)
+        strategies = cpu_strategies(group, device, executor.timeout, shared_memory, gather_impl, reduce_impl)
     wire = make_wire(group, device, semantics, reduce_impl, gather_impl, secondary_group)
     return Transport(executor, *strategies, wire)
+
+
+def cpu_strategies(
+    group: dist.ProcessGroup,
+    device: torch.device,
+    timeout: timedelta | None,
+    shared_memory: str,
+    gather_impl: str = "auto",
+    reduce_impl: str = "auto",
+) -> tuple[AllGather, ReduceScatter, AllReduce]:
+    """Shared memory for ranks on one host, gloo's mechanisms for the rest and across hosts. An
+    all_gather_impl or reduce_scatter_impl set to other than "auto" names the backend's
+    collective: that one stays on gloo."""
+    gloo = gloo_strategies()
+    if "auto" not in (gather_impl, reduce_impl) or not shm.usable(group, device, shared_memory):
+        return gloo
+    plan = shm.ShmPlan(timeout)
+    gather = shm.ShmAllGather(plan, gloo[0]) if gather_impl == "auto" else gloo[0]
+    reduce = shm.ShmReduceScatter(plan, gloo[1]) if reduce_impl == "auto" else gloo[1]
+    return gather, reduce, gloo[2]
 
 
 def check_settings(group: dist.ProcessGroup, device: torch.device, gather_impl: str) -> None:
@@ -70,6 +104,7 @@ __all__ = [
     "HostExecutor",
     "ReduceScatter",
     "StreamExecutor",
+    "SymmMemAllGather",
     "Transport",
     "UnitWire",
     "check_settings",

@@ -148,9 +148,12 @@ def all_gather_flat(
     impl: GatherImpl = "native",
     slack: RecvSlack | None = None,
     out: torch.Tensor | None = None,
+    via: Any = None,
 ) -> CommResult:
     """Gather every rank's flat `shard` into one rank-major (world_size * numel) tensor: `out`
     when given (a strategy's allocation, `AllGather.allocate` in strategy.py), else a new one.
+    `via`: an exchange of a strategy's own instead of the backend's (`via.all_gather(send, out)`:
+    shared memory, transport/shm.py).
 
     The shard is cast to `dtype` first (mixed precision: the wire and the compute use it). With
     `tag`, the last `fingerprint.TAG_NUMEL` elements of `shard` are not data: the tag is written
@@ -174,6 +177,8 @@ def all_gather_flat(
     if _local(world_size):
         out.copy_(send)
         return CommResult(out, None, (send,))
+    if via is not None:
+        return via.all_gather(send, out)
     if impl == "all_to_all":  # `slack`: see [Note: receive slack]
         copies = out  # the send copies; a fresh buffer receives
         copies.view(world_size, -1).copy_(send.expand(world_size, send.numel()))
@@ -268,8 +273,10 @@ def reduce_scatter_flat(
     slack: RecvSlack | None = None,
     divide: Divide | None = None,
     average: bool = False,
+    via: Any = None,
 ) -> CommResult:
     """Sum the rank-major `full` (world_size * n) over ranks; this rank keeps its n-element chunk.
+    `via`: an exchange of a strategy's own (`via.reduce_scatter(full, divide)`: transport/shm.py).
     `divide`: through all-to-all, the sum's first `divide.numel` elements are divided by
     `divide.divisor` in the same pass (`kernels.sum_rows`); natively they are not (the caller
     divides; `divides(impl, world_size)` says which). `average`: natively, the backend's
@@ -288,6 +295,8 @@ def reduce_scatter_flat(
         out = torch.empty(n, dtype=full.dtype, device=full.device)
         out.copy_(full)
         return CommResult(out, None, (full,))
+    if via is not None:
+        return via.reduce_scatter(full, divide)
     if impl == "all_to_all":  # `slack`: see [Note: receive slack]; [Note: own part stays home]
         received, work, starts = _exchange(full, world_size, group, slack, _rank(group, slack))
         return CommResult(received, work, (full,), _sum_rows(world_size, n, n, starts, full, divide))

@@ -29,7 +29,8 @@ PARTS: dict[str, PartSpec] = {
     "sync_free": PartSpec(15, cuda_only=True),
     "overlap": PartSpec(12, cuda_only=True),
     "parity": PartSpec(7),
-    "bandwidth": PartSpec(18),
+    "symm_mem": PartSpec(6, cuda_only=True),  # the symmetric-memory all-gather: never run before
+    "bandwidth": PartSpec(12),
 }
 ENV = {"OVERLAP_FORCE_COLLECTIVES": "1", "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
 """Set while the parts run, before CUDA initializes: world size 1 issues real collectives (the NCCL

@@ -1,0 +1,413 @@
+"""Ranks on one host exchange through shared memory: all-gathers and reduce-scatters as
+collective strategies ([Note: the seam] in strategy.py), gloo's strategies for the rest.
+
+[Note: shared-memory exchange]
+Each rank maps one segment of its own and every peer's (`ShmSegments`): a header of sequence
+words and descriptors, then a ring of bytes. A collective is numbered (every rank issues the
+same ones in the same order, [Note: collective order] in engine/schedule.py) and *posted* at
+issue: the rank writes its bytes into its ring (an all-gather its shard; a reduce-scatter
+writes nothing more: its rank-major input was allocated there, `ShmReduceScatter.allocate`),
+writes a descriptor (number, offset, size) and raises its posted word (a release store,
+csrc/shm.cpp). The wait *pulls*: for every peer, wait for its posted word, check its descriptor
+(another size or number is another collective: an error, not wrong bytes), and read its bytes in
+place: copy a shard into the output, or sum the rows for this rank in rank order (kernels.sum_rows,
+as the all-to-all reduction sums them, so results are bitwise those of gloo). Then the rank raises,
+in its own header, how far it has consumed each peer's posts; a rank reuses its ring only behind
+what every peer consumed and it pulled itself (its own row is read from its ring too). Works complete in issue order: a wait first completes every earlier
+collective, so consumption is first-in first-out, and a rank short of ring space completes its
+own pending collectives until the space frees (peers post at issue, so some collective can
+always complete: no deadlock while one collective fits in the ring; a larger one takes gloo).
+
+No segment outlives the job: each is unlinked from /dev/shm as soon as every rank has mapped it
+(the mapping stays valid), so a rank killed at any later point leaves nothing behind. A wait never
+hangs: it returns an error when the peer raised its abort word (a rank whose exchange failed
+raises it), when the peer's process is gone, or after the collective timeout (a stopped peer).
+
+Which ranks share a host is found from the group at wrap (`same_host`): hostname, boot id, the
+/dev/shm device and the network namespace (ranks behind an emulated link are in their own) must
+be equal on every rank. `OverlapConfig.shared_memory="off"` keeps the backend's collectives.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import socket
+import time
+import uuid
+from collections import deque
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from overlap import kernels
+from overlap.kernels import cpu
+from overlap.transport import collectives as comm
+from overlap.transport.strategy import AllGather, ReduceScatter, Strategy, Wire
+
+_POSTED, _ABORT, _CONSUMED, _DESC = 0, 8, 16, 128  # word offsets in a header
+MAX_RANKS = _DESC - _CONSUMED  # ranks of one host in a group
+NUM_DESCRIPTORS = 256  # a rank posts at most this many collectives ahead of the slowest peer
+HEADER_BYTES = 8192  # (_DESC + 3 * NUM_DESCRIPTORS) int64 words, rounded up to pages
+ALIGN = 64
+MIN_RING_BYTES, MAX_RING_BYTES = 32 << 20, 1 << 30
+DEFAULT_TIMEOUT = timedelta(minutes=30)  # gloo's default process-group timeout
+_STATUS = {1: "did not post within {t}", 2: "failed and aborted its exchanges", 3: "is gone (its process exited)"}
+
+
+def host_identity() -> str:
+    """What ranks on one host share and ranks elsewhere (or behind an emulated link) do not."""
+    boot = ""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        pass
+    netns = os.stat("/proc/self/ns/net").st_ino if os.path.exists("/proc/self/ns/net") else 0
+    return f"{socket.gethostname()}|{boot}|{os.stat('/dev/shm').st_dev}|{netns}"
+
+
+def usable(group: dist.ProcessGroup, device: torch.device, setting: str) -> bool:
+    """Whether the shared-memory strategies apply to `device`'s tensors over `group`: every rank
+    on this host ([Note: shared-memory exchange]) with the compiled flag protocol (csrc/shm.cpp).
+    Collective over `group` unless the setting, the device or the size rules it out."""
+    world_size = dist.get_world_size(group)
+    if setting == "off" or device.type != "cpu" or not 1 < world_size <= MAX_RANKS:
+        return False
+    mine = host_identity() if os.path.isdir("/dev/shm") and cpu.load_extension() is not None else ""
+    identities: list[Any] = [None] * world_size
+    dist.all_gather_object(identities, mine, group=group)
+    return mine != "" and len(set(identities)) == 1
+
+
+class ShmWork:
+    """A posted collective until its pull is done; used as a `dist.Work` is here."""
+
+    def __init__(self, segments: ShmSegments, seq: int, nbytes: int, pull: Callable[[list[torch.Tensor]], None]) -> None:
+        self.segments, self.seq, self.nbytes, self.pull = segments, seq, nbytes, pull
+        self.done = False
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        self.segments.complete_through(self)
+        return True
+
+    def get_future(self) -> Any:
+        raise RuntimeError("getFuture not implemented: a shared-memory exchange has no future")
+
+
+class ShmSegments:
+    """This rank's segment and its peers', and the order of the collectives through them
+    ([Note: shared-memory exchange]). Created collectively over `group`."""
+
+    def __init__(self, group: dist.ProcessGroup, ring_bytes: int, timeout: timedelta | None) -> None:
+        self.ext = cpu.load_extension()
+        assert self.ext is not None, "the shared-memory transport needs the compiled kernels"
+        self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
+        self.ring_bytes = ring_bytes
+        self.timeout_s = (timeout or DEFAULT_TIMEOUT).total_seconds()
+        self.limit = "the process group's timeout" if timeout is None else f"collective_timeout_s={self.timeout_s:g}"
+        self.maps, self.words, self.flags = self._map(group, HEADER_BYTES + ring_bytes)
+        self.rings = [torch.frombuffer(m, dtype=torch.uint8)[HEADER_BYTES:] for m in self.maps]
+        self.seq = 0  # the last collective this rank posted
+        self.pulled = 0  # the last collective this rank pulled
+        self.posts: deque[tuple[int, int, int]] = deque()  # (seq, start, end) not consumed by every peer
+        self.pending: deque[ShmWork] = deque()  # posted, not pulled: in issue order
+        self.head = 0  # where the next post begins in this rank's ring
+        self.reserved: tuple[int, int] | None = None
+        self.failed: str | None = None
+
+    def _map(self, group: dist.ProcessGroup, nbytes: int) -> tuple[list[mmap.mmap], list[memoryview], list[Any]]:
+        token: list[Any] = [uuid.uuid4().hex if self.rank == 0 else None]
+        dist.broadcast_object_list(token, src=dist.get_global_rank(group, 0), group=group)
+        self.paths = paths = [f"/dev/shm/overlap-{token[0]}-{r}" for r in range(self.world_size)]
+        fd = os.open(paths[self.rank], os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        try:
+            os.ftruncate(fd, nbytes)
+            own = mmap.mmap(fd, nbytes)
+        finally:
+            os.close(fd)
+        try:
+            pids: list[Any] = [None] * self.world_size
+            dist.all_gather_object(pids, os.getpid(), group=group)  # every segment exists now
+            maps = []
+            for r, path in enumerate(paths):
+                if r == self.rank:
+                    maps.append(own)
+                    continue
+                with open(path, "r+b") as f:
+                    maps.append(mmap.mmap(f.fileno(), nbytes))
+            dist.barrier(group=group)  # every rank mapped every segment: none is needed by name
+            for path in paths:  # each rank unlinks them all: gone before any rank goes on
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
+        finally:  # [Note: shared-memory exchange]: nothing left in /dev/shm, whatever failed
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(paths[self.rank])
+        # a peer's pid is checked only where this rank sees the same process (one pid namespace)
+        self.pids = [p if r != self.rank and os.path.exists(f"/proc/{p}") else 0 for r, p in enumerate(pids)]
+        words = [memoryview(m)[:HEADER_BYTES].cast("q") for m in maps]
+        flags = [torch.frombuffer(m, dtype=torch.int64, count=HEADER_BYTES // 8) for m in maps]
+        return maps, words, flags
+
+    # ------------------------------------------------------------------ posting
+    def fits(self, nbytes: int) -> bool:
+        """Whether one collective of `nbytes` per rank goes through the ring (the same on every rank)."""
+        return _aligned(nbytes) <= self.ring_bytes // 2
+
+    def reserve(self, nbytes: int) -> torch.Tensor:
+        """Room for this rank's next post, once every peer consumed what was there."""
+        assert self.reserved is None, f"rank {self.rank}: two shared-memory posts reserved at once"
+        self._raise_if_failed()
+        size = _aligned(nbytes)
+        start = self.head if self.head + size <= self.ring_bytes else 0
+        while self._overlaps(start, start + size) or len(self.posts) >= NUM_DESCRIPTORS:
+            self._make_room()
+        self.reserved = (start, start + size)
+        return self.rings[self.rank][start : start + nbytes]
+
+    def holds(self, tensor: torch.Tensor) -> bool:
+        """Whether `tensor` is the reserved room."""
+        if self.reserved is None:
+            return False
+        return tensor.data_ptr() == self.rings[self.rank].data_ptr() + self.reserved[0]
+
+    def publish(self, nbytes: int, pull: Callable[[list[torch.Tensor]], None]) -> ShmWork:
+        """Post the reserved room's `nbytes` as the next collective; `pull` reads every rank's."""
+        assert self.reserved is not None, f"rank {self.rank}: a shared-memory post without room"
+        start, end = self.reserved
+        self.reserved = None
+        seq = self.seq + 1
+        words, d = self.words[self.rank], _DESC + 3 * (seq % NUM_DESCRIPTORS)
+        words[d], words[d + 1], words[d + 2] = seq, start, nbytes
+        self.ext.shm_post_flag(self.flags[self.rank][_POSTED : _POSTED + 1], seq)
+        self.seq, self.head = seq, end
+        self.posts.append((seq, start, end))
+        work = ShmWork(self, seq, nbytes, pull)
+        self.pending.append(work)
+        return work
+
+    def _overlaps(self, start: int, end: int) -> bool:
+        self._release_consumed()
+        return any(s < end and start < e for _, s, e in self.posts)
+
+    def _release_consumed(self) -> None:
+        if not self.posts:
+            return
+        # every peer consumed it, and this rank too (its own row is read from its ring)
+        consumed = min(self.words[p][_CONSUMED + self.rank] for p in range(self.world_size) if p != self.rank)
+        consumed = min(consumed, self.pulled)
+        while self.posts and self.posts[0][0] <= consumed:
+            self.posts.popleft()
+
+    def _make_room(self) -> None:
+        """Complete this rank's oldest pending collective, or wait for the slowest peer to
+        consume this rank's oldest post."""
+        if self.pending:
+            self.complete_through(self.pending[0])
+            return
+        oldest = self.posts[0][0]
+        for p in range(self.world_size):
+            if p != self.rank:
+                self._wait(p, self.flags[p][_CONSUMED + self.rank : _CONSUMED + self.rank + 1], oldest, "consume")
+
+    # ------------------------------------------------------------------ pulling
+    def complete_through(self, work: ShmWork) -> None:
+        """Pull every pending collective up to `work`, in issue order."""
+        while not work.done:
+            self._raise_if_failed()
+            self._pull(self.pending[0])
+            done = self.pending.popleft()
+            done.done, self.pulled = True, done.seq
+
+    def _pull(self, work: ShmWork) -> None:
+        regions = []
+        for p in range(self.world_size):
+            if p != self.rank:
+                self._wait(p, self.flags[p][_POSTED : _POSTED + 1], work.seq, "post")
+            words, d = self.words[p], _DESC + 3 * (work.seq % NUM_DESCRIPTORS)
+            seq, start, nbytes = words[d], words[d + 1], words[d + 2]
+            if seq != work.seq or nbytes != work.nbytes:
+                self._fail(
+                    f"rank {p} of the group posted another collective as number {work.seq} "
+                    f"({nbytes} bytes against this rank's {work.nbytes}): the ranks issue different collectives"
+                )
+            regions.append(self.rings[p][start : start + nbytes])
+        work.pull(regions)
+        del regions
+        for p in range(self.world_size):
+            if p != self.rank:
+                self.ext.shm_post_flag(self.flags[self.rank][_CONSUMED + p : _CONSUMED + p + 1], work.seq)
+
+    def _wait(self, peer: int, flag: torch.Tensor, target: int, what: str) -> None:
+        abort = self.flags[peer][_ABORT : _ABORT + 1]
+        start = time.monotonic()
+        status = self.ext.shm_wait_flag(flag, target, abort, self.pids[peer], self.timeout_s)
+        if status:
+            why = _STATUS[status].format(t=f"{self.timeout_s:g}s")
+            self._fail(f"rank {peer} of the group {why} (waiting for it to {what} collective {target})", start)
+
+    def _fail(self, message: str, start: float | None = None) -> None:
+        """Raise, after raising this rank's abort word: every peer's wait on it ends at once."""
+        self.failed = message
+        self.ext.shm_post_flag(self.flags[self.rank][_ABORT : _ABORT + 1], 1)
+        self._raise_if_failed(start)
+
+    def _raise_if_failed(self, start: float | None = None) -> None:
+        """The error every collective raises once one failed: in the shape of `comm.wait`'s."""
+        if self.failed is not None:
+            waited = 0.0 if start is None else time.monotonic() - start
+            raise comm.CollectiveError(
+                f"failed after {waited:.1f}s ({self.limit}): a peer rank "
+                f"died, is stuck or issued a different collective; shared-memory exchange: {self.failed}"
+            )
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        self.ext.shm_copy_bytes(dst, src)
+
+    # ------------------------------------------------------------------ the two collectives
+    def all_gather(self, send: torch.Tensor, out: torch.Tensor) -> comm.CommResult:
+        """Post `send`; the wait copies every rank's into its row of `out` (`comm.all_gather_flat`
+        with `via`)."""
+        nbytes = send.numel() * send.element_size()
+        self.copy(self.reserve(nbytes), _bytes(send))
+        rows = _bytes(out).view(self.world_size, nbytes)
+
+        def pull(regions: list[torch.Tensor]) -> None:
+            for row, region in zip(rows, regions):
+                self.copy(row, region)
+
+        return comm.CommResult(out, self.publish(nbytes, pull), (send,))
+
+    def reduce_scatter(self, full: torch.Tensor, divide: comm.Divide | None) -> comm.CommResult:
+        """Post the rank-major `full` (in the reserved room, or copied there); the wait sums this
+        rank's row of every rank's, in rank order, then `divide` (`comm.reduce_scatter_flat`)."""
+        nbytes = full.numel() * full.element_size()
+        if not self.holds(full):
+            self.copy(self.reserve(nbytes), _bytes(full))
+        cols, dtype, rank = full.numel() // self.world_size, full.dtype, self.rank
+        reduced: list[torch.Tensor] = []
+
+        def pull(regions: list[torch.Tensor]) -> None:
+            rows = [region.view(dtype)[rank * cols : (rank + 1) * cols] for region in regions]
+            if divide is None:
+                reduced.append(kernels.sum_rows(rows))
+            else:
+                reduced.append(kernels.sum_rows(rows, divide.numel, divide.divisor))
+
+        work = self.publish(nbytes, pull)
+        return comm.CommResult(full, work, (full,), lambda _: reduced[0], nbytes=nbytes + cols * full.element_size())
+
+    def cancel(self) -> None:
+        """Give back the reserved room unposted."""
+        self.reserved = None
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // ALIGN) * ALIGN
+
+
+def _bytes(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.reshape(-1).view(torch.uint8)
+
+
+def ring_bytes_for(wire: Wire) -> int:
+    """Room for several of the largest posts (a shard, or a unit's rank-major gradients)."""
+    largest = max((max(u.gather_numel * u.gather_itemsize, wire.world_size * u.reduce_row_bytes) for u in wire.units), default=0)
+    return min(max(8 * _aligned(largest), MIN_RING_BYTES), MAX_RING_BYTES)
+
+
+class ShmPlan:
+    """The segments, created collectively when the strategies are planned (at wrap)."""
+
+    def __init__(self, timeout: timedelta | None) -> None:
+        self.timeout = timeout
+        self.segments: ShmSegments | None = None
+
+    def plan(self, wire: Wire) -> ShmSegments:
+        if self.segments is None:
+            self.segments = ShmSegments(wire.group, ring_bytes_for(wire), self.timeout)
+        return self.segments
+
+
+class _OnSegments(Strategy):
+    """A strategy through the segments, with `fallback` (gloo's) for what they do not carry."""
+
+    fallback: Any
+
+    def __init__(self, plan: ShmPlan, fallback: Any) -> None:
+        self.shared, self.fallback = plan, fallback
+        self.segments: ShmSegments | None = None
+
+    def plan(self, wire: Wire) -> None:
+        super().plan(wire)
+        self.fallback.plan(wire)
+        self.segments = self.shared.plan(wire)
+
+    def flush(self) -> None:
+        self.fallback.flush()
+
+
+class ShmAllGather(_OnSegments, AllGather):
+    """All-gathers through shared memory; gloo's for what the ring cannot hold."""
+
+    def __call__(
+        self, index: int, send: torch.Tensor, dtype: torch.dtype, tag: int | None, tag_slot: torch.Tensor | None, for_backward: bool
+    ) -> comm.CommResult:
+        seg = self.segments
+        assert seg is not None
+        nbytes = send.numel() * dtype.itemsize
+        if not seg.fits(nbytes):
+            return self.fallback(index, send, dtype, tag, tag_slot, for_backward)
+        self.fallback.flush()
+        w = self.wire
+        out = self.allocate(w.world_size * send.numel(), dtype, send.device)
+        return comm.all_gather_flat(send, w.group, w.world_size, dtype, tag, tag_slot, "native", None, out=out, via=seg)
+
+    def encoded(self, *args: Any) -> comm.CommResult:
+        return self.fallback.encoded(*args)
+
+    def secondary(self, secondary: torch.Tensor) -> comm.CommResult:
+        return self.fallback.secondary(secondary)
+
+
+class ShmReduceScatter(_OnSegments, ReduceScatter):
+    """Reduce-scatters through shared memory: the rank-major input is allocated in this rank's
+    ring, and each rank sums its rows from every ring in place ([Note: shared-memory exchange])."""
+
+    def allocate(self, num_rows: int, num_cols: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        seg = self.segments
+        assert seg is not None
+        nbytes = num_rows * num_cols * dtype.itemsize
+        if not seg.fits(nbytes) or seg.reserved is not None:
+            return super().allocate(num_rows, num_cols, dtype, device)
+        self.fallback.flush()
+        return seg.reserve(nbytes).view(dtype).view(num_rows, num_cols)
+
+    def __call__(self, full: torch.Tensor, divide: comm.Divide | None, average: bool = False) -> comm.CommResult:
+        assert not average, "no ReduceOp.AVG through shared memory: the runtime divides (averages() is False)"
+        seg, n = self.segments, self.wire.world_size
+        assert seg is not None
+        if not seg.holds(full) and not seg.fits(full.numel() * full.element_size()):
+            return self.fallback(full, divide)
+        return comm.reduce_scatter_flat(full.view(-1), self.wire.group, n, "native", None, divide, via=seg)
+
+    def encoded(
+        self, full: torch.Tensor, flags: torch.Tensor, codec: Any, residual: Any
+    ) -> comm.CommResult:
+        seg = self.segments
+        assert seg is not None
+        if seg.holds(full):  # a codec's exchange: the input leaves the ring, unposted
+            full = full.clone()
+            seg.cancel()
+        return self.fallback.encoded(full, flags, codec, residual)
+
+    @property
+    def divides(self) -> bool:
+        return True
+
+    def averages(self, dtype: torch.dtype) -> bool:
+        return False
