@@ -65,3 +65,12 @@ class PipelineStage(_PipelineStage):
         self.submod.set_requires_gradient_sync(last_backward)
         self.submod.set_reshard_after_backward(last_backward)  # [Note: parameters gathered once per pipeline step]
         return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
+
+    def _post_metadata_inference_cleanup(self) -> None:
+        """torch's schedules infer shapes on their first step by a real forward and backward of
+        one micro-batch, whose gradients torch drops for FSDP2's modules only: drop ours too, or
+        a loss whose backward runs inside that pass (a chunked loss's head) keeps them."""
+        cleanup = getattr(super(), "_post_metadata_inference_cleanup", None)
+        if cleanup is not None:
+            cleanup()
+        self.submod.zero_grad(set_to_none=True)
