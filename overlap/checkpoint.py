@@ -77,7 +77,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 
 from overlap.compression.feedback import FeedbackResidual, make_residual_format
-from overlap.engine.deferred import check_deferred
+from overlap.engine.late_checks import check_deferred
 from overlap.engine.state import OverlapState, state_of
 
 try:  # NumPy is optional; its generator state is saved when it is importable
@@ -132,7 +132,7 @@ def save(
     returned to the same rank by `load` (see [Note: what a checkpoint holds]). Returns the
     checkpoint folder. A failed write raises DCP's `CheckpointException` (a `BaseException`) on
     every rank. Before anything is written, the checks the last step left unread run on every
-    rank ([Note: final checks] in engine/deferred.py): ranks that diverged, or a codec that met
+    rank ([Note: final checks] in engine/late_checks.py): ranks that diverged, or a codec that met
     Inf/NaN, raise here on every rank instead of being saved silently."""
     state = state_of(model)
     if not isinstance(step, int) or step < 0:

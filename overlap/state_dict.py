@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor
 
 from overlap import kernels
 from overlap.transport import collectives as comm
-from overlap.engine.deferred import check_deferred
+from overlap.engine.late_checks import check_deferred
 from overlap.engine.init import ScratchBuffer
 from overlap.engine.unit_tensors import UnitTensors
 from overlap.engine.source_values import (
@@ -44,7 +44,7 @@ def full_state_dict(model: nn.Module, rank0_only: bool = True) -> dict[str, torc
     `full_tensor()` in turn, and only rank 0 copies it to the host: no other rank holds more than
     one full tensor, nor any host copy. Without `rank0_only`, every rank all-gathers every
     parameter and keeps the dict. The checks the last step left unread run first, on every rank
-    ([Note: final checks] in engine/deferred.py)."""
+    ([Note: final checks] in engine/late_checks.py)."""
     state = state_of(model)
     check_deferred(state, "overlap.full_state_dict")
     own = model.state_dict()

@@ -158,7 +158,7 @@ def test_no_false_alarm_and_no_extra_collective(world2, config):
 
 
 # What the last step left unread is read by checkpoint.save and
-# full_state_dict, on every rank ([Note: final checks] in engine/deferred.py).
+# full_state_dict, on every rank ([Note: final checks] in engine/late_checks.py).
 
 
 def _export(model: nn.Module, where: str, root: str) -> None:

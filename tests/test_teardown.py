@@ -223,7 +223,7 @@ print("script done", flush=True)
 
 def test_the_last_steps_deferred_checks_are_logged_at_exit(tmp_path):
     """A run that ends without a checkpoint still hears of its last step
-    ([Note: final checks] in deferred.py). Logged, not raised: the process group may be gone."""
+    ([Note: final checks] in late_checks.py). Logged, not raised: the process group may be gone."""
     import subprocess
     import sys
 

@@ -15,7 +15,7 @@ wrapped, and only through `install` below, which remembers it (`installed()` lis
   values to the bit, through DTensor's dispatch, so a CPU step is slower (tens of µs per op and
   parameter); nothing to call instead. CUDA parameters are never swapped.
 - "exit": an `atexit` hook (teardown.py) that logs the checks the last step left unread
-  ([Note: final checks] in deferred.py) and waits for the process group's worker threads
+  ([Note: final checks] in late_checks.py) and waits for the process group's worker threads
   ([Note: quiet exit] in teardown.py). Off: a divergence or a non-finite block in a CUDA run's
   last step is reported only by `overlap.checkpoint.save` or `overlap.full_state_dict`, and a gloo
   rank can abort at interpreter exit ("terminate called without an active exception") after its

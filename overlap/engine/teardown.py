@@ -28,7 +28,7 @@ finishes; one waiting for a core shows as runnable and is waited for. The wait i
 delays exit by at most that.
 
 Before both, the checks that the last step of each wrapped model still alive left unread are
-read and logged ([Note: final checks] in deferred.py): a CUDA run that ends without a
+read and logged ([Note: final checks] in late_checks.py): a CUDA run that ends without a
 checkpoint would otherwise never hear of a divergence or a NaN block in its last step.
 """
 
@@ -45,7 +45,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from overlap.engine import process_hooks
-from overlap.engine.deferred import report_at_exit
+from overlap.engine.late_checks import report_at_exit
 
 if TYPE_CHECKING:
     from overlap.engine.state import OverlapState

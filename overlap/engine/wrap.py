@@ -225,7 +225,7 @@ def _wrap_state(
         if buffers:
             broadcast_tensors(source, buffers)
     state = OverlapState(model, config, pgs, units, root_units, hooked, writes_files)
-    teardown.watch(state)  # [Note: quiet exit], [Note: final checks] in deferred.py
+    teardown.watch(state)  # [Note: quiet exit], [Note: final checks] in late_checks.py
     register_sharded(p for unit in units for p in unit.sharded_params)  # [Note: local optimizer step]
     return state
 

@@ -21,7 +21,7 @@ rank receives every rank's tag in the same collective, without a collective of i
   backward): the error comes two steps late, normally without a sync, on every rank at the same
   check (every rank received every tag). `check_pending(wait=True)`
   reads everything at once, at one sync: checkpoint.save, the state-dict export and exit do
-  ([Note: final checks] in engine/deferred.py).
+  ([Note: final checks] in engine/late_checks.py).
 
 Compressed all-gathers carry the same tag in the last `TAG_BYTES` of each rank's byte row
 (`coded.encode_shard` leaves the room, `byte_tags` reads it).
@@ -202,7 +202,7 @@ class HostTags:
 # compression/finite.py). A mismatch is reported two steps late and never missed; slabs are
 # reused once read, so at most `REPORT_AFTER_CHECKS + 1` steps of slabs are held.
 # `wait=True` reads everything now, at one sync, for the final checks ([Note: final checks] in
-# engine/deferred.py).
+# engine/late_checks.py).
 
 REPORT_AFTER_CHECKS = 2
 """A CUDA batch of tag copies closed at check c is compared at check c + 2 ([Note: deferred tag check])."""
