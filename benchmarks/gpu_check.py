@@ -57,9 +57,10 @@ from gpu.parts import CPU_BUDGET_SCALE, ENV, GRACE_S, PARTS, WATCHDOG_S  # noqa:
 
 def pytest_command(paths: list[Path]) -> list[str]:
     """pytest on `paths` alone: the project's addopts (a marker filter, say) left out, the per-part
-    budgets (tests/gpu/conftest.py) in place of the suite's timeout."""
-    return [sys.executable, "-m", "pytest", *map(str, paths), "-q", "-p", "no:cacheprovider", "-o", "addopts=",
-            "-rfE", "--tb=short", "--no-header"]  # fmt: skip
+    budgets (tests/gpu/conftest.py) in place of the suite's timeout, no plugin but pytest-timeout
+    (PYTEST_DISABLE_PLUGIN_AUTOLOAD: the others cost a second and a half at start)."""
+    return [sys.executable, "-m", "pytest", *map(str, paths), "-q", "-p", "pytest_timeout", "-p", "no:cacheprovider",
+            "-o", "addopts=", "-rfE", "--tb=short", "--no-header"]  # fmt: skip
 
 
 def run_checks(out: Path, device: str, parts: list[str] | None = None, paths: list[Path] | None = None,
@@ -69,7 +70,7 @@ def run_checks(out: Path, device: str, parts: list[str] | None = None, paths: li
     scaled for the dry run; `grace_s` past a part's budget) ends the group and says why in the
     summary; so does a SIGTERM to this process (`timeout`)."""
     env = dict(os.environ, **ENV, OVERLAP_GPU_DEVICE=device, OVERLAP_GPU_REPORT=str(out))
-    env["OVERLAP_GPU_PARTS"] = ",".join(parts or [])
+    env.update(OVERLAP_GPU_PARTS=",".join(parts or []), PYTEST_DISABLE_PLUGIN_AUTOLOAD="1")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, (str(TESTS), str(REPO), os.environ.get("PYTHONPATH"))))
     if device == "cpu":  # before overlap's Triton kernels are defined
         env["TRITON_INTERPRET"] = "1"
@@ -140,6 +141,12 @@ def finish(out: Path, stopped: str | None) -> dict[str, Any]:
     return report
 
 
+def cuda_available() -> bool:
+    import torch  # here: the dry run and --help need no torch in this process
+
+    return torch.cuda.is_available()
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "gpu_results" / "gpu_check.json")
@@ -149,10 +156,8 @@ def main() -> int:
     missing = [name for name in ("pytest", "pytest_timeout") if importlib.util.find_spec(name) is None]
     if missing:
         raise SystemExit(f"gpu_check: {missing} not installed (the extra `test`: pip install -e '.[test]')")
-    import torch  # here: the parts' table and --help need no torch
-
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if device == "cuda" and not torch.cuda.is_available():
+    device = args.device or ("cuda" if cuda_available() else "cpu")
+    if device == "cuda" and not cuda_available():
         raise SystemExit("gpu_check: --device cuda but CUDA is not available (use --device cpu for the dry run)")
     wanted = args.only.split(",")
     unknown = set(wanted) - set(PARTS)

@@ -254,8 +254,9 @@ def test_without_a_gpu_the_checks_skip(tmp_path: Path) -> None:
     """Outside the dry run, on a machine without CUDA, every check skips and says why."""
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU: the checks run")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("OVERLAP_GPU_")}
-    cmd = [sys.executable, "-m", "pytest", str(REPO / "tests" / "gpu"), "-q", "-rs", "-p", "no:cacheprovider", "-o", "addopts="]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OVERLAP_GPU_")} | {"PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}
+    cmd = [sys.executable, "-m", "pytest", str(REPO / "tests" / "gpu"), "-q", "-rs", "-p", "pytest_timeout", "-p", "no:cacheprovider",
+           "-o", "addopts="]  # fmt: skip
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S, check=False)
     assert proc.returncode == 0, proc.stdout[-3000:]
     reasons = [line for line in proc.stdout.splitlines() if line.startswith("SKIPPED") and "needs a CUDA GPU" in line]
