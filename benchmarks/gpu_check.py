@@ -113,7 +113,7 @@ def watch(proc: subprocess.Popen, out: Path, watchdog_s: float, grace_s: float) 
             return f"watchdog: the run went past {watchdog_s:.0f} s"
         for index, part in running_parts(out):
             if now - seen.setdefault(index, now) > part["budget_s"] + grace_s:
-                return f"watchdog: {part['part']} ran {grace_s:.0f} s past its budget of {part['budget_s']:.0f} s"
+                return f"watchdog: {part['part']} ran {grace_s:g} s past its budget of {part['budget_s']:g} s"
         time.sleep(POLL_S)
     return None
 
