@@ -251,16 +251,17 @@ def test_exit_does_not_wait_forever_on_a_hung_device(monkeypatch):
     bounded time: a hung collective must not turn the exit into a hang."""
     from types import SimpleNamespace
 
-    from overlap.engine import deferred
+    from overlap.engine import late_checks
 
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _Busy())
 
     def never(wait: bool = False) -> None:
         raise AssertionError("read while the device was busy")
 
-    transport = SimpleNamespace(gather_stream=_Busy(), reduce_stream=None, all_reduce_stream=None)
+    executor = SimpleNamespace(gather_stream=_Busy(), reduce_stream=None, all_reduce_stream=None)
+    transport = SimpleNamespace(executor=executor)
     fingerprints = SimpleNamespace(check_pending=never)
     runtime = SimpleNamespace(transport=transport, device=torch.device("cpu"), fingerprints=fingerprints,
                               param_codec=None, grad_codec=None)  # fmt: skip
-    (message,) = deferred.report_at_exit([SimpleNamespace(rank=3, runtime=runtime)], timeout_s=0)
+    (message,) = late_checks.report_at_exit([SimpleNamespace(rank=3, runtime=runtime)], timeout_s=0)
     assert message == "overlap: rank 3: at exit, the last step's deferred checks: not read: the device did not finish the last step within 0 s"
