@@ -47,8 +47,8 @@ class StandInSymmMem:
 class RecordedSymmMemAllGather(symm_mem.SymmMemAllGather):
     """The strategy, recording where each gather's output is."""
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, module: Any) -> None:
+        super().__init__(lambda: module)
         self.outputs: list[int] = []
 
     def __call__(self, *args: Any) -> Any:
@@ -59,9 +59,8 @@ class RecordedSymmMemAllGather(symm_mem.SymmMemAllGather):
 
 def symm_mem_on_cpu(rank: int, world: int) -> dict:
     fake = StandInSymmMem()
-    real_module, real_pool = symm_mem._symm_mem, getattr(torch.cuda, "use_mem_pool", None)
-    strategy = RecordedSymmMemAllGather()
-    symm_mem._symm_mem = lambda: fake
+    real_pool = getattr(torch.cuda, "use_mem_pool", None)
+    strategy = RecordedSymmMemAllGather(fake)
     torch.cuda.use_mem_pool = fake.use_mem_pool
     try:
 
@@ -71,7 +70,6 @@ def symm_mem_on_cpu(rank: int, world: int) -> dict:
 
         return _parity(rank, 2, setup, shared_memory="off")
     finally:
-        symm_mem._symm_mem = real_module
         if real_pool is not None:
             torch.cuda.use_mem_pool = real_pool
 

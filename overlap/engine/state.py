@@ -37,6 +37,7 @@ from overlap.engine.autotune import AutoTuner
 from overlap.engine.groups import Groups
 from overlap.engine.replicated import ReplicatedParams  # ecosystem: scalar parameters
 from overlap.engine.runtime import Runtime
+from overlap.engine import torch_compat
 from overlap.engine.schedule import Action, Phase, Schedule, ScheduleConfig, UnitState
 from overlap.engine.unit_tensors import UnitTensors
 from overlap.engine.units import warn_lopsided_units, with_trainable
@@ -113,7 +114,7 @@ class OverlapState:
             replicate_group=replicate_group,
             secondary_group=secondary_group,
             shared_memory=config.shared_memory,
-            symmetric_memory=config.symmetric_memory,
+            symmetric_memory=torch_compat.symmetric_memory if config.symmetric_memory else None,
         )
         self.runtime = Runtime(
             units,

@@ -231,3 +231,10 @@ def dtensor(local: torch.Tensor, spec: Any) -> Any:
     `_from_local_no_grad`)."""
     _require("DTensor(local, spec, requires_grad=)", "TP / EP")
     return _attr(_TENSOR, "DTensor")(local, spec, requires_grad=False)
+
+
+def symmetric_memory() -> Any:
+    """`torch.distributed._symmetric_memory` (CUDA builds): the pool and rendezvous the
+    symmetric-memory all-gather allocates its outputs with (overlap/transport/symm_mem.py, which
+    the engine hands this accessor: the transport reaches no private torch module itself)."""
+    return importlib.import_module("torch.distributed._symmetric_memory")

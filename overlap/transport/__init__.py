@@ -14,6 +14,7 @@ package, never the reverse.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -41,13 +42,14 @@ def make_transport(
     replicate_group: dist.ProcessGroup | None = None,
     secondary_group: dist.ProcessGroup | None = None,
     shared_memory: str = "auto",
-    symmetric_memory: bool = False,
+    symmetric_memory: Callable[[], Any] | None = None,
 ) -> Transport:
     """The transport for `device`'s tensors over `group`, chosen once at wrap: CUDA tensors
     through comm streams and events and the backend's collectives; CPU tensors through host
     waits, and shared memory where every rank of `group` is on this host (`shared_memory`,
     [Note: shared-memory exchange] in shm.py), else gloo's own mechanisms. `symmetric_memory`:
-    CUDA all-gathers into symmetric memory (symm_mem.py). Raises ValueError for
+    when given (torch's symmetric-memory module's accessor), CUDA all-gathers into symmetric
+    memory (symm_mem.py). Raises ValueError for
     a setting it cannot honour. Collective over `group` (CPU)."""
     semantics = backend.semantics(group, device)  # [Note: NCCL is not gloo] in backend.py
     check_settings(group, device, gather_impl)
@@ -59,10 +61,10 @@ def make_transport(
     )
     if cuda:
         strategies = native_strategies()
-        if symmetric_memory:  # symm_mem.py: where the all-gather's output lives
-            strategies = (SymmMemAllGather(), *strategies[1:])
+        if symmetric_memory is not None:  # symm_mem.py: where the all-gather's output lives
+            strategies = (SymmMemAllGather(symmetric_memory), *strategies[1:])
     else:
-        if symmetric_memory:
+        if symmetric_memory is not None:
             warnings.warn("overlap.wrap: symmetric_memory=True applies to CUDA tensors only; ignored", stacklevel=2)
         strategies = cpu_strategies(group, device, executor.timeout, shared_memory, gather_impl, reduce_impl)
     wire = make_wire(group, device, semantics, reduce_impl, gather_impl, secondary_group)

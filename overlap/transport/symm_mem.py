@@ -12,6 +12,7 @@ default; ignored with a warning elsewhere); `benchmarks/gpu_check.py` runs it on
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -21,28 +22,24 @@ from overlap.transport import collectives as comm
 from overlap.transport.strategy import AllGather, Wire
 
 
-def _symm_mem() -> Any:
-    """torch's symmetric-memory module, imported where it is used (CUDA builds only)."""
-    from torch.distributed import _symmetric_memory
-
-    return _symmetric_memory
-
-
 class SymmMemAllGather(AllGather):
     """The backend's all-gather into an output in symmetric memory."""
 
-    def __init__(self, backend: str = "NCCL") -> None:
+    def __init__(self, symm_mem: Callable[[], Any], backend: str = "NCCL") -> None:
+        # torch's symmetric-memory module, reached through the engine's torch_compat (a private
+        # torch API: [Note: private torch APIs] there), called where it is used (CUDA builds)
+        self._symm_mem = symm_mem
         self.backend = backend
 
     def plan(self, wire: Wire) -> None:
         super().plan(wire)
-        _symm_mem().set_backend(self.backend)
+        self._symm_mem().set_backend(self.backend)
         # the communicator exists before the first rendezvous (an empty one would be seen)
         dist.barrier(group=wire.group)
 
     def allocate(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         # the pool reuses symmetric buffers: no allocation or rendezvous cost after the first
-        with torch.cuda.use_mem_pool(_symm_mem().get_mem_pool(device)):
+        with torch.cuda.use_mem_pool(self._symm_mem().get_mem_pool(device)):
             return torch.empty(numel, dtype=dtype, device=device)
 
     def __call__(
@@ -50,5 +47,5 @@ class SymmMemAllGather(AllGather):
     ) -> comm.CommResult:
         w = self.wire
         out = self.allocate(w.world_size * send.numel(), dtype, send.device)
-        _symm_mem().rendezvous(out, group=w.group.group_name)  # an in-place gather: the output only
+        self._symm_mem().rendezvous(out, group=w.group.group_name)  # an in-place gather: the output only
         return comm.all_gather_flat(send, w.group, w.world_size, dtype, tag, tag_slot, "native", None, out=out)
