@@ -4,7 +4,7 @@ On a machine with one CUDA GPU:
 
     PYTHONUNBUFFERED=1 timeout 420 python3 benchmarks/gpu_check.py --out gpu_check.json 2>&1 | tee gpu_check.log
 
-Dry run (CI, tests/test_gpu_check.py), and a subset of parts:
+Dry run (CI, tests/tools/test_gpu_check.py), and a subset of parts:
 
     python benchmarks/gpu_check.py --device cpu --out /tmp/gpu_check.json
     python benchmarks/gpu_check.py --only numerics,world2

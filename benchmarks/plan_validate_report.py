@@ -1,6 +1,6 @@
 """benchmarks/plan_validate.py's report: errors, their summary against the targets, the error by
 phase, one collective beside one layer, the table. Pure functions of the validation's rows
-(tests/test_plan_validate.py)."""
+(tests/tools/test_plan_validate.py)."""
 
 from __future__ import annotations
 

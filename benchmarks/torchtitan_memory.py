@@ -1,5 +1,5 @@
 """Peak memory per rank of torchtitan's Trainer with FSDP2 and with overlap as its data-parallel
-step, each in a fresh world of fresh processes (CPU, gloo; the CPU shims of tests/torchtitan).
+step, each in a fresh world of fresh processes (CPU, gloo; the CPU shims of tests/integrations/torchtitan).
 
     python benchmarks/torchtitan_memory.py                       # qwen3_moe_debug, 2 ranks
     python benchmarks/torchtitan_memory.py --model llama3 --steps 3 --json out/titan_mem.json
@@ -21,7 +21,7 @@ import json
 import os
 import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "torchtitan"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "integrations", "torchtitan"))
 
 from titan_launch import run_world  # noqa: E402
 

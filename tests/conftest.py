@@ -5,9 +5,18 @@ import time
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(__file__))
+# The helpers package and every layer's folder are importable by name: the ranks of a local
+# world import a test's functions by its module name (`test_parity`), and some tests name a
+# module path on a command line (`--model test_plan_cli:tiny_lm`).
+_TESTS = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [_TESTS] + sorted(
+    os.path.join(_TESTS, d)
+    for d in os.listdir(_TESTS)
+    if os.path.isdir(os.path.join(_TESTS, d)) and not d.startswith((".", "_"))
+    and not os.path.exists(os.path.join(_TESTS, d, "__init__.py"))  # packages (helpers, gpu) import by name
+)
 
-from harness import DEEPSPEED_BUILD_S, World  # noqa: E402
+from helpers.harness import DEEPSPEED_BUILD_S, World  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,7 @@
 """The symmetric-memory all-gather (overlap/transport/symm_mem.py) on NCCL at world size 1
 (OVERLAP_FORCE_COLLECTIVES=1: real collectives): every all-gather's output comes from torch's
 symmetric-memory pool, and training gives the default all-gather's losses bitwise. CUDA only: on
-the CPU the setting is ignored with a warning (tests/test_seam_symm_mem.py)."""
+the CPU the setting is ignored with a warning (tests/engine/test_seam_symm_mem.py)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The tp2x2 world: 4 ranks on the one device as a 2x2 mesh (dp x tp), against one process.
 
 MLP blocks made tensor-parallel (ColwiseParallel up, RowwiseParallel down) and a plain head,
-wrapped with `group=mesh["dp"]` (the composition tests/test_compose.py checks against FSDP2 on
+wrapped with `group=mesh["dp"]` (the composition tests/parity/test_compose.py checks against FSDP2 on
 CPU). Configs: fp32; fp16 with the ShardedGradScaler and an overflow in one tp rank's shard
 ([Note: one tp shard overflows]). Each runs twice, the second time with delays injected.
 """

@@ -1,0 +1,194 @@
+"""The shared-memory transport ([Note: shared-memory exchange] in overlap/transport/shm.py).
+
+- ranks of one host are found from the group and exchange through shared memory; training is
+  DDP's bitwise at two ranks (and within tolerance at four, and under HSDP 2 x 2, shared memory
+  inside each shard group); `shared_memory="off"`, or a rank elsewhere, keeps gloo's strategies;
+- the ring wraps around and makes room by completing earlier collectives, never deadlocking;
+- ranks that issue different collectives raise on every rank, naming it;
+- a peer killed or stopped mid-exchange makes the survivor raise (at once, or after the
+  timeout), and no segment is left in /dev/shm at any point after wrap.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from datetime import timedelta
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from helpers.models import STRICT_ZERO3, encoder_stack
+from overlap.transport import collectives as comm
+from overlap.transport import shm
+from overlap.transport.strategy import UnitWire, Wire
+from test_seam import _parity
+
+
+def _segments_left(segments: shm.ShmSegments) -> list[str]:
+    """Which of the segments' files are still in /dev/shm."""
+    return [path for path in segments.paths if os.path.exists(path)]
+
+
+def train_against_ddp(rank: int, world: int, config: dict, hsdp: bool = False) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    def setup(model: Any) -> Any:
+        transport = model._overlap_state.runtime.transport
+        kinds = [type(s).__name__ for s in (transport.all_gather, transport.reduce_scatter)]
+        left = _segments_left(transport.all_gather.segments) if kinds[0] == "ShmAllGather" else []
+        return {"kinds": kinds, "left": left}
+
+    group = init_device_mesh("cpu", (2, world // 2)) if hsdp else None
+    r = _parity(rank, 3, setup, layers=6, group=group, **config)
+    return {"diff": r["diff"], **r["seen"]}
+
+
+def identity_differs_on_rank1(rank: int, world: int) -> list[str]:
+    """A rank elsewhere (its host identity differs): every rank keeps gloo's strategies."""
+    import overlap
+
+    real = shm.host_identity
+    shm.host_identity = (lambda: real() + "|elsewhere") if rank == 1 else real
+    try:
+        transport = overlap.wrap(encoder_stack(), collective_timeout_s=60)._overlap_state.runtime.transport
+    finally:
+        shm.host_identity = real
+    return [type(s).__name__ for s in (transport.all_gather, transport.reduce_scatter)]
+
+
+def _wire(group: dist.ProcessGroup) -> Wire:
+    semantics = comm.backend.semantics(group, torch.device("cpu"))
+    return Wire(group, dist.get_rank(group), dist.get_world_size(group), torch.device("cpu"), semantics, "auto", "all_to_all", None, (UnitWire(1, 4, 4, True),))
+
+
+def many_in_flight(rank: int, world: int, ring_bytes: int) -> dict:
+    """Forty all-gathers and reduce-scatters of up to 1 MiB issued before any wait, through a
+    ring of `ring_bytes`: the ring wraps and makes room; every result is exact."""
+    from overlap.transport.gloo import gloo_strategies
+
+    group = dist.group.WORLD
+    plan = shm.ShmPlan(timedelta(seconds=60))
+    plan.segments = shm.ShmSegments(group, ring_bytes, plan.timeout)
+    gloo = gloo_strategies()
+    gather, reduce = shm.ShmAllGather(plan, gloo[0]), shm.ShmReduceScatter(plan, gloo[1])
+    for strategy in (gather, reduce):
+        strategy.plan(_wire(group))
+    issued = []
+    for k in range(40):
+        numel = 1024 * (1 + (k * 37) % 256)
+        mine = torch.arange(numel, dtype=torch.float32) * (rank + 1) + k
+        if k % 2:
+            issued.append(("gather", numel, k, gather(0, mine, torch.float32, None, None, False)))
+        else:
+            full = reduce.allocate(world, numel, torch.float32, torch.device("cpu"))
+            full.copy_(mine.expand(world, numel))
+            issued.append(("reduce", numel, k, reduce(full, None)))
+    wrong = []
+    for kind, numel, k, result in issued:
+        got = comm.wait(result)
+        rows = [torch.arange(numel, dtype=torch.float32) * (r + 1) + k for r in range(world)]
+        want = torch.cat(rows) if kind == "gather" else sum(rows[1:], rows[0])
+        if not torch.equal(got, want):
+            wrong.append(f"{kind} {k}")
+    return {"wrong": wrong, "seq": plan.segments.seq, "left": _segments_left(plan.segments)}
+
+
+def different_sizes(rank: int, world: int) -> str:
+    group = dist.group.WORLD
+    plan = shm.ShmPlan(timedelta(seconds=60))
+    plan.segments = shm.ShmSegments(group, 1 << 20, plan.timeout)
+    gather = shm.ShmAllGather(plan, shm.AllGather())
+    gather.plan(_wire(group))
+    try:
+        comm.wait(gather(0, torch.ones(100 * (rank + 1)), torch.float32, None, None, False))
+    except comm.CollectiveError as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.parametrize(
+    "config",
+    [{}, STRICT_ZERO3, {"reduce_scatter_bucket_bytes": 1 << 20}, {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32}],
+    ids=["default", "strict_zero3", "one_bucket", "bf16_params"],
+)
+def test_two_ranks_exchange_through_shared_memory(world2, config):
+    exact = "param_dtype" not in config
+    for rank, r in enumerate(world2.run(train_against_ddp, config=config, timeout_s=300)):
+        assert r["kinds"] == ["ShmAllGather", "ShmReduceScatter"], (rank, r)
+        assert r["diff"] == 0.0 if exact else r["diff"] < 5e-2, (rank, r["diff"])
+        assert r["left"] == [], (rank, r["left"])  # unlinked at wrap: nothing can be left behind
+
+
+def test_four_ranks_and_hsdp(world4):
+    for hsdp in (False, True):
+        for rank, r in enumerate(world4.run(train_against_ddp, config={}, hsdp=hsdp, timeout_s=300)):
+            assert r["kinds"] == ["ShmAllGather", "ShmReduceScatter"], (hsdp, rank, r)
+            assert r["diff"] < 1e-5, (hsdp, rank, r["diff"])
+
+
+def test_off_or_elsewhere_keeps_gloo(world2):
+    for rank, r in enumerate(world2.run(train_against_ddp, config={"shared_memory": "off"}, timeout_s=300)):
+        assert r["kinds"] == ["GlooAllGather", "GlooReduceScatter"] and r["diff"] == 0.0, (rank, r)
+    assert world2.run(identity_differs_on_rank1, timeout_s=120) == [["GlooAllGather", "GlooReduceScatter"]] * 2
+
+
+def test_ring_wraps_and_makes_room(world2):
+    for rank, r in enumerate(world2.run(many_in_flight, ring_bytes=6 << 20, timeout_s=300)):
+        assert r["wrong"] == [] and r["seq"] == 40 and r["left"] == [], (rank, r)
+
+
+def test_different_collectives_raise_on_every_rank(world2):
+    for rank, message in enumerate(world2.run(different_sizes, timeout_s=120)):
+        assert "another collective" in message or "aborted" in message, (rank, message)
+
+
+# ------------------------------------------------------------------ a peer killed or stopped
+
+
+def _peer(rank: int, init: str, how: str, answers: Any) -> None:
+    """Rank 1 stops before posting (killed, or frozen); rank 0 waits for its post."""
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2, timeout=timedelta(seconds=120))
+    group = dist.group.WORLD
+    plan = shm.ShmPlan(timedelta(seconds=3))
+    plan.segments = shm.ShmSegments(group, 1 << 20, plan.timeout)
+    gather = shm.ShmAllGather(plan, shm.AllGather())
+    gather.plan(_wire(group))
+    comm.wait(gather(0, torch.ones(64), torch.float32, None, None, False))  # one healthy exchange
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL if how == "kill" else signal.SIGSTOP)
+    start = time.monotonic()
+    try:
+        comm.wait(gather(0, torch.ones(64), torch.float32, None, None, False))
+        answers.put(("no error", 0.0, _segments_left(plan.segments), plan.segments.paths))
+    except comm.CollectiveError as e:
+        answers.put((str(e), time.monotonic() - start, _segments_left(plan.segments), plan.segments.paths))
+    answers.close()
+    answers.join_thread()  # the answer is in the pipe before the process leaves
+    os._exit(0)  # the group is broken: tearing it down could block
+
+
+@pytest.mark.parametrize("how", ["kill", "stop"])
+def test_peer_killed_or_stopped_mid_exchange(tmp_path, how):
+    ctx = mp.get_context("forkserver")  # ranks of their own: a dead rank breaks its group for good
+    answers = ctx.Queue()
+    init = f"file://{tmp_path / 'store'}"
+    procs = [ctx.Process(target=_peer, args=(r, init, how, answers)) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        message, waited, left, paths = answers.get(timeout=240)
+    finally:
+        for p in procs:
+            p.kill()
+            p.join(timeout=30)
+    assert "shared-memory exchange" in message and "rank 1" in message, message
+    if how == "kill":  # the process is gone: at once, not after the timeout
+        assert "is gone" in message and waited < 3.0, (message, waited)
+    else:  # frozen: its sockets and memory stay, the timeout ends the wait
+        assert "did not post within 3s" in message and waited >= 2.5, (message, waited)
+    assert left == [] and not [p for p in paths if os.path.exists(p)], left

@@ -1,0 +1,150 @@
+"""The run model behind benchmarks/plan_published.py: rails, kernels, data-parallel modes, and
+the published-runs data file (every row expressible, every source cited)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from overlap.step_model.hardware import ACCELERATORS, NODES, ring_link
+from overlap.step_model.kernels import STACKS, BlockShape, block_seconds
+from overlap.tools.plan.run_spec import ModelShape, RunSpec
+from overlap.tools.plan.run_step import predict_run
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+import plan_published as pp  # noqa: E402
+
+LLAMA_8B = ModelShape(num_layers=32, hidden=4096, ffn_hidden=14336, num_heads=32, num_kv_heads=8, vocab_size=128256)
+
+
+def test_ring_across_nodes_drives_one_rail_per_rank_of_the_node() -> None:
+    gpu, node = ACCELERATORS["h100-sxm"], NODES["dgx-h100"]
+    eight = ring_link(gpu, node, 64, 8)  # FSDP over 8 nodes, 8 ranks each: every rail
+    one = ring_link(gpu, node, 8, 1)  # TP 8 inside the node: a data-parallel ring of 1 rank per node
+    inside = ring_link(gpu, node, 8, 8)
+    assert one.busbw_gbps == pytest.approx(node.rail_gbps())
+    assert eight.busbw_gbps == pytest.approx(min(8 * node.rail_gbps(), inside.busbw_gbps))
+    assert eight.busbw_gbps > 7 * one.busbw_gbps
+    nvl72 = ring_link(ACCELERATORS["gb200"], NODES["gb200-nvl72"], 64, 4)  # 16 trays, one NVLink domain
+    assert nvl72.name.startswith("nvlink")
+
+
+def test_kernel_stack_precision_and_checkpointing_move_the_block_as_documented() -> None:
+    shape, gpu = BlockShape(hidden=4096, ffn_hidden=14336, num_heads=32, num_kv_heads=8), ACCELERATORS["h100-sxm"]
+    eager = block_seconds(shape, 16384, 8192, gpu, STACKS["torch-eager"])
+    compiled = block_seconds(shape, 16384, 8192, gpu, STACKS["torch-compile"])
+    fp8 = block_seconds(shape, 16384, 8192, gpu, STACKS["torch-compile"], fp8=True)
+    full = block_seconds(shape, 16384, 8192, gpu, STACKS["torch-compile"], recompute="full")
+    assert compiled.gemm_forward_s == eager.gemm_forward_s and compiled.elementwise_forward_s < eager.elementwise_forward_s / 2
+    assert fp8.gemm_forward_s < 0.75 * compiled.gemm_forward_s
+    assert full.recompute_s == pytest.approx(full.forward_s)
+    a100 = block_seconds(shape, 16384, 8192, ACCELERATORS["a100-80gb"], STACKS["torch-compile"])
+    assert 2.5 < a100.gemm_forward_s / compiled.gemm_forward_s < 3.5  # 312 x 0.80 vs 989 x 0.72
+
+
+def test_pipeline_with_replicated_parameters_pays_no_per_microbatch_gathers() -> None:
+    base = RunSpec(model=LLAMA_8B, gpu="h100-sxm", node="dgx-h100", num_gpus=64, seq_len=8192, global_batch=64,
+                   micro_batch=1, tp=8, pp=4, dp_mode="zero1", stack="megatron-te")  # fmt: skip
+    zero1 = predict_run(base)
+    ddp = predict_run(replace(base, dp_mode="ddp"))
+    assert zero1.pp_bubble_s > 0 and zero1.compute_s > 0
+    assert ddp.optimizer_s > zero1.optimizer_s  # DDP keeps the whole optimizer on every rank
+    slow = predict_run(replace(base, dp_overlap=False))
+    assert slow.dp_exposed_s >= zero1.dp_exposed_s
+    interleaved = predict_run(replace(base, schedule="interleaved", virtual_stages=2))
+    assert interleaved.pp_bubble_s < zero1.pp_bubble_s
+
+
+def test_fsdp_replays_the_schedule_and_more_microbatches_gather_more() -> None:
+    spec = RunSpec(model=LLAMA_8B, gpu="h100-sxm", node="dgx-h100", num_gpus=16, seq_len=8192, global_batch=32,
+                   micro_batch=2, ac="selective")  # fmt: skip
+    one = predict_run(spec)
+    accumulated = predict_run(replace(spec, global_batch=64))  # two micro-batches, each gathering and reducing
+    assert accumulated.step_s == pytest.approx(2 * (one.step_s - one.optimizer_s) + one.optimizer_s, rel=1e-6)
+    assert one.tokens_per_s_per_gpu > 0 and one.dp_exposed_s >= 0
+
+
+def test_run_spec_refuses_what_it_cannot_lay_out() -> None:
+    with pytest.raises(ValueError, match="tp 8 x pp 3"):
+        RunSpec(model=LLAMA_8B, gpu="h100-sxm", node="dgx-h100", num_gpus=64, seq_len=8192, global_batch=64, micro_batch=1, tp=8, pp=3)
+    with pytest.raises(ValueError, match="unknown"):
+        RunSpec(model=LLAMA_8B, gpu="tpu", node="dgx-h100", num_gpus=8, seq_len=8192, global_batch=8, micro_batch=1)
+
+
+def test_every_published_row_is_expressible_and_cites_its_source() -> None:
+    data, rows = pp.load_rows()
+    assert len(rows) >= 100
+    for row, spec, why in rows:
+        assert spec is not None, (row["id"], why)
+        source = data["sources"][row["source"]]
+        assert source["url"].startswith("https://") and len(source["commit"]) == 40 and source["conversion"], row["id"]
+        assert set(row["published"]) & {"tokens_per_s_per_gpu", "tflops_per_gpu", "mfu"}, row["id"]
+    sources = {row["source"] for row, _, _ in rows}
+    assert {"torchtitan-h100-2024", "torchtitan-perf-2024", "torchtitan-asynctp-2025", "torchtitan-h200-2025",
+            "megatron-core-weak-2024", "megatron-2021"} <= sources  # fmt: skip
+    assert any(row["held_out"] for row, _, _ in rows) and not all(row["held_out"] for row, _, _ in rows)
+
+
+def test_published_conversions_match_the_sources_own_cross_checks() -> None:
+    data, rows = pp.load_rows()
+    by_id = {row["id"]: (row, spec) for row, spec, _ in rows}
+    row, spec = by_id["mcore-weak-1.7b"]
+    tokens = pp.published_tokens_per_s(row, spec.model, spec, row["source"])
+    flops = 72 * 24 * 2048**2 + 12 * 24 * 2048 * 4096 + 6 * 131072 * 2048
+    assert tokens == pytest.approx(408.8e12 / flops)
+    assert tokens * flops / 989.4e12 == pytest.approx(0.41, abs=0.005)  # the table's MFU column
+    row, spec = by_id["tt24-8b-8-fsdp"]
+    assert pp.published_tokens_per_s(row, spec.model, spec, row["source"]) == 5762
+    errors = pp.scale_out([
+        dict(source="s", model="m", run={"num_gpus": 8, "global_batch": 8, "tp": 1}, predicted=110.0, published=100.0),
+        dict(source="s", model="m", run={"num_gpus": 64, "global_batch": 64, "tp": 1}, predicted=99.0, published=100.0),
+    ])  # fmt: skip
+    assert errors == [pytest.approx(0.9 - 1)]
+
+
+def test_zero3_under_a_pipeline_pays_a_gather_per_microbatch_that_a_kept_stage_does_not() -> None:
+    """overlap's PipelineStage re-gathers every micro-batch (zero3); torchtitan keeps the stage
+    gathered for the step (zero3-keep). With tensor parallel 8 each data-parallel ring has one
+    rail, and 16 micro-batches of gathers dominate."""
+    spec = RunSpec(model=LLAMA_8B, gpu="h100-sxm", node="dgx-h100", num_gpus=256, seq_len=4096, global_batch=128,
+                   micro_batch=1, tp=8, pp=4, dp_mode="zero3-keep", stack="megatron-te", async_tp=True)  # fmt: skip
+    kept = predict_run(spec)
+    per_microbatch = predict_run(replace(spec, dp_mode="zero3"))
+    assert spec.num_microbatches == 16
+    assert per_microbatch.dp_exposed_s > 4 * kept.dp_exposed_s
+    assert per_microbatch.step_s > 1.2 * kept.step_s
+
+
+def test_overlap_plan_run_predicts_a_run_spec_file(tmp_path, capsys) -> None:
+    from overlap.tools.cli import main
+
+    spec = RunSpec(model=LLAMA_8B, gpu="a100-80gb", node="dgx-a100", num_gpus=64, seq_len=8192, global_batch=64,
+                   micro_batch=1, ac="selective")  # fmt: skip
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps(spec.to_dict()))
+    assert RunSpec.from_dict(spec.to_dict()) == spec
+    assert main(["plan", "--run", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert f"{predict_run(spec).tokens_per_s_per_gpu:,.0f} per GPU" in out and "zero3" in out
+    with pytest.raises(SystemExit, match="--run"):
+        main(["plan", "--run", str(tmp_path / "missing.json")])
+
+
+def test_one_measured_size_calibrates_the_kernels_and_the_links_stay_the_models() -> None:
+    from overlap.tools.plan.run_step import calibrate_compute
+
+    small = RunSpec(model=LLAMA_8B, gpu="h100-sxm", node="dgx-h100", num_gpus=8, seq_len=8192, global_batch=16,
+                    micro_batch=2, ac="selective")  # fmt: skip
+    measured = 0.8 * predict_run(small).tokens_per_s_per_gpu
+    scale = calibrate_compute(small, measured)
+    assert predict_run(small, compute_scale=scale).tokens_per_s_per_gpu == pytest.approx(measured, rel=1e-3)
+    big = replace(small, num_gpus=512, global_batch=1024)
+    calibrated, default = predict_run(big, compute_scale=scale), predict_run(big)
+    assert calibrated.compute_s == pytest.approx(scale * default.compute_s, rel=1e-6)
+    assert 1.0 < scale < 1.4
+    with pytest.raises(ValueError, match="compute_scale"):
+        predict_run(small, compute_scale=0.0)
