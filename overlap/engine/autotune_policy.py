@@ -11,7 +11,7 @@ never what is summed: the gathered parameters are the same bytes whenever they a
 the order of a sum stays the same depends on the backend. gloo's reduce-scatter (and the host
 transports) sums each element over the ranks in rank order whatever the bucket around it, so on
 gloo a tuned run is bitwise the run that had its final knobs from the start
-(tests/test_autotune.py). NCCL chooses its algorithm, protocol and channel split by message
+(tests/engine/test_autotune.py). NCCL chooses its algorithm, protocol and channel split by message
 size, so a bucket move changes the order in which an element's contributions are added and the
 gradients may differ in the last bit from that run; prefetch, keep, in-flight and
 reduce-input moves change no number there either. The bucket size is not moved under a

@@ -27,7 +27,7 @@ torchtitan's order works as with FSDP2: a model built on the meta device and mad
 there is sharded first, then initialized on its shards by every rank, to FSDP2's values ([Note:
 deferred init with tensor parallelism] in init.py); blocks compiled per block
 (`torch.compile(block)`, `block.compile()`) trace their forward over the unsharded DTensors the
-hooks swap in, as under FSDP2, with no recompile per step (tests/test_compose_meta_compile.py).
+hooks swap in, as under FSDP2, with no recompile per step (tests/parity/test_compose_meta_compile.py).
 
 Plain parameters of such a model (a norm, a head) are sharded over dp as always (1-D DTensors on
 the dp mesh, FSDP2's too). Whatever this does not cover raises at wrap on every rank, naming the

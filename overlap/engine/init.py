@@ -40,7 +40,7 @@ as always (0-dim parameters come from rank 0 too: [Note: replicated parameters] 
 replicated.py), and under HSDP each shard from the source row down its replicate column, so the
 replicas start equal even where ranks were seeded otherwise; across dp and tp each rank's shard
 is its own. A whole unit is never materialized, so no rank holds more than its shards. FSDP2's values are tested on the CPU
-(tests/test_compose_meta_compile.py); on CUDA they are FSDP2's by the same construction.
+(tests/parity/test_compose_meta_compile.py); on CUDA they are FSDP2's by the same construction.
 
 Tied parameters: eager code ties after construction (`head.weight = embed.weight`), so the
 module initialized first keeps its values and the later owner's draws are thrown away. Here the

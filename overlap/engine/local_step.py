@@ -19,7 +19,7 @@ gradient's local as `.grad`, and the parameter's optimizer state moves over with
 locals. The post-hook puts everything back, re-wrapping state tensors the step created (the
 first step's exp_avg, momentum buffers) as DTensors with the parameter's placement, so between
 steps the optimizer, its `state_dict()`, DCP and the user see what they saw before, and the
-results are the DTensor step's to the bit (tests/test_local_step.py checks both every run).
+results are the DTensor step's to the bit (tests/engine/test_local_step.py checks both every run).
 
 A step that raised has skipped its post-hook: the swap is undone at the start of that
 optimizer's next step, or by `restore(optimizer)`. A step given a closure is not swapped: the

@@ -19,7 +19,7 @@ copies (the used flags are cached on the device per pattern), no `.item()`/`.tol
 `bool(tensor)` (the used counts are read back only for a bucket in which this rank left a
 parameter without gradient, the one documented exception, at the end of backward), no
 `Work.wait(timeout)` on NCCL work (it would block the CPU there: transport/backend.py).
-tests/test_host_sync.py records every such call made from library code and expects none.
+tests/engine/test_host_sync.py records every such call made from library code and expects none.
 """
 
 from __future__ import annotations

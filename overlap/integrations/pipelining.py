@@ -32,7 +32,7 @@ warm-up forwards of 1F1B) a unit is gathered once if it is kept from forward to 
 it), else once per warm-up forward and once for that backward; after it, never again that
 step. So with reshard_after_forward=False each unit is gathered once per step, as FSDP2 under
 torchtitan's pipeline settings. Units are kept where the whole stage's unsharded parameters fit
-`max_inflight_allgather_bytes` (no cap: always); tests/test_pipeline_gathers.py counts them.
+`max_inflight_allgather_bytes` (no cap: always); tests/parity/test_pipeline_gathers.py counts them.
 """
 
 from __future__ import annotations

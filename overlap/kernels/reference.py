@@ -49,8 +49,8 @@ on every backend, evaluated in the same order:
 Two things are not bitwise and are not claimed: the interpreter's fp32 -> fp8 cast (wrong, so
 fp8 Triton is checked on a GPU only), and stochastic rounding across devices with noise drawn
 by each device's own generator (CPU and CUDA generators differ; tests pass one noise tensor).
-Tests: tests/triton_interpreter_check.py (Triton interpreted vs this reference, CPU), the C++
-tests in tests/test_kernels.py, and its GPU tests, which compare Triton on CUDA against this
+Tests: tests/unit/triton_interpreter_check.py (Triton interpreted vs this reference, CPU), the C++
+tests in tests/unit/test_kernels.py, and its GPU tests, which compare Triton on CUDA against this
 reference on CUDA and on the CPU (`quantize_blockwise_ref(x.cpu())`).
 """
 

@@ -26,7 +26,7 @@ copy and does not reuse the pinned block before it has completed (ATen's own
 `split_with_sizes_copy` / `_chunk_cat` send their metadata the same way). Tables are cached per
 (device, stream): a table is written and read on one stream, so evicting one (LRU,
 `TABLE_CACHE_SIZE` entries of a few hundred bytes) frees it in stream order.
-tests/triton_interpreter_check.py checks that a repeated layout builds and uploads nothing.
+tests/unit/triton_interpreter_check.py checks that a repeated layout builds and uploads nothing.
 
 [Note: copy alignment]
 A segment whose offset from the base, first column, columns, data columns and elements are all
@@ -43,8 +43,8 @@ used flags of a reduction) only sends its own segment to the scalar branch.
 
 Casts to bf16 round on the bits (round half to even, NaN kept NaN): the GPU's cast does the
 same, but the interpreter truncates, and one definition keeps both testable against torch.
-Tested on CPU under TRITON_INTERPRET=1 (tests/triton_interpreter_check.py) and compiled for
-sm_90 and sm_80 (tests/test_triton_compile.py).
+Tested on CPU under TRITON_INTERPRET=1 (tests/unit/triton_interpreter_check.py) and compiled for
+sm_90 and sm_80 (tests/unit/test_triton_compile.py).
 """
 
 from __future__ import annotations

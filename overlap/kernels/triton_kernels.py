@@ -23,7 +23,7 @@ define each launch as a loop over the single-row ops.
 
 Tested on CPU under TRITON_INTERPRET=1 (int8/int4; the interpreter's fp32 -> fp8 cast is wrong,
 so the fp8 path runs on a GPU only), and compiled for sm_90 and sm_80 by
-tests/test_triton_compile.py, which checks what the interpreter cannot (globals, fusion, fp8
+tests/unit/test_triton_compile.py, which checks what the interpreter cannot (globals, fusion, fp8
 support per architecture).
 """
 

@@ -1,7 +1,7 @@
 """How every Triton kernel of the package is launched: options, device, fp8 support.
 
 [Note: Triton launches]
-- `LAUNCH_OPTIONS` go to every launch, and tests/test_triton_compile.py compiles every kernel
+- `LAUNCH_OPTIONS` go to every launch, and tests/unit/test_triton_compile.py compiles every kernel
   variant with the same options. `enable_fp_fusion=False`: Triton contracts `a * b + c` into a
   fused multiply-add by default (3.9; its default changes in 3.10), which rounds once instead of
   twice, so the decode would no longer equal the torch reference bitwise. The quantize and copy

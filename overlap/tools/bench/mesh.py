@@ -15,7 +15,7 @@ and `--steps` timed steps, each timed after a barrier and taken as the slowest r
 median over rounds of each round's median step, the min-max of those round medians, overlap's
 ratio to FSDP2 (the median of per-round ratios, each round's two medians taken under the same
 machine load, and their min-max), the loss after the warm-up steps of the first round (equal bit for bit: see
-tests/test_compose.py), the state bytes per rank (parameters, gradients and AdamW state, local
+tests/parity/test_compose.py), the state bytes per rank (parameters, gradients and AdamW state, local
 shards), and, unless --no-memory, each contender's peak RSS from a world of its own (the largest
 rank's VmHWM, as `overlap bench step` measures it).
 """
