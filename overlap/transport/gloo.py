@@ -129,6 +129,7 @@ class _HeldWork:
         real = self._held.issue()
         if real.work is None:
             return True
+        # gloo strategies serve CPU tensors only: this host wait never meets NCCL work
         return real.work.wait() if timeout is None else real.work.wait(timeout)
 
     def get_future(self) -> Any:
