@@ -83,10 +83,10 @@ def eval_rank(rank: int, world_size: int, cfg: EvalConfig) -> dict[str, Any] | N
     from tqdm import tqdm
 
     import overlap
-    from overlap.tools.worlds.link import active_link
     from overlap.tools.tune import tune
     from overlap.tools.tune.command import resolve_space, workload_fns, workload_key
     from overlap.tools.tune.measure import process_group
+    from overlap.tools.worlds.link import active_link
 
     pg = process_group(None)
     cmd = cfg.cmd
@@ -160,13 +160,16 @@ def judge(r: Rounds) -> dict[str, Any]:
         "first_steps_ratio": first_ratio,
         "checks": {
             f"autotune steady within {STEADY_TOLERANCE:.0%} of overlap tune's pick": steady_gap <= STEADY_TOLERANCE,
-            f"autotune's first steps within +{FIRST_STEPS_TOLERANCE:.0%} of the defaults'": first_ratio <= 1 + FIRST_STEPS_TOLERANCE,
+            f"autotune's first steps within +{FIRST_STEPS_TOLERANCE:.0%} of the defaults'": first_ratio
+            <= 1 + FIRST_STEPS_TOLERANCE,
         },
     }
 
 
 def format_report(report: dict[str, Any], r: Rounds) -> str:
-    lines = [f"\n{report['link']}, world {report['world_size']}; overlap tune took {report['tune_s']:.0f} s, picked {report['pick']}"]
+    lines = [
+        f"\n{report['link']}, world {report['world_size']}; overlap tune took {report['tune_s']:.0f} s, picked {report['pick']}"
+    ]
     lines.append(f"{'contender':<10} {'steady ms (min-max)':>24} {'first steps s (min-max)':>26}")
     for name in ("defaults", "autotune", "tune"):
         lo, hi = report["steady_spread_ms"][name]
@@ -184,8 +187,8 @@ def format_report(report: dict[str, Any], r: Rounds) -> str:
 
 
 def main() -> int:
-    from overlap.tools.worlds.runner import run_bench
     from overlap.tools.tune import command
+    from overlap.tools.worlds.runner import run_bench
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     command.add_arguments(parser)

@@ -21,19 +21,19 @@ from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
-import torch  # noqa: E402
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 if "PYTHONPATH" not in os.environ:
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import torch.utils._python_dispatch  # noqa: E402
-import triton  # noqa: E402
+import torch.utils._python_dispatch
+import triton
 
-from overlap.compression import FeedbackResidual, Int8Codec, make_residual_format  # noqa: E402
-from overlap.kernels import quantize  # noqa: E402
-from overlap.transport import collectives as comm  # noqa: E402
-from overlap.transport import coded  # noqa: E402
+from overlap.compression import FeedbackResidual, Int8Codec, make_residual_format
+from overlap.kernels import quantize
+from overlap.transport import coded
+from overlap.transport import collectives as comm
 
 NO_KERNEL = {  # views, metadata and allocation: no device work
     "view", "_unsafe_view", "slice", "select", "as_strided", "unbind", "expand", "alias", "detach", "empty",
@@ -92,7 +92,9 @@ def one_bucket(world_size: int, numel: int, feedback: bool) -> dict[str, Any]:
     tail = torch.ones(world_size, 16)
     residual = None
     if feedback:
-        residual = FeedbackResidual.zeros(make_residual_format(torch.float32, codec), me, world_size, numel, grads.device)
+        residual = FeedbackResidual.zeros(
+            make_residual_format(torch.float32, codec), me, world_size, numel, grads.device
+        )
     comm.wait(coded.reduce_scatter_encoded(grads, tail, None, world_size, codec, residual))  # warm: caches
     mode = Launches()
     with mode:

@@ -54,14 +54,14 @@ from typing import Any, NamedTuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the checkout's `overlap`
 
-import torch  # noqa: E402
+import torch
 
-from overlap.tools.bench import peers  # noqa: E402
-from overlap.tools.bench.step import process_peak_rss_bytes  # noqa: E402
-from overlap.tools.workloads.data import ByteDataset  # noqa: E402
-from overlap.tools.demo import DemoConfig, batches, evaluate, lr_factor, mean_across_ranks  # noqa: E402
-from overlap.tools.worlds.launch import current_device, default_world, run_local_world  # noqa: E402
-from overlap.tools.workloads import GPT, GPTConfig  # noqa: E402
+from overlap.tools.bench import peers
+from overlap.tools.bench.step import process_peak_rss_bytes
+from overlap.tools.demo import DemoConfig, batches, evaluate, lr_factor, mean_across_ranks
+from overlap.tools.workloads import GPT, GPTConfig
+from overlap.tools.workloads.data import ByteDataset
+from overlap.tools.worlds.launch import current_device, default_world, run_local_world
 
 REFERENCE = "ddp"
 OVERLAP_CONFIGS = (
@@ -95,9 +95,7 @@ class ConvergenceRun:
 def train_setup(cfg: DemoConfig, device: torch.device, powersgd_start_iter: int) -> peers.TrainSetup:
     return peers.TrainSetup(
         # overlap.tools.demo.build_optimizer's AdamW, over whatever parameters the contender exposes
-        make_optimizer=lambda params: torch.optim.AdamW(
-            params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.1
-        ),
+        make_optimizer=lambda params: torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.1),
         units_of=lambda model: list(model.blocks),
         micro_batch=cfg.batch_size,
         hidden_size=cfg.dim,
@@ -120,12 +118,8 @@ def converge_rank(
     device = current_device()
     data = ByteDataset.from_stdlib(cfg.max_bytes)
     torch.manual_seed(cfg.seed)  # the same initial weights on every rank, for every contender
-    gpt_cfg = GPTConfig(
-        block_size=cfg.block_size, n_layer=cfg.layers, n_head=cfg.heads, n_embd=cfg.dim
-    )
-    trainer = peers.build_trainer(
-        name, GPT(gpt_cfg).to(device), train_setup(cfg, device, powersgd_start_iter)
-    )
+    gpt_cfg = GPTConfig(block_size=cfg.block_size, n_layer=cfg.layers, n_head=cfg.heads, n_embd=cfg.dim)
+    trainer = peers.build_trainer(name, GPT(gpt_cfg).to(device), train_setup(cfg, device, powersgd_start_iter))
     sched = torch.optim.lr_scheduler.LambdaLR(trainer.optimizer, lambda s: lr_factor(s, cfg))
     losses, step_ms, state = [], [], 0
     stream = batches(data.train, cfg, rank, 0)
@@ -157,17 +151,13 @@ def converge_rank(
     return run if rank == 0 else None
 
 
-def converge(
-    names: list[str], cfg: DemoConfig, nproc: int, powersgd_start_iter: int
-) -> list[ConvergenceRun]:
+def converge(names: list[str], cfg: DemoConfig, nproc: int, powersgd_start_iter: int) -> list[ConvergenceRun]:
     """Each contender in a fresh world of `nproc` ranks, in order."""
     _, backend = default_world()
     runs = []
     for name in names:
         print(f"--- {name}", flush=True)
-        run = run_local_world(
-            converge_rank, nproc, cfg, name, powersgd_start_iter, backend=backend
-        )[0]
+        run = run_local_world(converge_rank, nproc, cfg, name, powersgd_start_iter, backend=backend)[0]
         assert run is not None, f"rank 0 of {name} returned no result"
         print(f"    final train {run.final_loss:.4f}, val {run.val_loss:.4f}", flush=True)
         runs.append(run)
@@ -278,10 +268,7 @@ def paired_gaps(p: FrontierPoint, q: FrontierPoint) -> tuple[float, float]:
     common = shared_seeds(p, q)
     if not common:
         return p.loss_gap, q.loss_gap
-    return (
-        statistics.fmean(p.seed_gaps[i] for i in common),
-        statistics.fmean(q.seed_gaps[i] for i in common),
-    )
+    return (statistics.fmean(p.seed_gaps[i] for i in common), statistics.fmean(q.seed_gaps[i] for i in common))
 
 
 def dominators(p: FrontierPoint, points: list[FrontierPoint]) -> list[FrontierPoint]:
@@ -461,10 +448,7 @@ def plot_losses(runs: list[ConvergenceRun], steps: int, path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(9, 5))
     for r in runs:
-        smooth = [
-            statistics.fmean(r.losses[max(0, i - FINAL_WINDOW + 1) : i + 1])
-            for i in range(len(r.losses))
-        ]
+        smooth = [statistics.fmean(r.losses[max(0, i - FINAL_WINDOW + 1) : i + 1]) for i in range(len(r.losses))]
         ax.plot(smooth, label=f"{r.name} (final {r.final_loss:.3f})", lw=1)
     ax.set_xlabel("step")
     ax.set_ylabel(f"training loss ({FINAL_WINDOW}-step mean)")
@@ -516,9 +500,7 @@ def main() -> None:
             f"--{flag.replace('_', '-')}", dest=flag, type=int, default=getattr(d, flag),
             help="as `overlap demo`'s",
         )  # fmt: skip
-    parser.add_argument(
-        "--powersgd-start-iter", type=int, default=2, help="first step PowerSGD compresses"
-    )
+    parser.add_argument("--powersgd-start-iter", type=int, default=2, help="first step PowerSGD compresses")
     parser.add_argument("--json", type=Path, default=None, help="write the runs here")
     parser.add_argument("--png", type=Path, default=None, help="loss curves")
     parser.add_argument(

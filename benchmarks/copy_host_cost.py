@@ -27,10 +27,10 @@ import torch
 if "PYTHONPATH" not in os.environ:
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from overlap.kernels import copy as copy_mod  # noqa: E402
-from overlap.kernels import triton_copy  # noqa: E402
-from overlap.engine.units import CHUNK_ALIGN_NUMEL, ParamInfo, make_layout  # noqa: E402
-from overlap.transport.fingerprint import TAG_NUMEL  # noqa: E402
+from overlap.engine.units import CHUNK_ALIGN_NUMEL, ParamInfo, make_layout
+from overlap.kernels import copy as copy_mod
+from overlap.kernels import triton_copy
+from overlap.transport.fingerprint import TAG_NUMEL
 
 # one decoder layer (attention with biases, MLP, two norms): 12 parameters, one of them with an
 # odd chunk at world size 8, so that both aligned and unaligned segments occur

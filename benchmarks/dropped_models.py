@@ -30,8 +30,8 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 import overlap
-from overlap.tools.worlds.launch import run_local_world
 from overlap.observe.monitor import rss_bytes
+from overlap.tools.worlds.launch import run_local_world
 
 CONTENDERS = ("overlap", "fsdp2", "ddp")
 LIVE_TYPES = {"overlap": "OverlapState", "fsdp2": "FSDPParamGroup", "ddp": "DistributedDataParallel"}
@@ -102,14 +102,14 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     mib = 1 << 20
     report = {}
-    print(f"{args.rounds} rounds of build + wrap + 2 AdamW steps + drop; W-like {args.layers} x TEL {args.dim}; "
-          f"{args.nproc} gloo ranks, rank 0's RSS after each release (MiB)")
+    print(
+        f"{args.rounds} rounds of build + wrap + 2 AdamW steps + drop; W-like {args.layers} x TEL {args.dim}; "
+        f"{args.nproc} gloo ranks, rank 0's RSS after each release (MiB)"
+    )
     for contender in args.contenders.split(","):
         if contender not in CONTENDERS:
             raise SystemExit(f"unknown contender {contender!r}; pick from {', '.join(CONTENDERS)}")
-        r = run_local_world(
-            rounds_rank, args.nproc, contender, args.rounds, args.layers, args.dim, deadline_s=1800
-        )[0]
+        r = run_local_world(rounds_rank, args.nproc, contender, args.rounds, args.layers, args.dim, deadline_s=1800)[0]
         slope = growth_per_round(r["rss_after"])
         report[contender] = dict(r, growth_per_round=slope)
         print(

@@ -18,5 +18,7 @@ def run_as_module(file: str) -> int:
     here = Path(file).resolve().parent
     paths = [str(here), str(here.parent)]
     sys.path[:0] = paths
-    os.environ["PYTHONPATH"] = os.pathsep.join([*paths, *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))])
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        [*paths, *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    )
     return importlib.import_module(Path(file).stem).main()

@@ -102,8 +102,9 @@ def _model(dim: int, layers: int, mesh: Any, tp: int) -> nn.Module:
 
 def export_on_rank(rank: int, world_size: int, dim: int, layers: int, tp: int) -> dict[str, Any]:
     """Wrap the meta model on this rank's world, export once; this rank's measures."""
-    import overlap
     from torch.distributed.device_mesh import init_device_mesh
+
+    import overlap
 
     torch.manual_seed(0)
     mesh = init_device_mesh("cpu", (world_size // tp, tp), mesh_dim_names=("dp", "tp"))
@@ -160,7 +161,9 @@ def main() -> None:
         dp, tp = WORLDS[name]
         per_rank = run_local_world(export_on_rank, dp * tp, args.dim, args.layers, tp)
         rows += [{"world": name, **r} for r in per_rank]
-    print(f"{'world':<10} {'rank':>4} {'model MiB':>9} {'share MiB':>9} {'kept MiB':>8} {'tracked peak MiB':>16} {'RSS peak MiB':>12}")
+    print(
+        f"{'world':<10} {'rank':>4} {'model MiB':>9} {'share MiB':>9} {'kept MiB':>8} {'tracked peak MiB':>16} {'RSS peak MiB':>12}"
+    )
     for r in rows:
         rss = "n/a" if r["rss_peak_bytes"] is None else f"{r['rss_peak_bytes'] / MIB:.1f}"
         print(

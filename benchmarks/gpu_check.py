@@ -52,7 +52,7 @@ TESTS = REPO / "tests"
 POLL_S = 0.5  # how often the watchdog reads the report
 sys.path.insert(0, str(TESTS))  # the parts' table, tests/gpu/parts.py (no torch, no overlap)
 
-from gpu.parts import CPU_BUDGET_SCALE, ENV, GRACE_S, PARTS, WATCHDOG_S  # noqa: E402
+from gpu.parts import CPU_BUDGET_SCALE, ENV, GRACE_S, PARTS, WATCHDOG_S
 
 
 def pytest_command(paths: list[Path]) -> list[str]:
@@ -133,7 +133,9 @@ def finish(out: Path, stopped: str | None) -> dict[str, Any]:
         report = json.loads(out.read_text())
     except (OSError, ValueError):  # the checks never started
         report = {"environment": {}, "parts": []}
-    report["summary"] = {"error": stopped} if stopped else dict(Counter(p["status"].split(":")[0] for p in report["parts"]))
+    report["summary"] = (
+        {"error": stopped} if stopped else dict(Counter(p["status"].split(":")[0] for p in report["parts"]))
+    )
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".tmp")
     tmp.write_text(json.dumps(report, indent=1, default=str) + "\n")

@@ -48,7 +48,7 @@ from typing import Any, Literal
 import torch
 import torch.nn.functional as F
 
-from overlap.kernels import rows as row_ops
+from overlap.engine.units import CHUNK_ALIGN_NUMEL, ParamInfo, UnitLayout, make_layout
 from overlap.kernels import (
     code_numel,
     copy_in,
@@ -61,9 +61,9 @@ from overlap.kernels import (
     quantize_blockwise_ref,
     quantize_feedback_blockwise,
 )
+from overlap.kernels import rows as row_ops
 from overlap.kernels.reference import CodeFormat
 from overlap.transport.host import keep_freed_cpu_memory
-from overlap.engine.units import CHUNK_ALIGN_NUMEL, ParamInfo, UnitLayout, make_layout
 
 Contender = Literal["ref", "cpp", "triton", "compiled"]
 CopyContender = Literal["eager", "cpp", "triton"]
@@ -114,12 +114,12 @@ def make_call(
         return lambda: dequantize(codes, scales, bits, block, numel, out, True, fmt)
     if op == "quantize":
         return lambda: quantize_blockwise(x, bits, block, fmt=fmt, backend=backend)
-    return lambda: dequantize_blockwise(
-        codes, scales, bits, block, numel, out, True, fmt=fmt, backend=backend
-    )
+    return lambda: dequantize_blockwise(codes, scales, bits, block, numel, out, True, fmt=fmt, backend=backend)
 
 
-def bucket_call(bits: int, fmt: CodeFormat, backend: Contender, numel: int, block: int, device: str) -> Callable[[], object]:
+def bucket_call(
+    bits: int, fmt: CodeFormat, backend: Contender, numel: int, block: int, device: str
+) -> Callable[[], object]:
     """A compressed reduce-scatter's codec work on one bucket of `numel` elements over
     BUCKET_RANKS ranks, this rank 0: the 7 peer rows encoded with fp32 error feedback and the
     count, then the 8 rows decode-summed in rank order. "triton": one launch each ([Note: rows per
@@ -253,7 +253,9 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true", help="also time torch.compile(reference)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--json", default=None, help="write the rows here")
-    parser.add_argument("--ops", default="memcpy,quantize,dequant_acc,feedback,bucket,copy_out,copy_in", help="which ops to time")
+    parser.add_argument(
+        "--ops", default="memcpy,quantize,dequant_acc,feedback,bucket,copy_out,copy_in", help="which ops to time"
+    )
     parser.add_argument("--rows", type=int, default=2, help="copy ops: ranks the unit is sharded over")
     parser.add_argument("--align", type=int, default=CHUNK_ALIGN_NUMEL, help="copy ops: chunk padding (elements)")
     args = parser.parse_args()
@@ -291,7 +293,7 @@ def main() -> None:
         """One op at one size; a failure is reported and skipped (the other ops still run)."""
         try:
             run()
-        except Exception as exc:  # noqa: BLE001  # a benchmark reports, it does not stop
+        except Exception as exc:  # a benchmark reports, it does not stop
             message = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
             errors.append({"op": op, "numel": numel, "error": message})
             print(f"[kernels] {op} numel={numel} failed: {message}", flush=True)

@@ -27,8 +27,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from overlap.tools.plan.run_spec import ModelShape, RunSpec  # noqa: E402
-from overlap.tools.plan.run_step import calibrate_compute, predict_run  # noqa: E402
+from overlap.tools.plan.run_spec import ModelShape, RunSpec
+from overlap.tools.plan.run_step import calibrate_compute, predict_run
 
 DATA = Path(__file__).with_name("published_runs.json")
 PEAK_BF16_TFLOPS = {"h100-sxm": 989.4, "a100-80gb": 312.0, "a100-40gb": 312.0}
@@ -84,7 +84,9 @@ def scale_out(results: list[dict[str, Any]], specs: dict[str, RunSpec] | None = 
     for r in results:
         if r["predicted"] is None:
             continue
-        key = json.dumps({k: v for k, v in r["run"].items() if k not in ("num_gpus", "global_batch", "notes")}, sort_keys=True)
+        key = json.dumps(
+            {k: v for k, v in r["run"].items() if k not in ("num_gpus", "global_batch", "notes")}, sort_keys=True
+        )
         groups[r["source"] + r["model"] + key].append(r)
     errors = []
     for rows in groups.values():
@@ -96,7 +98,9 @@ def scale_out(results: list[dict[str, Any]], specs: dict[str, RunSpec] | None = 
             errors += [r["predicted"] / base / r["published"] - 1 for r in rows[1:]]
             continue
         scale = calibrate_compute(specs[rows[0]["id"]], rows[0]["published"])
-        errors += [predict_run(specs[r["id"]], compute_scale=scale).tokens_per_s_per_gpu / r["published"] - 1 for r in rows[1:]]
+        errors += [
+            predict_run(specs[r["id"]], compute_scale=scale).tokens_per_s_per_gpu / r["published"] - 1 for r in rows[1:]
+        ]
     return errors
 
 
@@ -136,7 +140,9 @@ def main() -> int:
             pub_text = "-" if result["published"] is None else f"{result['published']:,.0f}"
             pred_text = "-" if result["predicted"] is None else f"{result['predicted']:,.0f}"
             err = "miss" if result["error"] is None else f"{100 * result['error']:+.1f}%"
-            print(f"{mark}{row['id'][:43]:43} {pub_text:>10} {pred_text:>10} {err:>7}  {'; '.join(result['lacks'])[:110]}")
+            print(
+                f"{mark}{row['id'][:43]:43} {pub_text:>10} {pred_text:>10} {err:>7}  {'; '.join(result['lacks'])[:110]}"
+            )
     out: dict[str, Any] = {}
     print("\n(* held out)")
     for label, keep in (("fitted", False), ("held out", True), ("all", None)):
@@ -153,14 +159,20 @@ def main() -> int:
         errs = [1.0 if r["error"] is None else r["error"] for r in results if r["source"] == source]
         if errs:
             out["per_source"][source] = summary(errs)
-            print(f"  {source:26} {len(errs):3} rows  {100 * statistics.fmean(errs):+6.1f}%  {100 * statistics.fmean(map(abs, errs)):5.1f}%")
+            print(
+                f"  {source:26} {len(errs):3} rows  {100 * statistics.fmean(errs):+6.1f}%  {100 * statistics.fmean(map(abs, errs)):5.1f}%"
+            )
     print("by GPU and by parallelism (all rows):")
     out["per_group"] = {}
-    for label, keep in [*((f"gpu {g}", (lambda r, g=g: r["run"]["gpu"] == g))
-                          for g in sorted({r["run"]["gpu"] for r in results})),
-                        ("FSDP/ZeRO only", lambda r: all(r["run"].get(k, 1) == 1 for k in ("tp", "pp", "cp"))),
-                        ("3-D (TP/PP, no CP)", lambda r: r["run"].get("cp", 1) == 1 and (r["run"].get("tp", 1) > 1 or r["run"].get("pp", 1) > 1)),
-                        ("context parallel", lambda r: r["run"].get("cp", 1) > 1)]:
+    for label, keep in [
+        *((f"gpu {g}", (lambda r, g=g: r["run"]["gpu"] == g)) for g in sorted({r["run"]["gpu"] for r in results})),
+        ("FSDP/ZeRO only", lambda r: all(r["run"].get(k, 1) == 1 for k in ("tp", "pp", "cp"))),
+        (
+            "3-D (TP/PP, no CP)",
+            lambda r: r["run"].get("cp", 1) == 1 and (r["run"].get("tp", 1) > 1 or r["run"].get("pp", 1) > 1),
+        ),
+        ("context parallel", lambda r: r["run"].get("cp", 1) > 1),
+    ]:
         errs = [1.0 if r["error"] is None else r["error"] for r in results if keep(r)]
         out["per_group"][label] = summary(errs)
         print(f"  {label:22} {fmt(out['per_group'][label])}")

@@ -96,7 +96,9 @@ def repredict(result: dict[str, Any], fit_config: str | None = None) -> dict[str
     (the others' errors; the fitted config's own is 0 by construction)."""
     dropped = [c.get("host_scale") for c in result["calibration_rounds"] if "host_scale" in c]
     # pv_hostfit_r5 (commit 8215219) fitted a host factor per round, since removed: replayed at 1x
-    cals = [Calibration.from_dict({k: v for k, v in c.items() if k != "host_scale"}) for c in result["calibration_rounds"]]
+    cals = [
+        Calibration.from_dict({k: v for k, v in c.items() if k != "host_scale"}) for c in result["calibration_rounds"]
+    ]
     for row in result["rows"]:
         if "compute_beside_ms" not in row:
             raise ValueError(f"{result['world']}, {row['config']}: no compute stored beside the steps "
@@ -125,7 +127,9 @@ def _line(label: str, errors: dict[str, float]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("files", nargs="+", metavar="JSON", help="plan_validate.py --json files")
-    parser.add_argument("--fit-host", metavar="CONFIG", default=None, help="fit a factor on the host work to this config's steps")
+    parser.add_argument(
+        "--fit-host", metavar="CONFIG", default=None, help="fit a factor on the host work to this config's steps"
+    )
     args = parser.parse_args(argv)
     for path in args.files:
         data = json.loads(Path(path).read_text())
@@ -133,7 +137,11 @@ def main(argv: list[str] | None = None) -> int:
         for result in data["results"]:
             res = repredict(result, args.fit_host)
             dropped = res["dropped_host_scale"]
-            note = f" (the stored host factors {', '.join(f'{k:.2f}' for k in dropped)} dropped: replayed at 1x)" if dropped else ""
+            note = (
+                f" (the stored host factors {', '.join(f'{k:.2f}' for k in dropped)} dropped: replayed at 1x)"
+                if dropped
+                else ""
+            )
             print(f"  {res['world']}{note}")
             print(_line("as stored", res["errors"]))
             if args.fit_host is not None:

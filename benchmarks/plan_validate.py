@@ -64,8 +64,8 @@ import torch.distributed as dist
 from torch import nn
 
 if TYPE_CHECKING:  # at run time imported in the functions, after entry.py put this checkout first
-    from overlap.tools.plan.calibrate import Rig, World
     from overlap.step_model.calibration import Calibration
+    from overlap.tools.plan.calibrate import Rig, World
 
 from plan_validate_report import (  # noqa: F401  the report's pure functions, importable from here as before
     PHASES,
@@ -200,7 +200,9 @@ Phases = tuple[float, float, float]
 """A step's forward, backward and optimizer, ms ([Note: the error by phase])."""
 
 
-def time_segment(model: nn.Module, opt: torch.optim.Optimizer, rig: Rig, steps: int) -> list[tuple[float, float, Profile, Phases]]:
+def time_segment(
+    model: nn.Module, opt: torch.optim.Optimizer, rig: Rig, steps: int
+) -> list[tuple[float, float, Profile, Phases]]:
     """One config's turn in a round: a warm-up step, then `steps` timed steps, each between two
     plain profiles ([Note: compute beside each step]; barrier before each step; a step is the
     slowest rank's). Per timed step: (step ms, exposed communication ms: the slowest rank's
@@ -309,19 +311,8 @@ def measure_bursts(rig: Rig, reps: int = BURST_REPS) -> dict[str, float]:
 def validate_rank(rank: int, world_size: int, cfg: ValidateConfig, world: World) -> dict[str, Any] | None:
     """One world: rounds of (calibration, every config's segment in rotated order), then the
     predictions from the median calibration; rank 0 returns everything."""
-    from overlap.tools.plan.calibrate import (
-        Rig,
-        calibrate_round,
-        format_calibration,
-        profile_alone,
-        set_up_rank,
-        w1,
-    )
-    from overlap.step_model.calibration import (
-        codec_path,
-        median_calibration,
-        predict_measured,
-    )
+    from overlap.step_model.calibration import codec_path, median_calibration, predict_measured
+    from overlap.tools.plan.calibrate import Rig, calibrate_round, format_calibration, profile_alone, set_up_rank, w1
 
     set_up_rank()
     t0 = time.perf_counter()
@@ -427,7 +418,9 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=d.steps, help="timed steps per config per round")
     parser.add_argument("--profile-steps", type=int, default=d.profile_steps)
     parser.add_argument("--configs", default="", help="';'-separated config names (default: all)")
-    parser.add_argument("--seq", type=int, default=d.seq, help="W1's tokens per sequence (the compute scales, the bytes do not)")
+    parser.add_argument(
+        "--seq", type=int, default=d.seq, help="W1's tokens per sequence (the compute scales, the bytes do not)"
+    )
     parser.add_argument("--json", dest="json_path", default=None, metavar="PATH")
     args = parser.parse_args()
     try:
@@ -443,7 +436,9 @@ def main() -> int:
     t0 = time.perf_counter()
     load = os.getloadavg()
     cpu = host_cpu()
-    print(f"plan_validate on {cpu}" + (f"; W1 at {cfg.seq} tokens per sequence" if cfg.seq != d.seq else ""), flush=True)
+    print(
+        f"plan_validate on {cpu}" + (f"; W1 at {cfg.seq} tokens per sequence" if cfg.seq != d.seq else ""), flush=True
+    )
     results, skipped = [], {}
     for text in cfg.worlds:
         world = World.parse(text)
@@ -456,10 +451,14 @@ def main() -> int:
         results.append(world.run(validate_rank, cfg, world)[0])
     if not results:
         raise SystemExit("plan_validate: no world could run")
-    print(f"\nW1 step: measured vs the tools' model ({cfg.rounds} rounds x {cfg.steps} steps; error = predicted / measured - 1)")
+    print(
+        f"\nW1 step: measured vs the tools' model ({cfg.rounds} rounds x {cfg.steps} steps; error = predicted / measured - 1)"
+    )
     print(format_table(results))
     total_s = time.perf_counter() - t0
-    print(f"plan_validate: {total_s:.0f} s in all; load average at start {load[0]:.1f}, at end {os.getloadavg()[0]:.1f}")
+    print(
+        f"plan_validate: {total_s:.0f} s in all; load average at start {load[0]:.1f}, at end {os.getloadavg()[0]:.1f}"
+    )
     if cfg.json_path:
         path = Path(cfg.json_path)
         path.parent.mkdir(parents=True, exist_ok=True)

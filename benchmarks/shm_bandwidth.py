@@ -26,11 +26,11 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from overlap.kernels import cpu  # noqa: E402
-from overlap.transport import backend, shm  # noqa: E402
-from overlap.transport import collectives as comm  # noqa: E402
-from overlap.transport.gloo import gloo_strategies  # noqa: E402
-from overlap.transport.strategy import UnitWire, Wire  # noqa: E402
+from overlap.kernels import cpu
+from overlap.transport import backend, shm
+from overlap.transport import collectives as comm
+from overlap.transport.gloo import gloo_strategies
+from overlap.transport.strategy import UnitWire, Wire
 
 SIZES_MIB = (1, 4, 16, 64)
 
@@ -99,8 +99,12 @@ def _rank(rank: int, nproc: int, init: str, reps: int, out: str) -> None:
             comm.wait(comm.reduce_scatter_flat(buf.view(-1), group, nproc, "all_to_all"))
 
         row = {"MiB": mib}
-        for name, fn in (("shm all-gather", shm_all_gather), ("shm reduce-scatter", shm_reduce_scatter),
-                         ("gloo all-gather", gloo_all_gather), ("gloo reduce-scatter", gloo_reduce_scatter)):
+        for name, fn in (
+            ("shm all-gather", shm_all_gather),
+            ("shm reduce-scatter", shm_reduce_scatter),
+            ("gloo all-gather", gloo_all_gather),
+            ("gloo reduce-scatter", gloo_reduce_scatter),
+        ):
             fn()
             row[name] = nbytes / _timed(fn, reps) / 1e9
         dist.barrier()
@@ -123,7 +127,9 @@ def main() -> None:
     cpu.load_extension()  # built once before the ranks start
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "rows.json")
-        mp.start_processes(_rank, (args.nproc, f"file://{tmp}/store", args.reps, out), nprocs=args.nproc, start_method="spawn")
+        mp.start_processes(
+            _rank, (args.nproc, f"file://{tmp}/store", args.reps, out), nprocs=args.nproc, start_method="spawn"
+        )
         rows = json.load(open(out))
     names = [k for k in rows[0] if k != "MiB"]
     print(f"{'MiB':>5} " + " ".join(f"{n:>20}" for n in names) + "   GB/s; shm / copy")

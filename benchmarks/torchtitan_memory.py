@@ -21,9 +21,11 @@ import json
 import os
 import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "integrations", "torchtitan"))
+sys.path.insert(
+    0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "integrations", "torchtitan")
+)
 
-from titan_launch import run_world  # noqa: E402
+from titan_launch import run_world
 
 MIB = 2**20
 
@@ -65,14 +67,20 @@ def main() -> None:
     parser.add_argument("--json", default=None, help="write the per-rank numbers here")
     args = parser.parse_args()
     results = {impl: measure(impl, args) for impl in ("fsdp2", "overlap")}
-    print(f"{args.model}, {args.ranks} ranks, {args.steps} steps, seq {args.seq_len} x {args.local_batch_size}, "
-          f"{args.param_dtype} parameters")
-    print(f"{'impl':8} {'rank':>4} {'peak RSS MiB':>13} {'above start MiB':>16} {'of it by init':>14} {'s':>6} "
-          f"{'last loss':>10}")
+    print(
+        f"{args.model}, {args.ranks} ranks, {args.steps} steps, seq {args.seq_len} x {args.local_batch_size}, "
+        f"{args.param_dtype} parameters"
+    )
+    print(
+        f"{'impl':8} {'rank':>4} {'peak RSS MiB':>13} {'above start MiB':>16} {'of it by init':>14} {'s':>6} "
+        f"{'last loss':>10}"
+    )
     for impl, ranks in results.items():
         for rank, r in enumerate(ranks):
-            print(f"{impl:8} {rank:>4} {r['peak_mib']:>13.0f} {r['added_mib']:>16.0f} {r['build_added_mib']:>14.0f} "
-                  f"{r['seconds']:>6.0f} {r['final_loss']:>10.4f}")
+            print(
+                f"{impl:8} {rank:>4} {r['peak_mib']:>13.0f} {r['added_mib']:>16.0f} {r['build_added_mib']:>14.0f} "
+                f"{r['seconds']:>6.0f} {r['final_loss']:>10.4f}"
+            )
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:

@@ -85,17 +85,17 @@ def _load_kernels() -> None:
         from overlap.kernels.cpu import load_extension
 
         load_extension()
-    except Exception as e:  # noqa: BLE001  the reference kernels still work; say why not these
+    except Exception as e:
         print(f"note: C++ kernels not loaded ({e}); codecs use the torch reference")
 
 
 def eval_rank(rank: int, world_size: int, cfg: EvalConfig) -> EvalReport | None:
     from tqdm import tqdm
 
-    from overlap.tools.worlds.link import active_link
     from overlap.tools.tune import tune
     from overlap.tools.tune.command import resolve_space, workload_fns, workload_key
     from overlap.tools.tune.measure import MeasuredTrial, process_group
+    from overlap.tools.worlds.link import active_link
 
     pg = process_group(None)
     cmd = cfg.cmd
@@ -127,17 +127,9 @@ def eval_rank(rank: int, world_size: int, cfg: EvalConfig) -> EvalReport | None:
 
     default, tuned = search.base, result.config
     # both models built once and kept: every round runs the same two models, in turn
-    trial = MeasuredTrial(
-        model_fn, step_fn, optimizer_fn, pg, None, search.warmup_steps, keep_models=True
-    )
+    trial = MeasuredTrial(model_fn, step_fn, optimizer_fn, pg, None, search.warmup_steps, keep_models=True)
     rounds: dict[str, list[float | None]] = {"default": [], "tuned": []}
-    bar = tqdm(
-        total=2 * cfg.rounds,
-        desc="default vs tuned",
-        unit="segment",
-        disable=rank != 0,
-        leave=False,
-    )
+    bar = tqdm(total=2 * cfg.rounds, desc="default vs tuned", unit="segment", disable=rank != 0, leave=False)
     for r in range(cfg.rounds):
         order = [("default", default), ("tuned", tuned)]
         for name, config in order if r % 2 == 0 else order[::-1]:
@@ -206,19 +198,14 @@ def format_report(r: EvalReport, result: Any) -> str:
     ]
     for i in sorted(range(len(r.grid_ms)), key=lambda i: r.grid_ms[i]):
         mark = "picked" if i == result.winner else ("measured" if i in result.candidates else "")
-        lines.append(
-            f"{i:>3} {result.grid[i]:<{width}} {r.grid_ms[i]:>9.1f} {result.predicted_ms[i]:>9.1f}  {mark}"
-        )
+        lines.append(f"{i:>3} {result.grid[i]:<{width}} {r.grid_ms[i]:>9.1f} {result.predicted_ms[i]:>9.1f}  {mark}")
 
     def fmt(values: list[float]) -> str:
         return " ".join(f"{x:.0f}" for x in values)
 
     lines += [
         "",
-        (
-            f"tuner pick {s['pick_ms']:.1f} ms vs grid best {s['grid_best_ms']:.1f} ms: "
-            f"{s['pick_gap']:+.1%}"
-        ),
+        (f"tuner pick {s['pick_ms']:.1f} ms vs grid best {s['grid_best_ms']:.1f} ms: {s['pick_gap']:+.1%}"),
         (
             f"time: tuner {r.tuner_s:.1f} s vs grid {r.grid_s:.1f} s: {s['time_share']:.1%} "
             f"(timed steps {r.tuner_steps} vs {len(r.grid_ms) * r.grid_steps}: "
@@ -231,16 +218,14 @@ def format_report(r: EvalReport, result: Any) -> str:
         ),
     ]
     if r.tuned_is_default:
-        lines.append(
-            "  note: the tuner chose the default config; default vs tuned compares it with itself"
-        )
+        lines.append("  note: the tuner chose the default config; default vs tuned compares it with itself")
     lines += [f"  [{'PASS' if ok else 'FAIL'}] {name}" for name, ok in r.checks.items()]
     return "\n".join(lines)
 
 
 def main() -> int:
-    from overlap.tools.worlds.runner import run_bench
     from overlap.tools.tune import command
+    from overlap.tools.worlds.runner import run_bench
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     command.add_arguments(parser)

@@ -35,10 +35,7 @@ MODELS = {  # name: (layers, d_model, heads, dim_feedforward)
 def build(rank: int, layers: int, dim: int, heads: int, ff: int) -> nn.Module:
     torch.manual_seed(100 + rank)  # as a DDP script that seeds ranks differently
     return nn.Sequential(
-        *[
-            nn.TransformerEncoderLayer(dim, heads, ff, batch_first=True, dropout=0.0)
-            for _ in range(layers)
-        ]
+        *[nn.TransformerEncoderLayer(dim, heads, ff, batch_first=True, dropout=0.0) for _ in range(layers)]
     )
 
 

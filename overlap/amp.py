@@ -97,11 +97,7 @@ class ShardedGradScaler(torch.amp.GradScaler):
         self._found_inf_groups = groups
 
     def _unscale_grads_(
-        self,
-        optimizer: torch.optim.Optimizer,
-        inv_scale: torch.Tensor,
-        found_inf: torch.Tensor,
-        allow_fp16: bool,
+        self, optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor, found_inf: torch.Tensor, allow_fp16: bool
     ) -> dict[torch.device, torch.Tensor]:
         """Unscale the local gradient shards in place; the found-inf flag, reduced across ranks.
 
@@ -109,9 +105,7 @@ class ShardedGradScaler(torch.amp.GradScaler):
         called). fp16 gradients are allowed (`allow_fp16` is ignored): they are what fp16 master
         parameters have, and they are unscaled in fp16 as torch's FSDP scaler does.
         """
-        by_device: dict[torch.device, dict[torch.dtype, list[torch.Tensor]]] = defaultdict(
-            lambda: defaultdict(list)
-        )
+        by_device: dict[torch.device, dict[torch.dtype, list[torch.Tensor]]] = defaultdict(lambda: defaultdict(list))
         with torch.no_grad():
             for param_group in optimizer.param_groups:
                 for param in param_group["params"]:

@@ -12,10 +12,11 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from overlap.config import OverlapConfig
-from overlap.observe.memory import MemoryStats
-from overlap.state_dict import full_state_dict, load_full_state_dict
-from overlap.observe.stats import StepStats
 from overlap.engine.state import OverlapState, state_of
+from overlap.observe.memory import MemoryStats
+from overlap.observe.stats import StepStats
+from overlap.state_dict import full_state_dict as full_state_dict  # re-exported: overlap.full_state_dict
+from overlap.state_dict import load_full_state_dict as load_full_state_dict
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

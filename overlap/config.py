@@ -19,11 +19,7 @@ from overlap.compression.registry import block_residual_codecs, check_codec_name
 
 UnitPolicy = Literal["auto"] | frozenset[type[nn.Module]] | Callable[[nn.Module], bool]
 
-_DTYPES = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-}
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 _RESIDUAL_DTYPES = {  # overlap.compression.feedback.RESIDUAL_DTYPES
     "float32": torch.float32,
     "bfloat16": torch.bfloat16,
@@ -296,29 +292,26 @@ class OverlapConfig:
             object.__setattr__(self, "unit_policy", frozenset(policy))
             policy = self.unit_policy
         if not (policy == "auto" or callable(policy) or isinstance(policy, frozenset)):
-            raise ValueError(
-                f"unit_policy must be 'auto', a set of nn.Module classes or a callable, got {policy!r}"
-            )
-        if isinstance(policy, frozenset) and not all(
-            isinstance(c, type) and issubclass(c, nn.Module) for c in policy
-        ):
+            raise ValueError(f"unit_policy must be 'auto', a set of nn.Module classes or a callable, got {policy!r}")
+        if isinstance(policy, frozenset) and not all(isinstance(c, type) and issubclass(c, nn.Module) for c in policy):
             raise ValueError(f"unit_policy set must hold nn.Module classes, got {set(policy)!r}")
         non_negative = ("min_unit_numel", "prefetch_depth", "reduce_scatter_bucket_bytes", "keep_for_backward_bytes")
         for name in non_negative:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"{name} must be an int >= 0, got {value!r}")
-        if not isinstance(self.max_reduce_inputs, int) or isinstance(self.max_reduce_inputs, bool) or self.max_reduce_inputs < 1:
+        if (
+            not isinstance(self.max_reduce_inputs, int)
+            or isinstance(self.max_reduce_inputs, bool)
+            or self.max_reduce_inputs < 1
+        ):
             raise ValueError(f"max_reduce_inputs must be an int >= 1, got {self.max_reduce_inputs!r}")
         if self.reduce_scatter_impl not in ("auto", "native", "all_to_all"):
             raise ValueError(
-                "reduce_scatter_impl must be 'auto', 'native' or 'all_to_all', "
-                f"got {self.reduce_scatter_impl!r}"
+                f"reduce_scatter_impl must be 'auto', 'native' or 'all_to_all', got {self.reduce_scatter_impl!r}"
             )
         if self.all_gather_impl not in ("auto", "native", "all_to_all"):
-            raise ValueError(
-                f"all_gather_impl must be 'auto', 'native' or 'all_to_all', got {self.all_gather_impl!r}"
-            )
+            raise ValueError(f"all_gather_impl must be 'auto', 'native' or 'all_to_all', got {self.all_gather_impl!r}")
         if self.shared_memory not in ("auto", "off"):
             raise ValueError(f"shared_memory must be 'auto' or 'off', got {self.shared_memory!r}")
         if self.hybrid_mode not in ("replicate", "secondary"):

@@ -18,10 +18,8 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from overlap import kernels
-from overlap.transport import collectives as comm
-from overlap.engine.late_checks import check_deferred
 from overlap.engine.init import ScratchBuffer
-from overlap.engine.unit_tensors import UnitTensors
+from overlap.engine.late_checks import check_deferred
 from overlap.engine.source_values import (
     SourcePlan,
     broadcast_tensors,
@@ -30,8 +28,10 @@ from overlap.engine.source_values import (
     scatter_shard,
     share_object,
 )
-from overlap.engine.units import ParamSlot
 from overlap.engine.state import OverlapState, state_of
+from overlap.engine.unit_tensors import UnitTensors
+from overlap.engine.units import ParamSlot
+from overlap.transport import collectives as comm
 
 
 def full_state_dict(model: nn.Module, rank0_only: bool = True) -> dict[str, torch.Tensor]:

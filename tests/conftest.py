@@ -12,11 +12,12 @@ _TESTS = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [_TESTS] + sorted(
     os.path.join(_TESTS, d)
     for d in os.listdir(_TESTS)
-    if os.path.isdir(os.path.join(_TESTS, d)) and not d.startswith((".", "_"))
+    if os.path.isdir(os.path.join(_TESTS, d))
+    and not d.startswith((".", "_"))
     and not os.path.exists(os.path.join(_TESTS, d, "__init__.py"))  # packages (helpers, gpu) import by name
 )
 
-from helpers.harness import DEEPSPEED_BUILD_S, World  # noqa: E402
+from helpers.harness import DEEPSPEED_BUILD_S, World
 
 
 @pytest.fixture(scope="module")
@@ -51,8 +52,6 @@ def deepspeed_op() -> float:
         "assert builder is not None and builder.load() is not None\n"
     )
     start = time.monotonic()
-    proc = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=DEEPSPEED_BUILD_S
-    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=DEEPSPEED_BUILD_S)
     assert proc.returncode == 0, f"DeepSpeed's CPU op did not build:\n{proc.stdout}\n{proc.stderr}"
     return time.monotonic() - start

@@ -22,6 +22,10 @@ python3 -c "from overlap.kernels import cpu; assert cpu.load_extension(), 'C++ k
 if command -v nvcc >/dev/null; then
     for src in csrc/cuda/*.cu; do nvcc -c -arch=sm_90 -o "/tmp/overlap_$(basename "$src" .cu).o" "$src"; done
 fi
+# Lint and format first (configuration in pyproject.toml): seconds, and a style slip fails here
+# rather than after the suite.
+python3 -m ruff check .
+python3 -m ruff format --check .
 # A rank that aborts (SIGABRT, SIGSEGV) prints its Python stacks: spawned ranks inherit this.
 export PYTHONFAULTHANDLER=1
 python3 -m pytest -q --durations=15 tests "$@"

@@ -57,9 +57,7 @@ class _BlockwiseCodec(Codec):
         self.nonfinite = NonfiniteCounter() if check_finite else None
 
     def encode(self, x: torch.Tensor, *, count: bool = True) -> Encoded:
-        codes, scales = quantize_blockwise(
-            x, self.bits, self.block_size, self.stochastic, self.generator, fmt=self.fmt
-        )
+        codes, scales = quantize_blockwise(x, self.bits, self.block_size, self.stochastic, self.generator, fmt=self.fmt)
         enc = Encoded(codes, scales, x.numel(), x.dtype)
         return self._checked(enc) if count else enc
 
@@ -172,9 +170,7 @@ class _BlockwiseCodec(Codec):
         )
 
     def wire_bytes(self, numel: int, dtype: torch.dtype = torch.float32) -> int:
-        return code_numel(numel, self.bits, self.block_size) + _SCALE_BYTES * num_blocks_for(
-            numel, self.block_size
-        )
+        return code_numel(numel, self.bits, self.block_size) + _SCALE_BYTES * num_blocks_for(numel, self.block_size)
 
     def from_bytes(self, buf: torch.Tensor, numel: int, dtype: torch.dtype) -> Encoded:
         n_codes = code_numel(numel, self.bits, self.block_size)

@@ -201,10 +201,7 @@ class Codec(ABC):
                 f"{type(self).__name__}.from_chunk_bytes: expected {num_chunks} x {step} uint8 "
                 f"bytes, got {buf.numel()} {buf.dtype}"
             )
-        return [
-            self.from_bytes(buf[r * step : (r + 1) * step], chunk_numel, dtype)
-            for r in range(num_chunks)
-        ]
+        return [self.from_bytes(buf[r * step : (r + 1) * step], chunk_numel, dtype) for r in range(num_chunks)]
 
     def _check_chunks(self, numel: int, num_chunks: int) -> None:
         if num_chunks <= 0 or numel % num_chunks or (numel // num_chunks) % self.alignment_numel:

@@ -66,9 +66,7 @@ def quantization_residual(
     return (x.reshape(-1).float() - decoded).to(dtype)
 
 
-def encode_with_feedback(
-    codec: Codec, x: torch.Tensor, residual: torch.Tensor | None
-) -> tuple[Encoded, torch.Tensor]:
+def encode_with_feedback(codec: Codec, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[Encoded, torch.Tensor]:
     """Encode `x + residual` and update `residual` in place to what this encoding dropped.
 
     `residual` is a flat fp32 or bf16 buffer with x's numel (None: start from zero; a new fp32
@@ -281,9 +279,7 @@ class FeedbackResidual:
     def encode(self, codec: Codec, x: torch.Tensor, peer: int) -> Encoded:
         """Encode `x` (the chunk for rank `peer`, numel elements) with feedback from its row."""
         if x.numel() != self.numel:
-            raise ValueError(
-                f"FeedbackResidual.encode: the chunk has {x.numel()} elements, the residual {self.numel}"
-            )
+            raise ValueError(f"FeedbackResidual.encode: the chunk has {x.numel()} elements, the residual {self.numel}")
         return self.format.encode(codec, x, self._row(peer))
 
     def kernel_rows(self, codec: Codec) -> Residual | None:
@@ -313,12 +309,7 @@ class FeedbackResidual:
 
     @classmethod
     def from_saved(
-        cls,
-        saved: dict[str, Any] | torch.Tensor,
-        fmt: ResidualFormat,
-        rank: int,
-        world_size: int,
-        device: torch.device,
+        cls, saved: dict[str, Any] | torch.Tensor, fmt: ResidualFormat, rank: int, world_size: int, device: torch.device
     ) -> FeedbackResidual:
         """The residual that `saved()` returned (or, from a checkpoint of format 1, a dense
         (world_size, numel) tensor, whose own row is dropped) on `device`, converted to `fmt`

@@ -40,20 +40,10 @@ def _bf16(**_: Any) -> Codec:
     return BF16Codec()
 
 
-PARAM_CODECS: dict[str | None, CodecFactory] = {
-    None: _identity,
-    "bf16": _bf16,
-    "int8": Int8Codec,
-    "fp8": FP8Codec,
-}
+PARAM_CODECS: dict[str | None, CodecFactory] = {None: _identity, "bf16": _bf16, "int8": Int8Codec, "fp8": FP8Codec}
 """`OverlapConfig.param_compression` names -> factory(block_size=, check_finite=)."""
 
-GRAD_CODECS: dict[str | None, CodecFactory] = {
-    None: _identity,
-    "bf16": _bf16,
-    "int8": Int8Codec,
-    "int4": Int4Codec,
-}
+GRAD_CODECS: dict[str | None, CodecFactory] = {None: _identity, "bf16": _bf16, "int8": Int8Codec, "int4": Int4Codec}
 """`OverlapConfig.grad_compression` names -> factory(block_size=, stochastic=, generator=,
 check_finite=)."""
 
@@ -107,9 +97,7 @@ def unregister_codec(name: str) -> None:
     GRAD_CODECS.pop(name, None)
 
 
-def make_param_codec(
-    name: str | None, *, block_size: int | None = None, check_finite: bool = True
-) -> Codec:
+def make_param_codec(name: str | None, *, block_size: int | None = None, check_finite: bool = True) -> Codec:
     """The codec for `OverlapConfig.param_compression` (None -> IdentityCodec)."""
     check_codec_name("param_compression", name)
     return PARAM_CODECS[name](block_size=block_size, check_finite=check_finite)

@@ -37,7 +37,7 @@ class GradReady:
     collector is collected at exit at the latest ([Note: quiet exit] in teardown.py).
     """
 
-    __slots__ = ("_state", "_index", "_position")
+    __slots__ = ("_index", "_position", "_state")
 
     def __init__(self, state: BackwardEvents, index: int, position: int) -> None:
         self._state = weakref.ref(state)
@@ -131,7 +131,7 @@ class BackwardCounts:
     outside its unit's forward) raises instead of being lost.
     """
 
-    __slots__ = ("num_trainable", "has_frozen", "_ready_bits", "_num_ready", "_num_forwards", "_num_done", "_late")
+    __slots__ = ("_late", "_num_done", "_num_forwards", "_num_ready", "_ready_bits", "has_frozen", "num_trainable")
 
     def __init__(self, num_trainable: list[int], has_frozen: list[bool]) -> None:
         self.num_trainable = num_trainable  # per unit

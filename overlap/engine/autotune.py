@@ -95,9 +95,7 @@ def knobs_of(config: ScheduleConfig) -> Knobs:
 def with_knobs(config: OverlapConfig, knobs: Knobs) -> OverlapConfig:
     """`config` with `knobs` set, autotune off: the configuration to reuse."""
     return config.replace(
-        **{f.name: getattr(knobs, f.name) for f in fields(Knobs)},
-        autotune=False,
-        autotune_calibration=None,
+        **{f.name: getattr(knobs, f.name) for f in fields(Knobs)}, autotune=False, autotune_calibration=None
     )
 
 
@@ -128,7 +126,9 @@ class AutoTuner:
                 "with `overlap plan --calibrate FILE`, or use an earlier run's calibration.json)"
             )
         # the cap is read at the baseline, once the optimizer state exists ([Note: autotune memory])
-        self.policy = TunePolicy(knobs_of(schedule.config), None, self._signature, tune_buckets, self._propose, self._price)
+        self.policy = TunePolicy(
+            knobs_of(schedule.config), None, self._signature, tune_buckets, self._propose, self._price
+        )
         self.memory: MemoryBudget | None = None
         """The cap and the baseline's measured peak, from the baseline decision on."""
         # [Note: out of memory in a trial] in autotune_oom.py; settled, no trial runs: nothing recorded
@@ -182,8 +182,10 @@ class AutoTuner:
         )  # fmt: skip
         try:
             return StepModel(view).propose(knobs, measured)
-        except Exception as e:  # noqa: BLE001  the same on every rank: all go on without proposals
-            log.warning("overlap autotune: the model could not propose (%s: %s); coordinate moves only", type(e).__name__, e)
+        except Exception as e:
+            log.warning(
+                "overlap autotune: the model could not propose (%s: %s); coordinate moves only", type(e).__name__, e
+            )
             return []
 
     def _schedule_config(self, knobs: Knobs) -> ScheduleConfig:
@@ -204,7 +206,9 @@ class AutoTuner:
         if self.interrupted is None and self.policy.guarded and backward_abandoned(self.schedule):
             self.interrupted = "an error in backward"
         if self.interrupted is not None:
-            log.warning("overlap autotune: rank %d: %s in a trial step; finishing its collectives", self.rank, self.interrupted)
+            log.warning(
+                "overlap autotune: rank %d: %s in a trial step; finishing its collectives", self.rank, self.interrupted
+            )
             finish_interrupted_step(state, self.script)
         if self._due is not None and self.steps > self._due.read_after and self.schedule.phase is Phase.IDLE:
             self._decide()
@@ -242,11 +246,16 @@ class AutoTuner:
             stats = self._published.get(self._stats_step.get(self._recorded, -1))
             if stats is None:
                 return
-            self.history.append({
-                "step": self._recorded, "step_ms": stats.step_ms, "gather_wait_ms": stats.allgather_wait_ms,
-                "reduce_wait_ms": stats.reduce_wait_ms, "memory_peak_bytes": stats.memory_peak_bytes,
-                **asdict(self._knobs_at[self._recorded]),
-            })
+            self.history.append(
+                {
+                    "step": self._recorded,
+                    "step_ms": stats.step_ms,
+                    "gather_wait_ms": stats.allgather_wait_ms,
+                    "reduce_wait_ms": stats.reduce_wait_ms,
+                    "memory_peak_bytes": stats.memory_peak_bytes,
+                    **asdict(self._knobs_at[self._recorded]),
+                }
+            )
             self._recorded += 1
 
     def end_training_step(self, stats_step: int) -> None:
@@ -305,7 +314,11 @@ class AutoTuner:
         """This rank's part of a decision's exchange: _HEADER values (its device's key,
         MEMORY_FRACTION of the device's memory, its measured peak), then per step of the window
         its StepStats (NaN: not published)."""
-        local = [float(device_key(self.device)), float(local_limit_bytes(None, self.device, 1)), float(measured_peak_bytes(self.device))]
+        local = [
+            float(device_key(self.device)),
+            float(local_limit_bytes(None, self.device, 1)),
+            float(measured_peak_bytes(self.device)),
+        ]
         for t in range(*window):
             stats = self._published.get(self._stats_step.get(t, -1))
             if stats is None:

@@ -62,9 +62,19 @@ class InterruptedStep(Protocol):
 
     def _end_backward(self) -> None: ...
 
+
 OUT_OF_MEMORY = (torch.OutOfMemoryError, MemoryError)
 
-_VERBS = ("begin_forward", "pre_forward", "post_forward", "end_forward", "begin_backward", "pre_backward", "post_backward", "end_backward")
+_VERBS = (
+    "begin_forward",
+    "pre_forward",
+    "post_forward",
+    "end_forward",
+    "begin_backward",
+    "pre_backward",
+    "post_backward",
+    "end_backward",
+)
 
 
 class TrialOutOfMemoryError(torch.OutOfMemoryError):
@@ -138,9 +148,9 @@ def finish_interrupted_step(state: InterruptedStep, script: StepScript) -> None:
             param.grad = None
     for name, args in rest:
         if name == "end_backward":
-            state._end_backward()  # noqa: SLF001  the engine's own end of a step
+            state._end_backward()
             return
         actions = getattr(schedule, name)(*args)
         if actions:
-            state._run(actions)  # noqa: SLF001
+            state._run(actions)
     raise AssertionError(f"rank {state.rank}: the replayed step has no end_backward")

@@ -60,7 +60,7 @@ from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass, replace
 
 # the vocabulary the online model speaks too, defined below both (re-exported: the tuner's names)
-from overlap.step_model.tuning import MAX_PREFETCH_DEPTH, MAX_REDUCE_INPUTS, Knobs, Measurement, Proposal  # noqa: F401
+from overlap.step_model.tuning import MAX_PREFETCH_DEPTH, MAX_REDUCE_INPUTS, Knobs, Measurement, Proposal
 
 WARMUP = 3
 SETTLE = 1
@@ -197,17 +197,32 @@ class TunePolicy:
         if depth > 0:
             yield "prefetch_depth", replace(knobs, prefetch_depth=depth - 1)
         if knobs.max_inflight_allgather_bytes is not None:  # a cap the user set: never lifted, only moved
-            yield "max_inflight_allgather_bytes", replace(knobs, max_inflight_allgather_bytes=knobs.max_inflight_allgather_bytes * 2)
-            yield "max_inflight_allgather_bytes", replace(knobs, max_inflight_allgather_bytes=max(1, knobs.max_inflight_allgather_bytes // 2))
+            yield (
+                "max_inflight_allgather_bytes",
+                replace(knobs, max_inflight_allgather_bytes=knobs.max_inflight_allgather_bytes * 2),
+            )
+            yield (
+                "max_inflight_allgather_bytes",
+                replace(knobs, max_inflight_allgather_bytes=max(1, knobs.max_inflight_allgather_bytes // 2)),
+            )
         if self.tune_buckets:
             bucket = knobs.reduce_scatter_bucket_bytes
             yield "reduce_scatter_bucket_bytes", replace(knobs, reduce_scatter_bucket_bytes=max(2 * bucket, 1 << 20))
             if bucket:
-                yield "reduce_scatter_bucket_bytes", replace(knobs, reduce_scatter_bucket_bytes=bucket // 2 if bucket >= 2 << 20 else 0)
+                yield (
+                    "reduce_scatter_bucket_bytes",
+                    replace(knobs, reduce_scatter_bucket_bytes=bucket // 2 if bucket >= 2 << 20 else 0),
+                )
         if knobs.max_inflight_allgather_bytes is None:  # the cap turns keeping off ([Note: units kept for backward])
-            yield "keep_for_backward_bytes", replace(knobs, keep_for_backward_bytes=max(2 * knobs.keep_for_backward_bytes, 1 << 20))
+            yield (
+                "keep_for_backward_bytes",
+                replace(knobs, keep_for_backward_bytes=max(2 * knobs.keep_for_backward_bytes, 1 << 20)),
+            )
             if knobs.keep_for_backward_bytes:
-                yield "keep_for_backward_bytes", replace(knobs, keep_for_backward_bytes=knobs.keep_for_backward_bytes // 2)
+                yield (
+                    "keep_for_backward_bytes",
+                    replace(knobs, keep_for_backward_bytes=knobs.keep_for_backward_bytes // 2),
+                )
         inputs = knobs.max_reduce_inputs
         if inputs < MAX_REDUCE_INPUTS:
             yield "max_reduce_inputs", replace(knobs, max_reduce_inputs=inputs + 1)
@@ -230,7 +245,9 @@ class TunePolicy:
             if self._refused(self.best, p.knobs) is not None:
                 continue  # refused untried, and does not take a model trial's place
             taken += 1
-            self._model_reason[p.knobs] = f"model predicts {p.predicted_ms:.2f} ms vs {p.baseline_predicted_ms:.2f} ms{p.reason}"
+            self._model_reason[p.knobs] = (
+                f"model predicts {p.predicted_ms:.2f} ms vs {p.baseline_predicted_ms:.2f} ms{p.reason}"
+            )
             yield "model", p.knobs
         yield from self.moves(self.best)
 
@@ -257,7 +274,14 @@ class TunePolicy:
             if not self._kept_this_pass:
                 self.mode = Mode.SETTLED
                 self._trial_start = step + 1
-                self._log(step, "-", None, None, "settle", f"no move faster by {HYSTERESIS:.0%}: {self.best}, step {self.best_score:.2f} ms")
+                self._log(
+                    step,
+                    "-",
+                    None,
+                    None,
+                    "settle",
+                    f"no move faster by {HYSTERESIS:.0%}: {self.best}, step {self.best_score:.2f} ms",
+                )
                 self.current = self.best
                 return self.best
             self._pending, self._kept_this_pass = None, False  # another pass from the new best
@@ -316,7 +340,11 @@ class TunePolicy:
             proposals: list[Proposal] = []
             if self.ranker is not None:
                 proposals = self.ranker(self.best, Measurement(value, *_median_waits(trial), self._baseline_peak))
-                lead = f"fastest predicted {_changes(self.best, proposals[0].knobs)}: {proposals[0].predicted_ms:.2f} ms vs {proposals[0].baseline_predicted_ms:.2f} ms{proposals[0].reason}" if proposals else "nothing to propose"
+                lead = (
+                    f"fastest predicted {_changes(self.best, proposals[0].knobs)}: {proposals[0].predicted_ms:.2f} ms vs {proposals[0].baseline_predicted_ms:.2f} ms{proposals[0].reason}"
+                    if proposals
+                    else "nothing to propose"
+                )
                 self._log(step, "model", None, None, "model", f"{len(proposals)} settings simulated; {lead}")
             self._pending = self._proposals(proposals)
             return self._next_trial(step)
@@ -366,7 +394,9 @@ class TunePolicy:
         value = score(trial)
         if abs(value / self.best_score - 1) <= DRIFT:
             return self.current
-        self._log(step, "-", None, None, "retune", f"step {value:.2f} ms vs settled {self.best_score:.2f} ms: searching again")
+        self._log(
+            step, "-", None, None, "retune", f"step {value:.2f} ms vs settled {self.best_score:.2f} ms: searching again"
+        )
         self.mode = Mode.WARMUP
         self._pending, self._tried, self._kept_this_pass, self._candidate = None, set(), False, None
         self._flat = set()

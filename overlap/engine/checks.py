@@ -18,8 +18,7 @@ def check_same_model(model: nn.Module, group: dist.ProcessGroup, device: torch.d
     """Every rank must wrap the same structure (parameters, and buffers, which the rank-0 sync
     broadcasts); a mismatch raises on every rank."""
     signature = tuple(
-        (name, tuple(p.shape), str(p.dtype), p.requires_grad)
-        for name, p in model.named_parameters()
+        (name, tuple(p.shape), str(p.dtype), p.requires_grad) for name, p in model.named_parameters()
     ) + tuple((name, tuple(b.shape), str(b.dtype)) for name, b in model.named_buffers())
     hashes = comm.all_gather_int(order_hash(signature), group, device)  # type: ignore[arg-type]
     if len(set(hashes)) != 1:

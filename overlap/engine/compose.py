@@ -87,7 +87,9 @@ def _with_dtype(spec: DTensorSpec, dtype: torch.dtype) -> DTensorSpec:
 
 
 def grad_data(
-    params: list[torch.Tensor], grads: list[torch.Tensor | None], sum_over: Callable[[torch.Tensor, dist.ProcessGroup], None]
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor | None],
+    sum_over: Callable[[torch.Tensor, dist.ProcessGroup], None],
 ) -> list[torch.Tensor | None]:
     """The plain gradients a reduction copies in for `params` (unsharded parameters): a DTensor
     gradient redistributed to its parameter's placement, then its local tensor ([Note:
@@ -135,7 +137,9 @@ def _summed_dims(have: tuple, want: tuple) -> tuple[int, ...] | None:
     return tuple(dims)
 
 
-def data_parallel_mesh(group: dist.ProcessGroup | DeviceMesh | None, model: nn.Module) -> dist.ProcessGroup | DeviceMesh | None:
+def data_parallel_mesh(
+    group: dist.ProcessGroup | DeviceMesh | None, model: nn.Module
+) -> dist.ProcessGroup | DeviceMesh | None:
     """`group` as `resolve_groups` takes it: a mesh whose named dimensions include those of the
     model's DTensor parameters becomes its other dimensions (the data-parallel ones); anything
     else is returned as it is (and refused by `refusal` where it does not fit)."""
@@ -159,10 +163,7 @@ def _dtensor_params(model: nn.Module) -> list[tuple[str, DTensor]]:
 
 def _describe(param: DTensor) -> str:
     mesh = param.device_mesh
-    return (
-        f"placements {tuple(param.placements)} on mesh dims {mesh.mesh_dim_names} of shape "
-        f"{tuple(mesh.shape)}"
-    )
+    return f"placements {tuple(param.placements)} on mesh dims {mesh.mesh_dim_names} of shape {tuple(mesh.shape)}"
 
 
 # [Note: composition refusals]
@@ -294,8 +295,7 @@ def _param_refusal(param: DTensor, dp_mesh: DeviceMesh) -> str | None:
         )
     if mesh.ndim != 1:
         return (
-            f"only 1-D tensor parallelism is supported, not a {mesh.ndim}-D placement; place it "
-            "over one tp dimension"
+            f"only 1-D tensor parallelism is supported, not a {mesh.ndim}-D placement; place it over one tp dimension"
         )
     (placement,) = placements
     if type(placement) not in (Shard, Replicate):

@@ -190,7 +190,9 @@ def _modules_refusal(model: nn.Module, experts: list[tuple[str, DTensor]]) -> st
         nested = next((o for o in owners if o != owner and o.startswith(owner + ".")), None)
         if nested is not None:
             return f"expert modules {owner!r} and {nested!r} nest; hold the expert weights in sibling modules"
-    plain = next(((n, p) for n, p in model.named_parameters() if isinstance(p, DTensor) and id(p) not in expert_ids), None)
+    plain = next(
+        ((n, p) for n, p in model.named_parameters() if isinstance(p, DTensor) and id(p) not in expert_ids), None
+    )
     if plain is not None:
         return (
             f"parameter {plain[0]!r} is a DTensor on mesh dims {plain[1].device_mesh.mesh_dim_names}, "

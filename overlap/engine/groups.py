@@ -30,9 +30,7 @@ class Groups(NamedTuple):
     job: dist.ProcessGroup | None = None
 
 
-def resolve_groups(
-    group: dist.ProcessGroup | DeviceMesh | None, device: torch.device, hybrid_mode: str
-) -> Groups:
+def resolve_groups(group: dist.ProcessGroup | DeviceMesh | None, device: torch.device, hybrid_mode: str) -> Groups:
     """The groups for `wrap`'s `group` argument.
 
     [Note: hybrid sharding]

@@ -28,9 +28,7 @@ def remember_replaced(params: Iterable[tuple[str, torch.Tensor]]) -> None:
 
 
 def _check_optimizer(optimizer: torch.optim.Optimizer) -> None:
-    stale = [
-        _replaced[p] for group in optimizer.param_groups for p in group["params"] if p in _replaced
-    ]
+    stale = [_replaced[p] for group in optimizer.param_groups for p in group["params"] if p in _replaced]
     if stale:
         shown = ", ".join(repr(n) for n in stale[:3]) + (f" and {len(stale) - 3} more" if len(stale) > 3 else "")
         raise RuntimeError(

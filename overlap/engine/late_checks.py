@@ -33,8 +33,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from overlap.transport import collectives as comm
 from overlap.engine.verdict import first_flagged, job_groups
+from overlap.transport import collectives as comm
 from overlap.transport.fingerprint import TRAIL_MASK, CollectiveMismatchError
 
 if TYPE_CHECKING:
@@ -165,7 +165,7 @@ def report_at_exit(states: list[OverlapState], timeout_s: float = EXIT_DEVICE_WA
                 problems = [e for e in _read_local(state) if e is not None]
             else:
                 problems = [f"not read: the device did not finish the last step within {timeout_s:g} s"]
-        except Exception as e:  # noqa: BLE001  (a device already torn down: say so, exit anyway)
+        except Exception as e:
             problems = [e]
         for problem in problems:
             message = f"overlap: rank {state.rank}: at exit, the last step's deferred checks: {problem}"

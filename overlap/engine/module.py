@@ -127,7 +127,9 @@ class OverlapModule:
             if not _same_place(fn(tensor), tensor):
                 changed.append(name)
         if changed:
-            shown = ", ".join(repr(n) for n in changed[:3]) + (f" and {len(changed) - 3} more" if len(changed) > 3 else "")
+            shown = ", ".join(repr(n) for n in changed[:3]) + (
+                f" and {len(changed) - 3} more" if len(changed) > 3 else ""
+            )
             raise ValueError(
                 f"a model wrapped by overlap.wrap cannot be moved or cast (this would change {shown}): "
                 "move or cast the model before overlap.wrap; for mixed precision pass "
@@ -184,7 +186,14 @@ def _check_between_steps(phase: Phase, verb: str) -> None:
 
 _CLASSES: dict[type, type] = {}  # original class -> its wrapped subclass, one per class
 _METHODS = frozenset(
-    {"no_sync", "set_requires_gradient_sync", "set_reshard_after_backward", "set_gradient_divide_factor", "unshard", "reshard"}
+    {
+        "no_sync",
+        "set_requires_gradient_sync",
+        "set_reshard_after_backward",
+        "set_gradient_divide_factor",
+        "unshard",
+        "reshard",
+    }
 )
 
 

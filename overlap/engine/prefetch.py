@@ -49,6 +49,7 @@ from overlap.engine.unit_state import ScheduleConfig, UnitState
 # Held already, or done with this step (a tuple: `in` compares identities, no Enum hash).
 _NOT_TO_GATHER = (UnitState.GATHERING, UnitState.UNSHARDED, UnitState.REDUCING, UnitState.RETAINED)
 
+
 def units_to_prefetch(
     ahead: Sequence[int],
     states: Sequence[UnitState],

@@ -11,8 +11,8 @@ from __future__ import annotations
 import functools
 import math
 import warnings
-from dataclasses import dataclass
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -20,16 +20,15 @@ from torch.distributed.tensor import DTensor
 
 from overlap import kernels
 from overlap.compression.feedback import FeedbackResidual, make_residual_format
-from overlap.observe.labels import phase as _phase
 from overlap.engine.compose import grad_data
 from overlap.engine.unit_tensors import UnitTensors
 from overlap.engine.units import CHUNK_ALIGN_NUMEL
+from overlap.observe.labels import phase as _phase
 from overlap.observe.memory import nbytes
 from overlap.transport import collectives as comm
 from overlap.transport.fingerprint import TRAIL_MASK
 from overlap.transport.readback import HostRead
 from overlap.transport.strategy import held_bytes
-
 
 FLAG_PATTERNS = 64
 """Used-flag patterns kept on the device per runtime (least recently used dropped first)."""
@@ -82,7 +81,9 @@ class PendingReduce:
     shard (`reduced`, 1/N of the input) and, under HSDP, its all-reduce across replicas."""
 
     result: comm.CommResult | None  # the reduce-scatter while its input is alive
-    event: torch.cuda.Event | None  # CUDA: the reduce stream after the reduce-scatter and its sum (ReleaseReduce waits for it)
+    event: (
+        torch.cuda.Event | None
+    )  # CUDA: the reduce stream after the reduce-scatter and its sum (ReleaseReduce waits for it)
     used: tuple[bool, ...]  # per trainable parameter of the bucket: this rank produced its gradient
     input_bytes: int  # accounted bytes of the input buffers (released with `result`)
     reduced: torch.Tensor | None = None  # [summed gradients | used counts]
@@ -162,7 +163,9 @@ class Reductions:
             if pre != 1:  # fp16: [Note: dividing the sum]; the used flags stay > 0 (1/pre, exact)
                 full.div_(pre)
             executor.before_reduce()
-            span = self.timer.start("collective", "reduce", self._span_label(indices), executor.reduce_stream, nbytes(full))
+            span = self.timer.start(
+                "collective", "reduce", self._span_label(indices), executor.reduce_stream, nbytes(full)
+            )
             # [Note: one pass for the sum] Through all-to-all, the received chunks are summed
             # here, and the average (sum, then divide, as wait_reduce does otherwise) is taken in
             # the same pass (kernels.sum_rows); not under HSDP, which divides after its all-reduce.
@@ -324,7 +327,10 @@ class Reductions:
                 assert self.replicate_group is not None
                 group, all_reduce = self.replicate_group, self.transport.all_reduce
                 pending.all_reduce, pending.all_reduce_event = self.transport.executor.all_reduce(
-                    lambda: all_reduce(reduced, group, pending.native), reduced, pending.event, self._span_label(indices)
+                    lambda: all_reduce(reduced, group, pending.native),
+                    reduced,
+                    pending.event,
+                    self._span_label(indices),
                 )
             self.stats.record_issue("all_reduce", nbytes(reduced))
             if not pending.all_used:  # the counts over every replica: behind the all-reduce
@@ -408,7 +414,9 @@ class Reductions:
             self.release_reduce(bucket)
             del self._pending[bucket]
             del self._pending_units[bucket]
-            self.transport.executor.finish_reduce(pending.ready or pending.event, pending.all_reduce, pending.all_reduce_event)
+            self.transport.executor.finish_reduce(
+                pending.ready or pending.event, pending.all_reduce, pending.all_reduce_event
+            )
         reduced = pending.reduced
         assert reduced is not None, f"rank {self.rank}: bucket {bucket} has no reduced shard"
         if self.grad_codec is not None:  # its last element: every rank's count ([Note: collective finite check])

@@ -29,8 +29,8 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.profiler import record_function
 
-from overlap.transport import collectives as comm
 from overlap.observe.stats import StatsRecorder
+from overlap.transport import collectives as comm
 
 
 def is_replicated(param: torch.Tensor) -> bool:
@@ -42,11 +42,7 @@ class ReplicatedParams:
     """The model's replicated parameters and their end-of-backward all-reduce."""
 
     def __init__(
-        self,
-        model: nn.Module,
-        group: dist.ProcessGroup,
-        timeout: timedelta | None,
-        stats: StatsRecorder | None = None,
+        self, model: nn.Module, group: dist.ProcessGroup, timeout: timedelta | None, stats: StatsRecorder | None = None
     ) -> None:
         self.group = group  # every rank of the model: gradients are averaged over all of them
         self.num_ranks = dist.get_world_size(group)
@@ -131,6 +127,5 @@ class ReplicatedParams:
             comm.wait(result, self.timeout)
         except comm.CollectiveError as e:
             raise comm.CollectiveError(
-                f"overlap: rank {self.rank}: the all-reduce of the replicated parameters "
-                f"({', '.join(self.names)}) {e}"
+                f"overlap: rank {self.rank}: the all-reduce of the replicated parameters ({', '.join(self.names)}) {e}"
             ) from e

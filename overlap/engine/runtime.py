@@ -32,10 +32,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from overlap import kernels
 from overlap.compression import Codec
 from overlap.compression.feedback import FeedbackResidual
-from overlap import kernels
-from overlap.engine.reduction import PendingReduce, Reductions, flag_cols
 from overlap.engine.actions import (
     Action,
     CheckOrder,
@@ -47,16 +46,16 @@ from overlap.engine.actions import (
     WaitGather,
     WaitReduce,
 )
+from overlap.engine.reduction import PendingReduce, Reductions, flag_cols
 from overlap.engine.unit_tensors import UnitTensors
+from overlap.engine.verdict import DIFFERS, agree_value, job_groups
 from overlap.observe.labels import phase as _phase
 from overlap.observe.memory import MemoryAccount, nbytes
 from overlap.observe.stats import StatsRecorder
 from overlap.observe.timing import HostTimer, SpanTimer
 from overlap.observe.trace import TraceRecorder
-from overlap.transport import GatherResult, Transport, UnitWire
-from overlap.engine.verdict import DIFFERS, agree_value, job_groups
+from overlap.transport import GatherResult, Transport, UnitWire, coded
 from overlap.transport import collectives as comm
-from overlap.transport import coded
 from overlap.transport.executor import TagRead
 from overlap.transport.fingerprint import TAG_NUMEL, Tag, tag_view
 from overlap.transport.strategy import held_bytes
@@ -95,7 +94,9 @@ class Runtime(Reductions):
     step: int = field(init=False, default=0)  # steps begun on this rank, in the tags
     reduce_trail: int = field(init=False, default=0)  # the reductions since the last roll: [Note: reduction trail]
     last_trail: int = field(init=False, default=0)  # those of the last step that reduced, in the tags
-    _flags: OrderedDict[tuple[tuple[bool, ...], torch.dtype], torch.Tensor] = field(init=False, default_factory=OrderedDict)
+    _flags: OrderedDict[tuple[tuple[bool, ...], torch.dtype], torch.Tensor] = field(
+        init=False, default_factory=OrderedDict
+    )
     _labels: dict[tuple[int, ...], str] = field(init=False, default_factory=dict)  # _span_label's
     _bound_copy_in: dict[tuple, Any] = field(init=False, default_factory=dict)  # by bucket layout
     sync_grads: bool = field(init=False, default=True)  # this backward reduces (not under no_sync)
@@ -106,7 +107,9 @@ class Runtime(Reductions):
         self.fingerprints = self.transport.fingerprints()
         self._tagged = [u.tagged_shard() for u in self.units]
         # the tag's int64 slot in each tagged shard, for gathers without a cast (no view per gather)
-        self._tag_slots = [None if t is None else tag_view(t, u.shard.numel()) for t, u in zip(self._tagged, self.units)]
+        self._tag_slots = [
+            None if t is None else tag_view(t, u.shard.numel()) for t, u in zip(self._tagged, self.units)
+        ]
         self._verbs = self._make_verbs()
         if self.transport.aliases(self.param_codec is not None):
             for unit in self.units:  # [Note: aliased units]
@@ -197,7 +200,9 @@ class Runtime(Reductions):
         executor, all_gather = self.transport.executor, self.transport.all_gather
         with _phase("gather", unit.layout.label):
             executor.before_gather(lambda: self._alloc_unsharded(unit))  # CUDA: [Note: streams]
-            span = self.timer.start("collective", "gather", unit.layout.label, executor.gather_stream, unit.unsharded_nbytes)
+            span = self.timer.start(
+                "collective", "gather", unit.layout.label, executor.gather_stream, unit.unsharded_nbytes
+            )
             with executor.on(executor.gather_stream):
                 if from_secondary:
                     assert unit.secondary is not None
@@ -211,15 +216,21 @@ class Runtime(Reductions):
                 else:
                     tag = self._tag(index, unit, for_backward) if self.world_size > 1 else None
                     result = all_gather.encoded(
-                        self._encoded_shard(unit, for_backward), unit.shard.numel(), dtype, self.param_codec,
-                        unit.shard.dtype, tag,
+                        self._encoded_shard(unit, for_backward),
+                        unit.shard.numel(),
+                        dtype,
+                        self.param_codec,
+                        unit.shard.dtype,
+                        tag,
                     )
                 record = GatherResult(index, result, tag, from_secondary, held_bytes(result))
                 self.memory.add("gather_buffers", record.nbytes)
                 # CUDA: copy-out enqueued behind it now, on the gather stream ([Note: streams])
                 self._gathers[index] = executor.gather_issued(record, span, self._finish_gather)
         plain = self.param_codec is None and not from_secondary
-        self.stats.record_issue("gather", all_gather.gathered_bytes(index, result.output) if plain else nbytes(result.output))
+        self.stats.record_issue(
+            "gather", all_gather.gathered_bytes(index, result.output) if plain else nbytes(result.output)
+        )
 
     def _tag(self, index: int, unit: UnitTensors, for_backward: bool) -> int:
         phase = 2 if for_backward else (0 if torch.is_grad_enabled() else 1)
@@ -232,8 +243,14 @@ class Runtime(Reductions):
             return
         unit = self.units[record.index]
         read = TagRead(
-            record.index, record.tag, f"all-gather of {unit.layout.label}", unit.tag_out, gathered, received,
-            self.param_codec is not None, unit.unsharded_flat,
+            record.index,
+            record.tag,
+            f"all-gather of {unit.layout.label}",
+            unit.tag_out,
+            gathered,
+            received,
+            self.param_codec is not None,
+            unit.unsharded_flat,
         )
         self.transport.executor.check_tag(self.fingerprints, read)
 
@@ -309,12 +326,7 @@ class Runtime(Reductions):
         the unit's gradients have been reduced: the optimizer step changes the parameters, so
         the next step's forward takes a fresh one.
         """
-        if (
-            self.secondary_group is None
-            or not unit.needs_secondary
-            or from_secondary
-            or not torch.is_grad_enabled()
-        ):
+        if self.secondary_group is None or not unit.needs_secondary or from_secondary or not torch.is_grad_enabled():
             return
         inner = dist.get_world_size(self.secondary_group)
         parts = gathered.view(self.world_size // inner, inner, -1)
@@ -370,7 +382,9 @@ class Runtime(Reductions):
                 unit.copy_out_bound = (key, bound)
             else:  # checked on the concatenated rows once, then bound to read the rows in place
                 kernels.copy_out(torch.cat(rows), outs, sizes=sizes, data_cols=cols, num_rows=self.world_size)
-                bound = kernels.bind_copy_out(gathered.dtype, gathered.device, outs, sizes, cols, self.world_size, rows=True)
+                bound = kernels.bind_copy_out(
+                    gathered.dtype, gathered.device, outs, sizes, cols, self.world_size, rows=True
+                )
                 unit.copy_out_bound = (key, bound)
 
     def free(self, index: int) -> None:

@@ -32,8 +32,21 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 # The actions are re-exported: the schedule's vocabulary (the planner and tests import them here).
-from overlap.engine.actions import Action, CheckOrder, Free, Gather, ReleaseReduce, Reduce, Retain, UnitActions, WaitGather, WaitReduce, order_hash  # noqa: F401
+from overlap.engine.actions import (  # noqa: F401
+    Action,
+    CheckOrder,
+    Free,
+    Gather,
+    Reduce,
+    ReleaseReduce,
+    Retain,
+    UnitActions,
+    WaitGather,
+    WaitReduce,
+    order_hash,
+)
 from overlap.engine.prefetch import retention_fits, units_kept, units_to_prefetch
+
 # The unit states and the schedule's config are re-exported with the actions.
 from overlap.engine.unit_state import _HELD, LEGAL_TRANSITIONS, Phase, ScheduleConfig, UnitState  # noqa: F401
 
@@ -174,7 +187,9 @@ class Schedule:
         # parked units wait for their backward outside the depth budget: [Note: units kept for backward]
         held = (len(self._held) - len(self._parked), self._held_bytes)
         ahead = order[self._cursor + 1 :]
-        for unit in units_to_prefetch(ahead, self.states, self.unit_bytes, held, self.root, self._finished_backward, self.config):
+        for unit in units_to_prefetch(
+            ahead, self.states, self.unit_bytes, held, self.root, self._finished_backward, self.config
+        ):
             self._gather(unit, out)
 
     # ---------------------------------------------------------------- forward events
@@ -438,7 +453,9 @@ class Schedule:
         self._in_flight = []
         self._inputs_alive = []
         retained = UnitState.RETAINED
-        assert all(self.states[u] is retained for u in self._held), f"units still unsharded after backward: {self.held_units()}"
+        assert all(self.states[u] is retained for u in self._held), (
+            f"units still unsharded after backward: {self.held_units()}"
+        )
         self._retaining = self._retain_now
         self._backward_gathers_checked = True
         if not self._backward_checked and self.sync_grads:

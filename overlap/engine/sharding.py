@@ -12,7 +12,6 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from overlap.config import OverlapConfig
-from overlap.transport.fingerprint import TAG_NUMEL
 from overlap.engine.compose import TensorParallel
 from overlap.engine.groups import shard_placements
 from overlap.engine.init import ScratchBuffer
@@ -20,10 +19,11 @@ from overlap.engine.replicated import is_replicated
 from overlap.engine.source_values import SourcePlan, pack_rank_major, scatter_shard
 from overlap.engine.unit_tensors import UnitTensors
 from overlap.engine.units import ParamInfo, UnitLayout
+from overlap.transport.fingerprint import TAG_NUMEL
 
 
 def unit_label(index: int, members: tuple[str, ...], dtype: torch.dtype | None, first: bool) -> str:
-    """"unit3 (layers.3)", "root"; a module group's unit of one of several dtypes names it."""
+    """ "unit3 (layers.3)", "root"; a module group's unit of one of several dtypes names it."""
     where = "root" if members == ("",) else f"{members[0]}{'..' + members[-1] if len(members) > 1 else ''}"
     kind = "" if dtype is None else str(dtype).removeprefix("torch.")
     if where == "root" and first:
@@ -42,7 +42,9 @@ def unit_of_module(module_fqn: str, unit_set: set[str]) -> str:
 
 
 def params_by_unit_module(
-    model: nn.Module, unit_fqns: list[str], tensor_parallel: Callable[[torch.Tensor], TensorParallel | None] | None = None
+    model: nn.Module,
+    unit_fqns: list[str],
+    tensor_parallel: Callable[[torch.Tensor], TensorParallel | None] | None = None,
 ) -> dict[str, list[ParamInfo]]:
     """Assign every parameter to the unit module that contains it ("" = root unit); 0-dim ones
     to none (see [Note: replicated parameters] in replicated.py).
@@ -129,7 +131,7 @@ def shard_buffers(
         shards = [_new_shard(layout, dtype, device, source) for layout, dtype in zip(layouts, dtypes)]
     packing = ScratchBuffer(device)
     if source is not None and source.is_source:
-        sizes = [ScratchBuffer.aligned(l.unsharded_numel * d.itemsize) for l, d in zip(layouts, dtypes)]
+        sizes = [ScratchBuffer.aligned(layout.unsharded_numel * d.itemsize) for layout, d in zip(layouts, dtypes)]
         packing.reserve(max(sizes))
     return shards, packing
 
@@ -178,14 +180,17 @@ def shard_unit(
         tp = slot.tensor_parallel  # [Note: tensor-parallel parameters] in compose.py
         if tp is None:
             dtensor = DTensor.from_local(
-                _own_storage(local), mesh, shard_placements(mesh), run_check=False, shape=param.shape, stride=param.stride()
+                _own_storage(local),
+                mesh,
+                shard_placements(mesh),
+                run_check=False,
+                shape=param.shape,
+                stride=param.stride(),
             )
         else:
             dtensor = tp.sharded(_own_storage(local))
         sharded_params.append(nn.Parameter(dtensor, requires_grad=param.requires_grad))
-        padded = unsharded_flat[
-            slot.unsharded_offset : slot.unsharded_offset + world_size * slot.chunk_numel
-        ]
+        padded = unsharded_flat[slot.unsharded_offset : slot.unsharded_offset + world_size * slot.chunk_numel]
         view = padded.view(world_size * rows, *slot.shape[1:])[: slot.shape[0]]
         unsharded = view if tp is None else tp.unsharded(view)
         unsharded_params.append(nn.Parameter(unsharded, requires_grad=param.requires_grad))

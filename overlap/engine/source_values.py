@@ -31,8 +31,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from overlap import kernels
-from overlap.transport import collectives as comm
 from overlap.engine.units import UnitLayout
+from overlap.transport import collectives as comm
 
 
 @dataclass(frozen=True)

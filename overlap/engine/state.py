@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from datetime import timedelta
 from collections.abc import Iterable, Iterator
+from datetime import timedelta
 from typing import Any, NamedTuple
 
 import torch
@@ -32,12 +32,12 @@ from torch.utils._pytree import tree_flatten, tree_map
 from overlap.compression import make_grad_codec, make_param_codec
 from overlap.compression.feedback import warn_residual_memory
 from overlap.config import OverlapConfig, check_divide_factor
+from overlap.engine import torch_compat
 from overlap.engine.autograd_hooks import BackwardCounts, GradReady, report_input_grads
 from overlap.engine.autotune import AutoTuner
 from overlap.engine.groups import Groups
 from overlap.engine.replicated import ReplicatedParams  # ecosystem: scalar parameters
 from overlap.engine.runtime import Runtime
-from overlap.engine import torch_compat
 from overlap.engine.schedule import Action, Phase, Schedule, ScheduleConfig, UnitState
 from overlap.engine.unit_tensors import UnitTensors
 from overlap.engine.units import warn_lopsided_units, with_trainable
@@ -100,9 +100,7 @@ class OverlapState:
         trace_dir = trace_dir_from(config.trace_dir) if writes_files else None
         self.trace = TraceRecorder(trace_dir, self.rank) if trace_dir is not None else None
         # exact completion times only where they are read ([Note: completion callbacks cost latency])
-        self.timer = make_timer(
-            device, precise=trace_dir is not None or config.alert_collective_slowdown is not None
-        )
+        self.timer = make_timer(device, precise=trace_dir is not None or config.alert_collective_slowdown is not None)
         secondary_group = groups.secondary if config.reshard_after_forward else None
         transport = make_transport(  # chosen once, from the device and the group's backend
             group,
@@ -162,19 +160,26 @@ class OverlapState:
         self._handles: list[Any] = []
         # ecosystem: 0-dim parameters, whole on every rank ([Note: replicated parameters])
         self.replicated = ReplicatedParams(model, groups.everyone, self.runtime.timeout, self.stats)
-        self.autotuner = None if not config.autotune else AutoTuner(
-            self.schedule, self.stats, config, groups.job or groups.everyone, device, self.runtime.timeout,
-            tune_buckets=config.grad_compression is None,
-            num_ranks=dist.get_world_size(groups.shard),
-            num_replicas=1 if groups.replicate is None else dist.get_world_size(groups.replicate),
+        self.autotuner = (
+            None
+            if not config.autotune
+            else AutoTuner(
+                self.schedule,
+                self.stats,
+                config,
+                groups.job or groups.everyone,
+                device,
+                self.runtime.timeout,
+                tune_buckets=config.grad_compression is None,
+                num_ranks=dist.get_world_size(groups.shard),
+                num_replicas=1 if groups.replicate is None else dist.get_world_size(groups.replicate),
+            )
         )
         self._install_hooks(model, hooked)
 
     # ------------------------------------------------------------------ hooks
     def _install_hooks(self, model: nn.Module, hooked: list[HookedModules]) -> None:
-        self._handles.append(
-            model.register_forward_pre_hook(self._root_pre_forward, prepend=True, with_kwargs=True)
-        )
+        self._handles.append(model.register_forward_pre_hook(self._root_pre_forward, prepend=True, with_kwargs=True))
         self._handles.append(model.register_forward_hook(self._root_post_forward))
         if self.autotuner is not None:  # [Note: out of memory in a trial] in autotune_oom.py
             self._handles.append(model.register_forward_hook(self.autotuner.forward_raised, always_call=True))
@@ -183,14 +188,11 @@ class OverlapState:
                 last = position == len(modules) - 1
                 self._handles.append(
                     module.register_forward_pre_hook(
-                        functools.partial(self._unit_pre_forward, indices, position == 0),
-                        prepend=True,
+                        functools.partial(self._unit_pre_forward, indices, position == 0), prepend=True
                     )
                 )
                 self._handles.append(
-                    module.register_forward_hook(
-                        functools.partial(self._unit_post_forward, indices, last)
-                    )
+                    module.register_forward_hook(functools.partial(self._unit_post_forward, indices, last))
                 )
         for index in range(len(self.units)):
             self._hook_trainable(index)
@@ -268,9 +270,7 @@ class OverlapState:
     # them and they run eagerly; the block's own forward is still compiled, once for all units.
 
     @torch.compiler.disable
-    def _root_pre_forward(
-        self, module: nn.Module, args: tuple, kwargs: dict
-    ) -> tuple[tuple, dict] | None:
+    def _root_pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         if self.autotuner is not None:  # a trial step left unfinished: [Note: out of memory in a trial]
             self.autotuner.before_forward(self)
         if self.schedule.phase is Phase.BACKWARD:
@@ -343,15 +343,11 @@ class OverlapState:
     def _on_backward_of(self, output: Any, indices: tuple[int, ...], main: bool) -> None:
         """Call `_pre_backward(indices, main)` when the first gradient w.r.t. `output` arrives;
         `main`: `output` belongs to the model's forward graph ([Note: auxiliary backward runs])."""
-        tensors = [
-            t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad
-        ]
+        tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
         if len(tensors) == 1:  # the common case: a plain tensor hook is several times cheaper
             tensors[0].register_hook(functools.partial(self._pre_backward_hook, indices, main))
         elif tensors:
-            register_multi_grad_hook(
-                tensors, functools.partial(self._pre_backward, indices, main), mode="any"
-            )
+            register_multi_grad_hook(tensors, functools.partial(self._pre_backward, indices, main), mode="any")
 
     def _pre_backward_hook(self, indices: tuple[int, ...], main: bool, grad: torch.Tensor) -> None:
         self._pre_backward(indices, main, grad)  # returns None: the gradient is left as it is
@@ -408,7 +404,7 @@ class OverlapState:
         if self._counts.grad_ready(index, position, self._main_backward):
             self._post_backward(index)
         elif not self._main_backward and self.runtime.reduce_dtype is not None:
-            self.runtime._keep_grads(self.units[index])  # noqa: SLF001  [Note: auxiliary backward runs]
+            self.runtime._keep_grads(self.units[index])
 
     def _autograd_run_ended(self) -> None:
         """The engine's end-of-backward callback, once per autograd run that reached a unit."""

@@ -87,9 +87,7 @@ def runnable_threads() -> list[int]:
 
 
 def wait_threads_idle(
-    timeout_s: float = EXIT_WAIT_S,
-    poll_s: float = POLL_S,
-    runnable: Callable[[], list[int]] = runnable_threads,
+    timeout_s: float = EXIT_WAIT_S, poll_s: float = POLL_S, runnable: Callable[[], list[int]] = runnable_threads
 ) -> bool:
     """Sleep in steps of `poll_s` (the GIL released) until `runnable()` is empty twice in a row;
     True then, False if `timeout_s` passed first."""

@@ -12,7 +12,6 @@ import torch.nn as nn
 from overlap.engine.units import UnitLayout
 from overlap.transport.fingerprint import TAG_NUMEL, signature
 
-
 # [Note: aliased units]
 # Over one rank (world size 1, or HSDP with a shard group of one) with no cast, no codec and no
 # forced collectives, a unit's rank-major gather output is its shard itself and the

@@ -126,12 +126,7 @@ class UnitLayout:
 
 
 def make_layout(
-    index: int,
-    label: str,
-    module_fqns: tuple[str, ...],
-    params: list[ParamInfo],
-    world_size: int,
-    align_numel: int = 1,
+    index: int, label: str, module_fqns: tuple[str, ...], params: list[ParamInfo], world_size: int, align_numel: int = 1
 ) -> UnitLayout:
     """Lay out `params` per [Note: flat layout], each chunk padded to a multiple of
     `align_numel` elements (wrap passes CHUNK_ALIGN_NUMEL; 1 packs the chunks back to back)."""
@@ -261,9 +256,7 @@ def find_unit_modules(
     return fqns
 
 
-def group_units(
-    unit_fqns: list[str], numels: dict[str, int], min_unit_numel: int
-) -> list[tuple[str, ...]]:
+def group_units(unit_fqns: list[str], numels: dict[str, int], min_unit_numel: int) -> list[tuple[str, ...]]:
     """Merge consecutive unit modules until each group holds at least `min_unit_numel` elements.
 
     A trailing group below the threshold joins its predecessor, so no small tail unit remains.

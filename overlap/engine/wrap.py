@@ -28,10 +28,18 @@ from overlap.engine.local_step import register_sharded
 from overlap.engine.module import as_overlap_module
 from overlap.engine.replicated import is_replicated
 from overlap.engine.sharding import params_by_unit_module, shard_buffers, shard_unit, unit_label, unit_of_module
-from overlap.engine.state import HookedModules, OverlapState
 from overlap.engine.source_values import SourcePlan, broadcast_replicas, broadcast_tensors, plan_source
+from overlap.engine.state import HookedModules, OverlapState
 from overlap.engine.unit_tensors import UnitTensors
-from overlap.engine.units import CHUNK_ALIGN_NUMEL, ParamInfo, UnitLayout, find_unit_modules, group_units, make_layout, split_by_dtype
+from overlap.engine.units import (
+    CHUNK_ALIGN_NUMEL,
+    ParamInfo,
+    UnitLayout,
+    find_unit_modules,
+    group_units,
+    make_layout,
+    split_by_dtype,
+)
 from overlap.transport import backend, check_settings
 
 
@@ -99,7 +107,9 @@ def wrap(
     group = compose.data_parallel_mesh(group, model)  # the whole (dp, tp) mesh: its dp part
     # [Note: composition refusals] in compose.py: before any group is made, on every rank
     compose.agree(compose.refusal(model, group), model, group, device)
-    state = _wrap_state(model, resolve_groups(group, device, config.hybrid_mode), config, device, deferred, param_init_fn)
+    state = _wrap_state(
+        model, resolve_groups(group, device, config.hybrid_mode), config, device, deferred, param_init_fn
+    )
     return _attach(model, state)
 
 
@@ -123,7 +133,9 @@ def _wrap_expert_parallel(
         expert_state = _wrap_state(model, pgs, config, device, False, None, writes_files=False)
     expert_ids = {id(p) for unit in expert_state.units for p in unit.sharded_params}
     with experts.hidden(model, lambda p: id(p) in expert_ids):
-        state = _wrap_state(model, resolve_groups(plan.dense_mesh, device, config.hybrid_mode), config, device, False, None)
+        state = _wrap_state(
+            model, resolve_groups(plan.dense_mesh, device, config.hybrid_mode), config, device, False, None
+        )
     state.experts = (expert_state,)
     return _attach(model, state)
 

@@ -182,9 +182,7 @@ def _load_ddp_state(
         load_full_optimizer_state_dict(model, _inner(optimizer, "optimizer"), folder / _DDP_OPTIMIZER, where)
     if scheduler is not None:
         _inner(scheduler, "scheduler").load_state_dict(read_pickled(folder / _DDP_SCHEDULER))
-    override = load_accelerator_state(
-        str(folder), [], [], [], accelerator._dataloaders, accelerator.process_index
-    )
+    override = load_accelerator_state(str(folder), [], [], [], accelerator._dataloaders, accelerator.process_index)
     registered = sorted(folder.glob("custom_checkpoint_*.pkl"))
     if len(registered) != len(accelerator._custom_objects):  # the same on every rank
         raise ValueError(

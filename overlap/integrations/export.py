@@ -41,7 +41,9 @@ def gather_on_save_pretrained(model: nn.Module) -> None:
         return
 
     @functools.wraps(original)
-    def save_pretrained(save_directory: Any, *args: Any, state_dict: Mapping[str, Any] | None = None, **kwargs: Any) -> Any:
+    def save_pretrained(
+        save_directory: Any, *args: Any, state_dict: Mapping[str, Any] | None = None, **kwargs: Any
+    ) -> Any:
         if state_dict is None:
             state_dict = gathered_state_dict(model)
         elif any(isinstance(value, DTensor) for value in state_dict.values()):

@@ -183,7 +183,10 @@ class OverlapTrainer(transformers.Trainer):
         folder = Path(checkpoint_dir)
         if checkpoint.latest(folder / OVERLAP_DIR) is not None:
             checkpoint.load(
-                folder / OVERLAP_DIR, self.model, _unwrap(self.optimizer), scheduler=self.lr_scheduler,
+                folder / OVERLAP_DIR,
+                self.model,
+                _unwrap(self.optimizer),
+                scheduler=self.lr_scheduler,
                 restore_rng=False,
             )
             return
@@ -191,7 +194,9 @@ class OverlapTrainer(transformers.Trainer):
         # the Trainer's own rule: both files or neither (save_only_model: the weights were loaded)
         if (folder / _DDP_OPTIMIZER).is_file() and (folder / _DDP_SCHEDULER).is_file():
             load_full_optimizer_state_dict(
-                self.model, _unwrap(self.optimizer), folder / _DDP_OPTIMIZER,
+                self.model,
+                _unwrap(self.optimizer),
+                folder / _DDP_OPTIMIZER,
                 f"OverlapTrainer: resuming from {folder / _DDP_OPTIMIZER}",
             )
             with warnings.catch_warnings(record=True) as caught:
@@ -220,7 +225,7 @@ class OverlapTrainer(transformers.Trainer):
 
 
 def _same_device(a: torch.device, b: torch.device) -> bool:
-    """"cpu" and "cpu:0" are one device; "cuda" is the current CUDA device."""
+    """ "cpu" and "cpu:0" are one device; "cuda" is the current CUDA device."""
     if a.type != b.type:
         return False
     if a.type != "cuda":

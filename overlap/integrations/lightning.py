@@ -265,11 +265,4 @@ class OverlapFabricStrategy(FabricModelParallelStrategy):
         return remaining
 
 
-__all__ = [
-    "OverlapFabricStrategy",
-    "OverlapStrategy",
-    "check_all_wrapped",
-    "no_sync",
-    "wrap",
-    "wrapped_modules",
-]
+__all__ = ["OverlapFabricStrategy", "OverlapStrategy", "check_all_wrapped", "no_sync", "wrap", "wrapped_modules"]

@@ -24,13 +24,8 @@ from overlap.kernels.quantize import (
     select_backend,
 )
 from overlap.kernels.reduce import sum_rows, sum_rows_ref
+from overlap.kernels.reference import code_numel, dequantize_blockwise_ref, num_blocks_for, quantize_blockwise_ref
 from overlap.kernels.rows import decode_rows, decode_sum_rows, encode_rows
-from overlap.kernels.reference import (
-    code_numel,
-    dequantize_blockwise_ref,
-    num_blocks_for,
-    quantize_blockwise_ref,
-)
 
 __all__ = [
     "bind_copy_in",

@@ -219,11 +219,7 @@ def bind_copy_out(
 
 
 def bind_copy_in(
-    dtypes: Iterable[torch.dtype],
-    device: torch.device,
-    sizes: Sequence[int],
-    data_cols: Sequence[int],
-    num_rows: int,
+    dtypes: Iterable[torch.dtype], device: torch.device, sizes: Sequence[int], data_cols: Sequence[int], num_rows: int
 ) -> Any:
     """`(srcs, flat) -> copy_in(srcs, flat, ...)` for a checked layout whose tensors (sources
     present and flat) have `dtypes` ([Note: bound copies]); sources contiguous, None for zeros."""

@@ -134,7 +134,7 @@ def _build() -> Any | None:
             _say(f"overlap: C++ CPU kernels ready ({time.perf_counter() - start:.0f} s)")
         build_seconds = time.perf_counter() - start
         return torch.ops.overlap_cpu
-    except Exception as exc:  # noqa: BLE001  # any build/load failure: fall back, never break
+    except Exception as exc:  # any build/load failure: fall back, never break
         warnings.warn(
             f"overlap: could not build the C++ CPU kernels ({type(exc).__name__}: "
             f"{str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}); "

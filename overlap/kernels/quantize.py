@@ -204,7 +204,14 @@ def quantize_feedback_blockwise(
         return _extension().quantize_feedback_blockwise(x, target, bits, block, _FMT_ID[fmt], noise)
     target.add_(x)  # x + r == r + x in IEEE arithmetic
     codes, scales = quantize_blockwise(
-        target, bits, block, stochastic, generator, fmt=fmt, backend=chosen, noise=noise  # type: ignore[arg-type]
+        target,
+        bits,
+        block,
+        stochastic,
+        generator,
+        fmt=fmt,
+        backend=chosen,
+        noise=noise,  # type: ignore[arg-type]
     )
     decoded = dequantize_blockwise(codes, scales, bits, block, x.numel(), fmt=fmt, backend=chosen)  # type: ignore[arg-type]
     finite_residual(torch.sub(target, decoded, out=target))
@@ -265,10 +272,20 @@ def quantize_feedback_int8res_blockwise(
 
             residual_codes = (res_codes, res_scales)
             return triton_kernels.quantize_feedback_blockwise(x, residual_codes, bits, block, fmt=fmt, noise=noise)
-        return _extension().quantize_feedback_int8res_blockwise(x, res_codes, res_scales, bits, block, _FMT_ID[fmt], noise)
+        return _extension().quantize_feedback_int8res_blockwise(
+            x, res_codes, res_scales, bits, block, _FMT_ID[fmt], noise
+        )
     residual = dequantize_blockwise(res_codes, res_scales, 8, block, numel, backend=chosen)  # type: ignore[arg-type]
     codes, scales = quantize_feedback_blockwise(
-        x, residual, bits, block, stochastic, generator, fmt=fmt, backend=chosen, noise=noise  # type: ignore[arg-type]
+        x,
+        residual,
+        bits,
+        block,
+        stochastic,
+        generator,
+        fmt=fmt,
+        backend=chosen,
+        noise=noise,  # type: ignore[arg-type]
     )
     new_codes, new_scales = quantize_blockwise(residual, 8, block, backend=chosen)  # type: ignore[arg-type]
     res_codes.copy_(new_codes.view(res_codes.shape))

@@ -99,7 +99,9 @@ def encode_rows_loop(
         if residual is None:
             c, s = quantize_blockwise(x[r], bits, block, stochastic, **kw)  # type: ignore[arg-type]
         elif isinstance(residual, tuple):
-            c, s = quantize_feedback_int8res_blockwise(x[r], residual[0][i], residual[1][i], bits, block, stochastic, **kw)  # type: ignore[arg-type]
+            c, s = quantize_feedback_int8res_blockwise(
+                x[r], residual[0][i], residual[1][i], bits, block, stochastic, **kw
+            )  # type: ignore[arg-type]
         elif residual.dtype == torch.float32:
             c, s = quantize_feedback_blockwise(x[r], residual[i], bits, block, stochastic, **kw)  # type: ignore[arg-type]
         else:  # a narrower residual: x + r in fp32, what the codes dropped stored in its dtype
@@ -173,5 +175,7 @@ def decode_sum_rows(
             acc += own
         else:
             at = rank - (rank > skip) * gap
-            dequantize_blockwise(codes[at], scales[at, :nb], bits, block, numel, acc, True, fmt=fmt, backend=loop_backend)
+            dequantize_blockwise(
+                codes[at], scales[at, :nb], bits, block, numel, acc, True, fmt=fmt, backend=loop_backend
+            )
     return out.copy_(acc)

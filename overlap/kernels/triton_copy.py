@@ -52,7 +52,7 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch
 
@@ -190,7 +190,9 @@ def _place_views(shape: _Shape, tensors: Sequence[torch.Tensor]) -> _Placement |
     return placed
 
 
-def _build(kind: str, shape: _Shape, placed: _Placement, itemsizes: list[int], num_rows: int, device: torch.device) -> list[_Launch]:
+def _build(
+    kind: str, shape: _Shape, placed: _Placement, itemsizes: list[int], num_rows: int, device: torch.device
+) -> list[_Launch]:
     """The launches of a call whose tables are not cached: built on the host, uploaded."""
     launches, k = [], 0
     for (segs, _), base, aux, itemsize in zip(shape.groups, placed.bases, placed.auxes, itemsizes):
@@ -208,7 +210,13 @@ def _build(kind: str, shape: _Shape, placed: _Placement, itemsizes: list[int], n
 
 
 def _build_launch(
-    kind: str, segs: list[_Segment], where: list[tuple[int, int]], base: int, aux: int, num_rows: int, device: torch.device
+    kind: str,
+    segs: list[_Segment],
+    where: list[tuple[int, int]],
+    base: int,
+    aux: int,
+    num_rows: int,
+    device: torch.device,
 ) -> _Launch:
     """The table of one launch ([Note: copy tables]): aligned segments' extents in units of 16
     elements ([Note: copy alignment])."""
@@ -415,7 +423,9 @@ def bind_copy_in(
             return flat
         placed = _place(shape, ptrs)
         key = (layout, _stream_key(flat.device), pattern_t, *placed.bases, *placed.offsets)
-        launches = _cached(key, lambda: _build("in", shape, placed, _itemsizes(shape, srcs, flat), num_rows, flat.device))
+        launches = _cached(
+            key, lambda: _build("in", shape, placed, _itemsizes(shape, srcs, flat), num_rows, flat.device)
+        )
         _launch("in", flat, srcs, launches, row_stride)
         return flat
 

@@ -32,10 +32,10 @@ if triton is not None:
                 f = (v.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
             else:
                 f = v.to(tl.float32)
-            if DST == tl.bfloat16:
+            if tl.bfloat16 == DST:
                 b = f.to(tl.uint32, bitcast=True)
                 r = (b + 0x7FFF + ((b >> 16) & 1)) >> 16
-                r = tl.where(f != f, 0x7FC0, r)  # noqa: PLR0124  (NaN test)
+                r = tl.where(f != f, 0x7FC0, r)
                 out = r.to(tl.uint16).to(tl.bfloat16, bitcast=True)
             else:
                 out = f.to(DST)

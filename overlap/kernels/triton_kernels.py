@@ -179,7 +179,7 @@ if triton is not None:
         valid = offs < numel
         own = tl.load(own_ptr + offs, mask=valid, other=0.0).to(tl.float32)
         acc = tl.zeros([BLOCKS, BLOCK], dtype=tl.float32)
-        for rank in range(0, num_rows):  # rank order, this rank's own row in its place
+        for rank in range(num_rows):  # rank order, this rank's own row in its place
             ranks = tl.zeros([BLOCKS], dtype=tl.int32) + rank
             peer = ranks != skip  # a tensor: the interpreter masks with tensors only
             at = (ranks - (ranks > skip).to(tl.int32) * gap).to(tl.int64)  # gap 1: no row for `skip`
@@ -211,7 +211,7 @@ def blocks_per_program(block: int) -> int:
 def _check(t: torch.Tensor, what: str, block: int) -> None:
     if triton is None:
         raise RuntimeError("overlap.kernels.triton_kernels: triton is not installed")
-    if t.dim() == 2 and t.shape[0] > 0 and t.stride(1) != 1 or t.dim() == 1 and not t.is_contiguous():
+    if (t.dim() == 2 and t.shape[0] > 0 and t.stride(1) != 1) or (t.dim() == 1 and not t.is_contiguous()):
         raise ValueError(f"overlap triton kernels: {what} must be contiguous (rows: along each row)")
     if block < 2 or block & (block - 1):
         raise ValueError(f"overlap triton kernels: block must be a power of two >= 2, got {block}")

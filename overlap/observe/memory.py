@@ -50,7 +50,7 @@ class MemoryStats:
 class MemoryAccount:
     """Running byte counts by kind (see [Note: memory accounting])."""
 
-    __slots__ = ("bytes", "peak", "total", "peak_total")
+    __slots__ = ("bytes", "peak", "peak_total", "total")
 
     def __init__(self) -> None:
         self.bytes: dict[str, int] = dict.fromkeys(KINDS, 0)

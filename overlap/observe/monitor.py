@@ -99,10 +99,7 @@ class NvmlSampler:
         out["gpu_mem_total_bytes"] = memory.total
         out["gpu_util_pct"] = nv.nvmlDeviceGetUtilizationRates(h).gpu
         out["gpu_power_w"] = nv.nvmlDeviceGetPowerUsage(h) / 1e3
-        for name, counter in (
-            ("pcie_tx_kbps", "NVML_PCIE_UTIL_TX_BYTES"),
-            ("pcie_rx_kbps", "NVML_PCIE_UTIL_RX_BYTES"),
-        ):
+        for name, counter in (("pcie_tx_kbps", "NVML_PCIE_UTIL_TX_BYTES"), ("pcie_rx_kbps", "NVML_PCIE_UTIL_RX_BYTES")):
             if not pcie:
                 break
             try:
@@ -237,8 +234,7 @@ class Monitor:
         memory = record.get("memory_reserved_bytes", record.get("rss_bytes", 0))
         if self.alert_memory_bytes is not None and memory > self.alert_memory_bytes:
             self._alert(
-                f"step {step}: memory in use {memory / 2**30:.2f} GiB exceeds "
-                f"{self.alert_memory_bytes / 2**30:.2f} GiB"
+                f"step {step}: memory in use {memory / 2**30:.2f} GiB exceeds {self.alert_memory_bytes / 2**30:.2f} GiB"
             )
         for label, ms in stats.collective_ms.items():
             past = self._history.setdefault(label, deque(maxlen=self._history_len))

@@ -124,9 +124,7 @@ def summarize(events: list[dict[str, Any]], step: int | None = None) -> list[Ran
 
 
 def format_summary(summaries: list[RankSummary], top: int = 6) -> str:
-    lines = [
-        f"step {summaries[0].step}: rank  span ms  compute ms  comm busy ms  exposed ms  hidden ms  efficiency"
-    ]
+    lines = [f"step {summaries[0].step}: rank  span ms  compute ms  comm busy ms  exposed ms  hidden ms  efficiency"]
     for s in summaries:
         lines.append(
             f"{'':>8}{s.rank:>5} {s.step_ms:>8.1f} {s.compute_ms:>11.1f} {s.comm_busy_ms:>13.1f} "
@@ -148,19 +146,9 @@ def plot_timeline(events: list[dict[str, Any]], step: int, path: Path) -> Path:
     import matplotlib.pyplot as plt
 
     ranks = sorted({e["pid"] for e in events})
-    chosen = [
-        e
-        for e in events
-        if e["args"].get("issued_step", e["args"].get("step")) == step
-    ]
+    chosen = [e for e in events if e["args"].get("issued_step", e["args"].get("step")) == step]
     t0 = min(e["ts"] for e in chosen)
-    colors = {
-        "forward": "#4C72B0",
-        "backward": "#DD8452",
-        GATHER: "#55A868",
-        REDUCE: "#C44E52",
-        WAIT: "#222222",
-    }
+    colors = {"forward": "#4C72B0", "backward": "#DD8452", GATHER: "#55A868", REDUCE: "#C44E52", WAIT: "#222222"}
     fig, ax = plt.subplots(figsize=(13, 1.0 + 1.1 * len(ranks) * len(LANES) / 2))
     yticks, ylabels = [], []
     for r_i, rank in enumerate(ranks):
@@ -198,19 +186,25 @@ def plot_timeline(events: list[dict[str, Any]], step: int, path: Path) -> Path:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "traces", nargs="+", type=Path,
+        "traces",
+        nargs="+",
+        type=Path,
         help="trace folder(s) or trace_rank*.json files; a folder's autotune.json (OverlapConfig.autotune) is reported too",
     )
     parser.add_argument("--step", type=int, default=None, help="step to report (default: the last complete one)")
     parser.add_argument(
-        "--png", type=Path, default=None,
+        "--png",
+        type=Path,
+        default=None,
         help="write the timeline PNG here (and the tuning picture beside it, *_autotune.png)",
     )
 
 
 def run(args: argparse.Namespace) -> int:
     tunings = tuning.find(args.traces)
-    has_traces = any(p.is_file() and p.name != tuning.FILE or p.is_dir() and any(p.glob("trace_rank*.json")) for p in args.traces)
+    has_traces = any(
+        (p.is_file() and p.name != tuning.FILE) or (p.is_dir() and any(p.glob("trace_rank*.json"))) for p in args.traces
+    )
     try:
         if has_traces or not tunings:
             events = load_events(args.traces)

@@ -109,9 +109,7 @@ class SpanTimer(ABC):
         """The step's first forward starts (on `stream`, the compute stream; None: current)."""
 
     @abstractmethod
-    def start(
-        self, kind: SpanKind, op: str, label: str, stream: Any = None, num_bytes: int = 0
-    ) -> SpanToken:
+    def start(self, kind: SpanKind, op: str, label: str, stream: Any = None, num_bytes: int = 0) -> SpanToken:
         """A span starts now (CUDA: at this point of `stream`, None: the current stream)."""
 
     @abstractmethod
@@ -196,9 +194,7 @@ class HostTimer(SpanTimer):
     def begin_step(self, stream: Any = None) -> None:
         self._step_token = self.start("step", "step", "step")
 
-    def start(
-        self, kind: SpanKind, op: str, label: str, stream: Any = None, num_bytes: int = 0
-    ) -> SpanToken:
+    def start(self, kind: SpanKind, op: str, label: str, stream: Any = None, num_bytes: int = 0) -> SpanToken:
         return SpanToken(kind, op, label, self.step, num_bytes, self._clock())
 
     def stop(self, token: SpanToken, stream: Any = None, work: Any = None) -> None:
@@ -212,8 +208,13 @@ class HostTimer(SpanTimer):
 
     def _finish(self, token: SpanToken, t1_ns: int) -> None:
         span = Span(
-            token.kind, token.op, token.label, token.step, token.host_ns,
-            max(t1_ns - token.host_ns, 0) / 1e6, token.num_bytes,
+            token.kind,
+            token.op,
+            token.label,
+            token.step,
+            token.host_ns,
+            max(t1_ns - token.host_ns, 0) / 1e6,
+            token.num_bytes,
         )
         with self._lock:
             self._done.append(span)
@@ -315,12 +316,17 @@ class EventTimer(SpanTimer):
         self._pending.append(token)
         self._step_token = token
 
-    def start(
-        self, kind: SpanKind, op: str, label: str, stream: Any = None, num_bytes: int = 0
-    ) -> SpanToken:
+    def start(self, kind: SpanKind, op: str, label: str, stream: Any = None, num_bytes: int = 0) -> SpanToken:
         token = _EventToken(
-            kind, op, label, self.step, num_bytes, self._clock(),
-            self._event(stream), None, self._anchors[-1] if self._anchors else None,
+            kind,
+            op,
+            label,
+            self.step,
+            num_bytes,
+            self._clock(),
+            self._event(stream),
+            None,
+            self._anchors[-1] if self._anchors else None,
         )
         self._pending.append(token)
         return token

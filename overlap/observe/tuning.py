@@ -10,7 +10,13 @@ from pathlib import Path
 from typing import Any
 
 FILE = "autotune.json"
-KNOBS = ("prefetch_depth", "reduce_scatter_bucket_bytes", "keep_for_backward_bytes", "max_reduce_inputs", "max_inflight_allgather_bytes")
+KNOBS = (
+    "prefetch_depth",
+    "reduce_scatter_bucket_bytes",
+    "keep_for_backward_bytes",
+    "max_reduce_inputs",
+    "max_inflight_allgather_bytes",
+)
 
 
 def find(paths: list[Path]) -> list[Path]:
@@ -45,8 +51,13 @@ def plot(data: dict[str, Any], path: Path) -> Path:
     history = data["history"]
     steps = [h["step"] for h in history]
     moved = [k for k in KNOBS if len({h[k] for h in history}) > 1] or ["prefetch_depth"]
-    fig, axes = plt.subplots(1 + len(moved), 1, figsize=(11, 3 + 1.3 * len(moved)), sharex=True,
-                             gridspec_kw={"height_ratios": [3] + [1] * len(moved)})
+    fig, axes = plt.subplots(
+        1 + len(moved),
+        1,
+        figsize=(11, 3 + 1.3 * len(moved)),
+        sharex=True,
+        gridspec_kw={"height_ratios": [3] + [1] * len(moved)},
+    )
     top = axes[0]
     top.plot(steps, [h["step_ms"] for h in history], color="#4C72B0", label="step")
     top.plot(steps, [h["gather_wait_ms"] for h in history], color="#55A868", label="exposed all-gather")
@@ -58,7 +69,9 @@ def plot(data: dict[str, Any], path: Path) -> Path:
     later = sorted(h["step_ms"] for h in history[3:]) or [1.0]
     top.set_ylim(0, 1.5 * later[int(0.95 * (len(later) - 1))])  # the first steps (allocations, checks) off the scale
     top.set_ylabel("ms (this rank)")
-    top.set_title("autotune: step and exposed communication; decisions kept (green), reverted (grey), settled (black)", fontsize=9)
+    top.set_title(
+        "autotune: step and exposed communication; decisions kept (green), reverted (grey), settled (black)", fontsize=9
+    )
     top.legend(fontsize=8, loc="upper right")
     top.grid(alpha=0.3)
     for ax, knob in zip(axes[1:], moved):

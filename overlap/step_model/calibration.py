@@ -184,7 +184,9 @@ class Calibration:
         if self.level not in ("intra", "inter"):
             raise ValueError(f"Calibration.level must be 'intra' or 'inter', got {self.level!r}")
         if self.num_ranks < 1 or self.num_replicas < 1:
-            raise ValueError(f"Calibration: num_ranks and num_replicas must be >= 1, got {self.num_ranks}, {self.num_replicas}")
+            raise ValueError(
+                f"Calibration: num_ranks and num_replicas must be >= 1, got {self.num_ranks}, {self.num_replicas}"
+            )
         self.contention()  # validates the contention terms
 
     # ------------------------------------------------------------------ the simulator's inputs
@@ -462,7 +464,7 @@ def with_links(cal: Calibration, link: Link) -> Calibration:
 
 
 # the measured terms' arithmetic lives in fitting.py; importable from here as before
-from overlap.step_model.fitting import (  # noqa: E402, F401
+from overlap.step_model.fitting import (  # noqa: F401
     RING_FACTOR,
     SOLVE_BISECTIONS,
     concurrent_throughput,

@@ -35,38 +35,50 @@ class Link:
 # line rate.
 LINKS: dict[str, Link] = {
     "nvlink4": Link(
-        "nvlink4", 8e-6, 360.0,
+        "nvlink4",
+        8e-6,
+        360.0,
         "H100/H200 SXM NVLink4, 900 GB/s bidirectional per GPU; nccl-tests all_gather busbw on "
         "8xH100 reaches ~360 GB/s at large sizes (NVIDIA nccl-tests results)",
     ),
     "ndr400": Link(
-        "ndr400", 15e-6, 45.0,
-        "InfiniBand NDR 400 Gb/s, one NIC per GPU: 50 GB/s line rate, ~45 GB/s busbw across "
-        "nodes in nccl-tests",
+        "ndr400",
+        15e-6,
+        45.0,
+        "InfiniBand NDR 400 Gb/s, one NIC per GPU: 50 GB/s line rate, ~45 GB/s busbw across nodes in nccl-tests",
     ),
     "nvlink3": Link(
-        "nvlink3", 8e-6, 240.0,
+        "nvlink3",
+        8e-6,
+        240.0,
         "A100 SXM NVLink3, 600 GB/s bidirectional per GPU (300 GB/s each way, NVIDIA A100 "
         "datasheet); busbw taken at the same 80% of the one-way rate as the nvlink4 preset",
     ),
     "hdr200": Link(
-        "hdr200", 15e-6, 22.5,
+        "hdr200",
+        15e-6,
+        22.5,
         "InfiniBand HDR 200 Gb/s, one NIC per GPU (NVIDIA ConnectX-6): 25 GB/s line rate; busbw "
         "at the same 90% of line rate as the ndr400 preset",
     ),
     "eth100": Link(
-        "eth100", 30e-6, 1.4,
+        "eth100",
+        30e-6,
+        1.4,
         "100 Gb/s Ethernet per node (12.5 GB/s) shared by 8 GPUs, ~90% achievable: 1.4 GB/s per GPU",
     ),
     "gloo-loopback": Link(
-        "gloo-loopback", 60e-6, 0.9,
+        "gloo-loopback",
+        60e-6,
+        0.9,
         "gloo over 127.0.0.1 on this 2-core machine, measured by `overlap bench comm --nproc 2` "
         "(all_gather busbw at 4-64 MiB); calibrate with --calibrate for your machine",
     ),
     "1gbit": Link(
-        "1gbit", 200e-6, 0.118,
-        "the emulated 1 Gbit/s link of `--link 1gbit` (tc tbf): 125 MB/s line rate, ~118 MB/s "
-        "busbw",
+        "1gbit",
+        200e-6,
+        0.118,
+        "the emulated 1 Gbit/s link of `--link 1gbit` (tc tbf): 125 MB/s line rate, ~118 MB/s busbw",
     ),
 }
 

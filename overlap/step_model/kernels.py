@@ -85,32 +85,66 @@ STACKS: dict[str, KernelStack] = {
     # eager PyTorch: RMSNorm as ~6 kernels (cast, pow, mean, rsqrt, mul, mul) each reading and
     # writing h: 12 passes; rotary via complex views: 8 passes over q and k; SwiGLU's silu and
     # mul: 5 passes over f; residual adds (3 passes each) and the q/k/v/output transposes: 10.
-    "torch-eager": KernelStack(name="PyTorch eager, SDPA flash (FA2)", attention_share=_FA2, norm_passes=12,
-                               rope_passes=8, act_passes=5, residual_passes=10, gather_copy_out=True,
-                               source="torchtitan's Llama modules run eagerly; SDPA's flash backend is FA2"),
+    "torch-eager": KernelStack(
+        name="PyTorch eager, SDPA flash (FA2)",
+        attention_share=_FA2,
+        norm_passes=12,
+        rope_passes=8,
+        act_passes=5,
+        residual_passes=10,
+        gather_copy_out=True,
+        source="torchtitan's Llama modules run eagerly; SDPA's flash backend is FA2",
+    ),
     # torch.compile: Inductor fuses each norm, the rotary embedding and the activation into one
     # read and one write, residual adds into their neighbours.
-    "torch-compile": KernelStack(name="PyTorch + torch.compile, SDPA flash (FA2)", attention_share=_FA2,
-                                 norm_passes=2, rope_passes=2, act_passes=3, residual_passes=4, gather_copy_out=True,
-                                 source="torch.compile (Inductor) fusion of point-wise chains"),
+    "torch-compile": KernelStack(
+        name="PyTorch + torch.compile, SDPA flash (FA2)",
+        attention_share=_FA2,
+        norm_passes=2,
+        rope_passes=2,
+        act_passes=3,
+        residual_passes=4,
+        gather_copy_out=True,
+        source="torch.compile (Inductor) fusion of point-wise chains",
+    ),
     # Megatron-Core / NeMo with Transformer Engine: fused LayerNorm+GEMM, fused rotary, fused bias
     # + activation, cuDNN / FA3-class attention.
-    "megatron-te": KernelStack(name="Megatron-Core + Transformer Engine", attention_share=_FA3, norm_passes=2,
-                               rope_passes=2, act_passes=3, residual_passes=4, tp_overlap_backward=True,
-                               source="Transformer Engine fused kernels; cuDNN fused attention"),
+    "megatron-te": KernelStack(
+        name="Megatron-Core + Transformer Engine",
+        attention_share=_FA3,
+        norm_passes=2,
+        rope_passes=2,
+        act_passes=3,
+        residual_passes=4,
+        tp_overlap_backward=True,
+        source="Transformer Engine fused kernels; cuDNN fused attention",
+    ),
     # Megatron-LM 2021 (A100): fused bias-GeLU and fused LayerNorm kernels, softmax fused,
     # attention not flash (scores materialized): modelled as FA2-rate attention on Ampere.
     # attention as Megatron-LM computed it in 2021: QK^T and AV as batched GEMMs over the whole
     # s x s score matrix, its fused scale-mask-softmax (read + write) and dropout (read, write and
     # a byte mask) forward, the same three backward: ~10 passes of 2 bytes.
-    "megatron-2021": KernelStack(name="Megatron-LM 2021 fused kernels", attention_share=_FA2, norm_passes=2,
-                                 rope_passes=0, act_passes=3, residual_passes=6, score_passes=10,
-                                 source="Megatron-LM fused layer norm, bias-GeLU and scaled-masked-softmax kernels"),
+    "megatron-2021": KernelStack(
+        name="Megatron-LM 2021 fused kernels",
+        attention_share=_FA2,
+        norm_passes=2,
+        rope_passes=0,
+        act_passes=3,
+        residual_passes=6,
+        score_passes=10,
+        source="Megatron-LM fused layer norm, bias-GeLU and scaled-masked-softmax kernels",
+    ),
     # llm-foundry MPT: flash attention (FA2), torch layer_norm (one kernel: 2 passes), torch GELU
     # (one kernel), ALiBi (no rotary), eager residual adds and transposes.
-    "llm-foundry": KernelStack(name="llm-foundry MPT (eager, flash attention)", attention_share=_FA2, norm_passes=2,
-                               rope_passes=0, act_passes=2, residual_passes=10,
-                               source="llm-foundry MPT blocks: low-precision LayerNorm, FA2, GELU"),
+    "llm-foundry": KernelStack(
+        name="llm-foundry MPT (eager, flash attention)",
+        attention_share=_FA2,
+        norm_passes=2,
+        rope_passes=0,
+        act_passes=2,
+        residual_passes=10,
+        source="llm-foundry MPT blocks: low-precision LayerNorm, FA2, GELU",
+    ),
 }
 
 
@@ -165,8 +199,17 @@ def gemm_seconds(tokens: float, k: int, n: int, gpu: Accelerator, fp8: bool) -> 
     return flops / (rate * 1e12 * tile_efficiency(k, n)) + cast
 
 
-def block_seconds(shape: BlockShape, tokens: float, context: int, gpu: Accelerator, stack: KernelStack, *,
-                  tp: int = 1, fp8: bool = False, recompute: Recompute = "none") -> BlockSeconds:
+def block_seconds(
+    shape: BlockShape,
+    tokens: float,
+    context: int,
+    gpu: Accelerator,
+    stack: KernelStack,
+    *,
+    tp: int = 1,
+    fp8: bool = False,
+    recompute: Recompute = "none",
+) -> BlockSeconds:
     """[Note: block compute] for `tokens` tokens on this rank attending over `context` tokens."""
     gemm = sum(gemm_seconds(tokens, *_shard(k, n, tp, i, shape), gpu, fp8) for i, (k, n) in enumerate(shape.gemms()))
     heads_dim = shape.hidden / tp
@@ -181,13 +224,22 @@ def block_seconds(shape: BlockShape, tokens: float, context: int, gpu: Accelerat
         attn_share = stack.attention_share[gpu.generation] * context / (context + ATTENTION_SEQ_HALF)
         attention = 2.0 * tokens * context * heads_dim / (gpu.bf16_tflops * 1e12 * attn_share)
     h, kv, f = shape.hidden / tp, shape.kv_dim / tp, shape.ffn_hidden / tp
-    passes = (2 * stack.norm_passes * shape.hidden + stack.rope_passes * (h + kv) + stack.act_passes * f
-              + stack.residual_passes * shape.hidden)  # norms and residuals act on the full (SP-gathered) width
+    passes = (
+        2 * stack.norm_passes * shape.hidden
+        + stack.rope_passes * (h + kv)
+        + stack.act_passes * f
+        + stack.residual_passes * shape.hidden
+    )  # norms and residuals act on the full (SP-gathered) width
     elementwise = tokens * passes * ACT_BYTES / (gpu.hbm_tbps * 1e12 * HBM_SHARE)
     forward = gemm + attention + elementwise
     backward = 2 * gemm + ATTENTION_BACKWARD * attention + 2 * elementwise
-    recompute_s = {"none": 0.0, "full": forward, "selective": 0.5 * gemm + elementwise, "attention": attention,
-                   "layer2": 0.5 * forward}[recompute]
+    recompute_s = {
+        "none": 0.0,
+        "full": forward,
+        "selective": 0.5 * gemm + elementwise,
+        "attention": attention,
+        "layer2": 0.5 * forward,
+    }[recompute]
     return BlockSeconds(forward, backward, recompute_s, gemm, attention, elementwise)
 
 

@@ -37,8 +37,8 @@ from pathlib import Path
 
 from overlap.config import OverlapConfig
 from overlap.step_model.calibration import Calibration, default_world_calibration
-from overlap.step_model.fitting import solve_increasing
 from overlap.step_model.cost import Link, UnitCost
+from overlap.step_model.fitting import solve_increasing
 from overlap.step_model.simulate import Prediction
 from overlap.step_model.tuning import MAX_PREFETCH_DEPTH, MAX_REDUCE_INPUTS, Knobs, Measurement, Proposal, TunerView
 
@@ -118,7 +118,9 @@ class StepModel:
         waits = (measured.gather_wait_ms + measured.reduce_wait_ms) / 1e3
 
         def compute_for(link: float) -> float:  # the compute that makes the step `step`
-            return solve_increasing(lambda c: self.predict(knobs, c, link).step_s, step, step * 1e-3, step * 2, log=False)
+            return solve_increasing(
+                lambda c: self.predict(knobs, c, link).step_s, step, step * 1e-3, step * 2, log=False
+            )
 
         def exposed_at(link: float) -> float:
             return sum(exposed(self.predict(knobs, compute_for(link), link)))
@@ -158,7 +160,9 @@ class StepModel:
         if start.max_inflight_allgather_bytes is None:
             keeps = sorted({0, start.keep_for_backward_bytes, max(2 * start.keep_for_backward_bytes, 1 << 20)})
         return [
-            replace(start, prefetch_depth=d, reduce_scatter_bucket_bytes=b, keep_for_backward_bytes=k, max_reduce_inputs=i)
+            replace(
+                start, prefetch_depth=d, reduce_scatter_bucket_bytes=b, keep_for_backward_bytes=k, max_reduce_inputs=i
+            )
             for d in range(MAX_PREFETCH_DEPTH + 1)
             for i in range(1, MAX_REDUCE_INPUTS + 1)
             for b in buckets
@@ -190,7 +194,10 @@ def base_calibration(view: TunerView) -> Calibration:
         if cal.backend != view.backend:
             log.warning(
                 "overlap autotune: %s was calibrated on %s, this run is %s: using the %s defaults",
-                view.calibration, cal.backend, view.backend, view.backend,
+                view.calibration,
+                cal.backend,
+                view.backend,
+                view.backend,
             )
         else:
             return replace(cal, num_ranks=view.num_ranks, num_replicas=view.num_replicas)
@@ -205,7 +212,9 @@ def exposed(p: Prediction) -> tuple[float, float]:
     for lane, name, t0, t1 in p.events:
         if (lane == "wait" and name.startswith("gather ")) or (lane == "host" and name.startswith("copy-out ")):
             gather += t1 - t0
-        elif (lane == "wait" and name.startswith(("reduce [", "all-reduce ["))) or (lane == "host" and name.startswith("sum [")):
+        elif (lane == "wait" and name.startswith(("reduce [", "all-reduce ["))) or (
+            lane == "host" and name.startswith("sum [")
+        ):
             reduce += t1 - t0
     return gather, reduce
 
@@ -221,4 +230,3 @@ def _ties_by_memory(found: list[Proposal]) -> list[Proposal]:
         out.append(pick)
         rest.remove(pick)
     return out
-

@@ -150,9 +150,7 @@ _NO_LINK = Link("none", 0.0, 1.0)  # batch_time_s times given solo seconds: no l
 class _Clock:
     """Executes schedule actions on virtual time ([Note: fluid clock])."""
 
-    def __init__(
-        self, units: list[UnitCost], topo: Topology, lanes: int, record: bool, contention: Contention
-    ) -> None:
+    def __init__(self, units: list[UnitCost], topo: Topology, lanes: int, record: bool, contention: Contention) -> None:
         self.units, self.topo = units, topo
         self.now = 0.0
         self.num_lanes = lanes
@@ -368,10 +366,7 @@ def simulate(
     """
     fluid = contention or Contention()
     schedule = Schedule(
-        [u.param_bytes for u in units],
-        [u.grad_bytes for u in units],
-        ScheduleConfig.from_config(config),
-        root=root,
+        [u.param_bytes for u in units], [u.grad_bytes for u in units], ScheduleConfig.from_config(config), root=root
     )
     order = [i for i in range(len(units)) if i != root]
     lanes = 2 if backend == "gloo" else 1

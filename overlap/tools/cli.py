@@ -15,9 +15,18 @@ from collections.abc import Sequence
 COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("overlap.tools.demo", "train a small GPT on the Python stdlib's source with overlap.wrap"),
     "report": ("overlap.observe.report", "summarize an overlap trace (exposed comm per unit) and draw its timeline"),
-    "plan": ("overlap.tools.plan.command", "predict step time, tokens/s, MFU, memory and cost on a cluster; best config; scaling curve"),
-    "bench": ("overlap.tools.bench", "benchmarks: collective bandwidth (comm), comm/compute overlap (overlap), training step vs FSDP2/DDP (step), per-unit overhead, memory, FSDP x TP (mesh)"),
-    "tune": ("overlap.tools.tune.command", "measure and pick the fastest OverlapConfig for a model on this world; writes its JSON"),
+    "plan": (
+        "overlap.tools.plan.command",
+        "predict step time, tokens/s, MFU, memory and cost on a cluster; best config; scaling curve",
+    ),
+    "bench": (
+        "overlap.tools.bench",
+        "benchmarks: collective bandwidth (comm), comm/compute overlap (overlap), training step vs FSDP2/DDP (step), per-unit overhead, memory, FSDP x TP (mesh)",
+    ),
+    "tune": (
+        "overlap.tools.tune.command",
+        "measure and pick the fastest OverlapConfig for a model on this world; writes its JSON",
+    ),
 }
 """Subcommand -> (module, one-line help). Modules are imported only when their command runs,
 so `overlap --help` stays fast and a broken subcommand cannot break the others."""

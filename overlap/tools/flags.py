@@ -98,9 +98,9 @@ def field_docs(cls: type) -> dict[str, str]:
             continue
         body = tree.body[0].body  # type: ignore[attr-defined]
         for node, after in zip(body, body[1:]):
-            if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
-                if isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant):
-                    docs[node.target.id] = " ".join(str(after.value.value).split())
+            named = isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+            if named and isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant):
+                docs[node.target.id] = " ".join(str(after.value.value).split())
     return docs
 
 
@@ -296,7 +296,9 @@ def _argparse_kwargs(cls: type, f: dataclasses.Field[Any], hint: Any, default: A
     parse, choices = _parser_of(kind)
     parse = spec["parse"] or parse
     if parse is None:
-        raise TypeError(f"{cls.__name__}.{f.name}: no command-line form for {hint}; give flag(parse=...) or flag(cli=False)")
+        raise TypeError(
+            f"{cls.__name__}.{f.name}: no command-line form for {hint}; give flag(parse=...) or flag(cli=False)"
+        )
     kwargs.update(type=parse, default=default)
     if spec["choices"] or choices:
         kwargs["choices"] = spec["choices"] or choices

@@ -60,7 +60,9 @@ class MovedFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     """Finds the old names of `MOVED`; loading one imports the new module and puts it in
     `sys.modules` under the old name too (the import system returns what stands there)."""
 
-    def find_spec(self, fullname: str, path: object = None, target: object = None) -> importlib.machinery.ModuleSpec | None:
+    def find_spec(
+        self, fullname: str, path: object = None, target: object = None
+    ) -> importlib.machinery.ModuleSpec | None:
         if fullname not in MOVED:
             return None
         return importlib.machinery.ModuleSpec(fullname, self, is_package=False)

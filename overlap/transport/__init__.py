@@ -26,10 +26,10 @@ from overlap.transport.base import Transport, honoured_timeout, make_wire
 from overlap.transport.executor import Executor
 from overlap.transport.gloo import gloo_strategies
 from overlap.transport.host import HostExecutor
+from overlap.transport.strategy import AllGather, AllReduce, GatherResult, ReduceScatter, UnitWire, native_strategies
 from overlap.transport.streams import StreamExecutor
 from overlap.transport.streams import check_settings as _check_stream_settings
 from overlap.transport.symm_mem import SymmMemAllGather
-from overlap.transport.strategy import AllGather, AllReduce, GatherResult, ReduceScatter, UnitWire, native_strategies
 
 
 def make_transport(

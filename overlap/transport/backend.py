@@ -102,7 +102,6 @@ class CommSemantics:
         sends twice the bytes, so CPU tensors over gloo go through all-to-all."""
         return "all_to_all" if self.backend == "gloo" else "native"
 
-
     def auto_gather_impl(self, shard_bytes: int) -> str:
         """See [Note: all-gather through all-to-all] in collectives.py: small shards over gloo go
         through all-to-all, whose fixed cost per call is lower than gloo's all-gather's."""

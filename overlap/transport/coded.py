@@ -162,7 +162,10 @@ def _peer_rows(
     world_size = len(parts)
     if starts is None:
         return buf.view(world_size, step)
-    if all(start == (r - (r > me)) * step for r, start in enumerate(starts) if start is not None) and starts[me] is None:
+    if (
+        all(start == (r - (r > me)) * step for r, start in enumerate(starts) if start is not None)
+        and starts[me] is None
+    ):
         return buf[: (world_size - 1) * step].view(world_size - 1, step)
     return torch.stack([part for r, part in enumerate(parts) if r != me])
 

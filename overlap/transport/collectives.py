@@ -16,6 +16,7 @@ import torch.distributed as dist
 from overlap import kernels
 from overlap.transport import backend, pairwise
 from overlap.transport.fingerprint import TAG_NUMEL, write_tag
+from overlap.transport.host_values import all_gather_floats, all_gather_int  # noqa: F401  re-exported
 from overlap.transport.results import (  # re-exported: callers use collectives' one namespace
     CollectiveError,  # noqa: F401
     CommResult,
@@ -24,7 +25,6 @@ from overlap.transport.results import (  # re-exported: callers use collectives'
     runs_locally,
     wait,  # noqa: F401
 )
-from overlap.transport.host_values import all_gather_floats, all_gather_int  # noqa: F401  re-exported
 
 # torch 2.13 deprecates all_gather_into_tensor / reduce_scatter_tensor in favour of the
 # *_single names (a FutureWarning on every call); torch 2.11 has only the old names.
@@ -40,11 +40,7 @@ GatherImpl = Literal["native", "all_to_all"]
 
 
 def _exchange(
-    send: torch.Tensor,
-    world_size: int,
-    group: dist.ProcessGroup,
-    slack: RecvSlack | None,
-    rank: int | None = None,
+    send: torch.Tensor, world_size: int, group: dist.ProcessGroup, slack: RecvSlack | None, rank: int | None = None
 ) -> tuple[torch.Tensor, Any, list[int | None] | None]:
     """All-to-all of `send` (world_size equal parts, part r to rank r). Returns (received, work,
     starts): what rank r sent here is `received[starts[r] : starts[r] + part]`; starts is None
@@ -102,9 +98,7 @@ def _exchange(
         splits = [0 if r == me else part for r in range(world_size)]
     else:
         travel, splits = send, [part] * world_size
-    work = _all_to_all(
-        received, travel, output_split_sizes=sizes, input_split_sizes=splits, group=group, async_op=True
-    )
+    work = _all_to_all(received, travel, output_split_sizes=sizes, input_split_sizes=splits, group=group, async_op=True)
     starts = [sum(sizes[:r]) for r in range(world_size)]
     if home:
         starts[me] = None
@@ -186,7 +180,9 @@ def all_gather_flat(
         if starts is None:
             return CommResult(received, work, (copies,))
         numel = send.numel()
-        return CommResult(received, work, (copies,), lambda buf: torch.cat(_rows(buf, world_size, numel, starts, copies)))
+        return CommResult(
+            received, work, (copies,), lambda buf: torch.cat(_rows(buf, world_size, numel, starts, copies))
+        )
     work = _all_gather(out, send, group=group, async_op=True)
     return CommResult(out, work, (send,))
 
@@ -246,9 +242,7 @@ def all_gather_pair(
     return CommResult(received, work, (send,), rows)  # type: ignore[arg-type]
 
 
-def all_gather_secondary(
-    secondary: torch.Tensor, group: dist.ProcessGroup, num_outer: int
-) -> CommResult:
+def all_gather_secondary(secondary: torch.Tensor, group: dist.ProcessGroup, num_outer: int) -> CommResult:
     """hpZ: all-gather the inner group's secondary copies back into the rank-major order of a
     gather over every rank. Inner rank i holds the parts of global ranks o * inner + i for
     o = 0..num_outer-1 ([Note: secondary copy] in engine/runtime.py); `wait` reorders (inner, outer)

@@ -117,7 +117,10 @@ class Executor:
         raise NotImplementedError
 
     def finish_reduce(
-        self, event: torch.cuda.Event | None, all_reduce: comm.CommResult | None, all_reduce_event: torch.cuda.Event | None
+        self,
+        event: torch.cuda.Event | None,
+        all_reduce: comm.CommResult | None,
+        all_reduce_event: torch.cuda.Event | None,
     ) -> None:
         """Make a reduced (and HSDP-summed) shard usable on the compute stream or thread."""
         raise NotImplementedError

@@ -81,7 +81,7 @@ class Tag:
         return value
 
     @staticmethod
-    def unpack(value: int) -> "Tag":
+    def unpack(value: int) -> Tag:
         return Tag(value & 0xFFFF, (value >> 16) & 0xFF, (value >> 24) & 0xFFFF, (value >> 40) & 0x7FFFFF)
 
     def describe(self) -> str:

@@ -152,7 +152,9 @@ class HeldReduce:
             assert w is not None
             if self.plan.held is self:
                 self.plan.held = None
-            self.real = comm.reduce_scatter_flat(self.full.view(-1), w.group, w.world_size, "all_to_all", self.plan.slack, self.divide)
+            self.real = comm.reduce_scatter_flat(
+                self.full.view(-1), w.group, w.world_size, "all_to_all", self.plan.slack, self.divide
+            )
         return self.real
 
     def _finish(self, _: torch.Tensor) -> Any:
@@ -191,7 +193,13 @@ class GlooAllGather(AllGather):
         self.shared.flush()
 
     def __call__(
-        self, index: int, send: torch.Tensor, dtype: torch.dtype, tag: int | None, tag_slot: torch.Tensor | None, for_backward: bool
+        self,
+        index: int,
+        send: torch.Tensor,
+        dtype: torch.dtype,
+        tag: int | None,
+        tag_slot: torch.Tensor | None,
+        for_backward: bool,
     ) -> comm.CommResult:
         plan, w = self.shared, self.wire
         held, plan.held = plan.held, None
@@ -206,7 +214,9 @@ class GlooAllGather(AllGather):
             held.issue()
         if plan.pair:
             return comm.all_gather_pair(send, w.group, w.rank, dtype, tag, tag_slot, plan.slack)
-        return comm.all_gather_flat(send, w.group, w.world_size, dtype, tag, tag_slot, plan.gather_impls[index], plan.slack)
+        return comm.all_gather_flat(
+            send, w.group, w.world_size, dtype, tag, tag_slot, plan.gather_impls[index], plan.slack
+        )
 
     def nbytes(self, index: int) -> int:
         """Natively the output and the shard sent; through all-to-all the send copies and the

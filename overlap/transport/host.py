@@ -23,7 +23,6 @@ from overlap.transport.executor import Executor, GatherDone, TagRead
 from overlap.transport.fingerprint import TAG_NUMEL, FingerprintCheck, HostTags, host_byte_tags
 from overlap.transport.strategy import GatherResult
 
-
 # [Note: CPU page faults]
 # glibc serves blocks above M_MMAP_THRESHOLD (128 KiB at first, adapting up to 32 MiB) with mmap
 # and returns them with munmap, and trims the heap top above M_TRIM_THRESHOLD. Every unsharded
@@ -47,7 +46,7 @@ def keep_freed_cpu_memory() -> bool:
         return False  # not glibc (musl, macOS): nothing to tune
     ok = mallopt(_M_MMAP_THRESHOLD, 32 << 20) == 1 and mallopt(_M_TRIM_THRESHOLD, 1 << 30) == 1
     if not ok:
-        warnings.warn("overlap: mallopt refused the CPU allocator settings; continuing without")
+        warnings.warn("overlap: mallopt refused the CPU allocator settings; continuing without", stacklevel=2)
     return ok
 
 
@@ -119,7 +118,10 @@ class HostExecutor(Executor):
         return result, None
 
     def finish_reduce(
-        self, event: torch.cuda.Event | None, all_reduce: comm.CommResult | None, all_reduce_event: torch.cuda.Event | None
+        self,
+        event: torch.cuda.Event | None,
+        all_reduce: comm.CommResult | None,
+        all_reduce_event: torch.cuda.Event | None,
     ) -> None:
         if all_reduce is not None:
             self.wait(all_reduce)

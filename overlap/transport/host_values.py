@@ -13,7 +13,8 @@ import torch
 import torch.distributed as dist
 
 from overlap.transport.readback import HostRead
-from overlap.transport.results import CommResult, runs_locally as _local, wait
+from overlap.transport.results import CommResult, wait
+from overlap.transport.results import runs_locally as _local
 
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 

@@ -105,9 +105,7 @@ class ExchangeWork:
 
 
 def exchange(
-    group: dist.ProcessGroup,
-    receives: Sequence[torch.Tensor | None],
-    sends: Sequence[torch.Tensor | None],
+    group: dist.ProcessGroup, receives: Sequence[torch.Tensor | None], sends: Sequence[torch.Tensor | None]
 ) -> ExchangeWork:
     """Receive `receives[r]` from and send `sends[r]` to each group rank r where it is given
     (contiguous tensors; a receive may be larger than what arrives: gloo fills its front),
@@ -118,9 +116,7 @@ def exchange(
     # gloo's send/recv read and write the data pointer as host memory (CommSemantics.receive_first)
     assert devices <= {"cpu"}, f"rank {dist.get_rank()}: point-to-point exchange of {devices} tensors"
     works = [
-        dist.irecv(buf, group=group, tag=EXCHANGE_TAG, group_src=r)
-        for r, buf in enumerate(receives)
-        if buf is not None
+        dist.irecv(buf, group=group, tag=EXCHANGE_TAG, group_src=r) for r, buf in enumerate(receives) if buf is not None
     ]
     to_send = [(r, buf) for r, buf in enumerate(sends) if buf is not None]
     global _last_posting

@@ -17,7 +17,7 @@ import torch
 class HostRead:
     """The values of `tensor` as of `stream`'s position now (CUDA), or as of `values()` (CPU)."""
 
-    __slots__ = ("_tensor", "_pinned", "_event")
+    __slots__ = ("_event", "_pinned", "_tensor")
 
     def __init__(self, tensor: torch.Tensor, stream: torch.cuda.Stream | None = None) -> None:
         self._tensor: torch.Tensor | None = tensor

@@ -29,7 +29,6 @@ def runs_locally(world_size: int) -> bool:
     return world_size == 1 and not _force_collectives()
 
 
-
 class CommResult(NamedTuple):
     output: torch.Tensor
     work: Any  # dist.Work, or None when the collective ran synchronously (world size 1)

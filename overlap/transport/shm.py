@@ -87,7 +87,9 @@ def usable(group: dist.ProcessGroup, device: torch.device, setting: str) -> bool
 class ShmWork:
     """A posted collective until its pull is done; used as a `dist.Work` is here."""
 
-    def __init__(self, segments: ShmSegments, seq: int, nbytes: int, pull: Callable[[list[torch.Tensor]], None]) -> None:
+    def __init__(
+        self, segments: ShmSegments, seq: int, nbytes: int, pull: Callable[[list[torch.Tensor]], None]
+    ) -> None:
         self.segments, self.seq, self.nbytes, self.pull = segments, seq, nbytes, pull
         self.done = False
 
@@ -316,7 +318,9 @@ def _bytes(tensor: torch.Tensor) -> torch.Tensor:
 
 def ring_bytes_for(wire: Wire) -> int:
     """Room for several of the largest posts (a shard, or a unit's rank-major gradients)."""
-    largest = max((max(u.gather_numel * u.gather_itemsize, wire.world_size * u.reduce_row_bytes) for u in wire.units), default=0)
+    largest = max(
+        (max(u.gather_numel * u.gather_itemsize, wire.world_size * u.reduce_row_bytes) for u in wire.units), default=0
+    )
     return min(max(8 * _aligned(largest), MIN_RING_BYTES), MAX_RING_BYTES)
 
 
@@ -355,7 +359,13 @@ class ShmAllGather(_OnSegments, AllGather):
     """All-gathers through shared memory; gloo's for what the ring cannot hold."""
 
     def __call__(
-        self, index: int, send: torch.Tensor, dtype: torch.dtype, tag: int | None, tag_slot: torch.Tensor | None, for_backward: bool
+        self,
+        index: int,
+        send: torch.Tensor,
+        dtype: torch.dtype,
+        tag: int | None,
+        tag_slot: torch.Tensor | None,
+        for_backward: bool,
     ) -> comm.CommResult:
         seg = self.segments
         assert seg is not None
@@ -395,9 +405,7 @@ class ShmReduceScatter(_OnSegments, ReduceScatter):
             return self.fallback(full, divide)
         return comm.reduce_scatter_flat(full.view(-1), self.wire.group, n, "native", None, divide, via=seg)
 
-    def encoded(
-        self, full: torch.Tensor, flags: torch.Tensor, codec: Any, residual: Any
-    ) -> comm.CommResult:
+    def encoded(self, full: torch.Tensor, flags: torch.Tensor, codec: Any, residual: Any) -> comm.CommResult:
         seg = self.segments
         assert seg is not None
         if seg.holds(full):  # a codec's exchange: the input leaves the ring, unposted

@@ -107,7 +107,13 @@ class AllGather(Strategy):
         return torch.empty(numel, dtype=dtype, device=device)
 
     def __call__(
-        self, index: int, send: torch.Tensor, dtype: torch.dtype, tag: int | None, tag_slot: torch.Tensor | None, for_backward: bool
+        self,
+        index: int,
+        send: torch.Tensor,
+        dtype: torch.dtype,
+        tag: int | None,
+        tag_slot: torch.Tensor | None,
+        for_backward: bool,
     ) -> comm.CommResult:
         """Unit `index`'s uncompressed all-gather of `send` (cast to `dtype`, tagged:
         `collectives.all_gather_flat`). `wait` gives the rank-major rows: one tensor, or the
@@ -117,7 +123,13 @@ class AllGather(Strategy):
         return comm.all_gather_flat(send, w.group, w.world_size, dtype, tag, tag_slot, "native", None, out=out)
 
     def encoded(
-        self, encoded: torch.Tensor, numel: int, dtype: torch.dtype, codec: Codec, shard_dtype: torch.dtype, tag: int | None
+        self,
+        encoded: torch.Tensor,
+        numel: int,
+        dtype: torch.dtype,
+        codec: Codec,
+        shard_dtype: torch.dtype,
+        tag: int | None,
     ) -> comm.CommResult:
         """A compressed all-gather (coded.all_gather_encoded)."""
         self.flush()

@@ -141,7 +141,9 @@ class StreamExecutor(Executor):
         self.timer.stop(span, self.reduce_stream)
         return self.reduce_stream.record_event(), reduced
 
-    def after_reduction(self, fn: Callable[[], torch.Tensor], after: torch.cuda.Event | None) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+    def after_reduction(
+        self, fn: Callable[[], torch.Tensor], after: torch.cuda.Event | None
+    ) -> tuple[torch.Tensor, torch.cuda.Event | None]:
         # on the reduce stream, behind the reduction (`after` was recorded on it); what `fn`
         # allocates belongs to the reduce stream, as the reduced shard does ([Note: streams])
         assert self.reduce_stream is not None
@@ -168,6 +170,9 @@ class StreamExecutor(Executor):
             return result, stream.record_event()
 
     def finish_reduce(
-        self, event: torch.cuda.Event | None, all_reduce: comm.CommResult | None, all_reduce_event: torch.cuda.Event | None
+        self,
+        event: torch.cuda.Event | None,
+        all_reduce: comm.CommResult | None,
+        all_reduce_event: torch.cuda.Event | None,
     ) -> None:
         self.compute().wait_event(all_reduce_event if all_reduce is not None else event)

@@ -43,7 +43,13 @@ class SymmMemAllGather(AllGather):
             return torch.empty(numel, dtype=dtype, device=device)
 
     def __call__(
-        self, index: int, send: torch.Tensor, dtype: torch.dtype, tag: int | None, tag_slot: torch.Tensor | None, for_backward: bool
+        self,
+        index: int,
+        send: torch.Tensor,
+        dtype: torch.dtype,
+        tag: int | None,
+        tag_slot: torch.Tensor | None,
+        for_backward: bool,
     ) -> comm.CommResult:
         w = self.wire
         out = self.allocate(w.world_size * send.numel(), dtype, send.device)

@@ -11,12 +11,12 @@ import copy
 
 import pytest
 import torch
+from helpers.harness import World
+from helpers.models import batch, loss_of, tiny_lm
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import overlap
-from helpers.harness import World
-from helpers.models import batch, loss_of, tiny_lm
 from overlap.engine.state import state_of
 
 

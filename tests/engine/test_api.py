@@ -9,11 +9,11 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from helpers.models import STRICT_ZERO3, Block, TinyLM, batch, loss_of, tiny_lm
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import overlap
-from helpers.models import STRICT_ZERO3, Block, TinyLM, batch, loss_of, tiny_lm
 from overlap.transport import coded
 from overlap.transport import collectives as comm
 
@@ -108,7 +108,12 @@ NATIVE = {"all_gather_impl": "native", **STRICT_ZERO3}
         # the three backward gathers (those issued right after a reduction) ride in it: 13 -> 11
         (STRICT_ZERO3, 8, 5, {"all_to_all": 11}),
         ({"reduce_scatter_bucket_bytes": 10**9, **STRICT_ZERO3}, 8, 1, {"all_to_all": 9}),  # no reduction to ride in
-        ({"reduce_scatter_impl": "native", **STRICT_ZERO3}, 8, 5, {"all_to_all": 8, "reduce_scatter": 5}),  # nothing fused
+        (
+            {"reduce_scatter_impl": "native", **STRICT_ZERO3},
+            8,
+            5,
+            {"all_to_all": 8, "reduce_scatter": 5},
+        ),  # nothing fused
         # the defaults: the 4 small blocks are kept from forward to backward, no backward gather
         ({}, 5, 5, {"all_to_all": 10}),
         ({"keep_for_backward_bytes": 1}, 8, 5, {"all_to_all": 11}),  # as 0: the last unit always
@@ -124,8 +129,13 @@ def test_collective_count_and_order(world2, config, gathers, reduces, issued):
         stats = r["stats"]
         assert (stats.num_allgathers, stats.num_reduce_scatters) == (gathers, reduces)
         phases = {label.split(" ")[0] for label in r["labels"]}
-        assert {"overlap::gather", "overlap::wait_gather", "overlap::free", "overlap::reduce",
-                "overlap::wait_reduce"} <= phases, phases
+        assert {
+            "overlap::gather",
+            "overlap::wait_gather",
+            "overlap::free",
+            "overlap::reduce",
+            "overlap::wait_reduce",
+        } <= phases, phases
     assert results[0]["calls"] == results[1]["calls"]
 
 
@@ -185,7 +195,9 @@ def no_sync_matches_ddp(rank: int, world: int) -> dict:
     for name, p in ours.named_parameters():
         local = p.grad.to_local()
         rows = -(-p.shape[0] // world)
-        torch.testing.assert_close(local, named[name].grad[rank * rows : rank * rows + local.shape[0]], rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(
+            local, named[name].grad[rank * rows : rank * rows + local.shape[0]], rtol=1e-6, atol=1e-7
+        )
     return {}
 
 

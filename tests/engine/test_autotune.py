@@ -15,28 +15,36 @@ from dataclasses import replace
 
 import pytest
 import torch
-
-import overlap
 from helpers.harness import World
 from helpers.models import batch, loss_of, tiny_lm
+
+import overlap
 from overlap.engine.autotune_policy import (
     HYSTERESIS,
     MAX_PREFETCH_DEPTH,
     RECHECK,
+    WARMUP,
     Knobs,
     Measurement,
     Mode,
     Proposal,
     TunePolicy,
-    WARMUP,
 )
 from overlap.step_model.online import TIE, StepModel, exposed
 from overlap.step_model.tuning import TunerView
 
-DEFAULTS = Knobs(prefetch_depth=1, max_inflight_allgather_bytes=None, reduce_scatter_bucket_bytes=0, keep_for_backward_bytes=128 << 20, max_reduce_inputs=1)
+DEFAULTS = Knobs(
+    prefetch_depth=1,
+    max_inflight_allgather_bytes=None,
+    reduce_scatter_bucket_bytes=0,
+    keep_for_backward_bytes=128 << 20,
+    max_reduce_inputs=1,
+)
 
 
-def drive(policy: TunePolicy, step_ms, steps: int = 400, memory=lambda k: 0, drift_at=None, device=lambda k: 0) -> list[Knobs]:
+def drive(
+    policy: TunePolicy, step_ms, steps: int = 400, memory=lambda k: 0, drift_at=None, device=lambda k: 0
+) -> list[Knobs]:
     """Run `steps` training steps of a model whose step time under knobs k is `step_ms(k)`, whose
     library peak is `memory(k)` and whose device peak `device(k)` (a high-water mark: the most
     of any step so far): the policy's windows and decisions exactly as engine/autotune.py drives
@@ -49,7 +57,10 @@ def drive(policy: TunePolicy, step_ms, steps: int = 400, memory=lambda k: 0, dri
         scale = 1.5 if drift_at is not None and t >= drift_at else 1.0
 
         def measured(first: int, end: int) -> list[Measurement]:
-            return [Measurement(step_ms(knobs_at[s]) * scale, 0.0, 0.0, memory(knobs_at[s]), high[-1]) for s in range(first, end)]
+            return [
+                Measurement(step_ms(knobs_at[s]) * scale, 0.0, 0.0, memory(knobs_at[s]), high[-1])
+                for s in range(first, end)
+            ]
 
         if policy.mode is Mode.SETTLED:
             window = policy.recheck_window(t)
@@ -63,7 +74,13 @@ def drive(policy: TunePolicy, step_ms, steps: int = 400, memory=lambda k: 0, dri
 
 
 def signature(k: Knobs):
-    return (k.prefetch_depth, k.max_inflight_allgather_bytes, k.reduce_scatter_bucket_bytes, min(k.keep_for_backward_bytes, 256 << 20), k.max_reduce_inputs)
+    return (
+        k.prefetch_depth,
+        k.max_inflight_allgather_bytes,
+        k.reduce_scatter_bucket_bytes,
+        min(k.keep_for_backward_bytes, 256 << 20),
+        k.max_reduce_inputs,
+    )
 
 
 def landscape(k: Knobs) -> float:
@@ -106,9 +123,13 @@ def test_policy_never_keeps_a_setting_over_the_memory_cap():
     assert any("measured peak 1200 B over the cap 1000 B" in d.reason for d in policy.decisions), policy.decisions
     # the library's own account tells too: its peak above the baseline's, added to the measured one
     policy = TunePolicy(DEFAULTS, 1000, signature)
-    drive(policy, lambda k: 100.0 - 10 * k.prefetch_depth, memory=lambda k: 300 * k.prefetch_depth, device=lambda k: 800)
+    drive(
+        policy, lambda k: 100.0 - 10 * k.prefetch_depth, memory=lambda k: 300 * k.prefetch_depth, device=lambda k: 800
+    )
     assert policy.current.prefetch_depth == 1
-    assert any("library peak 600 B puts the measured peak at 1100 B" in d.reason for d in policy.decisions), policy.decisions
+    assert any("library peak 600 B puts the measured peak at 1100 B" in d.reason for d in policy.decisions), (
+        policy.decisions
+    )
 
 
 def test_policy_never_tries_a_move_priced_over_the_cap():
@@ -193,7 +214,9 @@ def test_policy_tries_the_deepest_prefetch_after_a_flat_step():
     assert policy.best.prefetch_depth == MAX_PREFETCH_DEPTH, policy.decisions
 
 
-W1_LIKE = TunerView((1 << 20,) + (12 << 20,) * 8, (1 << 20,) + (12 << 20,) * 8, tuple(range(9)), 0, True, "gloo", 2, 1, True)
+W1_LIKE = TunerView(
+    (1 << 20,) + (12 << 20,) * 8, (1 << 20,) + (12 << 20,) * 8, tuple(range(9)), 0, True, "gloo", 2, 1, True
+)
 
 
 def test_online_model_fit_reproduces_the_baseline_and_recovers_its_scales():
@@ -302,7 +325,7 @@ def test_tuned_run_is_bitwise_the_run_with_its_final_knobs(tmp_path, capsys):
     try:
         tuned = world.run(train, autotune=True, folder=str(tmp_path))
         assert tuned[0]["decisions"] == tuned[1]["decisions"]  # the same decision at the same step
-        assert [a for _, a, _, _ in tuned[0]["decisions"]][0] == "baseline"
+        assert tuned[0]["decisions"][0][1] == "baseline"
         # the tools' model was fitted at the baseline and said what it predicts
         assert [a for _, a, _, _ in tuned[0]["decisions"]][1] == "model", tuned[0]["decisions"]
         assert tuned[0]["knobs_seen"] > 1  # it did move the knobs during the run

@@ -9,10 +9,10 @@ import math
 
 import pytest
 import torch
-
-import overlap
 from helpers.harness import World
 from helpers.models import batch, loss_of, tiny_lm
+
+import overlap
 from overlap.engine.autotune_memory import MEMORY_FRACTION, device_total_bytes, measured_peak_bytes
 from overlap.engine.autotune_policy import TRIAL, WARMUP
 
@@ -85,7 +85,10 @@ def moves_under_a_tight_cap(rank: int, world: int) -> dict:
     model = overlap.wrap(tiny_lm(**WIDE), config=config)
     train(model, rank, 60)
     tuner = model._overlap_state.autotuner
-    knobs_run = [(h["prefetch_depth"], h["max_reduce_inputs"], h["reduce_scatter_bucket_bytes"], h["keep_for_backward_bytes"]) for h in tuner.history]
+    knobs_run = [
+        (h["prefetch_depth"], h["max_reduce_inputs"], h["reduce_scatter_bucket_bytes"], h["keep_for_backward_bytes"])
+        for h in tuner.history
+    ]
     return {
         "decisions": [(d.step, d.action, d.knob, str(d.new), d.reason) for d in tuner.policy.decisions],
         "start": knobs_run[0],
@@ -157,10 +160,10 @@ def oom_in_a_trial(rank: int, world: int, where: str) -> dict:
 @pytest.mark.parametrize("where", ["forward", "backward"])
 def test_an_out_of_memory_error_in_a_trial_is_reverted_on_every_rank(world, where):
     out = world.run(oom_in_a_trial, timeout_s=240, where=where)  # a hang names the rank
-    (step, kind, _), = out[1]["raised"]
+    ((step, kind, _),) = out[1]["raised"]
     assert kind == "OutOfMemoryError" and "injected" in out[1]["raised"][0][2], out[1]["raised"]
     # the other rank raised in the same step, a torch.OutOfMemoryError naming rank 1
-    (step0, kind0, message0), = out[0]["raised"]
+    ((step0, kind0, message0),) = out[0]["raised"]
     assert (step0, kind0) == (step, "TrialOutOfMemoryError") and "rank(s) [1]" in message0, out[0]["raised"]
     assert out[0]["decisions"] == out[1]["decisions"]
     ran = [{s: k for s, k in o["knobs"] if s != step} for o in out]  # the steps that ran whole
@@ -213,7 +216,9 @@ def test_decisions_are_taken_between_steps_and_read_a_step_late_on_a_stream_orde
     for rank, got in enumerate(out):
         assert len(got["reads"]) >= 3, got["reads"]
         # read when one more training step ended (stream-ordered) or at the next forward (CPU) ...
-        assert {read - issued for issued, read, _ in got["reads"]} == {int(stream_ordered)}, f"rank {rank}: {got['reads']}"
+        assert {read - issued for issued, read, _ in got["reads"]} == {int(stream_ordered)}, (
+            f"rank {rank}: {got['reads']}"
+        )
         # ... and outside the autograd callback, the simulator too
         assert {task for _, _, task in got["reads"]} == {-1} and got["ranked"] == [-1], f"rank {rank}: {got}"
         assert got["budget_step"] == BASELINE_STEP + int(stream_ordered)

@@ -23,10 +23,10 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-
-import overlap
 from helpers.harness import rank_threads
 from helpers.models import loss_of, tiny_lm
+
+import overlap
 from overlap import checkpoint
 
 try:  # the checkpoint restores NumPy's generator when NumPy is there; the tests run without it
@@ -51,9 +51,7 @@ def _draws() -> list[float]:
     return [torch.rand(()).item(), random.random(), *numpy_draw]
 
 
-def train(
-    rank: int, world: int, *, root: str, save_at: int | None = None, resume: bool = False
-) -> dict:
+def train(rank: int, world: int, *, root: str, save_at: int | None = None, resume: bool = False) -> dict:
     """TinyLM + AdamW + LinearLR for STEPS steps (from the latest checkpoint under `root` if
     `resume`); saves after `save_at` steps. Returns the global losses and what the checks need."""
     torch.manual_seed(1234 + rank)  # per-rank generators, so that restoring them is visible
@@ -71,16 +69,13 @@ def train(
         start = info["step"]
         assert info["extra"] == {"data_position": start}, info
         out["in_place"] = all(
-            p.to_local().data_ptr() == old.data_ptr()
-            for p, old in zip(model.parameters(), locals_before)
+            p.to_local().data_ptr() == old.data_ptr() for p, old in zip(model.parameters(), locals_before)
         )
         out["rank_restored"] = info["rank_restored"]
         out["rank_extra"] = info["rank_extra"]
         out["draws"] = _draws()
         out["full_model"] = overlap.full_state_dict(model)
-        out["full_exp_avg"] = {
-            name: opt.state[p]["exp_avg"].full_tensor() for name, p in model.named_parameters()
-        }
+        out["full_exp_avg"] = {name: opt.state[p]["exp_avg"].full_tensor() for name, p in model.named_parameters()}
         out["lr"] = opt.param_groups[0]["lr"]
     per_rank = GLOBAL_BATCH // world
     losses = []
@@ -155,9 +150,7 @@ def test_same_world_size_resume_is_bitwise(world2, uninterrupted2):
 
 
 @pytest.mark.parametrize("saved_at,loaded_at", [(4, 2), (2, 4)])
-def test_resume_at_another_world_size(
-    world2, world4, uninterrupted2, uninterrupted4, tmp_path, saved_at, loaded_at
-):
+def test_resume_at_another_world_size(world2, world4, uninterrupted2, uninterrupted4, tmp_path, saved_at, loaded_at):
     runs = {2: uninterrupted2, 4: uninterrupted4}
     root, saved = runs[saved_at]
     _, same_world = runs[loaded_at]
@@ -167,9 +160,7 @@ def test_resume_at_another_world_size(
     assert all(x["in_place"] for x in resumed), "load replaced parameter storage"
     # RNG streams and rank_extra are per rank: restored where the saved world had that rank
     assert [x["rank_restored"] for x in resumed] == [q < saved_at for q in range(loaded_at)]
-    assert [x["rank_extra"] for x in resumed] == [
-        {"rank": q} if q < saved_at else None for q in range(loaded_at)
-    ]
+    assert [x["rank_extra"] for x in resumed] == [{"rank": q} if q < saved_at else None for q in range(loaded_at)]
     assert r["lr"] == saved[0]["lr"]
     _check_loaded_state(r, checkpoint.latest(root), tmp_path)
     expected = saved[0]["losses"][SAVE_AT:]  # the uninterrupted run that wrote the checkpoint

@@ -11,13 +11,14 @@ Peak memory is the kernel's VmHWM, reset right before the measured call (clear_r
 
 from __future__ import annotations
 
+import functools
 import gc
 
 import torch
 import torch.nn as nn
+from helpers.harness import World
 
 import overlap
-from helpers.harness import World
 
 DIM = 2048
 LAYERS = 96  # one Linear(2048, 2048) per unit: ~1% of the model
@@ -77,7 +78,7 @@ def wrap_and_load(rank: int, world: int) -> dict:
     checkpoint = None
     if rank == 0:
         checkpoint = {n: _checkpoint_value(i, p.shape) for i, (n, p) in enumerate(model.named_parameters())}
-    load_peak = _measured(lambda: overlap.load_full_state_dict(model, checkpoint))
+    load_peak = _measured(functools.partial(overlap.load_full_state_dict, model, checkpoint))
     del checkpoint
     wrong = []
     for i, (name, p) in enumerate(model.named_parameters()):

@@ -11,7 +11,6 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn as nn
-
 from helpers.harness import World
 from helpers.models import STRICT_ZERO3, batch, encoder_stack, loss_of
 
@@ -104,10 +103,7 @@ def world2():
 
 @pytest.mark.parametrize(
     "fn,phrases",
-    [
-        (eval_on_rank0_only, ("forward (no grad)", "rank 0:", "rank 1:")),
-        (freeze_on_one_rank, ("signature",)),
-    ],
+    [(eval_on_rank0_only, ("forward (no grad)", "rank 0:", "rank 1:")), (freeze_on_one_rank, ("signature",))],
     ids=["eval_on_rank0", "freeze_on_one_rank"],
 )
 def test_divergence_raises_on_every_rank(world2, fn, phrases):
@@ -121,7 +117,9 @@ def _assert_diverged(messages: list[str], phrases: tuple[str, ...]) -> None:
             assert phrase in message, (phrase, message)
 
 
-@pytest.mark.parametrize("config", [{"param_compression": "int8"}, {"param_compression": "bf16", "grad_compression": "int8"}])
+@pytest.mark.parametrize(
+    "config", [{"param_compression": "int8"}, {"param_compression": "bf16", "grad_compression": "int8"}]
+)
 def test_compressed_gathers_carry_the_tag(world2, config):
     """The tag rides at the end of each rank's encoded bytes: the same divergence is caught."""
     messages = world2.run(eval_on_rank0_only, config=config, timeout_s=240)
@@ -197,9 +195,10 @@ def test_final_step_divergence_raises_at_save_on_every_rank(world2, tmp_path, wh
 
 
 def test_final_step_same_skip_saves(world2, tmp_path):
-    assert world2.run(skip_in_the_final_step, where="save", root=str(tmp_path), skip_on=(0, 1), timeout_s=240) == [
-        "no error"
-    ] * 2
+    assert (
+        world2.run(skip_in_the_final_step, where="save", root=str(tmp_path), skip_on=(0, 1), timeout_s=240)
+        == ["no error"] * 2
+    )
     assert [p.name for p in tmp_path.iterdir()] == ["step_000002"]
 
 
@@ -245,7 +244,9 @@ def deferred_tags_at_save(rank: int, world: int, root: str, freeze: bool, config
         model = overlap.wrap(encoder_stack(layers=3, dim=16), collective_timeout_s=60, shared_memory="off", **config)
         transport = model._overlap_state.runtime.transport
         old = transport.executor
-        transport.set_executor(DeferredTagsExecutor(old.rank, old.world_size, old.device, old.timer, old.timeout, old.replicated))
+        transport.set_executor(
+            DeferredTagsExecutor(old.rank, old.world_size, old.device, old.timer, old.timeout, old.replicated)
+        )
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         _train_step(model, batch(model, rank, 0))
         opt.step()
@@ -300,5 +301,8 @@ def test_final_step_nonfinite_raises_at_save_on_every_rank(world2, tmp_path):
     for rank, message in enumerate(messages):
         assert message.startswith(f"overlap: rank {rank}: overlap.checkpoint.save: overlap.compression."), message
         assert "Inf or NaN" in message and "counted over every rank" in message, message
-    assert messages[0].split("checkpoint.save: ")[1].split(" (this rank")[0] == messages[1].split("checkpoint.save: ")[1].split(" (this rank")[0]
+    assert (
+        messages[0].split("checkpoint.save: ")[1].split(" (this rank")[0]
+        == messages[1].split("checkpoint.save: ")[1].split(" (this rank")[0]
+    )
     assert not list(tmp_path.iterdir())

@@ -9,10 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-
 from helpers.harness import World
-from overlap.transport import collectives as comm
+
 from overlap.tools.worlds.launch import run_local_world
+from overlap.transport import collectives as comm
 
 
 @pytest.fixture(scope="module")
@@ -109,7 +109,7 @@ def test_receive_slack_turns_an_abort_into_wrong_bytes():
     sums = run_local_world(mismatched_pair, 2, 16 * 4, timeout_s=30, deadline_s=120)
     assert len(sums[0]) == 8 and len(sums[1]) == 16
     assert sums[0] == [3.0] * 8  # its 8 expected elements arrived from rank 1 (of 16 sent)
-    with pytest.raises(RuntimeError, match="SIGABRT|signal 6|exit code -6"):
+    with pytest.raises(RuntimeError, match=r"SIGABRT|signal 6|exit code -6"):
         run_local_world(mismatched_pair, 2, 0, timeout_s=30, deadline_s=120)
 
 
@@ -136,8 +136,12 @@ def receive_first(rank: int, world: int) -> dict:
 def test_exchanges_go_receive_first_on_gloo(world2):
     for rank, r in enumerate(world2.run(receive_first)):
         assert r == {
-            "small_is_exchange": True, "small_off_thread": False, "small_sum": True,
-            "large_is_exchange": True, "large_off_thread": True, "large_sum": True,
+            "small_is_exchange": True,
+            "small_off_thread": False,
+            "small_sum": True,
+            "large_is_exchange": True,
+            "large_off_thread": True,
+            "large_sum": True,
         }, (rank, r)
 
 
@@ -200,7 +204,9 @@ def exchanges_as_for_cuda(rank: int, world: int) -> dict:
     comm._p2p_exchange = refuse
     try:
         plain = comm.wait(comm.reduce_scatter_flat(grads.clone(), group, world, "all_to_all"))
-        slack = comm.wait(comm.reduce_scatter_flat(grads.clone(), group, world, "all_to_all", comm.RecvSlack(rank, 4096)))
+        slack = comm.wait(
+            comm.reduce_scatter_flat(grads.clone(), group, world, "all_to_all", comm.RecvSlack(rank, 4096))
+        )
         received, work, starts = comm._exchange(grads.clone(), world, group, None, rank)
         work.wait()
         home = comm._rows(received, world, 24, starts, grads)

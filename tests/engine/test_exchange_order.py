@@ -10,8 +10,8 @@ import time
 
 import torch
 import torch.distributed as dist
-
 from helpers.harness import World
+
 from overlap.transport import pairwise
 
 

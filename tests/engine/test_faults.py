@@ -69,20 +69,12 @@ class Fault:
 
 FAULTS = {
     "forward-gather-exit": Fault(world_size=2, victim=1, step=1, phase="forward gather", nth=3),
-    "backward-gather-sigkill": Fault(
-        world_size=3, victim=0, step=1, phase="backward gather", nth=2, how="sigkill"
-    ),
+    "backward-gather-sigkill": Fault(world_size=3, victim=0, step=1, phase="backward gather", nth=2, how="sigkill"),
     # the last reduce-scatter (the root's): no gather is left, the survivors fail in its wait
     "backward-reduce-exit": Fault(world_size=3, victim=1, step=1, phase="backward reduce", nth=5),
-    "before-optimizer-sigkill": Fault(
-        world_size=2, victim=0, step=1, phase="before optimizer", how="sigkill"
-    ),
-    "backward-reduce-stuck": Fault(
-        world_size=3, victim=2, step=1, phase="backward reduce", nth=1, how="sigstop"
-    ),
-    "forward-gather-stuck": Fault(
-        world_size=2, victim=0, step=2, phase="forward gather", nth=1, how="sigstop"
-    ),
+    "before-optimizer-sigkill": Fault(world_size=2, victim=0, step=1, phase="before optimizer", how="sigkill"),
+    "backward-reduce-stuck": Fault(world_size=3, victim=2, step=1, phase="backward reduce", nth=1, how="sigstop"),
+    "forward-gather-stuck": Fault(world_size=2, victim=0, step=2, phase="forward gather", nth=1, how="sigstop"),
 }
 
 
@@ -98,9 +90,7 @@ def _free_port() -> int:
 Report = Callable[[tuple[Any, ...]], None]
 
 
-def _worker(
-    rank: int, world_size: int, port: int, fn: Callable[..., None], kwargs: dict, results: Any
-) -> None:
+def _worker(rank: int, world_size: int, port: int, fn: Callable[..., None], kwargs: dict, results: Any) -> None:
     """One rank: join a fresh gloo group, run `fn`, which reports exactly once, then leave.
 
     It leaves by `os._exit`: after a fault the group is broken and tearing it down could block.
@@ -123,7 +113,7 @@ def _worker(
             timeout=timedelta(seconds=PG_TIMEOUT_S),
         )
         fn(rank, world_size, report, **kwargs)
-    except BaseException as e:  # noqa: BLE001 - anything fn did not report itself
+    except BaseException as e:
         report(("error", f"{type(e).__name__}: {e}", time.time()))
     os._exit(0)
 
@@ -137,9 +127,7 @@ class Ranks:
         self.results = _CTX.Queue()
         port = _free_port()
         self.procs = [
-            _CTX.Process(
-                target=_worker, args=(r, world_size, port, fn, kwargs, self.results), daemon=True
-            )
+            _CTX.Process(target=_worker, args=(r, world_size, port, fn, kwargs, self.results), daemon=True)
             for r in range(world_size)
         ]
         for p in self.procs:
@@ -253,10 +241,7 @@ def config_mismatch(rank: int, world_size: int, report: Report) -> None:
 
     cases: dict[str, tuple[dict, dict]] = {
         "prefetch_depth": ({"prefetch_depth": 1}, {"prefetch_depth": 2}),
-        "reduce_scatter_bucket_bytes": (
-            {"reduce_scatter_bucket_bytes": 0},
-            {"reduce_scatter_bucket_bytes": 4096},
-        ),
+        "reduce_scatter_bucket_bytes": ({"reduce_scatter_bucket_bytes": 0}, {"reduce_scatter_bucket_bytes": 4096}),
         "param_dtype": ({}, {"param_dtype": torch.bfloat16}),
         "unit_policy": ({}, {"unit_policy": {torch.nn.LayerNorm}}),
         # rank-local: a per-rank alert threshold must not raise
@@ -278,10 +263,7 @@ def config_mismatch(rank: int, world_size: int, report: Report) -> None:
 @pytest.fixture(scope="module")
 def answers() -> dict[str, Ranks]:
     """Start every case at once, then collect them all under one deadline."""
-    groups = {
-        name: Ranks(name, fault.world_size, train_with_fault, fault=fault)
-        for name, fault in FAULTS.items()
-    }
+    groups = {name: Ranks(name, fault.world_size, train_with_fault, fault=fault) for name, fault in FAULTS.items()}
     groups["config-mismatch"] = Ranks("config-mismatch", 2, config_mismatch)
     deadline = time.monotonic() + DEADLINE_S
     try:
@@ -326,4 +308,3 @@ def test_config_mismatch_raises_on_every_rank(answers):
                 continue
             assert "OverlapConfig differs across ranks" in message, (rank, field, message)
             assert f"in {field} " in message, (rank, field, message)
-

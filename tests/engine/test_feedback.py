@@ -15,15 +15,10 @@ import warnings
 
 import pytest
 import torch
-
 from helpers.models import batch, loss_of, tiny_lm
+
 from overlap.compression import BF16Codec, Int4Codec, Int8Codec
-from overlap.compression.feedback import (
-    DenseResidual,
-    FeedbackResidual,
-    Int8Residual,
-    make_residual_format,
-)
+from overlap.compression.feedback import DenseResidual, FeedbackResidual, Int8Residual, make_residual_format
 from overlap.config import OverlapConfig
 from overlap.kernels import code_numel, num_blocks_for
 
@@ -220,8 +215,8 @@ def encoded_reduce_scatter(rank: int, world: int, fmt_name: str | None, steps: i
     `feedback_drift`: this rank's received sum against the exact sum of every rank's chunk."""
     import torch.distributed as dist
 
-    from overlap.transport import collectives as comm
     from overlap.transport import coded
+    from overlap.transport import collectives as comm
 
     codec = Int8Codec(64)
     numel = 64 * 8
@@ -279,8 +274,8 @@ def state_memory(rank: int, world: int, specs: list[str]) -> dict:
     """Per contender: the bench's state bytes (params + grads + AdamW + residuals) after 3
     steps, gradients alive, and for overlap the residual bytes against the formula."""
     import overlap
-    from overlap.tools.bench import peers
     from overlap.engine.state import state_of
+    from overlap.tools.bench import peers
 
     out: dict[str, dict] = {}
     base = tiny_lm(dim=64, hidden=256)
@@ -360,6 +355,7 @@ def residual_checkpoints(rank: int, world: int, root: str) -> dict:
     )  # int8 -> fp32 is exact
     # a format-1 checkpoint: every rank's dense row, this rank's zero
     original = feedback.FeedbackResidual.saved
+
     def format_1(self: feedback.FeedbackResidual) -> torch.Tensor:
         return torch.stack([self.restore(p) for p in range(self.world_size)])
 
@@ -370,9 +366,7 @@ def residual_checkpoints(rank: int, world: int, root: str) -> dict:
         feedback.FeedbackResidual.saved = original  # type: ignore[method-assign]
     from_old, opt4 = trained("float32", seed=4)
     overlap.checkpoint.load(f"{root}/old", from_old, opt4)
-    old_loaded = all(
-        torch.equal(residuals(from_old)[k].tensors[0], residuals(as_fp32)[k].tensors[0]) for k in saved
-    )
+    old_loaded = all(torch.equal(residuals(from_old)[k].tensors[0], residuals(as_fp32)[k].tensors[0]) for k in saved)
     # the account follows the load; forgetting a unit's residual does not go negative
     accounts = [accounted(m) for m in (fresh, as_fp32, from_old)]
     from_old._overlap_state.runtime.forget_residuals(0)

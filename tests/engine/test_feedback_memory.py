@@ -11,9 +11,9 @@ import warnings
 
 import pytest
 import torch
+from helpers.models import batch, loss_of, tiny_lm
 
 import overlap
-from helpers.models import batch, loss_of, tiny_lm
 from overlap.compression.feedback import warn_residual_memory
 from overlap.config import OverlapConfig
 
@@ -29,8 +29,13 @@ def test_warns_bytes_and_knob_on_an_accelerator():
 
 @pytest.mark.parametrize(
     "dtype, world_size, device",
-    [(torch.bfloat16, 8, CUDA), (torch.int8, 8, CUDA), (None, 8, CUDA), (torch.float32, 8, torch.device("cpu")),
-     (torch.float32, 1, CUDA)],
+    [
+        (torch.bfloat16, 8, CUDA),
+        (torch.int8, 8, CUDA),
+        (None, 8, CUDA),
+        (torch.float32, 8, torch.device("cpu")),
+        (torch.float32, 1, CUDA),
+    ],
     ids=["bf16", "int8", "off", "cpu", "one-rank"],
 )
 def test_silent_where_nothing_is_at_stake(dtype, world_size, device):
@@ -56,7 +61,7 @@ def check_warned_bytes(rank: int, world_size: int) -> dict:
         state_module.warn_residual_memory = real
     loss_of(model(batch(model, rank, 0))).backward()
     held = overlap.memory_stats(model).bytes["residuals"]
-    (dtype, size, shard_numel, device), = seen
+    ((dtype, size, shard_numel, device),) = seen
     with pytest.warns(UserWarning) as on_accelerator:
         real(dtype, size, shard_numel, CUDA)
     warned = int(str(on_accelerator[0].message).split("(")[1].split(" bytes")[0])

@@ -10,9 +10,9 @@ import math
 import pytest
 import torch
 import torch.nn as nn
+from helpers.harness import World
 
 import overlap
-from helpers.harness import World
 from overlap.engine.reduction import gradient_divisors
 from overlap.transport.backend import CommSemantics
 from overlap.transport.strategy import ReduceScatter, Wire

@@ -17,9 +17,9 @@ from datetime import timedelta
 
 import pytest
 import torch
-
 from helpers.harness import World
 from helpers.models import STRICT_ZERO3, batch, encoder_stack, loss_of
+
 from overlap.transport import backend
 
 PACKAGE_DIR = os.path.dirname(os.path.abspath(sys.modules["overlap"].__file__)) + os.sep
@@ -61,15 +61,19 @@ class HostSyncRecorder:
 
         setattr(owner, name, patched)
 
-    def __enter__(self) -> "HostSyncRecorder":
+    def __enter__(self) -> HostSyncRecorder:
         for method in ("tolist", "item", "__bool__", "cpu", "numpy"):
             self._patch(torch.Tensor, method, f"Tensor.{method}")
-        self._patch(torch, "tensor", lambda *a, **k: "torch.tensor(host data, device=...)" if k.get("device") is not None else None)
+        self._patch(
+            torch,
+            "tensor",
+            lambda *a, **k: "torch.tensor(host data, device=...)" if k.get("device") is not None else None,
+        )
 
         def to_blocks(self_t, *args, **kwargs):
             device = kwargs.get("device")
             for a in args:
-                if isinstance(a, (torch.device, str)) or (isinstance(a, torch.Tensor)):
+                if isinstance(a, (torch.device, str, torch.Tensor)):
                     device = a
             if device is None:
                 return None  # a dtype cast stays on its device
@@ -132,7 +136,7 @@ ONCE_PER_STEP = {
     # the non-finite check of a codec's scales: its CPU branch reads the device counter directly;
     # on CUDA it reads the previous step's count from pinned memory after an event, without a
     # sync (overlap/compression/finite.py, tested with fake streams in test_codecs.py)
-    "overlap/compression/finite.py": "Tensor.item",
+    "overlap/compression/finite.py": "Tensor.item"
 }
 # Branches that run only for tensors in host memory (decided by the device type), so a CUDA host
 # never makes these calls: recorded here only because this test runs on the CPU.
@@ -140,7 +144,7 @@ CPU_ONLY = {
     # the all-gather tags compared on the host (the fallback that reads a gathered buffer); on
     # CUDA they reach the host by one non-blocking copy to pinned memory and are compared a step
     # late, after an event query ([Note: deferred tag check] in fingerprint.py)
-    "overlap/transport/fingerprint.py": "Tensor.tolist",
+    "overlap/transport/fingerprint.py": "Tensor.tolist"
 }
 RECORDED_STEPS = 3
 

@@ -172,7 +172,11 @@ def deferred_from_rank0(rank: int, world: int) -> dict:
     mismatched = [k for k, v in expected.items() if k != "scale" and not torch.equal(full[k], v)]
     scale_on_rank0 = ours.scale.clone()
     dist.broadcast(scale_on_rank0, src=0)
-    return {"mismatched": mismatched, "num_init_calls": len(calls), "scale_same": torch.equal(scale_on_rank0, ours.scale)}
+    return {
+        "mismatched": mismatched,
+        "num_init_calls": len(calls),
+        "scale_same": torch.equal(scale_on_rank0, ours.scale),
+    }
 
 
 def test_deferred_init_runs_on_rank0_only(world2):

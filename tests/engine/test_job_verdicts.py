@@ -13,6 +13,9 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
+from test_expert_parallel import _backward as _ep_backward
+from test_expert_parallel import _batch as _ep_batch
+from test_expert_parallel import _model as _ep_model
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
@@ -20,7 +23,6 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 import overlap
 from overlap.engine.actions import order_hash
 from overlap.transport.fingerprint import CollectiveMismatchError
-from test_expert_parallel import _backward as _ep_backward, _batch as _ep_batch, _model as _ep_model
 
 DIM = 16
 INJECTED_ON = 1  # (dp, tp) = (0, 1)
@@ -92,7 +94,9 @@ def check_scaler_overflow(rank: int, world_size: int) -> dict:
     if rank == INJECTED_ON:
         with torch.no_grad():
             up.grad.to_local().view(-1)[0] = float("inf")
-    before = [p.detach().to_local().clone() if isinstance(p, DTensor) else p.detach().clone() for p in model.parameters()]
+    before = [
+        p.detach().to_local().clone() if isinstance(p, DTensor) else p.detach().clone() for p in model.parameters()
+    ]
     scaler.step(opt)
     scaler.update()
     after = [p.detach().to_local() if isinstance(p, DTensor) else p.detach() for p in model.parameters()]

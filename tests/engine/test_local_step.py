@@ -8,12 +8,12 @@ import copy
 
 import pytest
 import torch
+from helpers.models import batch, loss_of, tiny_lm
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.overrides import TorchFunctionMode
 
 import overlap
-from helpers.models import batch, loss_of, tiny_lm
 from overlap.engine import local_step
 
 SETTINGS = {

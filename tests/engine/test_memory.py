@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from helpers.harness import World
 from helpers.models import STRICT_ZERO3, batch, encoder_stack, loss_of
 

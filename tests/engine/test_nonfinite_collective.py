@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from helpers.models import batch, loss_of, tiny_lm
 from torch.distributed.device_mesh import init_device_mesh
 
 import overlap
-from helpers.models import batch, loss_of, tiny_lm
 
 DEADLINE_S = 150.0  # a loaded two-core machine; a hang fails here, naming the rank
 
@@ -42,7 +42,7 @@ def train_with_a_bad_rank(
             loss = loss * float("nan")
         try:
             loss.backward()
-        except Exception as exc:  # noqa: BLE001  the error under test, whatever autograd wraps it in
+        except Exception as exc:
             caught.append((step, type(exc).__name__, str(exc)))
             opt.zero_grad(set_to_none=True)
             if what == "param":  # a user would restore the parameter (here: from its peers' copy)
@@ -109,8 +109,8 @@ def encoded_reduce_scatter_paths(rank: int, world: int) -> dict:
     import torch.distributed as dist
 
     from overlap.compression import Int8Codec
-    from overlap.transport import collectives as comm
     from overlap.transport import coded
+    from overlap.transport import collectives as comm
 
     numel = 64 * 6
     grads = torch.randn(world, numel, generator=torch.Generator().manual_seed(rank))
@@ -128,7 +128,9 @@ def encoded_reduce_scatter_paths(rank: int, world: int) -> dict:
     coded._peer_rows = recorded
     try:
         for slack in (None, comm.RecvSlack(rank, 1 << 16)):
-            out = comm.wait(coded.reduce_scatter_encoded(grads, tail, dist.group.WORLD, world, Int8Codec(64), None, slack))
+            out = comm.wait(
+                coded.reduce_scatter_encoded(grads, tail, dist.group.WORLD, world, Int8Codec(64), None, slack)
+            )
             outs.append(out)
     finally:
         coded._peer_rows = peer_rows

@@ -12,10 +12,9 @@ import copy
 
 import pytest
 import torch
-from torch.nn.parallel import DistributedDataParallel as DDP
-
 from helpers.harness import World
 from helpers.models import batch, encoder_stack, loss_of
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 
 def _frozen(model: torch.nn.Module) -> list[torch.nn.Parameter]:
@@ -54,11 +53,12 @@ def freeze_unfreeze(rank: int, world: int, config: dict) -> dict:
         ref_opt.zero_grad(set_to_none=True)
         opt.zero_grad(set_to_none=True)
         out["reduce_bytes"].append(overlap.step_stats(ours).reduce_scatter_bytes)
-        out["frozen_moved"].append(
-            any(not torch.equal(b, _local(p).detach()) for b, p in zip(before, _frozen(ours)))
-        )
+        out["frozen_moved"].append(any(not torch.equal(b, _local(p).detach()) for b, p in zip(before, _frozen(ours))))
+
     # the parameters themselves, every one, against DDP's
-    rows = lambda full, local: full[rank * -(-full.shape[0] // world) :][: local.shape[0]]
+    def rows(full: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+        return full[rank * -(-full.shape[0] // world) :][: local.shape[0]]
+
     out["param_diff"] = max(
         (rows(r.detach(), _local(o).detach()) - _local(o).detach()).abs().max().item()
         for r, o in zip(ref.module.parameters(), ours.parameters())

@@ -9,11 +9,11 @@ import os
 
 import torch
 import torch.nn as nn
+from helpers.models import batch, loss_of, tiny_lm
+from test_mixed_dtypes import mixed_lm
 from torch.distributed.tensor import DTensor
 
 import overlap
-from helpers.models import batch, loss_of, tiny_lm
-from test_mixed_dtypes import mixed_lm
 
 # pickling a DTensor stores its spec (mesh, placements, shape): about 1 KB per entry measured
 PER_ENTRY_BYTES = 2048
@@ -54,7 +54,9 @@ def save_and_load(rank: int, world: int, path: str, model_name: str) -> dict:
         same &= isinstance(value, DTensor) and value.placements == p.placements and value.shape == p.shape
         same &= value.dtype == p.dtype and torch.equal(value.to_local(), p.to_local())
     shard_bytes = sum(v.numel() * v.element_size() for v in views.values())
-    whole_buffers = sum(u.shard.numel() * u.shard.element_size() * len(u.layout.slots) for u in model._overlap_state.units)
+    whole_buffers = sum(
+        u.shard.numel() * u.shard.element_size() * len(u.layout.slots) for u in model._overlap_state.units
+    )
 
     fresh = overlap.wrap(build[model_name](seed=5))
     fresh.load_state_dict(loaded)

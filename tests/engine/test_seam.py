@@ -21,13 +21,13 @@ from typing import Any
 import pytest
 import torch
 import torch.nn as nn
-from torch.nn.parallel import DistributedDataParallel as DDP
-
 from helpers.harness import World
 from helpers.models import STRICT_ZERO3, batch, encoder_stack, loss_of
+from torch.nn.parallel import DistributedDataParallel as DDP
+
 from overlap.transport import collectives as comm
-from overlap.transport.streams import StreamExecutor
 from overlap.transport.strategy import AllGather
+from overlap.transport.streams import StreamExecutor
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -45,7 +45,7 @@ class StandInStream:
     def wait_event(self, event: str) -> None:
         self.log.append(f"{self.name}: wait {event}")
 
-    def wait_stream(self, other: "StandInStream") -> None:
+    def wait_stream(self, other: StandInStream) -> None:
         self.log.append(f"{self.name}: wait stream {other.name}")
 
 
@@ -203,5 +203,15 @@ def test_gloo_strategies_fuse_backward_gathers(world2):
 def test_runtime_names_no_transport_mechanism():
     for name in ("runtime.py", "reduction.py"):
         source = (ROOT / "overlap" / "engine" / name).read_text()
-        for word in ("gloo", "all_to_all", "_slack", "_pair", "_fused", "fused=", "can_fuse", "fits_with", "unit.gather"):
+        for word in (
+            "gloo",
+            "all_to_all",
+            "_slack",
+            "_pair",
+            "_fused",
+            "fused=",
+            "can_fuse",
+            "fits_with",
+            "unit.gather",
+        ):
             assert not re.search(re.escape(word), source), (name, word)

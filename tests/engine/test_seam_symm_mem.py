@@ -12,12 +12,12 @@ from typing import Any
 
 import pytest
 import torch
-
 from helpers.harness import World
+from test_seam import _parity
+
 from overlap.config import OverlapConfig
 from overlap.transport import symm_mem
 from overlap.transport.strategy import AllGather
-from test_seam import _parity
 
 
 class StandInSymmMem:
@@ -75,8 +75,9 @@ def symm_mem_on_cpu(rank: int, world: int) -> dict:
 
 
 def symmetric_memory_on_cpu_tensors(rank: int, world: int) -> list[str]:
-    import overlap
     from helpers.models import encoder_stack
+
+    import overlap
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -21,12 +21,12 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-
 from helpers.models import STRICT_ZERO3, encoder_stack
+from test_seam import _parity
+
 from overlap.transport import collectives as comm
 from overlap.transport import shm
 from overlap.transport.strategy import UnitWire, Wire
-from test_seam import _parity
 
 
 def _segments_left(segments: shm.ShmSegments) -> list[str]:
@@ -63,7 +63,17 @@ def identity_differs_on_rank1(rank: int, world: int) -> list[str]:
 
 def _wire(group: dist.ProcessGroup) -> Wire:
     semantics = comm.backend.semantics(group, torch.device("cpu"))
-    return Wire(group, dist.get_rank(group), dist.get_world_size(group), torch.device("cpu"), semantics, "auto", "all_to_all", None, (UnitWire(1, 4, 4, True),))
+    return Wire(
+        group,
+        dist.get_rank(group),
+        dist.get_world_size(group),
+        torch.device("cpu"),
+        semantics,
+        "auto",
+        "all_to_all",
+        None,
+        (UnitWire(1, 4, 4, True),),
+    )
 
 
 def many_in_flight(rank: int, world: int, ring_bytes: int) -> dict:
@@ -113,7 +123,12 @@ def different_sizes(rank: int, world: int) -> str:
 
 @pytest.mark.parametrize(
     "config",
-    [{}, STRICT_ZERO3, {"reduce_scatter_bucket_bytes": 1 << 20}, {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32}],
+    [
+        {},
+        STRICT_ZERO3,
+        {"reduce_scatter_bucket_bytes": 1 << 20},
+        {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32},
+    ],
     ids=["default", "strict_zero3", "one_bucket", "bf16_params"],
 )
 def test_two_ranks_exchange_through_shared_memory(world2, config):

@@ -25,16 +25,16 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.nn.parallel import DistributedDataParallel as DDP
-
 from helpers.harness import World
 from helpers.models import loss_of
+from test_seam import CpuStreamExecutor
+from torch.nn.parallel import DistributedDataParallel as DDP
+
 from overlap.engine.reduction import PendingReduce, Reductions
 from overlap.engine.runtime import Runtime
 from overlap.observe.timing import HostTimer
 from overlap.transport.host import HostExecutor
 from overlap.transport.strategy import GatherResult
-from test_seam import CpuStreamExecutor
 
 
 class _LoggedCollective:
@@ -84,7 +84,9 @@ def test_release_waits_for_the_reduce_scatter_not_the_cast():
     log: list[str] = []
     executor = _executor(log)
     executor.after_reduction = lambda fn, after: (fn(), "event after the cast")
-    unit = SimpleNamespace(grad_locals=[(torch.zeros(()).to(torch.bfloat16), 0, (4,), (1,))], layout=SimpleNamespace(grad_shard_numel=4))
+    unit = SimpleNamespace(
+        grad_locals=[(torch.zeros(()).to(torch.bfloat16), 0, (4,), (1,))], layout=SimpleNamespace(grad_shard_numel=4)
+    )
     runtime = SimpleNamespace(units=[unit], transport=SimpleNamespace(executor=executor))
     pending = PendingReduce("reduce-scatter", "event after the reduce-scatter", (True,), 0, averaged=False, post=2.0)
     reduced = torch.full((5,), 4.0)
@@ -172,7 +174,9 @@ def counts_read_last(rank: int, world: int, config: dict) -> dict:
             return super().after_reduction(fn, after)
 
     old = transport.executor
-    transport.set_executor(LoggingExecutor(old.rank, old.world_size, old.device, old.timer, old.timeout, old.replicated))
+    transport.set_executor(
+        LoggingExecutor(old.rank, old.world_size, old.device, old.timer, old.timeout, old.replicated)
+    )
     saved = reduction.HostRead
     reduction.HostRead = RecordingRead
     mismatches: list[str] = []
@@ -232,9 +236,9 @@ def tp_sums(rank: int, world: int, config: dict) -> dict:
     LayerNorm weight and bias have Partial() gradients): the all-reduces over tp each backward
     issues, and the gradients against FSDP2's on the same batches."""
     import torch.distributed._functional_collectives as funcol
+    from test_compose import _backward, _dp, _fsdp2, _mesh, _tp_model
 
     import overlap
-    from test_compose import _backward, _dp, _fsdp2, _mesh, _tp_model
 
     mesh = _mesh()
     tp_group = mesh["tp"].get_group()

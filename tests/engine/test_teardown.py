@@ -162,7 +162,7 @@ def test_wrap_registers_the_quiet_exit_and_it_runs_at_interpreter_exit(tmp_path)
     script.write_text(_EXIT_SCRIPT.format(store=tmp_path / "store"))
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.split() == "script done quiet exit ran".split(), proc.stdout
+    assert proc.stdout.split() == ["script", "done", "quiet", "exit", "ran"], proc.stdout
 
 
 def _live_states() -> int:
@@ -232,7 +232,10 @@ def test_the_last_steps_deferred_checks_are_logged_at_exit(tmp_path):
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.split() == ["script", "done"], proc.stdout
-    assert "overlap: rank 0: at exit, the last step's deferred checks: overlap: rank 0: the ranks' collectives diverged" in proc.stderr, proc.stderr
+    assert (
+        "overlap: rank 0: at exit, the last step's deferred checks: overlap: rank 0: the ranks' collectives diverged"
+        in proc.stderr
+    ), proc.stderr
     assert "rank 1: step 2 backward of unit 0" in proc.stderr, proc.stderr
 
 
@@ -264,4 +267,7 @@ def test_exit_does_not_wait_forever_on_a_hung_device(monkeypatch):
     runtime = SimpleNamespace(transport=transport, device=torch.device("cpu"), fingerprints=fingerprints,
                               param_codec=None, grad_codec=None)  # fmt: skip
     (message,) = late_checks.report_at_exit([SimpleNamespace(rank=3, runtime=runtime)], timeout_s=0)
-    assert message == "overlap: rank 3: at exit, the last step's deferred checks: not read: the device did not finish the last step within 0 s"
+    assert (
+        message
+        == "overlap: rank 3: at exit, the last step's deferred checks: not read: the device did not finish the last step within 0 s"
+    )

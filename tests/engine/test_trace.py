@@ -6,9 +6,9 @@ import json
 
 import pytest
 import torch
+from helpers.models import batch, loss_of, tiny_lm
 
 import overlap
-from helpers.models import batch, loss_of, tiny_lm
 from overlap.observe.report import format_summary, load_events, plot_timeline, summarize, union_ms
 from overlap.observe.timing import Span
 from overlap.observe.trace import LANES, TraceRecorder
@@ -21,8 +21,15 @@ def test_union_counts_overlaps_once():
 
 
 def _x(name, tid, ts_ms, dur_ms, step=1, **args):
-    return {"name": name, "ph": "X", "pid": 0, "tid": tid, "ts": ts_ms * 1e3, "dur": dur_ms * 1e3,
-            "args": {"step": step, **args}}
+    return {
+        "name": name,
+        "ph": "X",
+        "pid": 0,
+        "tid": tid,
+        "ts": ts_ms * 1e3,
+        "dur": dur_ms * 1e3,
+        "args": {"step": step, **args},
+    }
 
 
 def test_summary_arithmetic_on_synthetic_trace(tmp_path):
@@ -67,7 +74,9 @@ def test_real_trace_has_every_lane_and_draws(world2, tmp_path):
     for rank in (0, 1):
         lanes = {LANES[e["tid"]] for e in events if e["pid"] == rank}
         assert lanes == set(LANES), (rank, lanes)
-        forwards = [e for e in events if e["pid"] == rank and e["name"].startswith("forward ") and e["args"]["step"] == 1]
+        forwards = [
+            e for e in events if e["pid"] == rank and e["name"].startswith("forward ") and e["args"]["step"] == 1
+        ]
         assert len(forwards) == 4  # one per block; the root unit spans the step and is not drawn
     summaries = summarize(events)
     assert [s.rank for s in summaries] == [0, 1]
@@ -85,13 +94,15 @@ def test_device_spans_land_in_the_step_they_were_recorded_in(tmp_path):
     rec.span("compute", "backward unit1", 0, 30 * ms)
     rec.finish_step()  # step 0 ends: nothing from the device yet
     rec.span("compute", "backward unit1", 40 * ms, 70 * ms)
-    rec.record_spans([
-        Span("collective", "gather", "unit1", 0, 2 * ms, 10.0, 100, True),
-        Span("collective", "reduce", "bucket0 [unit1]", 0, 20 * ms, 6.0, 50, True),
-        Span("collective", "all_reduce", "bucket0 [unit1]", 0, 26 * ms, 2.0, 50, True),
-        Span("stall", "gather", "unit1", 0, 10 * ms, 2.0, 0, True),
-        Span("step", "step", "step", 0, 0, 30.0, 0, True),  # not drawn
-    ])
+    rec.record_spans(
+        [
+            Span("collective", "gather", "unit1", 0, 2 * ms, 10.0, 100, True),
+            Span("collective", "reduce", "bucket0 [unit1]", 0, 20 * ms, 6.0, 50, True),
+            Span("collective", "all_reduce", "bucket0 [unit1]", 0, 26 * ms, 2.0, 50, True),
+            Span("stall", "gather", "unit1", 0, 10 * ms, 2.0, 0, True),
+            Span("step", "step", "step", 0, 0, 30.0, 0, True),  # not drawn
+        ]
+    )
     rec.finish_step()
     events = load_events([tmp_path])
     names = {(e["args"]["step"], LANES[e["tid"]], e["name"]) for e in events}

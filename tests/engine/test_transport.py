@@ -6,14 +6,14 @@ from datetime import timedelta
 
 import pytest
 import torch
-
 from helpers.harness import World
+
 from overlap.transport import backend
 from overlap.transport.base import honoured_timeout
 from overlap.transport.gloo import GlooAllGather, GlooReduceScatter
 from overlap.transport.host import HostExecutor
-from overlap.transport.streams import check_settings
 from overlap.transport.strategy import AllGather, ReduceScatter
+from overlap.transport.streams import check_settings
 
 
 @pytest.mark.parametrize("backend_string", ["nccl", "cpu:gloo,cuda:nccl", "undefined", "gloo"])
@@ -33,7 +33,9 @@ def test_collective_timeout_on_nccl_warns(backend_string):
     """On a stream-ordered backend the timeout is not passed to the
     training collectives' waits (it would block the CPU); a warning names the setting to use."""
     semantics = backend.semantics_of(backend_string, torch.device("cuda", 0))
-    with pytest.warns(UserWarning, match=r"collective_timeout_s=30 does not bound .*init_process_group\(timeout=\.\.\.\)"):
+    with pytest.warns(
+        UserWarning, match=r"collective_timeout_s=30 does not bound .*init_process_group\(timeout=\.\.\.\)"
+    ):
         assert honoured_timeout(semantics, timedelta(seconds=30)) is None
 
 
@@ -49,8 +51,9 @@ def wrap_with_timeout(rank: int, world_size: int, stream_ordered: bool, seconds:
     warnings it gives about the timeout; one training step still runs."""
     import warnings
 
-    import overlap
     from helpers.models import batch, encoder_stack, loss_of
+
+    import overlap
 
     real = backend.semantics
     backend.semantics = lambda group, device: backend.CommSemantics("cpu", "gloo", stream_ordered)
@@ -82,8 +85,9 @@ def test_wrap_warns_once_when_the_timeout_is_ignored(world1):
 
 def chosen_transport(rank: int, world_size: int, impl: str) -> list[str]:
     """The executor and strategies `wrap` chooses for CPU tensors over gloo."""
-    import overlap
     from helpers.models import encoder_stack
+
+    import overlap
 
     model = overlap.wrap(encoder_stack(), all_gather_impl=impl, shared_memory="off")  # shm: test_shm.py
     transport = model._overlap_state.runtime.transport

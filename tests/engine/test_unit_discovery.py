@@ -69,7 +69,9 @@ def test_auto_finds_blocks_in_every_container():
 def test_auto_takes_only_the_repeated_class_and_looks_inside_blocks():
     mixed = nn.ModuleDict({"a": Block(), "b": Other(), "c": Block(), "norm": nn.LayerNorm(8)})
     assert find_unit_modules(mixed, "auto") == ["a", "c"]  # one Other, one LayerNorm: not repeated
-    nested = nn.ModuleDict({"enc": nn.ModuleList([Block(), Block()]), "dec": nn.ModuleDict({"x": Other(), "y": Other()})})
+    nested = nn.ModuleDict(
+        {"enc": nn.ModuleList([Block(), Block()]), "dec": nn.ModuleDict({"x": Other(), "y": Other()})}
+    )
     assert list(repeated_blocks(nested)) == ["enc.0", "enc.1", "dec.x", "dec.y"]
     assert find_unit_modules(nested, "auto") == ["enc.0", "enc.1", "dec.x", "dec.y"]
     frozen_free = nn.ModuleDict({"a": nn.ReLU(), "b": nn.ReLU()})  # no parameters: no unit
@@ -104,7 +106,9 @@ def discovery_on_ranks(rank: int, world: int) -> dict:
     _, out["small_blocks"] = _wrap_and_warnings(Net("list", num_blocks=1), unit_policy={nn.GRU})
     moe = Net("dict")
     moe.layers["2"] = MoEBlock()  # a unit of its own, most parameters, repeated experts inside
-    out["moe_share"] = round(100 * sum(p.numel() for p in moe.layers["2"].parameters()) / sum(p.numel() for p in moe.parameters()))
+    out["moe_share"] = round(
+        100 * sum(p.numel() for p in moe.layers["2"].parameters()) / sum(p.numel() for p in moe.parameters())
+    )
     model, out["moe"] = _wrap_and_warnings(moe, unit_policy={Block})  # MoEBlock too: a block, a unit
     out["moe_units"] = [u.layout.module_fqns for u in state_of(model).units]
     return out

@@ -115,7 +115,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         items[k] = item
     for item in items:
         here = Path(item.path).is_relative_to(HERE)
-        if run.device is None and (here and item.get_closest_marker("cuda") or part_of(item)):
+        if run.device is None and ((here and item.get_closest_marker("cuda")) or part_of(item)):
             item.add_marker(pytest.mark.skip(reason=NEEDS_CUDA))
         elif run.device is not None and run.device.type == "cpu" and (p := part_of(item)) and p[1].cuda_only:
             item.add_marker(pytest.mark.skip(reason="no CUDA"))
@@ -133,7 +133,13 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
     name, spec = part
     run.start = run.start or time.monotonic()
     budget = min(spec.budget_s * run.scale, run.total_s - (time.monotonic() - run.start))
-    entry: dict[str, Any] = {"part": name, "status": "running", "budget_s": round(budget, 1), "bar": None, "measured": None}
+    entry: dict[str, Any] = {
+        "part": name,
+        "status": "running",
+        "budget_s": round(budget, 1),
+        "bar": None,
+        "measured": None,
+    }
     run.report["parts"].append(entry)
     run.records[item.nodeid] = PartRecord(entry, run.write)
     if budget < MIN_BUDGET_S:
@@ -175,7 +181,11 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Itera
             entry.update(status="failed", failure=str(error)[:2000])
         elif entry["status"] != "error":
             timed_out = call.excinfo.typename == "Failed" and str(error).startswith("Timeout")
-            text = f"Timeout: ran past its budget of {entry['budget_s']:.0f} s" if timed_out else f"{call.excinfo.typename}: {error}"
+            text = (
+                f"Timeout: ran past its budget of {entry['budget_s']:.0f} s"
+                if timed_out
+                else f"{call.excinfo.typename}: {error}"
+            )
             entry.update(status="error", error=text[:2000], traceback=str(report.longrepr)[-4000:])
 
 

@@ -56,7 +56,9 @@ def test_autotune(device: torch.device, sizes: Sizes, record: PartRecord) -> Non
     record.progress(measured)
     budget = tuner.memory
     assert budget is not None, "the tuner took no memory budget"
-    measured.update(limit_bytes=budget.limit_bytes, baseline_peak_bytes=budget.baseline_peak_bytes, budget_step=budget.step)
+    measured.update(
+        limit_bytes=budget.limit_bytes, baseline_peak_bytes=budget.baseline_peak_bytes, budget_step=budget.step
+    )
     record.progress(measured)
     assert any(d["action"] == "baseline" for d in decisions), measured["actions"]
     assert budget.limit_bytes == cap, (budget.limit_bytes, cap)

@@ -30,9 +30,14 @@ def test_bandwidth(device: torch.device, record: PartRecord) -> None:
             torch.cuda.empty_cache()
     measured = bench.measured
     fast_rows = [r for r in measured["rows"] if r["backend"] == "triton" and r["largest_size"]]
-    measured["below_bar"] = [f"{r['op']}: {r['share_of_d2d_copy']}" for r in fast_rows if not r["share_of_d2d_copy"] >= SHARE_BAR]
+    measured["below_bar"] = [
+        f"{r['op']}: {r['share_of_d2d_copy']}" for r in fast_rows if not r["share_of_d2d_copy"] >= SHARE_BAR
+    ]
     record.progress(measured)
     if not cuda:
         record.unjudged("CUDA only")
         return
-    assert fast_rows and not measured["below_bar"] and not measured["errors"], (measured["below_bar"], measured["errors"])
+    assert fast_rows and not measured["below_bar"] and not measured["errors"], (
+        measured["below_bar"],
+        measured["errors"],
+    )

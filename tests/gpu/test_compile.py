@@ -24,6 +24,9 @@ def test_compile(device: torch.device, record: PartRecord, request: pytest.Fixtu
     record.bar = "every compile check of test_triton_compile.py passes on this Triton (warm-up reported)"
     timeout = request.node.get_closest_marker("timeout")  # the part's budget (conftest.py)
     budget_s = timeout.args[0] if timeout else PARTS["compile"].budget_s
-    measured = {"triton": triton.__version__, **compile_in_processes("cuda" if device.type == "cuda" else "none", budget_s)}
+    measured = {
+        "triton": triton.__version__,
+        **compile_in_processes("cuda" if device.type == "cuda" else "none", budget_s),
+    }
     record.progress(measured)
     assert measured["all_exited_0"] and measured["checks_passed"] > 0, list(measured["checks_failed"])[:10]

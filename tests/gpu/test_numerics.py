@@ -36,7 +36,7 @@ def triton_cache_entries() -> set[str]:
         from triton import knobs
 
         folder = Path(knobs.cache.dir)
-    except Exception:  # noqa: BLE001  an older Triton (or none): the default folder
+    except Exception:
         folder = Path(os.environ.get("TRITON_CACHE_DIR") or Path.home() / ".triton" / "cache")
     return set(os.listdir(folder)) if folder.is_dir() else set()
 
@@ -46,7 +46,9 @@ def test_numerics(device: torch.device, record: PartRecord) -> None:
     pytest.importorskip("triton", reason="triton is not installed")
     interpreted = device.type != "cuda"
     if interpreted and os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("the dry run needs TRITON_INTERPRET=1 from the start (benchmarks/gpu_check.py --device cpu sets it)")
+        pytest.skip(
+            "the dry run needs TRITON_INTERPRET=1 from the start (benchmarks/gpu_check.py --device cpu sets it)"
+        )
     record.bar = BAR
     measured: dict[str, Any] = {
         "kernels": "triton" + (" under TRITON_INTERPRET=1 on CPU tensors" if interpreted else f" on {device}"),
@@ -69,7 +71,7 @@ def test_numerics(device: torch.device, record: PartRecord) -> None:
         try:
             parts = fn()
             cases[name] = {"class": classify(parts), **parts}
-        except Exception as e:  # noqa: BLE001  one case's crash is that case's result
+        except Exception as e:
             cases[name] = {"class": "error", "error": f"{type(e).__name__}: {str(e)[:300]}"}
         if count % WRITE_EVERY == 0:
             summarize()

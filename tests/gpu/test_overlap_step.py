@@ -13,15 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from .helpers.common import (
-    TIMED_STEPS,
-    Sizes,
-    make_input,
-    sleep_cycles_per_ms,
-    synchronize,
-    train_step,
-    wrapped,
-)
+from .helpers.common import TIMED_STEPS, Sizes, make_input, sleep_cycles_per_ms, synchronize, train_step, wrapped
 from .helpers.delays import patched_comm
 from .helpers.report import PartRecord
 

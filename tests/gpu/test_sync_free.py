@@ -59,8 +59,12 @@ def test_sync_free(device: torch.device, sizes: Sizes, record: PartRecord) -> No
     for name, overrides in configs.items():
         try:
             measured[name] = {"overrides": overrides, **sync_warnings(sizes, device, overrides)}
-        except Exception:  # noqa: BLE001  one config's crash is that config's result
+        except Exception:
             measured[name] = {"overrides": overrides, "error": traceback.format_exc()[-3000:]}
         record.progress(measured)
-    syncing = {name: m.get("sync_warnings", m.get("error", "")[-300:]) for name, m in measured.items() if m.get("sync_warnings") != 0}
+    syncing = {
+        name: m.get("sync_warnings", m.get("error", "")[-300:])
+        for name, m in measured.items()
+        if m.get("sync_warnings") != 0
+    }
     assert not syncing, f"configs that synchronized the host in steps 2-3: {syncing}"

@@ -93,7 +93,12 @@ def memory_rows(world_results: dict[str, dict[str, Any]]) -> list[dict[str, Any]
                 m = r.get("memory")
                 if not m:
                     continue
-                row = {"world": world, "config": name, "rank": rank, **{k: v for k, v in m.items() if k != "library_peak"}}
+                row = {
+                    "world": world,
+                    "config": name,
+                    "rank": rank,
+                    **{k: v for k, v in m.items() if k != "library_peak"},
+                }
                 if "steps_peak_bytes" in m and plain_step:
                     used = m["steps_peak_bytes"] - m["after_wrap_bytes"]
                     accounted = m["library_peak_bytes"] - m["sharded_param_bytes"] + plain_step["step_peak_bytes"]

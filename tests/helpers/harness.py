@@ -21,8 +21,9 @@ import queue
 import socket
 import time
 import traceback
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any
 
 import torch.multiprocessing as mp
 
@@ -69,9 +70,7 @@ def _worker(rank: int, world_size: int, port: int, tasks: Any, results: Any) -> 
     torch.set_num_threads(rank_threads())
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
-    dist.init_process_group(
-        "gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S)
-    )
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
     while True:
         task = tasks.get()
         if task is None:
@@ -98,9 +97,7 @@ class World:
         self._results = self._ctx.Queue()
         self._procs = [
             self._ctx.Process(
-                target=_worker,
-                args=(rank, self.world_size, port, self._tasks[rank], self._results),
-                daemon=True,
+                target=_worker, args=(rank, self.world_size, port, self._tasks[rank], self._results), daemon=True
             )
             for rank in range(self.world_size)
         ]

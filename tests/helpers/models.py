@@ -50,10 +50,7 @@ def encoder_stack(seed: int = 0, layers: int = 3, dim: int = 16) -> nn.Sequentia
     """W1's shape in miniature: a Sequential of TransformerEncoderLayers, no root parameters."""
     torch.manual_seed(seed)
     return nn.Sequential(
-        *[
-            nn.TransformerEncoderLayer(dim, 2, 2 * dim + 3, batch_first=True, dropout=0.0)
-            for _ in range(layers)
-        ]
+        *[nn.TransformerEncoderLayer(dim, 2, 2 * dim + 3, batch_first=True, dropout=0.0) for _ in range(layers)]
     )
 
 

@@ -71,6 +71,4 @@ def reordered_mismatches(
 
 def losses_within(actual: Sequence[float], expected: Sequence[float], rtol: float) -> bool:
     """Every loss of `actual` within `rtol` (relative) of the same step's loss in `expected`."""
-    return len(actual) == len(expected) and all(
-        abs(a - e) <= rtol * abs(e) for a, e in zip(actual, expected)
-    )
+    return len(actual) == len(expected) and all(abs(a - e) <= rtol * abs(e) for a, e in zip(actual, expected))

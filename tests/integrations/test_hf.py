@@ -22,7 +22,7 @@ transformers = pytest.importorskip(
     "transformers", reason="optional extra `hf` (pip install -e '.[hf]'); CI installs it"
 )
 
-import overlap  # noqa: E402
+import overlap
 
 # runs in every rank too (they import this module to find the test functions)
 transformers.logging.set_verbosity_error()
@@ -72,12 +72,7 @@ MODELS = {"llama": tiny_llama, "gpt2": tiny_gpt2}
 LAYERS = {"llama": "model.layers", "gpt2": "transformer.h"}
 ROOT_PARAMS = {  # lm_head.weight is transformer.wte.weight in GPT-2: named once, by its first owner
     "llama": {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"},
-    "gpt2": {
-        "transformer.wte.weight",
-        "transformer.wpe.weight",
-        "transformer.ln_f.weight",
-        "transformer.ln_f.bias",
-    },
+    "gpt2": {"transformer.wte.weight", "transformer.wpe.weight", "transformer.ln_f.weight", "transformer.ln_f.bias"},
 }
 
 
@@ -98,9 +93,7 @@ def _compare(what: str, ref: torch.Tensor, ours: torch.Tensor, out: list[str]) -
         out.append(f"{what}: shapes {tuple(ref.shape)} vs {tuple(ours.shape)}, max |diff| {diff}")
 
 
-def train_vs_ddp(
-    rank: int, world: int, model: str, config: dict | None = None, steps: int = 3
-) -> dict:
+def train_vs_ddp(rank: int, world: int, model: str, config: dict | None = None, steps: int = 3) -> dict:
     """Wrap (default policy unless `config` says otherwise); train `steps` AdamW steps against
     DDP on a deep copy and list every loss, gradient shard and parameter shard that is not
     bitwise DDP's."""
@@ -108,8 +101,7 @@ def train_vs_ddp(
     ref = DDP(copy.deepcopy(base))
     ours = overlap.wrap(base, **(config or {}))
     units = [
-        (u.layout.label, u.layout.module_fqns, [slot.fqn for slot in u.layout.slots])
-        for u in ours._overlap_state.units
+        (u.layout.label, u.layout.module_fqns, [slot.fqn for slot in u.layout.slots]) for u in ours._overlap_state.units
     ]
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
     opt = torch.optim.AdamW(ours.parameters(), lr=1e-2, weight_decay=0.1)
@@ -202,9 +194,7 @@ def test_hf_trains_like_ddp(world2, model):
         assert labels[0] == "root" and fqns[0] == ("",), (rank, r["units"])
         assert fqns[1:] == [(f"{layers}.0",), (f"{layers}.1",)], (rank, r["units"])
         assert set(r["units"][0][2]) == ROOT_PARAMS[model], (rank, r["units"][0])
-        assert not r["mismatches"], f"rank {rank}: not bitwise equal to DDP:\n" + "\n".join(
-            r["mismatches"]
-        )
+        assert not r["mismatches"], f"rank {rank}: not bitwise equal to DDP:\n" + "\n".join(r["mismatches"])
         if model == "gpt2":
             assert r["tied"], f"rank {rank}: lm_head.weight is no longer transformer.wte.weight"
 
@@ -238,9 +228,7 @@ def test_gpt2_tie_across_units_trains_like_ddp(world2, policy, units):
         nonempty = [fqns for _, fqns, params in r["units"] if params]
         assert nonempty == units, (rank, r["units"])
         assert "transformer.wte.weight" in r["units"][0][2], (rank, r["units"][0])
-        assert not r["mismatches"], f"rank {rank}: not bitwise equal to DDP:\n" + "\n".join(
-            r["mismatches"]
-        )
+        assert not r["mismatches"], f"rank {rank}: not bitwise equal to DDP:\n" + "\n".join(r["mismatches"])
         assert r["tied"], f"rank {rank}: lm_head.weight is no longer transformer.wte.weight"
 
 

@@ -33,9 +33,10 @@ transformers = pytest.importorskip(
     "transformers", reason="optional extra `hf` (pip install -e '.[hf]'); CI installs it"
 )
 
-import overlap  # noqa: E402
-from overlap.transport import collectives as comm  # noqa: E402
-from test_hf import _shard_rows  # noqa: E402
+from test_hf import _shard_rows
+
+import overlap
+from overlap.transport import collectives as comm
 
 pytestmark = pytest.mark.slow  # spawns worlds or runs a command end to end: `-m 'not slow'` leaves it out
 
@@ -90,8 +91,9 @@ FAMILIES: dict[str, tuple[Callable[[], nn.Module], Callable[[int, int], dict]]] 
     "llama": (
         lambda: _build(
             T.LlamaForCausalLM,
-            T.LlamaConfig(vocab_size=VOCAB, num_key_value_heads=2, max_position_embeddings=64,
-                          tie_word_embeddings=False, **LAYERS),
+            T.LlamaConfig(
+                vocab_size=VOCAB, num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False, **LAYERS
+            ),
         ),
         _lm,
     ),
@@ -99,33 +101,58 @@ FAMILIES: dict[str, tuple[Callable[[], nn.Module], Callable[[int, int], dict]]] 
         # intermediate 36: grouped_mm wants row strides that are multiples of 16 bytes
         lambda: _build(
             T.MixtralForCausalLM,
-            T.MixtralConfig(vocab_size=VOCAB, num_key_value_heads=2, num_local_experts=8,
-                            num_experts_per_tok=2, max_position_embeddings=64, router_jitter_noise=0.0,
-                            tie_word_embeddings=False, **{**LAYERS, "intermediate_size": 36}),
+            T.MixtralConfig(
+                vocab_size=VOCAB,
+                num_key_value_heads=2,
+                num_local_experts=8,
+                num_experts_per_tok=2,
+                max_position_embeddings=64,
+                router_jitter_noise=0.0,
+                tie_word_embeddings=False,
+                **{**LAYERS, "intermediate_size": 36},
+            ),
         ),
         _moe,
     ),
     "gpt2": (
         lambda: _build(
             T.GPT2LMHeadModel,
-            T.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=32,
-                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
+            T.GPT2Config(
+                vocab_size=VOCAB,
+                n_embd=32,
+                n_layer=2,
+                n_head=4,
+                n_positions=32,
+                resid_pdrop=0.0,
+                embd_pdrop=0.0,
+                attn_pdrop=0.0,
+            ),
         ),
         _lm,
     ),
     "bert": (
         lambda: _build(
-            T.BertForMaskedLM,
-            T.BertConfig(vocab_size=VOCAB, max_position_embeddings=32, **LAYERS, **NO_DROPOUT),
+            T.BertForMaskedLM, T.BertConfig(vocab_size=VOCAB, max_position_embeddings=32, **LAYERS, **NO_DROPOUT)
         ),
         _lm,
     ),
     "t5": (
         lambda: _build(
             T.T5ForConditionalGeneration,
-            T.T5Config(vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=37, num_layers=2,
-                       num_decoder_layers=2, num_heads=4, relative_attention_num_buckets=8,
-                       dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0, eos_token_id=1),
+            T.T5Config(
+                vocab_size=VOCAB,
+                d_model=32,
+                d_kv=8,
+                d_ff=37,
+                num_layers=2,
+                num_decoder_layers=2,
+                num_heads=4,
+                relative_attention_num_buckets=8,
+                dropout_rate=0.0,
+                decoder_start_token_id=0,
+                pad_token_id=0,
+                eos_token_id=1,
+            ),
         ),
         _seq2seq,
     ),
@@ -194,9 +221,9 @@ def _experts_hit(model: nn.Module) -> tuple[list[set[int]], list[Any]]:
         if type(module).__name__ == "MixtralTopKRouter":
             seen: set[int] = set()
             hit.append(seen)
-            handles.append(module.register_forward_hook(
-                lambda m, args, out, seen=seen: seen.update(out[2].flatten().tolist())
-            ))
+            handles.append(
+                module.register_forward_hook(lambda m, args, out, seen=seen: seen.update(out[2].flatten().tolist()))
+            )
     return hit, handles
 
 

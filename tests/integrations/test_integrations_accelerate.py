@@ -40,11 +40,12 @@ accelerate = pytest.importorskip(
     "accelerate", reason="optional extra `integrations` (pip install -e '.[integrations]'); CI installs it"
 )
 
-import overlap  # noqa: E402
-from helpers.harness import rank_threads  # noqa: E402
-from helpers.tolerance import losses_within, reordered_mismatches, reordered_rtol  # noqa: E402
-from overlap.integrations import accelerate as overlap_accelerate  # noqa: E402
-from overlap.integrations import is_wrapped  # noqa: E402
+from helpers.harness import rank_threads
+from helpers.tolerance import losses_within, reordered_mismatches, reordered_rtol
+
+import overlap
+from overlap.integrations import accelerate as overlap_accelerate
+from overlap.integrations import is_wrapped
 
 TIMEOUT_S = 300
 SAMPLES = 16  # 2 ranks x 4 batches of 2: one epoch is 2 optimizer steps of 2 micro-batches
@@ -53,7 +54,10 @@ ACCUMULATE = 2
 
 def torchrun_env(rank: int, world: int) -> None:
     os.environ.update(
-        RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
         OMP_NUM_THREADS=str(rank_threads()),  # else accelerate's CPU mode sets torch's thread count itself
     )
 
@@ -148,7 +152,13 @@ def resume(rank: int, world: int, *, root: str) -> dict:
     counter = Counter()
     accelerator.register_for_checkpointing(counter)
     info = overlap_accelerate.load_state(accelerator, root, model, optimizer, scheduler)
-    record: dict = {"losses": [], "lrs": [], "sync_flags": [], "info": (info["step"], info["extra"]), "counter": counter.count}
+    record: dict = {
+        "losses": [],
+        "lrs": [],
+        "sync_flags": [],
+        "info": (info["step"], info["extra"]),
+        "counter": counter.count,
+    }
     epoch(accelerator, model, optimizer, data, scheduler, record)
     record["params"] = params(model)
     return record
@@ -162,8 +172,14 @@ def export_hf(rank: int, world: int, *, root: str) -> dict:
     accelerator = accelerate.Accelerator(cpu=True)
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
-        vocab_size=61, hidden_size=16, intermediate_size=23, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, max_position_embeddings=32, tie_word_embeddings=False,
+        vocab_size=61,
+        hidden_size=16,
+        intermediate_size=23,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=32,
+        tie_word_embeddings=False,
     )
     model = overlap.wrap(transformers.LlamaForCausalLM._from_config(config, attn_implementation="eager"))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)

@@ -45,15 +45,14 @@ import torch
 transformers = pytest.importorskip(
     "transformers", reason="optional extra `hf` (pip install -e '.[hf]'); CI installs it"
 )
-pytest.importorskip(
-    "accelerate", reason="optional extra `integrations` (Trainer needs accelerate); CI installs it"
-)
+pytest.importorskip("accelerate", reason="optional extra `integrations` (Trainer needs accelerate); CI installs it")
 
-import overlap  # noqa: E402
-from helpers.harness import rank_threads  # noqa: E402
-from helpers.tolerance import losses_within, reordered_mismatches, reordered_rtol  # noqa: E402
-from overlap.integrations import is_wrapped  # noqa: E402
-from overlap.integrations.hf import OVERLAP_DIR, OverlapTrainer  # noqa: E402
+from helpers.harness import rank_threads
+from helpers.tolerance import losses_within, reordered_mismatches, reordered_rtol
+
+import overlap
+from overlap.integrations import is_wrapped
+from overlap.integrations.hf import OVERLAP_DIR, OverlapTrainer
 
 transformers.logging.set_verbosity_error()
 VOCAB = 97
@@ -65,7 +64,10 @@ TIMEOUT_S = 300  # a Trainer run is a few seconds; generous for a loaded machine
 def torchrun_env(rank: int, world: int) -> None:
     """What torchrun sets, so that the Trainer (accelerate) sees a distributed launch."""
     os.environ.update(
-        RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
         OMP_NUM_THREADS=str(rank_threads()),  # else accelerate's CPU mode sets torch's thread count itself
     )
 
@@ -73,8 +75,13 @@ def torchrun_env(rank: int, world: int) -> None:
 def tiny_llama() -> torch.nn.Module:
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=37, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=37,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
         tie_word_embeddings=False,
     )
     return transformers.LlamaForCausalLM._from_config(config, attn_implementation="eager")
@@ -88,10 +95,21 @@ def dataset() -> list[dict[str, torch.Tensor]]:
 
 def training_args(out: str, max_steps: int = STEPS, use_cpu: bool = True) -> Any:
     return transformers.TrainingArguments(
-        output_dir=out, use_cpu=use_cpu, per_device_train_batch_size=2, gradient_accumulation_steps=2,
-        max_steps=max_steps, learning_rate=1e-2, lr_scheduler_type="linear", max_grad_norm=1.0,
-        save_strategy="steps", save_steps=SAVE_EVERY, logging_strategy="no", report_to=[],
-        disable_tqdm=True, seed=1, dataloader_pin_memory=False,
+        output_dir=out,
+        use_cpu=use_cpu,
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=2,
+        max_steps=max_steps,
+        learning_rate=1e-2,
+        lr_scheduler_type="linear",
+        max_grad_norm=1.0,
+        save_strategy="steps",
+        save_steps=SAVE_EVERY,
+        logging_strategy="no",
+        report_to=[],
+        disable_tqdm=True,
+        seed=1,
+        dataloader_pin_memory=False,
     )
 
 
@@ -135,9 +153,7 @@ def optimizer_state(trainer: Any) -> dict[str, torch.Tensor]:
     return {f"{n}.{k}": v.detach().clone() for n, st in by_name.items() for k, v in st.items()}
 
 
-def run(
-    rank: int, world: int, *, mode: str, out: str, resume: str | None = None, max_steps: int = STEPS
-) -> dict:
+def run(rank: int, world: int, *, mode: str, out: str, resume: str | None = None, max_steps: int = STEPS) -> dict:
     """One Trainer run: "ddp" (Trainer) or "overlap" (OverlapTrainer, save_model at the end)."""
     torchrun_env(rank, world)
     args = training_args(out, max_steps)
@@ -146,7 +162,9 @@ def run(
     trainer.losses, trainer.lrs = [], []
     trainer.train(resume_from_checkpoint=resume)
     result: dict = {
-        "losses": trainer.losses, "lrs": trainer.lrs, "wrapper": type(trainer.model_wrapped).__name__,
+        "losses": trainer.losses,
+        "lrs": trainer.lrs,
+        "wrapper": type(trainer.model_wrapped).__name__,
         "optimizer": optimizer_state(trainer),
     }
     if mode == "ddp":
@@ -238,8 +256,12 @@ def test_trainer_matches_ddp_saves_and_resumes(world2, tmp_path):
     saved["param_groups"][0]["params"].pop()
     torch.save(saved, mismatched / "optimizer.pt")
     (fsdp / "optimizer.pt").rename(fsdp / "optimizer.bin")
-    for error in world2.run(refused, timeout_s=TIMEOUT_S, out=str(tmp_path / "r"), what="resume", resume=str(mismatched)):
-        assert "cannot load the optimizer state (on rank 0: ValueError: the saved optimizer has param groups" in error, error
+    for error in world2.run(
+        refused, timeout_s=TIMEOUT_S, out=str(tmp_path / "r"), what="resume", resume=str(mismatched)
+    ):
+        assert (
+            "cannot load the optimizer state (on rank 0: ValueError: the saved optimizer has param groups" in error
+        ), error
     for error in world2.run(refused, timeout_s=TIMEOUT_S, out=str(tmp_path / "r"), what="resume", resume=str(fsdp)):
         assert "holds an FSDP Trainer's optimizer state (optimizer.bin)" in error, error
 
@@ -263,7 +285,11 @@ def test_trainer_matches_ddp_saves_and_resumes(world2, tmp_path):
     weights_only = tmp_path / "weights_only"
     shutil.copytree(ckpt, weights_only, ignore=shutil.ignore_patterns(OVERLAP_DIR))
     from_file = world2.run(
-        run, timeout_s=TIMEOUT_S, mode="overlap", out=str(tmp_path / "from_file"), resume=str(weights_only),
+        run,
+        timeout_s=TIMEOUT_S,
+        mode="overlap",
+        out=str(tmp_path / "from_file"),
+        resume=str(weights_only),
         max_steps=SAVE_EVERY + 1,
     )
     for rank in range(2):

@@ -42,10 +42,11 @@ L = pytest.importorskip(
     "lightning", reason="optional extra `integrations` (pip install -e '.[integrations]'); CI installs it"
 )
 
-import overlap  # noqa: E402
-from helpers.harness import World, rank_threads  # noqa: E402
-from overlap.integrations import is_wrapped  # noqa: E402
-from overlap.integrations import lightning as overlap_lightning  # noqa: E402
+from helpers.harness import World, rank_threads
+
+import overlap
+from overlap.integrations import is_wrapped
+from overlap.integrations import lightning as overlap_lightning
 
 TIMEOUT_S = 300  # a fit is a few seconds; generous for a loaded machine
 BATCH = 2
@@ -61,8 +62,12 @@ def world1():
 
 def torchrun_env(rank: int, world: int) -> None:
     os.environ.update(
-        RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
-        NODE_RANK="0", OMP_NUM_THREADS=str(rank_threads()),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+        NODE_RANK="0",
+        OMP_NUM_THREADS=str(rank_threads()),
     )
 
 
@@ -146,9 +151,17 @@ def fit(
         callbacks.append(L.pytorch.callbacks.ModelCheckpoint(dirpath=out, save_top_k=-1, every_n_epochs=1))
     strategy = "ddp" if mode == "ddp" else overlap_lightning.OverlapStrategy(save_distributed_checkpoint=not full)
     trainer = L.Trainer(
-        accelerator="cpu", devices=world, strategy=strategy, max_epochs=epochs, accumulate_grad_batches=2,
-        logger=False, enable_progress_bar=False, enable_model_summary=False,
-        enable_checkpointing=bool(callbacks), callbacks=callbacks, default_root_dir=out,
+        accelerator="cpu",
+        devices=world,
+        strategy=strategy,
+        max_epochs=epochs,
+        accumulate_grad_batches=2,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=bool(callbacks),
+        callbacks=callbacks,
+        default_root_dir=out,
     )
     trainer.fit(lit, data(), ckpt_path=resume)
     if full and resume is None:
@@ -169,8 +182,14 @@ def refused(rank: int, world: int, *, out: str, what: str) -> str:
             fabric.launch()
             return "no error"
         trainer = L.Trainer(
-            accelerator="cpu", devices=devices, strategy=overlap_lightning.OverlapStrategy(), max_steps=1,
-            logger=False, enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+            accelerator="cpu",
+            devices=devices,
+            strategy=overlap_lightning.OverlapStrategy(),
+            max_steps=1,
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            enable_checkpointing=False,
             default_root_dir=out,
         )
         trainer.fit(LitNet(wrap="net_only" if what == "unwrapped" else "net"), data())
@@ -295,8 +314,13 @@ def test_trainer_matches_ddp_and_resumes(world2, world1, tmp_path):
     assert "optimizer_states" not in weights
     assert_plain_loads(weights["state_dict"], one_epoch[0]["params"])
     from_file = world2.run(
-        fit, timeout_s=TIMEOUT_S, mode="overlap", out=str(tmp_path / "full"), epochs=2,
-        resume=str(tmp_path / "full" / "full.ckpt"), full=True,
+        fit,
+        timeout_s=TIMEOUT_S,
+        mode="overlap",
+        out=str(tmp_path / "full"),
+        epochs=2,
+        resume=str(tmp_path / "full" / "full.ckpt"),
+        full=True,
     )
     for rank in range(2):
         assert from_file[rank]["losses"] == ours[rank]["losses"][4:], rank
@@ -314,8 +338,12 @@ def test_trainer_matches_ddp_and_resumes(world2, world1, tmp_path):
 
     # at another number of ranks: one rank resumes our 2-rank checkpoint (DCP reshards it) as
     # Lightning's DDP on one rank resumes its own
-    one_ddp = world1.run(fit, timeout_s=TIMEOUT_S, mode="ddp", out=str(tmp_path / "one_ddp"), epochs=2, resume=str(ddp_first))
-    one_ours = world1.run(fit, timeout_s=TIMEOUT_S, mode="overlap", out=str(tmp_path / "one"), epochs=2, resume=str(first))
+    one_ddp = world1.run(
+        fit, timeout_s=TIMEOUT_S, mode="ddp", out=str(tmp_path / "one_ddp"), epochs=2, resume=str(ddp_first)
+    )
+    one_ours = world1.run(
+        fit, timeout_s=TIMEOUT_S, mode="overlap", out=str(tmp_path / "one"), epochs=2, resume=str(first)
+    )
     assert len(one_ours[0]["losses"]) == 8 and one_ours[0]["losses"] == one_ddp[0]["losses"]
     want = one_ddp[0]["params"]
     assert [k for k in want if not torch.equal(want[k], one_ours[0]["params"][k])] == []

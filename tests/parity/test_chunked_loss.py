@@ -18,7 +18,6 @@ import copy
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
@@ -75,7 +74,9 @@ class _BackpropAccumulated(torch.autograd.Function):
         return grad, None, None
 
 
-def chunked_loss(head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor, num_chunks: int, tokens: int) -> torch.Tensor:
+def chunked_loss(
+    head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor, num_chunks: int, tokens: int
+) -> torch.Tensor:
     """torchtitan's ChunkedLossWrapper: per chunk, head + cross-entropy (summed, divided by the
     global token count) + its own backward; then one loss whose backward runs the model's. A
     head that is an FSDP2 module of its own keeps its parameters gathered over the chunks and
@@ -135,7 +136,11 @@ def compare_and_step(ours: nn.Module, ref: nn.Module, optims: tuple, step: int) 
 def _fsdp2(model: Decoder, divide_factor: float | None, mixed: bool = False) -> Decoder:
     """Per block and the root; `mixed`: torchtitan's layout and policy, the final norm and the
     head one module group of their own, bf16 parameters, fp32 reduction."""
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed else MixedPrecisionPolicy()
+    policy = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if mixed
+        else MixedPrecisionPolicy()
+    )
     for block in model.layers.values():
         fully_shard(block, mp_policy=policy)
     if mixed:

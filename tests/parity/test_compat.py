@@ -45,9 +45,7 @@ def _max_rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
 # ------------------------------------------------------------------- torch.compile
 
 
-def compiled_vs_ddp(
-    rank: int, world: int, how: str, config: dict, backend: str = "aot_eager", steps: int = 3
-) -> dict:
+def compiled_vs_ddp(rank: int, world: int, how: str, config: dict, backend: str = "aot_eager", steps: int = 3) -> dict:
     """Train a model with compiled blocks under overlap against DDP over the eager model."""
     from torch._dynamo.testing import CompileCounterWithBackend
 
@@ -123,9 +121,7 @@ def test_compiled_blocks_match_ddp(world2, how, config):
     reason="inductor compiles C++ (~30-80 s on 2 cores); set OVERLAP_TEST_INDUCTOR=1",
 )
 def test_inductor_blocks_match_ddp(world2):
-    results = world2.run(
-        compiled_vs_ddp, timeout_s=280, how="torch.compile", config={}, backend="inductor"
-    )
+    results = world2.run(compiled_vs_ddp, timeout_s=280, how="torch.compile", config={}, backend="inductor")
     for rank, r in enumerate(results):
         # inductor's fused kernels may round differently from eager
         assert r["worst"] <= 1e-5 and r["compiles"][-1] == r["compiles"][0] <= 2, (rank, r)

@@ -20,13 +20,13 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from helpers.tolerance import reordered_mismatches, reordered_rtol
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import overlap
-from helpers.tolerance import reordered_mismatches, reordered_rtol
 
 DIM = 16
 STEPS = 3
@@ -77,7 +77,9 @@ def _dp(mesh: DeviceMesh) -> DeviceMesh:
     return mesh["rep", "dp"] if mesh.ndim == 3 else mesh["dp"]
 
 
-def _tp_model(mesh: DeviceMesh, checkpointed: bool = False, hidden: int = 4 * DIM, sequence_parallel: bool = False) -> Net:
+def _tp_model(
+    mesh: DeviceMesh, checkpointed: bool = False, hidden: int = 4 * DIM, sequence_parallel: bool = False
+) -> Net:
     """Colwise `up`, rowwise `down`; with `sequence_parallel`, torchtitan's plan: a LayerNorm
     under SequenceParallel on the tokens (dim 0 here) that each tp rank holds, `up` gathering
     them, `down` scattering them back. The norm's weight is Replicate() and its gradient comes
@@ -99,11 +101,19 @@ def _tp_model(mesh: DeviceMesh, checkpointed: bool = False, hidden: int = 4 * DI
 
 
 def _fsdp2(
-    mesh: DeviceMesh, checkpointed: bool = False, mixed: bool = False, hidden: int = 4 * DIM, sequence_parallel: bool = False
+    mesh: DeviceMesh,
+    checkpointed: bool = False,
+    mixed: bool = False,
+    hidden: int = 4 * DIM,
+    sequence_parallel: bool = False,
 ) -> Net:
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed else MixedPrecisionPolicy()
+    policy = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if mixed
+        else MixedPrecisionPolicy()
+    )
     model = _tp_model(mesh, checkpointed, hidden, sequence_parallel)
     for block in model.layers:
         fully_shard(block, mesh=_dp(mesh), mp_policy=policy)
@@ -138,14 +148,22 @@ def _differences(ours: nn.Module, ref: nn.Module) -> list[str]:
     theirs = dict(ref.named_parameters())
     for name, p in ours.named_parameters():
         q = theirs[name]
-        if (p.device_mesh.mesh_dim_names, p.placements, p.shape) != (q.device_mesh.mesh_dim_names, q.placements, q.shape):
-            bad.append(f"{name}: {p.device_mesh.mesh_dim_names} {p.placements} vs {q.device_mesh.mesh_dim_names} {q.placements}")
+        if (p.device_mesh.mesh_dim_names, p.placements, p.shape) != (
+            q.device_mesh.mesh_dim_names,
+            q.placements,
+            q.shape,
+        ):
+            bad.append(
+                f"{name}: {p.device_mesh.mesh_dim_names} {p.placements} vs {q.device_mesh.mesh_dim_names} {q.placements}"
+            )
         elif not torch.equal(p.to_local(), q.to_local()):
             bad.append(f"{name}: values")
     return bad
 
 
-def _state_differences(opt: torch.optim.Optimizer, ref_opt: torch.optim.Optimizer, ours: nn.Module, ref: nn.Module) -> list[str]:
+def _state_differences(
+    opt: torch.optim.Optimizer, ref_opt: torch.optim.Optimizer, ours: nn.Module, ref: nn.Module
+) -> list[str]:
     theirs = dict(ref.named_parameters())
     bad = []
     for name, p in ours.named_parameters():
@@ -296,12 +314,18 @@ def _refusals(mesh: DeviceMesh) -> dict[str, tuple]:
             ["'weight'", "already distributed over the data-parallel dimension ['dp']"],
         ),
         "2-D tp": (
-            lambda: _One(DTensor.from_local(torch.randn(2, 2), cube["cp", "tp"], [Shard(0), Shard(1)], run_check=False)),
+            lambda: _One(
+                DTensor.from_local(torch.randn(2, 2), cube["cp", "tp"], [Shard(0), Shard(1)], run_check=False)
+            ),
             {"group": cube["rep"]},
             ["'weight'", "only 1-D tensor parallelism"],
         ),
         "two meshes": (_two_meshes(cube), {"group": cube["rep"]}, ["'weight'", "'extra'", "several meshes"]),
-        "Partial": (lambda: _One(dtensor(torch.randn(4, 4), tp, Partial())), dp, ["'weight'", "Partial", "not supported"]),
+        "Partial": (
+            lambda: _One(dtensor(torch.randn(4, 4), tp, Partial())),
+            dp,
+            ["'weight'", "Partial", "not supported"],
+        ),
         "StridedShard": (
             lambda: _One(dtensor(torch.randn(2, 4), tp, _StridedShard(0, split_factor=2))),
             dp,
@@ -500,7 +524,6 @@ def test_hsdp_x_tp_checkpoint_and_full_state_dict(world8, tmp_path):
         assert not any(result.values()), (rank, result)
 
 
-
 def check_hpz(rank: int, world_size: int) -> dict:
     """hpZ x TP on (rep, dp, tp) = (2, 2, 2): `hybrid_mode="secondary"` over mesh["rep", "dp"]
     against overlap's FSDP x TP over the same ranks flattened (the same reduce-scatters over 4
@@ -688,7 +711,9 @@ def check_pipeline(rank: int, world_size: int, schedules: tuple[str, ...]) -> di
                 losses += [loss.item() for loss in step_losses]
                 opt.step()
                 opt.zero_grad()
-            params = {f"{i}.{n}": p.full_tensor().detach() for i, m in enumerate(modules) for n, p in m.named_parameters()}
+            params = {
+                f"{i}.{n}": p.full_tensor().detach() for i, m in enumerate(modules) for n, p in m.named_parameters()
+            }
             out[schedule, kind] = (losses, params)
     return out
 

@@ -29,24 +29,11 @@ from collections.abc import Callable, Iterator
 import pytest
 import torch
 import torch.nn as nn
-from test_compose import (
-    DIM,
-    STEPS,
-    Net,
-    _backward,
-    _differences,
-    _mesh,
-    _tp_model,
-)
+from test_compose import DIM, STEPS, Net, _backward, _differences, _mesh, _tp_model
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import Shard
-from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
-    RowwiseParallel,
-    SequenceParallel,
-    parallelize_module,
-)
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
 
 import overlap
 
@@ -228,7 +215,9 @@ def check_compiled(rank: int, world_size: int, how: str, backend: str, config: d
 
 COMPILE_CASES = [
     pytest.param("in-place", {}, False, id="in-place"),
-    pytest.param("torch.compile", {"reshard_after_forward": False, "prefetch_depth": 1}, True, id="meta-torch.compile-zero2"),
+    pytest.param(
+        "torch.compile", {"reshard_after_forward": False, "prefetch_depth": 1}, True, id="meta-torch.compile-zero2"
+    ),
 ]
 
 

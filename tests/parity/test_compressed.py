@@ -8,10 +8,10 @@ import copy
 
 import pytest
 import torch
+from helpers.models import batch, loss_of, tiny_lm
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import overlap
-from helpers.models import batch, loss_of, tiny_lm
 from overlap.compression import IdentityCodec
 
 
@@ -31,7 +31,10 @@ def train(rank: int, world: int, config: dict, steps: int = 6, identity_path: bo
         lr_.backward()
         lo = loss_of(ours(x))
         lo.backward()
-        o_ref.step(); o.step(); o_ref.zero_grad(); o.zero_grad()
+        o_ref.step()
+        o.step()
+        o_ref.zero_grad()
+        o.zero_grad()
         losses.append(lo.item())
         ref_losses.append(lr_.item())
         stats = overlap.step_stats(ours)
@@ -40,7 +43,8 @@ def train(rank: int, world: int, config: dict, steps: int = 6, identity_path: bo
     rows = lambda p: -(-p.shape[0] // world)  # noqa: E731
     param_err = max(
         (p.to_local() - named[n].detach()[rank * rows(p) : rank * rows(p) + p.to_local().shape[0]]).abs().max().item()
-        if p.to_local().numel() else 0.0
+        if p.to_local().numel()
+        else 0.0
         for n, p in ours.named_parameters()
     )
     return {"losses": losses, "ref": ref_losses, "wire": wire[-1], "param_err": param_err}
@@ -129,7 +133,7 @@ def encodes_per_step(rank: int, world: int) -> dict:
     comm.encode_shard = counting
     counts, losses = [], []
     try:
-        for step in range(3):
+        for _ in range(3):
             calls.clear()
             loss = loss_of(ours(batch(base, rank, 0)))  # same batch: only the weights change
             loss.backward()

@@ -12,12 +12,12 @@ import warnings
 import pytest
 import torch
 import torch.nn as nn
+from test_chunked_loss import compare_and_step
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 import overlap
 from overlap.engine.state import state_of
-from test_chunked_loss import compare_and_step
 
 DIM, STEPS = 16, 3
 
@@ -79,7 +79,11 @@ def _step(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
 def factor_vs_fsdp2(rank: int, world: int, factors: list[float | None], hsdp: bool = False) -> list[str]:
     """Train with `factors[s]` at step s (the first at wrap, the others through the method),
     overlap and FSDP2 on the same batches; the differences (empty: bitwise)."""
-    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("rep", "shard")) if hsdp else init_device_mesh("cpu", (world,))
+    mesh = (
+        init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("rep", "shard"))
+        if hsdp
+        else init_device_mesh("cpu", (world,))
+    )
     torch.manual_seed(0)
     base = Net()
     kwargs = {} if factors[0] is None else {"gradient_divide_factor": factors[0]}
@@ -145,7 +149,9 @@ def checkpoint_keeps_the_factor(rank: int, world: int, root: str) -> dict:
     x = torch.randn(4, DIM, generator=torch.Generator().manual_seed(rank))
     _step(model, x)
     _step(fresh, x)
-    same = all(torch.equal(a.grad.to_local(), b.grad.to_local()) for a, b in zip(model.parameters(), fresh.parameters()))
+    same = all(
+        torch.equal(a.grad.to_local(), b.grad.to_local()) for a, b in zip(model.parameters(), fresh.parameters())
+    )
     return {
         "restored": state_of(fresh).config.gradient_divide_factor,
         "warned": [str(w.message) for w in caught if "gradient_divide_factor" in str(w.message)],

@@ -13,10 +13,10 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.utils.checkpoint as ckpt
+from helpers.models import STRICT_ZERO3, Block, TinyLM, batch, encoder_stack, loss_of
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import overlap
-from helpers.models import STRICT_ZERO3, Block, TinyLM, batch, encoder_stack, loss_of
 from overlap.transport import coded
 from overlap.transport import collectives as comm
 

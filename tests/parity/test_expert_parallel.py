@@ -27,12 +27,12 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from helpers.tolerance import reordered_mismatches, reordered_rtol
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
 
 import overlap
-from helpers.tolerance import reordered_mismatches, reordered_rtol
 
 DIM, HIDDEN, EXPERTS, LAYERS, STEPS = 16, 32, 4, 2, 4
 _MESH: list[DeviceMesh] = []  # per rank, built once (it makes groups)
@@ -123,9 +123,10 @@ class Model(nn.Module):
         return self.head(x)
 
 
-def _model(mesh: DeviceMesh, seed: int = 0, placement: Placement = Shard(0)) -> Model:
+def _model(mesh: DeviceMesh, seed: int = 0, placement: Placement | None = None) -> Model:
     """The experts placed as ExpertParallel places them: `Shard(0)` over ep, scattered from ep
     rank 0's values (`distribute_tensor`)."""
+    placement = Shard(0) if placement is None else placement
     torch.manual_seed(seed)
     model = Model(mesh["ep"].get_group())
     for layer in model.layers:
@@ -225,9 +226,7 @@ def check_training(rank: int, world_size: int, root: str) -> dict:
     mine, resumed = _full(ours), _full(again)
     out["resumed_differ"] = [n for n in mine if not torch.equal(mine[n], resumed[n])]
     full = overlap.full_state_dict(ours)
-    out["full_keys_ok"] = rank != 0 or (
-        full.keys() == mine.keys() and all(torch.equal(full[n], mine[n]) for n in mine)
-    )
+    out["full_keys_ok"] = rank != 0 or (full.keys() == mine.keys() and all(torch.equal(full[n], mine[n]) for n in mine))
     fresh = overlap.wrap(_model(mesh), group=mesh)
     overlap.load_full_state_dict(fresh, full if rank == 0 else None)
     loaded = _full(fresh)
@@ -310,7 +309,9 @@ def _refused(rank: int, world_size: int) -> dict[str, str | None]:
             for name in ("w1", "w2"):
                 w = getattr(layer.moe.experts, name)
                 local = w[: EXPERTS // 2].detach()
-                dtensor = DTensor.from_local(local, mesh["ep"], [Shard(0)], run_check=False, shape=w.shape, stride=w.stride())
+                dtensor = DTensor.from_local(
+                    local, mesh["ep"], [Shard(0)], run_check=False, shape=w.shape, stride=w.stride()
+                )
                 setattr(layer.moe.experts, name, nn.Parameter(dtensor))
         return model
 
@@ -435,7 +436,12 @@ def check_torchtitan_meshes(rank: int, world_size: int) -> dict:
     ref = _fsdp2(mesh, experts=mesh["dp_shard_mod_ep"])
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (ours, ref)]
     w1 = ours.layers[0].moe.experts.w1
-    out: dict = {"losses": [], "norms": [], "params": [], "placements": (w1.device_mesh.mesh_dim_names, tuple(map(str, w1.placements)))}
+    out: dict = {
+        "losses": [],
+        "norms": [],
+        "params": [],
+        "placements": (w1.device_mesh.mesh_dim_names, tuple(map(str, w1.placements))),
+    }
     _train(rank, ours, ref, opts, out)
     return out
 
@@ -476,10 +482,9 @@ def test_hsdp_expert_parallel_matches_fsdp2(world8):
     results = world8.run(check_hsdp, timeout_s=180)
     assert all(not r["loaded_differ"] for r in results), [r["loaded_differ"] for r in results]
     placements = results[0]["placements"]
-    assert placements["layers.0.moe.experts.w1"] == (
-        ("dp_replicate", "dp_mod_ep", "ep"),
-        ("R", "_S(0, 2)", "S(0)"),
-    ), placements
+    assert placements["layers.0.moe.experts.w1"] == (("dp_replicate", "dp_mod_ep", "ep"), ("R", "_S(0, 2)", "S(0)")), (
+        placements
+    )
     assert placements["head.weight"] == (("dp_replicate", "dp_mod_ep_ep"), ("R", "S(0)")), placements
     # 8-way sums: the reduce-scatter's, then the all-reduce across replicas
     _assert_parity(results, reordered_rtol(8, STEPS))

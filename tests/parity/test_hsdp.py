@@ -13,12 +13,12 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
+from helpers.models import STRICT_ZERO3, batch, loss_of, tiny_lm
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import overlap
-from helpers.models import STRICT_ZERO3, batch, loss_of, tiny_lm
 
 TOL = 1e-6
 
@@ -165,8 +165,8 @@ def test_three_dim_mesh_is_refused(world4):
 
 def hpz_vs_ddp(rank: int, world: int, config: dict, steps: int = 3) -> dict:
     """hybrid_mode="secondary": sharded over all 4 ranks; backward gathers inside each pair."""
-    from overlap.transport import collectives as comm
     from overlap.transport import coded
+    from overlap.transport import collectives as comm
 
     mesh = init_device_mesh("cpu", (2, world // 2))
     base = tiny_lm()
@@ -244,8 +244,7 @@ def hpz_backward_reads_the_secondary(rank: int, world: int) -> bool:
             unit.shard.add_(1.0)
     out.backward()
     return all(
-        torch.equal(a.grad.to_local(), b.grad.to_local())
-        for a, b in zip(clean.parameters(), poked.parameters())
+        torch.equal(a.grad.to_local(), b.grad.to_local()) for a, b in zip(clean.parameters(), poked.parameters())
     )
 
 

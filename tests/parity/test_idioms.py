@@ -16,15 +16,15 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from helpers.models import Block, TinyLM, batch, encoder_stack, loss_of, tiny_lm
+from helpers.tolerance import reordered_rtol
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import overlap
-from helpers.models import Block, TinyLM, batch, encoder_stack, loss_of, tiny_lm
 from overlap.engine.module import OverlapModule
 from overlap.transport import collectives as comm
-from helpers.tolerance import reordered_rtol
 
 
 class GatedBlock(Block):
@@ -493,6 +493,7 @@ def test_scalar_gradients_are_averaged_over_the_whole_hsdp_mesh(world4):
 
 def moves_after_wrap(rank: int, world: int) -> dict:
     model = overlap.wrap(encoder_stack())
+
     def where(m: nn.Module) -> list[tuple[int, int]]:  # each parameter's object and memory
         return [(id(p), (p.to_local() if isinstance(p, DTensor) else p).data_ptr()) for p in m.parameters()]
 

@@ -18,15 +18,15 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from helpers.models import TinyLM, batch, loss_of
+from test_parity import _max_rel_diff, _shard_rows, bf16_compute_vs_reference
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import overlap
-from helpers.models import TinyLM, batch, loss_of
 from overlap import checkpoint
 from overlap.compression import IdentityCodec
-from test_parity import _max_rel_diff, _shard_rows, bf16_compute_vs_reference
 
 
 class MixedBlock(nn.Module):
@@ -81,7 +81,9 @@ def _ulps(ref: torch.Tensor, ours: torch.Tensor) -> float:
     return _max_rel_diff(ref, ours) / torch.finfo(ref.dtype).eps
 
 
-def _compare(rank: int, world: int, ref: nn.Module, ours: nn.Module, grads: bool, out: dict, shard_rank: int, num_shards: int) -> None:
+def _compare(
+    rank: int, world: int, ref: nn.Module, ours: nn.Module, grads: bool, out: dict, shard_rank: int, num_shards: int
+) -> None:
     named = dict(ref.named_parameters())
     for name, p in ours.named_parameters():
         theirs = named[name].grad if grads else named[name].detach()
@@ -248,8 +250,7 @@ def checkpoint_roundtrip(rank: int, world: int, root: str) -> dict:
     full = overlap.full_state_dict(ours)
     plain = ref.module.state_dict()
     full_ok = rank != 0 or (
-        set(full) == set(plain)
-        and all(full[k].dtype == v.dtype and torch.equal(full[k], v) for k, v in plain.items())
+        set(full) == set(plain) and all(full[k].dtype == v.dtype and torch.equal(full[k], v) for k, v in plain.items())
     )
     uninterrupted = [step(ours, opt, i) for i in (2, 3)]
 
@@ -257,9 +258,7 @@ def checkpoint_roundtrip(rank: int, world: int, root: str) -> dict:
     fresh_opt = _optim("adamw", fresh.parameters())
     checkpoint.load(checkpoint.latest(root), fresh, fresh_opt)
     kept = all(p.dtype == q.dtype for p, q in zip(fresh.parameters(), ours.parameters()))
-    kept &= all(
-        v.dtype == p.dtype for p in fresh.parameters() for k, v in fresh_opt.state[p].items() if k != "step"
-    )
+    kept &= all(v.dtype == p.dtype for p in fresh.parameters() for k, v in fresh_opt.state[p].items() if k != "step")
     resumed = [step(fresh, fresh_opt, i) for i in (2, 3)]
 
     # the full state dict loads from rank 0 into a fresh model, dtypes and values kept

@@ -30,12 +30,12 @@ import copy
 
 import torch
 import torch.nn as nn
+from helpers.tolerance import reordered_mismatches, reordered_rtol
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import overlap
-from helpers.tolerance import reordered_mismatches, reordered_rtol
 
 DIM, EXPERTS = 16, 4
 
@@ -240,6 +240,14 @@ def test_expert_parallelism_over_another_group_is_refused_on_every_rank(world4):
         messages = [r[case] for r in results]
         assert all(m is not None for m in messages), (case, messages)
         assert len(set(messages)) == 1, (case, messages)
-        for needle in ("'experts.w1'", "not supported", "pass the whole data-parallel mesh", "keep the experts data-parallel"):
+        for needle in (
+            "'experts.w1'",
+            "not supported",
+            "pass the whole data-parallel mesh",
+            "keep the experts data-parallel",
+        ):
             assert needle in messages[0], (case, needle, messages[0])
-        assert ("mesh dimension 'ep'" in messages[0]) == (case != "unnamed experts dim, flattened dp"), (case, messages[0])
+        assert ("mesh dimension 'ep'" in messages[0]) == (case != "unnamed experts dim, flattened dp"), (
+            case,
+            messages[0],
+        )

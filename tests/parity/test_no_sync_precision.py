@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-import overlap
 from helpers.harness import World
 from helpers.models import batch, loss_of, tiny_lm
+
+import overlap
 
 MICRO_BATCHES = 4
 

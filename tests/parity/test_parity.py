@@ -16,12 +16,12 @@ import time
 import pytest
 import torch
 import torch.nn as nn
+from helpers.models import STRICT_ZERO3, batch, encoder_stack, loss_of, tiny_lm
+from helpers.tolerance import reordered_rtol
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import overlap
-from helpers.models import STRICT_ZERO3, batch, encoder_stack, loss_of, tiny_lm
 from overlap.engine.runtime import Runtime
-from helpers.tolerance import reordered_rtol
 
 MODELS = {"tiny_lm": tiny_lm, "encoder": encoder_stack}
 

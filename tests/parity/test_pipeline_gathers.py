@@ -23,12 +23,12 @@ from collections.abc import Callable
 
 import torch
 import torch.nn as nn
+from helpers.models import batch, loss_of, tiny_lm
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import overlap
-from helpers.models import batch, loss_of, tiny_lm
 from overlap.engine.schedule import Free, Gather, Retain, Schedule, ScheduleConfig, UnitState
 
 DIM = 16
@@ -121,7 +121,9 @@ def check_pipeline_gathers(rank: int, world_size: int) -> dict:
                     x, target = torch.randn(8, DIM, generator=gen), torch.randn(8, DIM, generator=gen)
                     step_losses: list[torch.Tensor] = []
                     calls.clear()
-                    pipe.step(*((x,) if first else ()), target=target if last else None, losses=step_losses if last else None)
+                    pipe.step(
+                        *((x,) if first else ()), target=target if last else None, losses=step_losses if last else None
+                    )
                     gathers.append(len(calls))
                     losses += [loss.item() for loss in step_losses]
                     opt.step()
@@ -182,8 +184,16 @@ def test_schedule_retains_units_until_a_backward_syncs():
     """[Note: retained across micro-batches]: the first micro-batch gathers, the next ones gather
     nothing and free nothing, the synced one frees and reduces every unit; under a cap the units
     do not fit, every micro-batch gathers and frees as before."""
-    s = Schedule([100] * 3, [100] * 3, ScheduleConfig(prefetch_depth=1, max_inflight_allgather_bytes=None,
-                                                      reshard_after_forward=True, reduce_scatter_bucket_bytes=0))
+    s = Schedule(
+        [100] * 3,
+        [100] * 3,
+        ScheduleConfig(
+            prefetch_depth=1,
+            max_inflight_allgather_bytes=None,
+            reshard_after_forward=True,
+            reduce_scatter_bucket_bytes=0,
+        ),
+    )
     _micro_batch(s, 3, sync=True)  # the order is recorded
     s.set_reshard_after_backward(False)
     first = _micro_batch(s, 3, sync=False)
@@ -196,8 +206,16 @@ def test_schedule_retains_units_until_a_backward_syncs():
     assert not [a for a in last if isinstance(a, Gather)]
     assert [a.unit for a in last if isinstance(a, Free)] == [2, 1, 0]
     assert s.states == [UnitState.SHARDED] * 3 and not s.held_units()
-    capped = Schedule([100] * 3, [100] * 3, ScheduleConfig(prefetch_depth=1, max_inflight_allgather_bytes=250,
-                                                           reshard_after_forward=True, reduce_scatter_bucket_bytes=0))
+    capped = Schedule(
+        [100] * 3,
+        [100] * 3,
+        ScheduleConfig(
+            prefetch_depth=1,
+            max_inflight_allgather_bytes=250,
+            reshard_after_forward=True,
+            reduce_scatter_bucket_bytes=0,
+        ),
+    )
     capped.set_reshard_after_backward(False)
     for _ in range(2):
         actions = _micro_batch(capped, 3, sync=False)
@@ -205,8 +223,16 @@ def test_schedule_retains_units_until_a_backward_syncs():
 
 
 def test_reshard_frees_retained_units():
-    s = Schedule([100] * 2, [100] * 2, ScheduleConfig(prefetch_depth=1, max_inflight_allgather_bytes=None,
-                                                      reshard_after_forward=True, reduce_scatter_bucket_bytes=0))
+    s = Schedule(
+        [100] * 2,
+        [100] * 2,
+        ScheduleConfig(
+            prefetch_depth=1,
+            max_inflight_allgather_bytes=None,
+            reshard_after_forward=True,
+            reduce_scatter_bucket_bytes=0,
+        ),
+    )
     s.set_reshard_after_backward(False)
     _micro_batch(s, 2, sync=False)
     assert s.held_units() == [0, 1]

@@ -11,13 +11,12 @@ import os
 import shutil
 import signal
 import subprocess
-import threading
 import sys
+import threading
 from pathlib import Path
 
 import pytest
 
-from overlap.tools.worlds import link
 from overlap.tools.bench.comm import (
     OPS,
     algbw_gbps,
@@ -28,6 +27,7 @@ from overlap.tools.bench.comm import (
     sweep_sizes,
     variants,
 )
+from overlap.tools.worlds import link
 from overlap.tools.worlds.link import EmulatedLink, LinkError, LinkSpec
 
 pytestmark = pytest.mark.slow  # spawns worlds or runs a command end to end: `-m 'not slow'` leaves it out
@@ -108,9 +108,7 @@ def test_link_errors_say_what_is_missing(monkeypatch: pytest.MonkeyPatch) -> Non
 
 def test_bench_comm_json_schema(tmp_path: Path) -> None:
     out = tmp_path / "comm.json"
-    proc = run_cli(
-        "bench", "comm", "--nproc", "2", "--max-bytes", "4096", "--iters", "2", "--json", str(out)
-    )
+    proc = run_cli("bench", "comm", "--nproc", "2", "--max-bytes", "4096", "--iters", "2", "--json", str(out))
     assert "# Avg bus bandwidth" in proc.stdout
     data = json.loads(out.read_text())
     assert data["backend"] == "gloo" and data["world_size"] == 2 and data["link"] is None
@@ -174,9 +172,7 @@ def test_link_setup_and_teardown() -> None:
         assert "tbf" in qdisc and "1Gbit" in qdisc
         assert (
             "10.213.0"
-            not in subprocess.run(
-                ["ip", "route"], check=False, capture_output=True, text=True, timeout=10
-            ).stdout
+            not in subprocess.run(["ip", "route"], check=False, capture_output=True, text=True, timeout=10).stdout
         )  # the root namespace never learns the subnet
     assert _ours(net.prefix) == []
     assert not (Path("/etc/netns") / net.rank_ns(0)).exists()

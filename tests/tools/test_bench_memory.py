@@ -12,14 +12,10 @@ from pathlib import Path
 import pytest
 from helpers.harness import DEEPSPEED_BUILD_S
 
-from overlap.tools.bench.memory import (
-    BYTES_PER_PARAM_ZERO3,
-    MemoryBenchConfig,
-    num_params,
-)
+from overlap.observe.monitor import rss_bytes
+from overlap.tools.bench.memory import BYTES_PER_PARAM_ZERO3, MemoryBenchConfig, num_params
 from overlap.tools.bench.step import process_peak_rss_bytes
 from overlap.tools.worlds.launch import run_local_world
-from overlap.observe.monitor import rss_bytes
 
 pytestmark = pytest.mark.slow  # spawns worlds or runs a command end to end: `-m 'not slow'` leaves it out
 
@@ -67,9 +63,7 @@ def test_bench_memory_run(tmp_path: Path) -> None:
 def test_bench_memory_peers(tmp_path: Path, deepspeed_op: float) -> None:
     """DeepSpeed ZeRO-3 partitions its state (tuned: even the small parameters) but keeps an fp32
     copy of its partition; PowerSGD adds its error feedback (allocated at step 2) to DDP's."""
-    data = run_memory(
-        tmp_path / "memory.json", "--steps", "3", "--contenders", "deepspeed-tuned,ddp-powersgd1"
-    )
+    data = run_memory(tmp_path / "memory.json", "--steps", "3", "--contenders", "deepspeed-tuned,ddp-powersgd1")
     runs = {r["name"]: r for r in data["runs"]}
     assert list(runs) == ["deepspeed-tuned", "ddp-powersgd1"]
     ddp = BYTES_PER_PARAM_ZERO3 * data["params"]  # DDP's, within 1% (test_bench_memory_run)
@@ -89,7 +83,7 @@ def test_spawned_rank_peak_excludes_its_launcher() -> None:
     """[Note: ru_maxrss of a spawned rank]: a rank spawned from a process holding 1 GiB must
     not report that GiB as its own peak (ru_maxrss would)."""
     ballast = bytearray(2**30)
-    ballast[:: 4096] = b"\1" * len(ballast[:: 4096])  # touch every page: resident
+    ballast[::4096] = b"\1" * len(ballast[::4096])  # touch every page: resident
     launcher_rss = rss_bytes()
     (child_peak,) = run_local_world(peak_of_this_rank, 1, timeout_s=120, deadline_s=180)
     del ballast

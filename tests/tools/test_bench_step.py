@@ -32,26 +32,13 @@ RUN_TIMEOUT_S = 240  # the memory pass spawns one more world per contender
 REPO = Path(__file__).resolve().parents[2]
 TINY = ("--layers", "1", "--dim", "32", "--heads", "2", "--seq", "16", "--batch", "2")
 TINY_RUN = ("--rounds", "1", "--steps", "1")
-RUN_KEYS = {
-    "name",
-    "median_step_ms",
-    "spread_ms",
-    "tokens_per_s",
-    "exposed_comm_ms",
-    "peak_mem_bytes",
-}
+RUN_KEYS = {"name", "median_step_ms", "spread_ms", "tokens_per_s", "exposed_comm_ms", "peak_mem_bytes"}
 
 
 def run_python(*argv: str, tmpdir: Path | None = None) -> str:
     env = None if tmpdir is None else {**os.environ, "TMPDIR": str(tmpdir)}
     proc = subprocess.run(
-        [sys.executable, *argv],
-        cwd=REPO,
-        check=False,
-        capture_output=True,
-        text=True,
-        timeout=RUN_TIMEOUT_S,
-        env=env,
+        [sys.executable, *argv], cwd=REPO, check=False, capture_output=True, text=True, timeout=RUN_TIMEOUT_S, env=env
     )
     assert proc.returncode == 0, f"{' '.join(argv)} failed:\n{proc.stdout}\n{proc.stderr}"
     return proc.stdout
@@ -64,7 +51,7 @@ def check_report(path: Path, world_size: int, memory: bool) -> dict:
     assert data["link"] == "loopback"
     assert [r["name"] for r in data["runs"]] == list(DEFAULT_CONTENDERS)
     for run in data["runs"]:
-        assert RUN_KEYS <= run.keys(), run
+        assert run.keys() >= RUN_KEYS, run
         assert run["median_step_ms"] > 0 and run["tokens_per_s"] > 0
         lo, hi = run["spread_ms"]
         assert lo <= run["median_step_ms"] <= hi
@@ -138,8 +125,8 @@ def test_bench_step_peers(tmp_path: Path, deepspeed_op: float) -> None:
     )  # fmt: skip
     runs = {r["name"]: r for r in json.loads(out.read_text())["runs"]}
     assert list(runs) == ["overlap", f"overlap[{int8}]", "ddp", *peers.PEERS]
-    for name, run in runs.items():
-        assert RUN_KEYS <= run.keys() and run["median_step_ms"] > 0, run
+    for run in runs.values():
+        assert run.keys() >= RUN_KEYS and run["median_step_ms"] > 0, run
         assert run["state_bytes"] > 0, run
     assert "WARNING" not in stdout, stdout
     for name in ("overlap", *peers.DEEPSPEED_PEERS):
@@ -181,7 +168,7 @@ def test_memory_pass_takes_contenders_in_turn_and_medians(monkeypatch: pytest.Mo
     calls = []
     figures = {"ddp": [(900, 300), (910, 280), (950, 330)], "overlap": [(800, 200), (700, 100), (810, 210)]}
 
-    def fake_world(fn, world_size, cfg, name, **kw):  # noqa: ANN001, ANN003, ANN202
+    def fake_world(fn, world_size, cfg, name, **kw):
         calls.append(name)
         return [figures[name][calls.count(name) - 1], None]
 
@@ -226,9 +213,7 @@ def _report(world_size: int, tokens_per_s: dict[str, float]) -> StepReport:
 
 
 def test_scaling_table_speedups() -> None:
-    table = format_scaling(
-        [_report(4, {"ddp": 3000.0}), _report(1, {"ddp": 1000.0, "fsdp2": 500.0})]
-    ).splitlines()
+    table = format_scaling([_report(4, {"ddp": 3000.0}), _report(1, {"ddp": 1000.0, "fsdp2": 500.0})]).splitlines()
     assert table[2].split() == ["contender", "n=1", "n=4"]
     assert table[4].split() == ["ddp", "1000", "(1.00x)", "3000", "(3.00x)"]
     assert table[5].split() == ["fsdp2", "500", "(1.00x)", "-"]

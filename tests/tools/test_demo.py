@@ -20,7 +20,6 @@ import torch
 import torch.distributed as dist
 
 from overlap import checkpoint
-from overlap.tools.workloads.data import ByteDataset, get_batch, load_stdlib_bytes, rank_generator
 from overlap.tools.demo import (
     CRASH_AT_ENV,
     CRASH_EXIT_CODE,
@@ -30,8 +29,9 @@ from overlap.tools.demo import (
     demo,
     injected_crash_step,
 )
-from overlap.tools.worlds.launch import num_cpu_cores, run_local_world
 from overlap.tools.workloads import GPT, GPTConfig
+from overlap.tools.workloads.data import ByteDataset, get_batch, load_stdlib_bytes, rank_generator
+from overlap.tools.worlds.launch import num_cpu_cores, run_local_world
 
 pytestmark = pytest.mark.slow  # spawns worlds or runs a command end to end: `-m 'not slow'` leaves it out
 
@@ -212,9 +212,7 @@ def _run_torchrun(argv: list[str], env: dict[str, str], max_restarts: int, log_d
     cmd += [f"--max-restarts={max_restarts}", "--monitor-interval=0.2", "--tee=3"]
     cmd += ["--log-dir", str(log_dir), "-m", "overlap.tools.cli"]
     env = dict(env, OMP_NUM_THREADS=str(THREADS_PER_RANK), PYTHONFAULTHANDLER="1")
-    proc = subprocess.Popen(
-        cmd + argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
+    proc = subprocess.Popen(cmd + argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     timeout_s = LAUNCH_TIMEOUT_S * (1 + max_restarts)
     try:
         out, err = proc.communicate(timeout=timeout_s)
@@ -264,9 +262,7 @@ def _assert_same_run(resumed: dict, reference: dict, resumed_from: int) -> None:
 
 
 @pytest.mark.timeout(4 * LAUNCH_TIMEOUT_S)
-def test_torchrun_restart_resumes_demo_from_latest_checkpoint(
-    tmp_path: Path, uninterrupted: dict
-) -> None:
+def test_torchrun_restart_resumes_demo_from_latest_checkpoint(tmp_path: Path, uninterrupted: dict) -> None:
     """Rank 0 dies in step 5; torchrun (--max-restarts=1) restarts both ranks, which resume from
     the step-3 checkpoint and end with the uninterrupted run's losses, bitwise."""
     env = dict(os.environ)
@@ -301,9 +297,7 @@ def test_local_world_rerun_resumes_demo_after_injected_crash(
     _assert_same_run(asdict(resumed), uninterrupted, resumed_from=3)
 
 
-def test_crash_injection_only_on_the_first_attempt(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_crash_injection_only_on_the_first_attempt(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     cfg = DemoConfig(checkpoint_dir=str(tmp_path), **TINY_DEMO)
     monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
     monkeypatch.delenv(CRASH_RANK_ENV, raising=False)

@@ -64,7 +64,9 @@ def test_dry_run(tmp_path: Path) -> None:
     assert env["env"]["OVERLAP_FORCE_COLLECTIVES"] == "1" and env["TRITON_INTERPRET"] == "1"
     assert env["torch"] == torch.__version__
     api = env["torch_private_api"]  # the private torch APIs, probed on this torch
-    assert isinstance(api, dict) and "DeviceMesh._concatenate" in api and all(v.startswith("ok") for v in api.values()), api
+    assert (
+        isinstance(api, dict) and "DeviceMesh._concatenate" in api and all(v.startswith("ok") for v in api.values())
+    ), api
     has_triton = importlib.util.find_spec("triton") is not None
     if os.environ.get("OVERLAP_REQUIRE_TRITON", "") not in ("", "0"):
         assert has_triton, "OVERLAP_REQUIRE_TRITON=1 but triton is not installed"
@@ -112,7 +114,16 @@ def check_numerics(numerics: dict) -> None:
     assert numerics["status"] == "passed", numerics
     cases = numerics["measured"]["cases"]
     kinds = {name.split()[0] for name in cases}
-    assert kinds == {"quantize", "dequant", "dequant_acc", "feedback", "feedback_int8res", "rows", "copy_out", "copy_in"}
+    assert kinds == {
+        "quantize",
+        "dequant",
+        "dequant_acc",
+        "feedback",
+        "feedback_int8res",
+        "rows",
+        "copy_out",
+        "copy_in",
+    }
     for ws in (1, 2, 8):  # the runtime's layouts, tagged from 2 ranks on
         assert f"copy_out ws={ws} bf16>f32" in cases and f"copy_in ws={ws} f16>bf16" in cases
     assert "tags" in cases["copy_out ws=2 f32>f32"] and "tags" not in cases["copy_out ws=1 f32>f32"]
@@ -159,7 +170,9 @@ def check_worlds(parts: dict) -> None:
     for rank in tp["measured"]["configs"]["plain"]["ranks"].values():
         assert rank["close_vs_reference"] and rank["bitwise_delayed"] and rank["delays"]["before_collective"] > 0, rank
     tp_scales = [r["scales"] for r in tp["measured"]["configs"]["fp16_scaler"]["ranks"].values()]
-    assert min(tp_scales[0]) < 2.0**10 and all(s == tp_scales[0] for s in tp_scales), tp_scales  # one tp shard overflowed
+    assert min(tp_scales[0]) < 2.0**10 and all(s == tp_scales[0] for s in tp_scales), (
+        tp_scales
+    )  # one tp shard overflowed
 
     memory = parts["memory"]
     assert memory["status"] == "measured", memory  # the allocator's peak: CUDA only
@@ -172,7 +185,7 @@ def check_worlds(parts: dict) -> None:
     assert a["limit_bytes"] == a["cap_bytes"] and a["peak_bytes"] <= a["cap_bytes"] and a["actions"]["baseline"] == 1, a
 
 
-FAKE_PARTS = '''
+FAKE_PARTS = """
 import time
 import pytest
 
@@ -214,7 +227,7 @@ def test_cuda_only(device, record):
 @pytest.mark.part("never")
 def test_left_out(device, record):
     raise AssertionError("left out by --only: never runs")
-'''
+"""
 
 
 def test_runner_records_each_outcome(tmp_path: Path) -> None:
@@ -224,7 +237,9 @@ def test_runner_records_each_outcome(tmp_path: Path) -> None:
     runs."""
     folder = tmp_path / "fake"
     folder.mkdir()
-    (folder / "conftest.py").write_text("from gpu.conftest import *  # noqa: F403  the GPU checks' hooks and fixtures\n")
+    (folder / "conftest.py").write_text(
+        "from gpu.conftest import *  # noqa: F403  the GPU checks' hooks and fixtures\n"
+    )
     (folder / "test_fake_parts.py").write_text(FAKE_PARTS)
     out = tmp_path / "parts.json"
     start = time.monotonic()
@@ -268,7 +283,9 @@ def test_without_a_gpu_the_checks_skip(tmp_path: Path) -> None:
     """Outside the dry run, on a machine without CUDA, every check skips and says why."""
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU: the checks run")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("OVERLAP_GPU_")} | {"PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OVERLAP_GPU_")} | {
+        "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"
+    }
     cmd = [sys.executable, "-m", "pytest", str(REPO / "tests" / "gpu"), "-q", "-rs", "-p", "pytest_timeout", "-p", "no:cacheprovider",
            "-o", "addopts="]  # fmt: skip
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S, check=False)
@@ -308,13 +325,19 @@ def test_compare_tells_bits_from_ulps() -> None:
     other_nan[2] = 0x7FFFFFFF  # the GPU's canonical NaN: still NaN, other bits
     loose = compare.compare(other_nan.view(torch.float32), want)
     assert loose["bitwise"] and not loose["exact_bits"]
-    near = compare.compare(torch.tensor([1.0, 0.0, nan, inf, torch.nextafter(torch.tensor(3.0), torch.tensor(4.0)).item()]), want)
+    near = compare.compare(
+        torch.tensor([1.0, 0.0, nan, inf, torch.nextafter(torch.tensor(3.0), torch.tensor(4.0)).item()]), want
+    )
     assert not near["bitwise"] and near["mismatches"] == 2 and near["max_ulp"] == 1  # +0 vs -0: 1 ulp
     assert compare.classify({"out": near}) == "within_1_ulp"
     lost = compare.compare(torch.tensor([1.0, -0.0, -0.0, inf, 3.0]).bfloat16(), want.bfloat16())  # NaN -> -0.0
     assert lost["nan_mismatches"] == 1 and compare.classify({"out": lost}) == "differs"
     codes = compare.compare(torch.tensor([1, 2, 4], dtype=torch.int8), torch.tensor([1, 3, 4], dtype=torch.int8))
-    assert codes["mismatches"] == 1 and codes["max_code_diff"] == 1 and compare.classify({"codes": codes}) == "within_1_ulp"
+    assert (
+        codes["mismatches"] == 1
+        and codes["max_code_diff"] == 1
+        and compare.classify({"codes": codes}) == "within_1_ulp"
+    )
 
 
 def test_runtime_layouts() -> None:
@@ -418,9 +441,14 @@ def test_compile_worker_runs_its_share_of_the_checks(monkeypatch) -> None:
     assert result["rc"] == 0 and not checks["failed"] and not checks["skipped"], checks
     passed = set(checks["passed"])
     share = load_compile_checks(monkeypatch).VARIANTS[0::59]  # process 1 of 60: variant share 0 of 59
-    assert {n for n in passed if n.startswith("test_kernel_compiles[")} == {f"test_kernel_compiles[{v.name}]" for v in share}
+    assert {n for n in passed if n.startswith("test_kernel_compiles[")} == {
+        f"test_kernel_compiles[{v.name}]" for v in share
+    }
     assert {f"test_fp8_rejected_exactly_where_dispatch_falls_back[{a}]" for a in (80, 86, 89, 90)} <= passed
-    assert {"test_fusion_check_can_fail", "test_every_launch_uses_the_launch_options_under_the_tensors_device"} <= passed
+    assert {
+        "test_fusion_check_can_fail",
+        "test_every_launch_uses_the_launch_options_under_the_tensors_device",
+    } <= passed
     assert sum(name.startswith("test_row_kernels_vectorize_on_aligned_sizes[") for name in passed) == 5
 
 

@@ -82,10 +82,7 @@ def test_ranks_the_parent_terminated_are_not_blamed() -> None:
     """torch's join terminates the other ranks (SIGTERM) once it sees one exit: those did not
     fail, the one it saw did."""
     died = ProcessExitedException(
-        f"process 1 terminated with exit code {DIED_CODE}",
-        error_index=1,
-        error_pid=0,
-        exit_code=DIED_CODE,
+        f"process 1 terminated with exit code {DIED_CODE}", error_index=1, error_pid=0, exit_code=DIED_CODE
     )
     err = _world_error(2, [], died, exitcodes=[-15, DIED_CODE])
     assert str(err) == f"rank 1 of 2 failed:\nprocess 1 terminated with exit code {DIED_CODE}"

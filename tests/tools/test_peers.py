@@ -30,14 +30,7 @@ import torch
 from helpers.harness import DEEPSPEED_BUILD_S
 
 from overlap.tools.bench import peers
-from overlap.tools.bench.step import (
-    StepBenchConfig,
-    bench_step,
-    build_model,
-    compute_loss,
-    make_batch,
-    shard_units,
-)
+from overlap.tools.bench.step import StepBenchConfig, bench_step, build_model, compute_loss, make_batch, shard_units
 
 pytestmark = pytest.mark.slow  # spawns worlds or runs a command end to end: `-m 'not slow'` leaves it out
 
@@ -49,7 +42,6 @@ POWERSGD_RTOL = 0.1
 TINY = StepBenchConfig(model="gpt", layers=2, dim=32, heads=2, seq=16, batch=2)
 W1_TINY = StepBenchConfig(model="w1", layers=2, dim=32, heads=2, ff=64, seq=16, batch=2)
 REPO = Path(__file__).resolve().parents[2]
-
 
 
 def setup(cfg: StepBenchConfig) -> peers.TrainSetup:
@@ -190,9 +182,7 @@ def test_missing_package_skips_with_one_line(monkeypatch: pytest.MonkeyPatch) ->
     assert lines[-1].startswith("ddp-powersgd1: skipped, the 'numpy' package")
 
 
-def test_bench_step_runs_without_deepspeed(
-    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_bench_step_runs_without_deepspeed(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     """The launcher drops the contender before any rank starts: the run goes on without it."""
     monkeypatch.setitem(sys.modules, "deepspeed", None)
     cfg = StepBenchConfig(
@@ -212,7 +202,7 @@ def test_bench_step_runs_without_deepspeed(
 # benchmarks/convergence.py: the same trainers through `overlap demo`'s run, and the frontier
 
 
-def load_convergence_script():  # noqa: ANN201 (a module)
+def load_convergence_script():
     name = "benchmarks_convergence"
     if name not in sys.modules:  # dataclasses look their module up while the script loads
         spec = importlib.util.spec_from_file_location(name, REPO / "benchmarks/convergence.py")
@@ -273,7 +263,7 @@ def convergence_run(conv: Any, name: str, final: float) -> Any:
 def test_frontier_dominance() -> None:
     conv = load_convergence_script()
 
-    def point(name: str, step_ms: float, loss_gap: float, memory: int):  # noqa: ANN202
+    def point(name: str, step_ms: float, loss_gap: float, memory: int):
         return conv.FrontierPoint(
             name=name, step_ms=step_ms, spread_ms=(step_ms, step_ms), loss_gap=loss_gap,
             gap_range=(loss_gap, loss_gap), val_gap=loss_gap, memory_bytes=memory, state_bytes=memory,
@@ -347,7 +337,7 @@ def test_frontier_says_which_dominations_stand_out_of_the_noise() -> None:
     the train memory range."""
     conv = load_convergence_script()
 
-    def point(name: str, step: tuple[float, float, float], gaps: list[float], mem: tuple[int, int, int]):  # noqa: ANN202
+    def point(name: str, step: tuple[float, float, float], gaps: list[float], mem: tuple[int, int, int]):
         return conv.FrontierPoint(
             name=name, step_ms=step[1], spread_ms=(step[0], step[2]), loss_gap=sum(gaps) / len(gaps),
             gap_range=(min(gaps), max(gaps)), val_gap=0.0, memory_bytes=mem[1], state_bytes=1,
@@ -367,8 +357,8 @@ def test_frontier_says_which_dominations_stand_out_of_the_noise() -> None:
     tie = conv.resolution(twin, ours)
     assert (tie.faster, tie.more_accurate, tie.leaner) == (False, False, False)
     lines = conv.format_dominations(points)
-    assert any(l.startswith("  twin dominated by ours") and "every difference within noise" in l for l in lines)
-    assert any(l.startswith("  peer dominated by ours") and "resolved on step, loss, memory" in l for l in lines)
+    assert any(s.startswith("  twin dominated by ours") and "every difference within noise" in s for s in lines)
+    assert any(s.startswith("  peer dominated by ours") and "resolved on step, loss, memory" in s for s in lines)
     # one shared seed: no standard error, so never resolved on the loss
     lone = conv.resolution(peer, point("lone", (1.0, 2.0, 3.0), [0.0], (1, 1, 1)))
     assert math.isnan(lone.gap_error) and not lone.more_accurate

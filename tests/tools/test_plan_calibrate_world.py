@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 
 from overlap import OverlapConfig
-from overlap.tools.worlds.launch import run_local_world
-from overlap.tools.plan.calibrate import CODEC_OVERRIDES, CalibrateConfig, World, calibrate_rank
 from overlap.step_model.calibration import Calibration, predict_measured
+from overlap.tools.plan.calibrate import CODEC_OVERRIDES, CalibrateConfig, World, calibrate_rank
 from overlap.tools.plan.measure import LINK_SIZES_BYTES
+from overlap.tools.worlds.launch import run_local_world
 
 pytestmark = pytest.mark.slow  # spawns worlds or runs a command end to end: `-m 'not slow'` leaves it out
 

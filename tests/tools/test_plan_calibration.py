@@ -26,9 +26,9 @@ from overlap.step_model.calibration import (
     predict_measured,
 )
 from overlap.step_model.cost import Link, Topology, ring_time_s
-from overlap.tools.worlds.link import LinkSpec
 from overlap.tools.plan import trace_links
 from overlap.tools.plan.calibrate import World
+from overlap.tools.worlds.link import LinkSpec
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import plan_validate as pv
@@ -176,7 +176,9 @@ def test_defaults_for_a_world():
     gloo = calib.default_world_calibration(2, "gloo", None)
     assert gloo.backend == "gloo" and gloo.host and gloo.comm_stretch > 1
     wire = calib.default_world_calibration(2, "gloo", LinkSpec.parse("1gbit"))
-    assert wire.level == "inter" and wire.gather_link.busbw_gbps == pytest.approx(0.125 * calib.EMULATED_LINK_EFFICIENCY)
+    assert wire.level == "inter" and wire.gather_link.busbw_gbps == pytest.approx(
+        0.125 * calib.EMULATED_LINK_EFFICIENCY
+    )
     nccl = calib.default_world_calibration(8, "nccl", None)
     assert nccl.backend == "nccl" and not nccl.host and nccl.concurrent_throughput is None
 
@@ -266,8 +268,12 @@ def test_gathers_are_timed_by_the_collective_that_carries_them():
     plain = measured_units(slow_a2a, OverlapConfig())[0]
     int8 = measured_units(slow_a2a, OverlapConfig(param_compression="int8"))[0]
     topo = slow_a2a.topology()
-    assert plain.gather_op == "all_to_all" and plain.gather_s(topo) == pytest.approx(ring_time_s("all_to_all", 4e6, topo))
-    assert int8.gather_op == "all_to_all" and int8.gather_s(topo) == pytest.approx(ring_time_s("all_to_all", 1e6 + 16 * 2**10, topo), rel=0.05)
+    assert plain.gather_op == "all_to_all" and plain.gather_s(topo) == pytest.approx(
+        ring_time_s("all_to_all", 4e6, topo)
+    )
+    assert int8.gather_op == "all_to_all" and int8.gather_s(topo) == pytest.approx(
+        ring_time_s("all_to_all", 1e6 + 16 * 2**10, topo), rel=0.05
+    )
     assert measured_units(replace(slow_a2a, num_ranks=4), OverlapConfig())[0].gather_op == "all_gather"
 
 

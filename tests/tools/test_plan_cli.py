@@ -12,18 +12,12 @@ import torch
 import torch.nn as nn
 
 from overlap import OverlapConfig
-from overlap.tools.cli import main
-from overlap.tools.plan.command import (
-    PLAN_DEFAULT_CONFIG,
-    PlanConfig,
-    RunCost,
-    _token_count,
-    plan,
-)
 from overlap.step_model.cost import LINKS, Topology, UnitCost, ring_time_s
+from overlap.step_model.simulate import simulate
+from overlap.tools.cli import main
+from overlap.tools.plan.command import PLAN_DEFAULT_CONFIG, PlanConfig, RunCost, _token_count, plan
 from overlap.tools.plan.estimate import Cluster, build_units, estimate
 from overlap.tools.plan.models import GPUS, MODELS, load_model
-from overlap.step_model.simulate import simulate
 
 TORCHTITAN_8B_TOKENS_PER_S_PER_GPU = 5762  # docs/performance.md, Table 1 (compared, never fitted)
 
@@ -83,8 +77,9 @@ def test_module_path_model_is_measured_on_meta():
     assert p.root_forward_flops == 2 * 256 * 64  # the head multiplies; the lookup does not
     assert p.model_flops_per_token == pytest.approx(6 * (4 * 2 * 4 * 64 * 64 + 256 * 64))
     assert p.activation_bytes_per_token is None
-    result = plan(model="test_plan_cli:tiny_lm", num_gpus=2, gpus_per_node=2, seq_len=32,
-                  local_batch=4, scaling_gpus=())
+    result = plan(
+        model="test_plan_cli:tiny_lm", num_gpus=2, gpus_per_node=2, seq_len=32, local_batch=4, scaling_gpus=()
+    )
     assert result.estimate.step_s > 0 and result.estimate.memory.activation_bytes is None
 
 
@@ -100,17 +95,49 @@ def test_cli_end_to_end_prints_every_field(tmp_path, capsys):
     png, out_json = tmp_path / "scaling.png", tmp_path / "plan.json"
     cfg = tmp_path / "cfg.json"
     OverlapConfig(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, prefetch_depth=2).save(cfg)
-    rc = main([
-        "plan", "--model", "llama-8b", "--gpus", "1024", "--gpus-per-node", "8", "--link", "ndr400",
-        "--config", str(cfg), "--gpu-hour-price", "2.5", "--tokens", "15T",
-        "--png", str(png), "--json", str(out_json),
-    ])
+    rc = main(
+        [
+            "plan",
+            "--model",
+            "llama-8b",
+            "--gpus",
+            "1024",
+            "--gpus-per-node",
+            "8",
+            "--link",
+            "ndr400",
+            "--config",
+            str(cfg),
+            "--gpu-hour-price",
+            "2.5",
+            "--tokens",
+            "15T",
+            "--png",
+            str(png),
+            "--json",
+            str(out_json),
+        ]
+    )
     text = capsys.readouterr().out
     assert rc == 0
-    for field in ("step time", "exposed comm", "tokens/s", "MFU", "memory per GPU",
-                  "sharded params+grads+AdamW", "units in flight", "activations", "estimate",
-                  "best config found", "scaling curve", "wall-clock", "GPU-hours", "cost",
-                  "prefetch_depth=2", "Llama 3 paper"):
+    for field in (
+        "step time",
+        "exposed comm",
+        "tokens/s",
+        "MFU",
+        "memory per GPU",
+        "sharded params+grads+AdamW",
+        "units in flight",
+        "activations",
+        "estimate",
+        "best config found",
+        "scaling curve",
+        "wall-clock",
+        "GPU-hours",
+        "cost",
+        "prefetch_depth=2",
+        "Llama 3 paper",
+    ):
         assert field in text, field
     for n in (8, 4096):
         assert f"\n{n:>4}" in text  # scaling rows from 8 to 4,096 GPUs
@@ -151,8 +178,14 @@ def test_search_finds_no_worse_config(result_1024):
 
 def test_memory_uses_the_simulators_peaks():
     profile = load_model("llama-8b")
-    cluster = Cluster(num_gpus=64, gpus_per_node=8, gpu=GPUS["h100-sxm"], intra=LINKS["nvlink4"],
-                      inter=LINKS["ndr400"], achieved_tflops=400.0)
+    cluster = Cluster(
+        num_gpus=64,
+        gpus_per_node=8,
+        gpu=GPUS["h100-sxm"],
+        intra=LINKS["nvlink4"],
+        inter=LINKS["ndr400"],
+        achieved_tflops=400.0,
+    )
     shallow = estimate(profile, PLAN_DEFAULT_CONFIG.replace(prefetch_depth=1), cluster)
     deep = estimate(profile, PLAN_DEFAULT_CONFIG.replace(prefetch_depth=3), cluster)
     layer_bf16 = MODELS["llama-8b"].layer_numel() * 2
@@ -165,8 +198,14 @@ def test_memory_uses_the_simulators_peaks():
 
 def test_codecs_shrink_wire_bytes_and_comm_time():
     profile = load_model("llama-8b")
-    cluster = Cluster(num_gpus=1024, gpus_per_node=8, gpu=GPUS["h100-sxm"], intra=LINKS["nvlink4"],
-                      inter=LINKS["ndr400"], achieved_tflops=400.0)
+    cluster = Cluster(
+        num_gpus=1024,
+        gpus_per_node=8,
+        gpu=GPUS["h100-sxm"],
+        intra=LINKS["nvlink4"],
+        inter=LINKS["ndr400"],
+        achieved_tflops=400.0,
+    )
     plain = estimate(profile, PLAN_DEFAULT_CONFIG, cluster)
     int8 = PLAN_DEFAULT_CONFIG.replace(param_compression="int8", grad_compression="int8")
     units = build_units(profile, int8, cluster)
@@ -179,8 +218,10 @@ def test_simulator_wire_bytes_and_reduce_peak():
     link = LINKS["ndr400"]
     topo = Topology(16, 8, link, link)
     plain = [UnitCost(f"u{i}", 10**8, 10**8, 0.01, 0.02) for i in range(4)]
-    half = [UnitCost(f"u{i}", 10**8, 10**8, 0.01, 0.02, gather_wire_bytes=5 * 10**7,
-                     reduce_wire_bytes=5 * 10**7) for i in range(4)]
+    half = [
+        UnitCost(f"u{i}", 10**8, 10**8, 0.01, 0.02, gather_wire_bytes=5 * 10**7, reduce_wire_bytes=5 * 10**7)
+        for i in range(4)
+    ]
     a = simulate(plain, OverlapConfig(), topo)
     b = simulate(half, OverlapConfig(), topo)
     assert a.comm_busy_s - b.comm_busy_s == pytest.approx(
@@ -197,16 +238,39 @@ def test_eight_gpu_point_against_torchtitan():
     datasheets and microbenchmarks (overlap/step_model/hardware.py, kernels.py); it predicts
     ~+19% here (benchmarks/plan_published.py: torchtitan's H100 rows run ~15-20% below it).
     This guards that stated error against drifting, and the compiled/eager ratio."""
+
     def tokens(stack: str) -> float:
-        r = plan(model="llama-8b", num_gpus=8, gpus_per_node=8, link="nvlink4", gpu="h100-96gb", local_batch=2,
-                 seq_len=8192, ac="selective", search=False, scaling_gpus=(), stack=stack)
+        r = plan(
+            model="llama-8b",
+            num_gpus=8,
+            gpus_per_node=8,
+            link="nvlink4",
+            gpu="h100-96gb",
+            local_batch=2,
+            seq_len=8192,
+            ac="selective",
+            search=False,
+            scaling_gpus=(),
+            stack=stack,
+        )
         return r.estimate.tokens_per_s_per_gpu
 
     eager, compiled = tokens("torch-eager"), tokens("torch-compile")
     assert 0.10 < eager / TORCHTITAN_8B_TOKENS_PER_S_PER_GPU - 1 < 0.25
     assert compiled / eager == pytest.approx(6667 / 5762, abs=0.05)
-    rate = plan(model="llama-8b", num_gpus=8, gpus_per_node=8, link="nvlink4", gpu="h100-96gb", local_batch=2,
-                seq_len=8192, ac="selective", search=False, scaling_gpus=(), mfu=0.40)
+    rate = plan(
+        model="llama-8b",
+        num_gpus=8,
+        gpus_per_node=8,
+        link="nvlink4",
+        gpu="h100-96gb",
+        local_batch=2,
+        seq_len=8192,
+        ac="selective",
+        search=False,
+        scaling_gpus=(),
+        mfu=0.40,
+    )
     assert rate.cluster.kernels is None  # a given rate replaces the kernel model
 
 

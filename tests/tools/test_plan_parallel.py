@@ -8,24 +8,20 @@ from dataclasses import replace
 
 import pytest
 
+from overlap.step_model.cost import LINKS, Link, Topology, ring_time_s
 from overlap.tools.cli import main
 from overlap.tools.plan.command import PLAN_DEFAULT_CONFIG, PlanConfig, plan
-from overlap.step_model.cost import LINKS, Link, Topology, ring_time_s
 from overlap.tools.plan.estimate import Cluster, build_units, estimate
-from overlap.tools.plan.layout import (
-    ParallelDims,
-    bubble_fraction,
-    make_layout,
-    stage_profile,
-    tp_cost,
-)
+from overlap.tools.plan.layout import ParallelDims, bubble_fraction, make_layout, stage_profile, tp_cost
 from overlap.tools.plan.models import gpu_spec, load_model
 
 SLOW = Link("slow", 1e-5, 1.0)
 FAST = Link("fast", 1e-6, 1000.0)
 
 
-def _cluster(num_gpus: int, dims: ParallelDims, intra: Link = LINKS["nvlink4"], inter: Link = LINKS["ndr400"]) -> Cluster:
+def _cluster(
+    num_gpus: int, dims: ParallelDims, intra: Link = LINKS["nvlink4"], inter: Link = LINKS["ndr400"]
+) -> Cluster:
     return Cluster(num_gpus=num_gpus, gpus_per_node=8, gpu=gpu_spec("h100-sxm"), intra=intra, inter=inter,
                    achieved_tflops=400.0, dims=dims)  # fmt: skip
 
@@ -49,7 +45,9 @@ def test_tp_collectives_are_timed_on_the_intra_node_link():
     per_block = 4 + 4 + 4  # forward, backward, full AC's recompute
     assert cost.num_collectives == 32 * per_block + 4
     assert cost.bytes_each == size
-    assert cost.exposed_s == pytest.approx(cost.num_collectives * ring_time_s("all_gather", size, Topology(8, 8, SLOW, SLOW)))
+    assert cost.exposed_s == pytest.approx(
+        cost.num_collectives * ring_time_s("all_gather", size, Topology(8, 8, SLOW, SLOW))
+    )
     other = tp_cost(profile, dims, make_layout(dims, 64, 8, SLOW, SLOW), 32, 2)  # the inter link does not matter
     assert other.busy_s == pytest.approx(cost.busy_s)
     hidden = tp_cost(profile, replace(dims, async_tp=True), layout, 32, 2)
@@ -149,7 +147,10 @@ def test_issue_command_runs_with_the_preset_batch_per_microbatch(tmp_path, capsy
         (["--gpus", "64", "--tp", "16"], "must divide --gpus-per-node 8"),
         (["--gpus", "64", "--microbatches", "4"], "give --pp > 1"),
         (["--gpus", "64", "--pp", "2", "--pp-schedule", "interleaved"], "needs --virtual-stages >= 2"),
-        (["--gpus", "64", "--pp", "2", "--microbatches", "3", "--local-batch", "4"], "does not split into --microbatches 3"),
+        (
+            ["--gpus", "64", "--pp", "2", "--microbatches", "3", "--local-batch", "4"],
+            "does not split into --microbatches 3",
+        ),
     ],
 )
 def test_cli_errors(argv, message):

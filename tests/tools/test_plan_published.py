@@ -16,7 +16,7 @@ from overlap.tools.plan.run_spec import ModelShape, RunSpec
 from overlap.tools.plan.run_step import predict_run
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-import plan_published as pp  # noqa: E402
+import plan_published as pp
 
 LLAMA_8B = ModelShape(num_layers=32, hidden=4096, ffn_hidden=14336, num_heads=32, num_kv_heads=8, vocab_size=128256)
 
@@ -39,7 +39,10 @@ def test_kernel_stack_precision_and_checkpointing_move_the_block_as_documented()
     compiled = block_seconds(shape, 16384, 8192, gpu, STACKS["torch-compile"])
     fp8 = block_seconds(shape, 16384, 8192, gpu, STACKS["torch-compile"], fp8=True)
     full = block_seconds(shape, 16384, 8192, gpu, STACKS["torch-compile"], recompute="full")
-    assert compiled.gemm_forward_s == eager.gemm_forward_s and compiled.elementwise_forward_s < eager.elementwise_forward_s / 2
+    assert (
+        compiled.gemm_forward_s == eager.gemm_forward_s
+        and compiled.elementwise_forward_s < eager.elementwise_forward_s / 2
+    )
     assert fp8.gemm_forward_s < 0.75 * compiled.gemm_forward_s
     assert full.recompute_s == pytest.approx(full.forward_s)
     a100 = block_seconds(shape, 16384, 8192, ACCELERATORS["a100-80gb"], STACKS["torch-compile"])
@@ -70,7 +73,17 @@ def test_fsdp_replays_the_schedule_and_more_microbatches_gather_more() -> None:
 
 def test_run_spec_refuses_what_it_cannot_lay_out() -> None:
     with pytest.raises(ValueError, match="tp 8 x pp 3"):
-        RunSpec(model=LLAMA_8B, gpu="h100-sxm", node="dgx-h100", num_gpus=64, seq_len=8192, global_batch=64, micro_batch=1, tp=8, pp=3)
+        RunSpec(
+            model=LLAMA_8B,
+            gpu="h100-sxm",
+            node="dgx-h100",
+            num_gpus=64,
+            seq_len=8192,
+            global_batch=64,
+            micro_batch=1,
+            tp=8,
+            pp=3,
+        )
     with pytest.raises(ValueError, match="unknown"):
         RunSpec(model=LLAMA_8B, gpu="tpu", node="dgx-h100", num_gpus=8, seq_len=8192, global_batch=8, micro_batch=1)
 
@@ -90,7 +103,7 @@ def test_every_published_row_is_expressible_and_cites_its_source() -> None:
 
 
 def test_published_conversions_match_the_sources_own_cross_checks() -> None:
-    data, rows = pp.load_rows()
+    _, rows = pp.load_rows()
     by_id = {row["id"]: (row, spec) for row, spec, _ in rows}
     row, spec = by_id["mcore-weak-1.7b"]
     tokens = pp.published_tokens_per_s(row, spec.model, spec, row["source"])

@@ -185,7 +185,10 @@ def test_summary_signs_errors_per_world():
         return [{"config": f"c{i}", "measured_ms": m, "predicted_ms": p, "defaults_ms": p, "spread_ms": [m, m]}
                 for i, (m, p) in enumerate(pairs)]  # fmt: skip
 
-    results = [{"world": "a", "rows": rows((100, 103), (100, 99))}, {"world": "b", "rows": rows((200, 180), (100, 112))}]
+    results = [
+        {"world": "a", "rows": rows((100, 103), (100, 99))},
+        {"world": "b", "rows": rows((200, 180), (100, 112))},
+    ]
     s = pv.summarize(results)
     assert s["worlds"]["a"]["mean_signed"] == pytest.approx(0.01)
     assert s["worlds"]["b"]["mean_signed"] == pytest.approx(0.01)  # -10% and +12%
@@ -216,6 +219,7 @@ def test_phase_errors_split_the_step_error():
     """[Note: the error by phase]: per phase, predicted - measured of the medians over every step,
     averaged over configs; they add up to the step's error when each phase is steady; rows
     without phases (older runs) give None and the table leaves the line out."""
+
     def row(measured, predicted):  # per round, per step: (forward, backward, optimizer) ms
         return {"config": "c", "measured_ms": sum(measured[0][0]), "predicted_ms": sum(predicted[0][0]),
                 "defaults_ms": 1.0, "spread_ms": [1, 1], "phase_ms": measured, "phase_predicted_ms": predicted}  # fmt: skip
@@ -285,7 +289,11 @@ def test_repredict_recovers_a_known_host_factor_from_stored_steps():
                       compute=ComputeCosts(unit_numel=1000, forward_s=(0.01,) * 4, backward_s=(0.02,) * 4, optimizer_s=0.005))  # fmt: skip
     beside = [[100.0, 140.0], [120.0, 110.0]]  # per round, per step: the compute total, ms
     rows = []
-    for name, overrides in (("default", {}), ("prefetch_depth=2", {"prefetch_depth": 2}), ("no reshard", {"reshard_after_forward": False})):
+    for name, overrides in (
+        ("default", {}),
+        ("prefetch_depth=2", {"prefetch_depth": 2}),
+        ("no reshard", {"reshard_after_forward": False}),
+    ):
         truth = rp.with_host(cal, 1.5)
         steps = [[predict_measured(with_compute(truth, [ms / 3e3 / 4] * 4, [2 * ms / 3e3 / 4] * 4), OverlapConfig(**overrides)).step_s * 1e3
                   for ms in r] for r in beside]  # fmt: skip

@@ -18,26 +18,13 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import overlap
 from overlap import OverlapConfig
-from overlap.tools.tune import (
-    Codec,
-    TuneConfig,
-    TuneResult,
-    TuneSpace,
-    halving_schedule,
-    score,
-    survivors,
-    tune,
-)
+from overlap.tools.tune import Codec, TuneConfig, TuneResult, TuneSpace, halving_schedule, score, survivors, tune
 from overlap.tools.tune.cache import TuneKey, model_signature
 from overlap.tools.tune.halving import HalvingRound, first_round_steps_for, schedule_steps
 from overlap.tools.tune.predict import PlannedCandidate, num_to_keep, prune
 
 # A small space over tiny_lm (4 blocks of 1,572 elements): 2 granularities x 2 depths x 2 buckets.
-SPACE = TuneSpace(
-    min_unit_numel=(0, 3000),
-    prefetch_depth=(1, 2),
-    reduce_scatter_bucket_bytes=(0, 12_000),
-)
+SPACE = TuneSpace(min_unit_numel=(0, 3000), prefetch_depth=(1, 2), reduce_scatter_bucket_bytes=(0, 12_000))
 FAST = {"cache": "off", "progress": False, "profile_steps": 1, "warmup_steps": 1}
 
 
@@ -45,17 +32,9 @@ FAST = {"cache": "off", "progress": False, "profile_steps": 1, "warmup_steps": 1
 
 
 def test_halving_schedule_by_hand():
-    assert halving_schedule(8, 1) == (
-        HalvingRound(8, 1, 4),
-        HalvingRound(4, 2, 2),
-        HalvingRound(2, 4, 1),
-    )
+    assert halving_schedule(8, 1) == (HalvingRound(8, 1, 4), HalvingRound(4, 2, 2), HalvingRound(2, 4, 1))
     # ceil(5/2) = 3 survive, then ceil(3/2) = 2: the last round always compares two
-    assert halving_schedule(5, 2) == (
-        HalvingRound(5, 2, 3),
-        HalvingRound(3, 4, 2),
-        HalvingRound(2, 8, 1),
-    )
+    assert halving_schedule(5, 2) == (HalvingRound(5, 2, 3), HalvingRound(3, 4, 2), HalvingRound(2, 8, 1))
     assert halving_schedule(2, 3) == (HalvingRound(2, 3, 1),)
     assert halving_schedule(1, 5) == ()  # nothing to decide
     assert schedule_steps(halving_schedule(8, 1)) == 8 + 8 + 8
@@ -84,16 +63,8 @@ def test_score_and_survivors_by_hand():
 def test_space_grid_codecs_and_validation():
     assert SPACE.size == 8 == len(SPACE.candidates(OverlapConfig()))
     first, last = SPACE.candidates(OverlapConfig())[0], SPACE.candidates(OverlapConfig())[-1]
-    assert (first.min_unit_numel, first.prefetch_depth, first.reduce_scatter_bucket_bytes) == (
-        0,
-        1,
-        0,
-    )
-    assert (last.min_unit_numel, last.prefetch_depth, last.reduce_scatter_bucket_bytes) == (
-        3000,
-        2,
-        12_000,
-    )
+    assert (first.min_unit_numel, first.prefetch_depth, first.reduce_scatter_bucket_bytes) == (0, 1, 0)
+    assert (last.min_unit_numel, last.prefetch_depth, last.reduce_scatter_bucket_bytes) == (3000, 2, 12_000)
     assert Codec.parse("none") == Codec(None, None, False)
     assert Codec.parse("int8+ef") == Codec("int8", "int8", True)
     assert Codec.parse("fp8/int4+ef") == Codec("fp8", "int4", True)
@@ -124,13 +95,7 @@ def _planned(index: int, step_s: float, sig: object = None, peak: int = 0) -> Pl
 
 
 def test_prune_keeps_fastest_distinct_each_codec_and_the_base():
-    planned = [
-        _planned(3, 1.0),
-        _planned(1, 1.0, sig=3),
-        _planned(0, 2.0),
-        _planned(2, 3.0),
-        _planned(4, 4.0),
-    ]
+    planned = [_planned(3, 1.0), _planned(1, 1.0, sig=3), _planned(0, 2.0), _planned(2, 3.0), _planned(4, 4.0)]
     codec = {0: "none", 1: "none", 2: "int8", 3: "none", 4: "none"}
     feats = {i: (i,) for i in range(5)}
     args = {"stratum": codec.__getitem__, "features": feats.__getitem__}
@@ -142,24 +107,14 @@ def test_prune_keeps_fastest_distinct_each_codec_and_the_base():
     assert prune(capped, 1, max_unsharded_bytes=6, **one) == [1]
     with pytest.raises(ValueError):
         prune(capped, 1, max_unsharded_bytes=1, **one)
-    assert (
-        num_to_keep(27, 0.25, 8) == 7
-        and num_to_keep(27, 1.0, 8) == 8
-        and num_to_keep(3, 0.1, None) == 2
-    )
+    assert num_to_keep(27, 0.25, 8) == 7 and num_to_keep(27, 1.0, 8) == 8 and num_to_keep(3, 0.1, None) == 2
 
 
 def test_prune_spreads_picks_over_tied_predictions():
     # four candidates predicted alike (within the tie tolerance), features (depth, bucket):
     # after the first (fastest), the one differing in both fields comes next, not the neighbour
     feats = {0: (1, 0), 1: (1, 9), 2: (2, 0), 3: (2, 9), 4: (4, 0)}
-    planned = [
-        _planned(0, 1.000),
-        _planned(1, 1.001),
-        _planned(2, 1.002),
-        _planned(3, 1.003),
-        _planned(4, 2.0),
-    ]
+    planned = [_planned(0, 1.000), _planned(1, 1.001), _planned(2, 1.002), _planned(3, 1.003), _planned(4, 2.0)]
     kept = prune(planned, 2, stratum=lambda i: "none", features=feats.__getitem__)
     assert kept == [0, 3]
     # a clearly faster candidate wins over spread
@@ -262,9 +217,7 @@ def cached_tunes(rank: int, world: int, cache_dir: str) -> dict:
     def run(space: TuneSpace, **kw) -> tuple[TuneResult, int]:
         steps["n"] = 0
         opts = {**FAST, "cache": "use", "cache_dir": cache_dir, **kw}
-        result = tune(
-            tiny_lm, counted_step, config=TuneConfig(space=space, **opts), optimizer_fn=_sgd
-        )
+        result = tune(tiny_lm, counted_step, config=TuneConfig(space=space, **opts), optimizer_fn=_sgd)
         return result, steps["n"]
 
     small = TuneSpace(prefetch_depth=(1, 2))
@@ -275,13 +228,7 @@ def cached_tunes(rank: int, world: int, cache_dir: str) -> dict:
     refreshed, n_refresh = run(small, cache="refresh")
     return {
         "first": (first.cached, n_first, first.key),
-        "again": (
-            again.cached,
-            n_again,
-            again.key,
-            again.config == first.config,
-            again.winner == first.winner,
-        ),
+        "again": (again.cached, n_again, again.key, again.config == first.config, again.winner == first.winner),
         "space": (other_space.cached, n_space, other_space.key),
         "extra": (other_extra.cached, n_extra, other_extra.key),
         "refresh": (refreshed.cached, n_refresh),
@@ -330,10 +277,7 @@ def tuned_vs_ddp(rank: int, world: int, out: str, steps: int = 3) -> dict:
         base = tiny_lm()
         ref = DDP(copy.deepcopy(base))
         ours = overlap.wrap(base, config=config)
-        ref_opt, opt = (
-            torch.optim.AdamW(ref.parameters(), lr=1e-2),
-            torch.optim.AdamW(ours.parameters(), lr=1e-2),
-        )
+        ref_opt, opt = (torch.optim.AdamW(ref.parameters(), lr=1e-2), torch.optim.AdamW(ours.parameters(), lr=1e-2))
         same = True
         for step in range(steps):
             x = batch(base, rank, step)
@@ -385,10 +329,7 @@ def command_on_ranks(rank: int, world: int, out: str) -> dict:
                          "max_reduce_inputs": (1,)},
     )  # fmt: skip
     result = tune_rank(rank, world, cmd)
-    return {
-        "is_result": isinstance(result, TuneResult),
-        "grid": None if result is None else len(result.grid),
-    }
+    return {"is_result": isinstance(result, TuneResult), "grid": None if result is None else len(result.grid)}
 
 
 def test_command_tunes_the_bench_workload(world2, tmp_path):
@@ -424,10 +365,10 @@ def test_calibration_file_reaches_the_pruning(tmp_path):
     """`overlap tune --calibration FILE` loads the file into TuneConfig; the planner then prunes
     with it on this world's ranks (the one model of overlap/step_model/calibration.py)."""
     from overlap.step_model.calibration import default_world_calibration
-    from overlap.tools.worlds.link import LinkSpec
     from overlap.tools.cli import build_parser
     from overlap.tools.tune.command import command_from_args
     from overlap.tools.tune.predict import calibration_for
+    from overlap.tools.worlds.link import LinkSpec
 
     cal = default_world_calibration(2, "gloo", LinkSpec.parse("1gbit"))
     path = cal.save(tmp_path / "cal.json")

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-import overlap
 from helpers.harness import World
 from helpers.models import batch, loss_of, tiny_lm
+
+import overlap
 from overlap import kernels
 from overlap.engine.units import CHUNK_ALIGN_NUMEL
 from overlap.transport import collectives as comm

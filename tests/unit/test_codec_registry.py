@@ -8,9 +8,9 @@ import copy
 
 import pytest
 import torch
+from helpers.models import batch, loss_of, tiny_lm
 
 import overlap
-from helpers.models import batch, loss_of, tiny_lm
 from overlap import OverlapConfig
 from overlap.compression import (
     GRAD_CODECS,

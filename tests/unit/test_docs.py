@@ -19,7 +19,9 @@ _FENCE = re.compile(r"^\s*```")
 _PREFIXES = ("overlap/", "benchmarks/", "tests/", "csrc/", "docs/")
 # A path in backticks may name a folder; a bare one must end in a file extension.
 _TICKED = re.compile(r"`([^`\s]+)`")
-_BARE = re.compile(r"(?<![\w./-])((?:overlap|benchmarks|tests|csrc|docs)/[\w./*-]*\w\.(?:py|md|json|cu|cpp|h|sh|png|toml))")
+_BARE = re.compile(
+    r"(?<![\w./-])((?:overlap|benchmarks|tests|csrc|docs)/[\w./*-]*\w\.(?:py|md|json|cu|cpp|h|sh|png|toml))"
+)
 
 
 def _prose(text: str) -> str:

@@ -17,8 +17,8 @@ import warnings
 from pathlib import Path
 
 import pytest
-from helpers.harness import triton_or_skip
 import torch
+from helpers.harness import triton_or_skip
 
 from overlap.kernels import (
     code_numel,
@@ -356,7 +356,9 @@ def test_triton_gpu_matches_reference():
                 for out_dtype in OUT_DTYPES:
                     base = torch.randn(numel, generator=gen).to(out_dtype)
                     for accumulate in (False, True):
-                        want = dequantize_blockwise_ref(codes, scales, bits, block, numel, base.clone(), accumulate, fmt)
+                        want = dequantize_blockwise_ref(
+                            codes, scales, bits, block, numel, base.clone(), accumulate, fmt
+                        )
                         on_gpu = base.cuda()
                         o = dequantize_blockwise(codes.cuda(), scales.cuda(), bits, block, numel, on_gpu, accumulate,
                                                  fmt=fmt, backend="triton")  # fmt: skip
@@ -385,7 +387,9 @@ def test_triton_gpu_rows_and_fused_feedback_match_the_cpu_loop():
         for mode in ("none", "fp32", "bf16", "int8") + (("stochastic",) if fmt == "int" else ()):
             residual: object = None
             if mode in ("fp32", "bf16"):
-                residual = (torch.randn(num_rows - 1, numel, generator=gen) * 0.01).to(getattr(torch, "float32" if mode == "fp32" else "bfloat16"))
+                residual = (torch.randn(num_rows - 1, numel, generator=gen) * 0.01).to(
+                    getattr(torch, "float32" if mode == "fp32" else "bfloat16")
+                )
             elif mode == "int8":
                 residual = (torch.randint(-127, 128, (num_rows - 1, nb * block), generator=gen, dtype=torch.int8),
                             torch.rand(num_rows - 1, nb, generator=gen) * 1e-4)  # fmt: skip
@@ -406,7 +410,12 @@ def test_triton_gpu_rows_and_fused_feedback_match_the_cpu_loop():
                     from overlap.kernels import triton_kernels
 
                     triton_kernels.encode_rows(x.cuda(), codes, scales, bits, block, **kw)  # type: ignore[arg-type]
-                outs[device] = (codes, scales, *((res if isinstance(res, tuple) else (res,)) if res is not None else ()), count)
+                outs[device] = (
+                    codes,
+                    scales,
+                    *((res if isinstance(res, tuple) else (res,)) if res is not None else ()),
+                    count,
+                )
             for a, b in zip(outs["cpu"], outs["cuda"]):
                 assert _same(a, b), f"encode_rows {fmt}{bits} {mode}"
         codes, scales = outs["cpu"][0], outs["cpu"][1]
@@ -610,8 +619,8 @@ def test_copy_matches_runtime_layout(align):
     parameter's padded full tensor) and gradient copy-in (each gradient cut into world_size
     chunks, padded, with the used flags) of a unit ([Note: flat layout]) equal one copy_out /
     copy_in call, with padded chunks (align 16) and packed ones (align 1)."""
-    from overlap.kernels import copy_in, copy_out
     from overlap.engine.units import ParamInfo, make_layout
+    from overlap.kernels import copy_in, copy_out
 
     shapes = [(48, 20), (48,), (7, 3), (1,), (5, 4, 3), (3,)]
     n = 4
@@ -627,7 +636,9 @@ def test_copy_matches_runtime_layout(align):
             expected = torch.zeros(layout.unsharded_numel, dtype=param_dtype)
             blocks = gathered.view(n, -1).split(layout.chunk_sizes, dim=1)
             for s, block in zip(layout.slots, blocks):
-                expected[s.unsharded_offset : s.unsharded_offset + n * s.chunk_numel] = block[:, : s.chunk_numel].reshape(-1)
+                expected[s.unsharded_offset : s.unsharded_offset + n * s.chunk_numel] = block[
+                    :, : s.chunk_numel
+                ].reshape(-1)
             unsharded = torch.zeros(layout.unsharded_numel, dtype=param_dtype)
             outs = [unsharded[s.unsharded_offset : s.unsharded_offset + n * s.chunk_numel] for s in layout.slots]
             copy_out(gathered, outs, sizes=sizes, data_cols=data, num_rows=n, backend=backend)
@@ -728,8 +739,7 @@ def test_copy_triton_gpu_matches_reference():
 
 
 @pytest.mark.parametrize(
-    "bits,fmt,stochastic",
-    [(8, "int", False), (8, "int", True), (4, "int", False), (4, "int", True), (8, "fp8", False)],
+    "bits,fmt,stochastic", [(8, "int", False), (8, "int", True), (4, "int", False), (4, "int", True), (8, "fp8", False)]
 )  # fp8 has no stochastic rounding
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_error_feedback_matches_the_composition(bits, fmt, dtype, stochastic):
@@ -747,9 +757,7 @@ def test_fused_error_feedback_matches_the_composition(bits, fmt, dtype, stochast
         for backend in ("ref", "cpp"):
             r = r0.clone()
             g = torch.Generator().manual_seed(7)
-            codes, scales = quantize_feedback_blockwise(
-                x, r, bits, block, stochastic, g, fmt=fmt, backend=backend
-            )
+            codes, scales = quantize_feedback_blockwise(x, r, bits, block, stochastic, g, fmt=fmt, backend=backend)
             outs[backend] = (codes, scales, r)
         for a, b in zip(outs["ref"], outs["cpp"]):
             assert torch.equal(a, b), (numel, backend)
@@ -760,8 +768,7 @@ def test_fused_error_feedback_matches_the_composition(bits, fmt, dtype, stochast
 
 
 @pytest.mark.parametrize(
-    "bits,fmt,stochastic",
-    [(8, "int", False), (8, "int", True), (4, "int", False), (4, "int", True), (8, "fp8", False)],
+    "bits,fmt,stochastic", [(8, "int", False), (8, "int", True), (4, "int", False), (4, "int", True), (8, "fp8", False)]
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_int8_residual_feedback_matches_the_composition(bits, fmt, dtype, stochastic):
@@ -859,8 +866,8 @@ def test_triton_gpu_launches_do_not_sync():
     torch's sync debug mode turns any synchronizing call into an error. Fresh copy-in sources
     (a new table, sent from pinned memory) do not sync either."""
     pytest.importorskip("triton")
-    from overlap.kernels import copy_in, copy_out
     from overlap.engine.units import CHUNK_ALIGN_NUMEL, ParamInfo, make_layout
+    from overlap.kernels import copy_in, copy_out
 
     n = 2
     shapes = [(4096, 64), (4096,), (7, 3), (50257,)]

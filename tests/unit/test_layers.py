@@ -210,7 +210,7 @@ def test_commands_use_worlds_and_workloads_never_each_other():
             other = tool_layer(target)
             if layer is None or other is None or other == layer:
                 continue
-            if layer in APPS and other not in BELOW_APPS or layer in BELOW_APPS and other in APPS:
+            if (layer in APPS and other not in BELOW_APPS) or (layer in BELOW_APPS and other in APPS):
                 crossings.setdefault(module, set()).add(target)
     plan = {m: t for m, t in crossings.items() if tool_layer(m) == "plan"}
     others = {m: t for m, t in crossings.items() if tool_layer(m) != "plan"}

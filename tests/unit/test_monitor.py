@@ -9,9 +9,9 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from helpers.models import batch, loss_of, tiny_lm
 
 import overlap
-from helpers.models import batch, loss_of, tiny_lm
 from overlap.observe.monitor import Monitor, nvml_handle
 from overlap.observe.stats import StepStats
 
@@ -21,8 +21,14 @@ def _step(step: int, **kw) -> StepStats:
 
 
 def test_alerts_fire_and_name_step_and_unit(caplog):
-    m = Monitor(0, torch.device("cpu"), alert_exposed_comm_share=0.3, alert_collective_slowdown=3.0,
-                alert_step_gap_ms=500, alert_memory_bytes=1)
+    m = Monitor(
+        0,
+        torch.device("cpu"),
+        alert_exposed_comm_share=0.3,
+        alert_collective_slowdown=3.0,
+        alert_step_gap_ms=500,
+        alert_memory_bytes=1,
+    )
     caplog.set_level(logging.WARNING, logger="overlap")
     for i in range(6):  # steady collectives build the running median
         m.on_step(_step(i, step_ms=100, collective_ms={"unit3 (layers.2) gather": 10.0}))
@@ -135,8 +141,14 @@ def test_no_nvml_call_unless_metrics_are_wanted(fake_cuda):
 
 def test_nvml_samples_the_visible_gpu_every_n_steps_and_pcie_rarely(fake_cuda, tmp_path):
     nvml = FakeNvml()
-    m = Monitor(0, fake_cuda, metrics_file=str(tmp_path / "m.jsonl"), alert_memory_bytes=10**9,
-                gpu_sample_every_steps=5, nvml=nvml)
+    m = Monitor(
+        0,
+        fake_cuda,
+        metrics_file=str(tmp_path / "m.jsonl"),
+        alert_memory_bytes=10**9,
+        gpu_sample_every_steps=5,
+        nvml=nvml,
+    )
     for i in range(20):
         m.on_step(_step(i, step_ms=100))
     assert nvml.calls.count("nvmlInit") == 1

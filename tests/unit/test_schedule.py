@@ -12,11 +12,11 @@ from overlap.engine.schedule import (
     Free,
     Gather,
     Reduce,
+    ReleaseReduce,
     Schedule,
     ScheduleConfig,
     UnitState,
     WaitGather,
-    ReleaseReduce,
     WaitReduce,
     order_hash,
 )
@@ -66,18 +66,40 @@ def test_steady_state_actions_default():
     ]
     second = sequential_step(s, 4)
     assert second == [
-        Gather(0), Gather(1), WaitGather(0),
-        Free(0), Gather(2), WaitGather(1),
-        Free(1), Gather(3), WaitGather(2),
-        Free(2), WaitGather(3),
+        Gather(0),
+        Gather(1),
+        WaitGather(0),
+        Free(0),
+        Gather(2),
+        WaitGather(1),
+        Free(1),
+        Gather(3),
+        WaitGather(2),
+        Free(2),
+        WaitGather(3),
         Gather(2, True),  # end of forward: unit 3 is kept for backward, unit 2 prefetched
-        Free(3), Reduce(4, (3,)), Gather(1, True), WaitGather(2),
+        Free(3),
+        Reduce(4, (3,)),
+        Gather(1, True),
+        WaitGather(2),
         # at most one reduce-scatter input alive ([Note: reduce buffers]): the previous
         # bucket's is released before the next bucket allocates its own
-        Free(2), ReleaseReduce(4, (3,)), Reduce(5, (2,)), Gather(0, True), WaitGather(1),
-        Free(1), ReleaseReduce(5, (2,)), Reduce(6, (1,)), WaitGather(0),
-        Free(0), ReleaseReduce(6, (1,)), Reduce(7, (0,)),
-        WaitReduce(4, (3,)), WaitReduce(5, (2,)), WaitReduce(6, (1,)), WaitReduce(7, (0,)),
+        Free(2),
+        ReleaseReduce(4, (3,)),
+        Reduce(5, (2,)),
+        Gather(0, True),
+        WaitGather(1),
+        Free(1),
+        ReleaseReduce(5, (2,)),
+        Reduce(6, (1,)),
+        WaitGather(0),
+        Free(0),
+        ReleaseReduce(6, (1,)),
+        Reduce(7, (0,)),
+        WaitReduce(4, (3,)),
+        WaitReduce(5, (2,)),
+        WaitReduce(6, (1,)),
+        WaitReduce(7, (0,)),
     ]
     assert sum(isinstance(a, Gather) for a in second) == 4 + 3  # ZeRO-3: last unit kept
 
@@ -296,12 +318,16 @@ def test_zero2_prefetches_in_forward():
     second = sequential_step(s, 4)
     forward = second[: second.index(WaitGather(3)) + 1]
     assert forward == [
-        Gather(0), Gather(1), WaitGather(0),
-        Gather(2), WaitGather(1),
-        Gather(3), WaitGather(2),
+        Gather(0),
+        Gather(1),
+        WaitGather(0),
+        Gather(2),
+        WaitGather(1),
+        Gather(3),
+        WaitGather(2),
         WaitGather(3),
     ]
-    assert not any(isinstance(a, Gather) for a in second[len(forward):])
+    assert not any(isinstance(a, Gather) for a in second[len(forward) :])
 
 
 def test_second_forward_before_backward_keeps_kept_units():

@@ -116,7 +116,12 @@ class _Torch211:
                 r._local_tensor, r._spec = local_tensor, spec
                 return r
 
-        self.DeviceMesh, self._StridedShard, self.TensorMeta, self.DTensorSpec = DeviceMesh, _StridedShard, TensorMeta, DTensorSpec
+        self.DeviceMesh, self._StridedShard, self.TensorMeta, self.DTensorSpec = (
+            DeviceMesh,
+            _StridedShard,
+            TensorMeta,
+            DTensorSpec,
+        )
         self.compute_local_shape_and_global_offset, self.DTensor = compute_local_shape_and_global_offset, DTensor
 
     def install(self, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -166,7 +171,11 @@ def test_every_function_calls_torch_211_as_it_takes_them(monkeypatch):
     made = torch_compat.dtensor(local, spec)
     assert type(made) is torch211.DTensor and made._local_tensor is local and made._spec is spec
     assert [name for name, _ in torch211.calls if name not in ("_get_root_mesh",)] == [
-        "_concatenate", "_concatenate", "_flatten", "compute_local_shape_and_global_offset", "DTensor",
+        "_concatenate",
+        "_concatenate",
+        "_flatten",
+        "compute_local_shape_and_global_offset",
+        "DTensor",
     ]
     assert torch211.calls[-1][1][2] is False  # no autograd history: requires_grad=False
 
@@ -225,14 +234,23 @@ def test_the_package_reaches_private_mesh_apis_only_through_torch_compat():
         if path.name == "torch_compat.py":
             continue
         tree = ast.parse(path.read_text())
-        typing_only = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test) for n in ast.walk(node)}
+        typing_only = {
+            id(n)
+            for node in ast.walk(tree)
+            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+            for n in ast.walk(node)
+        }
         for node in ast.walk(tree):
             names = (
                 {node.attr} if isinstance(node, ast.Attribute) else {node.id} if isinstance(node, ast.Name) else set()
             )
             if names & _PRIVATE_MESH:
                 found.append(f"{path.relative_to(package)}:{node.lineno} {names & _PRIVATE_MESH}")
-            if isinstance(node, ast.ImportFrom) and id(node) not in typing_only and (node.module or "").startswith("torch.distributed"):
+            if (
+                isinstance(node, ast.ImportFrom)
+                and id(node) not in typing_only
+                and (node.module or "").startswith("torch.distributed")
+            ):
                 private = [a.name for a in node.names if a.name.startswith("_")]
                 if "._" in node.module or private:  # type: ignore[operator]
                     found.append(f"{path.relative_to(package)}:{node.lineno} from {node.module} import {private}")
@@ -272,7 +290,7 @@ def check_tp_wrap_without_concatenate(rank: int, world_size: int) -> dict[str, s
     try:
         overlap.wrap(model(), group=mesh["dp"])
         out["missing"] = "wrapped"
-    except Exception as error:  # noqa: BLE001: the test reads which error it was
+    except Exception as error:  # the test reads which error it was
         out["missing"] = f"{type(error).__name__}: {error}"
     finally:
         DeviceMesh._concatenate = saved

@@ -32,12 +32,12 @@ triton = pytest.importorskip("triton", reason="triton is not installed (extra `t
 if os.environ.get("TRITON_INTERPRET", "") not in ("", "0"):  # jit returns interpreted functions then
     pytest.skip("TRITON_INTERPRET is set in this process: nothing to compile", allow_module_level=True)
 
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
 
-from overlap.kernels import quantize, triton_copy, triton_kernels, triton_launch  # noqa: E402
-from overlap.kernels.reference import qmax_for  # noqa: E402
-from overlap.kernels.triton_launch import FP8_MIN_CAPABILITY, LAUNCH_OPTIONS  # noqa: E402
+from overlap.kernels import quantize, triton_copy, triton_kernels, triton_launch
+from overlap.kernels.reference import qmax_for
+from overlap.kernels.triton_launch import FP8_MIN_CAPABILITY, LAUNCH_OPTIONS
 
 ARCHS = (90, 80)
 _TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
@@ -136,7 +136,9 @@ def _copy_variants() -> list[Variant]:
                              "table_ptr": "*i64", "row_stride": "i32"}  # fmt: skip
                 name = f"{kind} flat {flat} tensors {tensors}"
                 out.append(Variant(name, kernel, signature, {"BLOCK": triton_copy.BLOCK}, ints16=True))
-        odd = Variant(f"{kind} row stride not a multiple of 16", kernel, out[-1].signature, {"BLOCK": triton_copy.BLOCK})
+        odd = Variant(
+            f"{kind} row stride not a multiple of 16", kernel, out[-1].signature, {"BLOCK": triton_copy.BLOCK}
+        )
         out.append(odd)
     return out
 
@@ -205,8 +207,16 @@ def test_kernel_compiles(variant: Variant) -> None:
                 assert loads or stores, f"{where}: no 16-byte access on the tensors' side"
 
 
-@pytest.mark.parametrize("name", ["encode int8 nearest fp32", "encode int8 nearest bf16 fp32 residual",
-                                  "encode int4 nearest fp32", "decode int8 accumulate fp32", "decode_sum int8 fp32"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "encode int8 nearest fp32",
+        "encode int8 nearest bf16 fp32 residual",
+        "encode int4 nearest fp32",
+        "decode int8 accumulate fp32",
+        "decode_sum int8 fp32",
+    ],
+)
 def test_row_kernels_vectorize_on_aligned_sizes(name: str) -> None:
     """[Note: rows per launch]: a program's tile is read and written with 16-byte accesses when
     the sizes and row strides are multiples of 16, as a bucket's are (chunks padded to the
@@ -239,7 +249,7 @@ def test_fp8_rejected_exactly_where_dispatch_falls_back(arch: int, monkeypatch) 
         try:
             compile_ptx(variant, arch)
             compiles.append(True)
-        except Exception as exc:  # noqa: BLE001  # triton's CompilationError: the type is unsupported
+        except Exception as exc:  # triton's CompilationError: the type is unsupported
             chain, cause = [], exc  # the fp8 cast fails inside a jitted helper: look down the causes
             while cause is not None:
                 chain.append(str(cause).lower())

@@ -6,6 +6,7 @@ repeated call builds and uploads nothing. Exits non-zero with the failing case."
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 from collections.abc import Callable, Iterator
@@ -17,7 +18,7 @@ import torch
 
 assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
 
-from overlap.kernels import (  # noqa: E402
+from overlap.kernels import (
     code_numel,
     copy_in,
     copy_in_ref,
@@ -28,12 +29,17 @@ from overlap.kernels import (  # noqa: E402
     num_blocks_for,
     quantize_blockwise,
     quantize_blockwise_ref,
+    quantize_feedback_blockwise,
+    quantize_feedback_int8res_blockwise,
 )
-from overlap.kernels import quantize_feedback_blockwise, quantize_feedback_int8res_blockwise  # noqa: E402
-from overlap.kernels import triton_kernels as tk  # noqa: E402
-from overlap.kernels.rows import decode_rows, decode_sum_rows, encode_rows_loop  # noqa: E402
+from overlap.kernels import triton_kernels as tk
+from overlap.kernels.rows import decode_rows, decode_sum_rows, encode_rows_loop
 
 OUT_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def _call_bound(bound: Callable, srcs: Any, full: torch.Tensor) -> Any:
+    return bound(srcs, full)
 
 
 def random_input(numel: int, dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
@@ -88,7 +94,9 @@ def check_copy(gen: torch.Generator) -> int:
             for r, g in zip(ref, got):
                 assert torch.equal(r.view(_INT_VIEW[dtype]), g.view(_INT_VIEW[dtype])), "copy_out " + where
             # mixed source dtypes (two launches) and a None source (zeros)
-            srcs = [None if i == 1 else copy_values(n, dtype if i % 2 else flat_dtype, gen) for i, n in enumerate(valid)]
+            srcs = [
+                None if i == 1 else copy_values(n, dtype if i % 2 else flat_dtype, gen) for i, n in enumerate(valid)
+            ]
             ref_flat = torch.full((sum(sizes),), 7.0, dtype=flat_dtype)
             got_flat = ref_flat.clone()
             copy_in_ref(srcs, ref_flat, sizes, rows, data_cols)
@@ -165,16 +173,18 @@ def check_runtime_copies(gen: torch.Generator) -> int:
                     want = torch.full((layout.unsharded_numel,), 7.0, dtype=dst)
                     want_tags = torch.full((n * tag,), 7.0, dtype=src)
                     views = [(s.unsharded_offset, n * s.chunk_numel) for s in layout.slots]
-                    copy_out_ref(gathered, [want[o : o + k] for o, k in views] + ([want_tags] if tag else []), sizes, n, cols)
+                    copy_out_ref(
+                        gathered, [want[o : o + k] for o, k in views] + ([want_tags] if tag else []), sizes, n, cols
+                    )
                     unsharded, tags = torch.full_like(want, 7.0), torch.full_like(want_tags, 3.0)  # padding: as `want`
                     outs = [unsharded[o : o + k] for o, k in views] + ([tags] if tag else [])
                     expected = 1 + (tag > 0 and src != dst)  # the tags keep the gathered dtype
                     count = launched("out", lambda: copy_out(gathered, outs, sizes=sizes, num_rows=n, data_cols=cols,
                                                             backend="triton"))  # fmt: skip
                     assert count == expected, f"copy_out {where}: {count} launches"
-                    assert _equal(unsharded, want) and torch.equal(tags.view(_INT_VIEW[src]), want_tags.view(_INT_VIEW[src])), (
-                        "copy_out " + where
-                    )
+                    assert _equal(unsharded, want) and torch.equal(
+                        tags.view(_INT_VIEW[src]), want_tags.view(_INT_VIEW[src])
+                    ), "copy_out " + where
                     bound = triton_copy.bind_copy_out(outs, sizes, cols, n)
                     for _ in range(2):  # the second time into a reallocated buffer, elsewhere
                         reallocate_elsewhere(unsharded)
@@ -184,10 +194,14 @@ def check_runtime_copies(gen: torch.Generator) -> int:
                             count = launched("out", lambda: bound(gathered))
                         assert count == expected, f"bound copy_out {where}: {count} launches"
                         assert _equal(unsharded, want), "bound copy_out " + where
-                        assert torch.equal(tags.view(_INT_VIEW[src]), want_tags.view(_INT_VIEW[src])), "bound tags " + where
+                        assert torch.equal(tags.view(_INT_VIEW[src]), want_tags.view(_INT_VIEW[src])), (
+                            "bound tags " + where
+                        )
                     assert not built, f"bound copy_out {where}: a repeated layout built host data: {built}"
                     # copy-in: the gradients (one missing), then the used flags in their dtype
-                    grads = [None if i == 2 else copy_values(s.numel, src, gen) for i, s in enumerate(layout.grad_slots)]
+                    grads = [
+                        None if i == 2 else copy_values(s.numel, src, gen) for i, s in enumerate(layout.grad_slots)
+                    ]
                     num_flags = len(grads)
                     flags = torch.tensor([g is not None for g in grads], dtype=src).repeat(n)
                     flag_cols = -(-num_flags // CHUNK_ALIGN_NUMEL) * CHUNK_ALIGN_NUMEL
@@ -198,12 +212,14 @@ def check_runtime_copies(gen: torch.Generator) -> int:
                     copy_in_ref(srcs, want_full, in_sizes, n, in_cols)
                     for name, run in (
                         ("copy_in", lambda f: copy_in(srcs, f, sizes=in_sizes, num_rows=n, data_cols=in_cols, backend="triton")),
-                        ("bound copy_in", lambda f, b=triton_copy.bind_copy_in(in_sizes, in_cols, n): b(srcs, f)),
+                        ("bound copy_in", functools.partial(_call_bound, triton_copy.bind_copy_in(in_sizes, in_cols, n), srcs)),
                     ):  # fmt: skip
                         got_full = torch.full_like(want_full, 3.0)
                         count = launched("in", lambda: run(got_full))
                         assert count == 1, f"{name} {where}: {count} launches"
-                        assert torch.equal(got_full.view(_INT_VIEW[dst]), want_full.view(_INT_VIEW[dst])), f"{name} {where}"
+                        assert torch.equal(got_full.view(_INT_VIEW[dst]), want_full.view(_INT_VIEW[dst])), (
+                            f"{name} {where}"
+                        )
                     cases += 1
     finally:
         triton_copy._copy_out_kernel, triton_copy._copy_in_kernel = counters["out"].kernel, counters["in"].kernel
@@ -298,8 +314,10 @@ def check_no_host_sync(gen: torch.Generator) -> None:
     steps += [
         ("quantize", lambda: quantize_blockwise(x, 8, 256, backend="triton")),
         ("quantize stochastic", lambda: tk.quantize_blockwise(x, 4, 256, noise=noise)),
-        ("dequantize-accumulate", lambda: dequantize_blockwise(codes, scales, 8, 256, 3000, x.clone(), True,
-                                                               backend="triton")),  # fmt: skip
+        (
+            "dequantize-accumulate",
+            lambda: dequantize_blockwise(codes, scales, 8, 256, 3000, x.clone(), True, backend="triton"),
+        ),
     ]
     for name, step in steps:
         with record_host_calls() as first:
@@ -386,17 +404,25 @@ def check_rows(gen: torch.Generator) -> int:
                                              for _ in range(encoded)]),
                                 torch.stack([torch.rand(nb, generator=gen) * 1e-3 for _ in range(encoded)]))  # fmt: skip
                     elif mode in ("fp32", "bf16"):
-                        res0 = (torch.randn(encoded, numel, generator=gen) * 0.01).to(getattr(torch, {"fp32": "float32", "bf16": "bfloat16"}[mode]))
+                        res0 = (torch.randn(encoded, numel, generator=gen) * 0.01).to(
+                            getattr(torch, {"fp32": "float32", "bf16": "bfloat16"}[mode])
+                        )
                     else:
                         res0 = None
                     noise = torch.rand(encoded, nb * block, generator=gen) if mode == "stochastic" else None
                     outs = []
                     for backend in ("triton", "ref"):
                         buf, codes, scales = _wire(num_rows, numel, bits, block, torch.Generator().manual_seed(5))
-                        res = None if res0 is None else (tuple(t.clone() for t in res0) if isinstance(res0, tuple) else res0.clone())
+                        res = (
+                            None
+                            if res0 is None
+                            else (tuple(t.clone() for t in res0) if isinstance(res0, tuple) else res0.clone())
+                        )
                         count = torch.zeros((), dtype=torch.int64)
                         if backend == "triton":
-                            tk.encode_rows(x, codes, scales, bits, block, skip=skip, noise=noise, residual=res, count=count)
+                            tk.encode_rows(
+                                x, codes, scales, bits, block, skip=skip, noise=noise, residual=res, count=count
+                            )
                         else:
                             encode_rows_loop(x, codes, scales, bits, block, skip=skip, noise=noise, residual=res,
                                              count=count, backend="ref")  # fmt: skip
@@ -405,7 +431,9 @@ def check_rows(gen: torch.Generator) -> int:
                     assert _equal(b1, b2), "wire " + where
                     assert int(c1) == int(c2), f"count {int(c1)} != {int(c2)} " + where
                     if r1 is not None:
-                        for t1, t2 in zip(r1 if isinstance(r1, tuple) else (r1,), r2 if isinstance(r2, tuple) else (r2,)):
+                        for t1, t2 in zip(
+                            r1 if isinstance(r1, tuple) else (r1,), r2 if isinstance(r2, tuple) else (r2,)
+                        ):
                             assert _equal(t1, t2), "residual " + where
                     cases += 1
                 # decode every row into rows (an all-gather), counting NaN scales
@@ -418,7 +446,9 @@ def check_rows(gen: torch.Generator) -> int:
                         count = torch.zeros((), dtype=torch.int64)
                         decode_rows(codes, scales, bits, block, numel, out, count=count, backend=backend)  # type: ignore[arg-type]
                         outs.append((out, int(count)))
-                    assert _equal(outs[0][0], outs[1][0]) and outs[0][1] == outs[1][1], f"decode_rows {out_dtype} " + where
+                    assert _equal(outs[0][0], outs[1][0]) and outs[0][1] == outs[1][1], (
+                        f"decode_rows {out_dtype} " + where
+                    )
                 # the decode-sum of a reduce-scatter: this rank's row is `own`, absent or present
                 if skip is not None:
                     own = random_input(numel, x.dtype, gen)

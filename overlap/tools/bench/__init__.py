@@ -24,10 +24,7 @@ from overlap.tools.worlds.link import LinkError
 
 BENCHES: dict[str, tuple[str, str]] = {
     "comm": ("overlap.tools.bench.comm", "collective bandwidth sweep, printed as nccl-tests does"),
-    "overlap": (
-        "overlap.tools.bench.overlap",
-        "matmuls with concurrent collectives: share of comm hidden",
-    ),
+    "overlap": ("overlap.tools.bench.overlap", "matmuls with concurrent collectives: share of comm hidden"),
     "step": (
         "overlap.tools.bench.step",
         "training step side by side (overlap, FSDP2, DDP, floors); --nproc 1,2,4 for scaling",

@@ -48,7 +48,6 @@ DTYPES = ("float32", "float64", "float16", "bfloat16", "int32", "int64", "int8",
 _CHUNKED: frozenset[Op] = frozenset({"all_gather", "reduce_scatter", "all_to_all"})
 
 
-
 def bus_factor(op: Op, world_size: int) -> float:
     """busbw / algbw for `op` on `world_size` ranks (nccl-tests' PERFORMANCE.md)."""
     n = world_size
@@ -196,19 +195,13 @@ def _blocks(values: list[int], block_numel: int, like: torch.Tensor) -> torch.Te
     return small.repeat_interleave(block_numel)
 
 
-def build_case(
-    op: Op, count: int, inplace: bool, dtype: torch.dtype, device: torch.device
-) -> CommCase:
+def build_case(op: Op, count: int, inplace: bool, dtype: torch.dtype, device: torch.device) -> CommCase:
     n, r = dist.get_world_size(), dist.get_rank()
     chunk = count // n if op in _CHUNKED else count
     big = torch.zeros(count, dtype=dtype, device=device)
     if op == "all_reduce":
         return CommCase(op, big, big)
-    small = (
-        big.narrow(0, r * chunk, chunk)
-        if inplace
-        else torch.zeros(chunk, dtype=dtype, device=device)
-    )
+    small = big.narrow(0, r * chunk, chunk) if inplace else torch.zeros(chunk, dtype=dtype, device=device)
     if op == "all_gather":
         return CommCase(op, small, big)
     if op == "reduce_scatter":
@@ -252,14 +245,7 @@ def _sync(device: torch.device) -> None:
 
 
 def measure(
-    op: Op,
-    num_bytes: int,
-    dtype: torch.dtype,
-    inplace: bool,
-    *,
-    iters: int,
-    warmup: int,
-    device: torch.device,
+    op: Op, num_bytes: int, dtype: torch.dtype, inplace: bool, *, iters: int, warmup: int, device: torch.device
 ) -> CommRow | None:
     """Check, then time one case on every rank of the default group (a collective call: all
     ranks, same arguments, same order); None when `num_bytes` holds less than one element per
@@ -309,10 +295,8 @@ def format_table(report: CommReport, op: Op) -> str:
     lines = [
         f"# {op}: {report.world_size} ranks, {report.backend}{link}",
         f"#{'':>40}{'out-of-place':>30}{'in-place':>35}",
-        f"#{'size':>11}{'count':>13}{'type':>9}{'redop':>7}"
-        + f"{'time':>10}{'algbw':>8}{'busbw':>8}{'#wrong':>7}" * 2,
-        f"#{'(B)':>11}{'(elements)':>13}{'':>16}"
-        + f"{'(us)':>10}{'(GB/s)':>8}{'(GB/s)':>8}{'':>7}" * 2,
+        f"#{'size':>11}{'count':>13}{'type':>9}{'redop':>7}" + f"{'time':>10}{'algbw':>8}{'busbw':>8}{'#wrong':>7}" * 2,
+        f"#{'(B)':>11}{'(elements)':>13}{'':>16}" + f"{'(us)':>10}{'(GB/s)':>8}{'(GB/s)':>8}{'':>7}" * 2,
     ]
     by_size: dict[int, dict[bool, CommRow]] = {}
     for row in report.rows:
@@ -345,9 +329,7 @@ def comm_rank(rank: int, world_size: int, cfg: CommBenchConfig) -> CommReport | 
         for size in sweep_sizes(cfg.min_bytes, cfg.max_bytes)
         for inplace in variants(op)
     ]
-    report = CommReport(
-        backend=dist.get_backend(), world_size=world_size, link=active_link(), rows=[]
-    )
+    report = CommReport(backend=dist.get_backend(), world_size=world_size, link=active_link(), rows=[])
     bar = tqdm(plan, desc="bench comm", disable=rank != 0, dynamic_ncols=True, leave=False)
     for i, (op, size, inplace) in enumerate(bar):
         bar.set_postfix_str(f"{op} {size} B")

@@ -108,14 +108,10 @@ class MemoryBenchConfig:
         if min(sizes) < 1:
             raise ValueError("MemoryBenchConfig: sizes and steps must be >= 1")
         if self.d_model % self.heads:
-            raise ValueError(
-                f"MemoryBenchConfig: d_model={self.d_model} must be divisible by heads={self.heads}"
-            )
+            raise ValueError(f"MemoryBenchConfig: d_model={self.d_model} must be divisible by heads={self.heads}")
         unknown = sorted(set(self.contenders) - set(CONTENDERS))
         if unknown or not self.contenders:
-            raise ValueError(
-                f"MemoryBenchConfig.contenders: unknown {unknown}; choose from {CONTENDERS}"
-            )
+            raise ValueError(f"MemoryBenchConfig.contenders: unknown {unknown}; choose from {CONTENDERS}")
         if self.nproc is not None and (not self.nproc or min(self.nproc) < 1):
             raise ValueError(f"MemoryBenchConfig.nproc: need world sizes >= 1, got {self.nproc}")
         if self.device not in ("auto", "cpu", "cuda"):

@@ -84,7 +84,7 @@ class MeshBenchConfig:
 
 
 def parse_mesh(text: str) -> tuple[int, int]:
-    """"dp=2,tp=2" -> (2, 2)."""
+    """ "dp=2,tp=2" -> (2, 2)."""
     sizes = dict(part.split("=", 1) for part in text.split(",") if part.strip())
     if set(sizes) != {"dp", "tp"}:
         raise ValueError(f"--mesh expects dp=N,tp=M, got {text!r}")
@@ -202,7 +202,9 @@ def bench_mesh(cfg: MeshBenchConfig) -> dict:
         f"FSDP x TP, mesh dp={cfg.dp} x tp={cfg.tp} (gloo, {cfg.threads} thread/rank): {cfg.layers} MLP blocks "
         f"{cfg.dim}->{cfg.ff}->{cfg.dim}, {cfg.batch * cfg.seq} tokens per dp rank, {cfg.rounds} rounds x {cfg.steps} steps"
     )
-    print(f"{'contender':<28}{'step ms':>10}{'spread':>18}{'vs fsdp2 (spread)':>22}{'state MB':>10}{'peak RSS MB':>13}  loss")
+    print(
+        f"{'contender':<28}{'step ms':>10}{'spread':>18}{'vs fsdp2 (spread)':>22}{'state MB':>10}{'peak RSS MB':>13}  loss"
+    )
     for name, row in report.items():
         low, high = row["spread_ms"]
         r_low, r_high = row["ratio_spread"]
@@ -222,6 +224,7 @@ add_arguments, run = command(MeshBenchConfig, bench_mesh, "overlap bench mesh")
 def run_from_step_flags(args: argparse.Namespace) -> int:
     """`overlap bench step --mesh dp=N,tp=M ...`, the old spelling: step's flags that this
     benchmark has, the others ignored."""
+
     def build() -> MeshBenchConfig:
         dp, tp = parse_mesh(args.mesh)
         return from_flags(MeshBenchConfig, args, dp=dp, tp=tp)

@@ -92,9 +92,7 @@ class OverheadBenchConfig:
                 f"(the reference) and only names from {CONTENDERS}"
             )
         if not self.nproc or min(self.nproc) < 1 or len(set(self.nproc)) != len(self.nproc):
-            raise ValueError(
-                f"OverheadBenchConfig.nproc: need distinct world sizes >= 1, got {self.nproc}"
-            )
+            raise ValueError(f"OverheadBenchConfig.nproc: need distinct world sizes >= 1, got {self.nproc}")
 
 
 def build_model(cfg: OverheadBenchConfig) -> nn.Sequential:
@@ -238,8 +236,7 @@ class OverheadWorld:
 
 def summarize(cfg: OverheadBenchConfig, world_size: int, step_ms: list[list[list[float]]]) -> OverheadWorld:
     medians = {
-        name: [statistics.median(r) for r in rounds]
-        for name, rounds in zip(cfg.contenders, step_ms, strict=True)
+        name: [statistics.median(r) for r in rounds] for name, rounds in zip(cfg.contenders, step_ms, strict=True)
     }
     plain_ms = statistics.median(medians["plain"])
     runs = []
@@ -274,9 +271,7 @@ def format_world(cfg: OverheadBenchConfig, world: OverheadWorld) -> str:
     for run in world.runs:
         lo, hi = run.spread_ms
         per_unit = "-" if run.overhead_per_unit_us is None else f"{run.overhead_per_unit_us:.0f}"
-        lines.append(
-            f"{run.name:<10} {run.median_step_ms:>9.2f} {f'{lo:.2f}-{hi:.2f}':>15} {per_unit:>19}"
-        )
+        lines.append(f"{run.name:<10} {run.median_step_ms:>9.2f} {f'{lo:.2f}-{hi:.2f}':>15} {per_unit:>19}")
     if world.overlap_over_fsdp2_per_unit is not None:
         lines.append(f"overlap/fsdp2 per unit = {world.overlap_over_fsdp2_per_unit:.2f}")
     return "\n".join(lines)
@@ -308,9 +303,7 @@ def bench_overhead(cfg: OverheadBenchConfig) -> dict[str, Any]:
     prints the tables and returns (and writes, with `cfg.json_path`) the JSON payload."""
     worlds = []
     for n in cfg.nproc:
-        step_ms = run_local_world(
-            overhead_rank, n, cfg, timeout_s=cfg.timeout_s, threads_per_rank=1
-        )[0]
+        step_ms = run_local_world(overhead_rank, n, cfg, timeout_s=cfg.timeout_s, threads_per_rank=1)[0]
         world = summarize(cfg, n, step_ms)
         print(format_world(cfg, world), flush=True)
         worlds.append(world)

@@ -216,9 +216,7 @@ def _round(phases: _Phases, num_matmuls: int, order: int) -> tuple[dict[str, flo
             times["comm"], cpu_ms = phases.time_comm()
         else:
             times["together"], times["together_compute"] = phases.time_together(num_matmuls)
-    t = torch.tensor(
-        [times[k] for k in PHASES] + [cpu_ms], dtype=torch.float64, device=phases.device
-    )
+    t = torch.tensor([times[k] for k in PHASES] + [cpu_ms], dtype=torch.float64, device=phases.device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     values = t.cpu().tolist()
     return dict(zip(PHASES, values[:-1], strict=True)), values[-1]

@@ -86,13 +86,7 @@ from overlap.tools.demo.train import (
     train_step,
 )
 from overlap.tools.flags import add_flags, from_flags
-from overlap.tools.worlds.launch import (
-    default_world,
-    exit_now,
-    in_torchrun,
-    init_from_env,
-    run_local_world,
-)
+from overlap.tools.worlds.launch import default_world, exit_now, in_torchrun, init_from_env, run_local_world
 
 __all__ = [
     "CRASH_AT_ENV",

@@ -58,11 +58,17 @@ class DemoConfig:
     reshard_after_forward: bool | None = field(
         default=None, metadata=flag(group=KNOBS, const=False, help="keep gathered weights until backward (ZeRO-2)")
     )
-    param_compression: str | None = field(default=None, metadata=flag(group=KNOBS, choices=[n for n in PARAM_CODECS if n]))
+    param_compression: str | None = field(
+        default=None, metadata=flag(group=KNOBS, choices=[n for n in PARAM_CODECS if n])
+    )
     """Codec of the weight all-gather."""
-    grad_compression: str | None = field(default=None, metadata=flag(group=KNOBS, choices=[n for n in GRAD_CODECS if n]))
+    grad_compression: str | None = field(
+        default=None, metadata=flag(group=KNOBS, choices=[n for n in GRAD_CODECS if n])
+    )
     """Codec of the gradient reduce-scatter."""
-    error_feedback: bool | None = field(default=None, metadata=flag(group=KNOBS, const=True, help="with --grad-compression"))
+    error_feedback: bool | None = field(
+        default=None, metadata=flag(group=KNOBS, const=True, help="with --grad-compression")
+    )
     checkpoint_dir: str | None = field(default=None, metadata=flag(group=CHECKPOINTS, metavar="DIR"))
     """Save sharded checkpoints here and resume from the latest one found ([Note: demo resume])."""
     save_every: int | None = field(default=None, metadata=flag(group=CHECKPOINTS, metavar="N"))
@@ -79,9 +85,7 @@ class DemoConfig:
                 "overlap engine; drop --engine ddp or --checkpoint-dir"
             )
         if self.save_every is not None and self.checkpoint_dir is None:
-            warnings.warn(
-                "overlap demo: --save-every is ignored without --checkpoint-dir", stacklevel=3
-            )
+            warnings.warn("overlap demo: --save-every is ignored without --checkpoint-dir", stacklevel=3)
 
     @property
     def save_interval(self) -> int:

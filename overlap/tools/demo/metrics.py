@@ -84,11 +84,7 @@ class _StepLog:
             return math.nan, None
         lo = max(start, 1) if len(self.step_ms) > 1 else 0
         ms = statistics.median(self.step_ms[lo:])
-        shares = [
-            e / s
-            for e, s in zip(self.exposed_ms[lo:], self.step_ms[lo:], strict=True)
-            if e is not None
-        ]
+        shares = [e / s for e, s in zip(self.exposed_ms[lo:], self.step_ms[lo:], strict=True) if e is not None]
         return ms, (statistics.median(shares) if shares else None)
 
 

@@ -18,9 +18,9 @@ from tqdm import tqdm
 
 import overlap
 from overlap.observe.monitor import rss_bytes
+from overlap.tools.demo import metrics
 from overlap.tools.demo.checkpoint import crash, injected_crash_step, resume, save
 from overlap.tools.demo.config import DemoConfig, DemoResult
-from overlap.tools.demo import metrics
 from overlap.tools.workloads import GPT, GPTConfig
 from overlap.tools.workloads.data import ByteDataset, get_batch, rank_generator
 from overlap.tools.worlds.launch import current_device
@@ -29,9 +29,7 @@ from overlap.tools.worlds.launch import current_device
 def build_model(cfg: DemoConfig, device: torch.device) -> nn.Module:
     """The same initial weights on every rank (seeded), then sharded (or DDP-replicated)."""
     torch.manual_seed(cfg.seed)
-    gpt_cfg = GPTConfig(
-        block_size=cfg.block_size, n_layer=cfg.layers, n_head=cfg.heads, n_embd=cfg.dim
-    )
+    gpt_cfg = GPTConfig(block_size=cfg.block_size, n_layer=cfg.layers, n_head=cfg.heads, n_embd=cfg.dim)
     model = GPT(gpt_cfg).to(device)
     if cfg.engine == "ddp":
         return nn.parallel.DistributedDataParallel(model)
@@ -57,9 +55,7 @@ def build_optimizer(
     return opt, sched
 
 
-def batches(
-    data: torch.Tensor, cfg: DemoConfig, rank: int, start: int
-) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+def batches(data: torch.Tensor, cfg: DemoConfig, rank: int, start: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """This rank's batch of every step from `start` on. The stream is replayed up to `start`
     rather than restored, so it depends only on (seed, rank, step) ([Note: demo resume])."""
     gen = rank_generator(cfg.seed, rank)
@@ -135,12 +131,7 @@ def train_rank(rank: int, world_size: int, cfg: DemoConfig) -> DemoResult | None
     crash_at = injected_crash_step(rank, cfg)
     stream = batches(data.train, cfg, rank, first)
     bar = tqdm(
-        range(first, cfg.steps),
-        initial=first,
-        total=cfg.steps,
-        disable=rank != 0,
-        desc="train",
-        dynamic_ncols=True,
+        range(first, cfg.steps), initial=first, total=cfg.steps, disable=rank != 0, desc="train", dynamic_ncols=True
     )
     window_start, state_bytes = 0, 0
     for step in bar:
@@ -159,9 +150,7 @@ def train_rank(rank: int, world_size: int, cfg: DemoConfig) -> DemoResult | None
         opt.zero_grad(set_to_none=True)
         sched.step()
         done = step + 1
-        if cfg.checkpoint_dir is not None and (
-            done % cfg.save_interval == 0 or done == cfg.steps
-        ):
+        if cfg.checkpoint_dir is not None and (done % cfg.save_interval == 0 or done == cfg.steps):
             save(cfg, model, opt, sched, done, history + metrics.mean_across_ranks(log.losses))
     bar.close()
     if first >= cfg.steps:

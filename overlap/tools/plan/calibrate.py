@@ -157,9 +157,15 @@ def calibrate_round(rig: Rig, profile_steps: int = 2) -> Calibration:
         comm_stretch=max(1.0, contention[3] / contention[2]),
         concurrent_throughput=concurrent_throughput(solos, concurrency[2]),
         host=host,
-        compute=ComputeCosts(unit_numel=layer_numel, forward_s=tuple(fwd), backward_s=tuple(bwd),
-                             optimizer_s=optimizer_s, tokens=bench.batch * bench.seq,
-                             hook_forward_s=hooks[0], hook_backward_s=hooks[1]),
+        compute=ComputeCosts(
+            unit_numel=layer_numel,
+            forward_s=tuple(fwd),
+            backward_s=tuple(bwd),
+            optimizer_s=optimizer_s,
+            tokens=bench.batch * bench.seq,
+            hook_forward_s=hooks[0],
+            hook_backward_s=hooks[1],
+        ),
         measured={
             "link_rows": rows,
             "contention_ms": [x * 1e3 for x in contention],
@@ -220,7 +226,11 @@ def format_calibration(cal: Calibration, rounds: list[Calibration] | None = None
         return f" [{min(values):.3g}-{max(values):.3g}]"
 
     lines = [f"calibration: {cal.source}"]
-    for name, link in (("all_gather", cal.gather_link), ("all_to_all", cal.reduce_link), ("all_reduce", cal.replica_link)):
+    for name, link in (
+        ("all_gather", cal.gather_link),
+        ("all_to_all", cal.reduce_link),
+        ("all_reduce", cal.replica_link),
+    ):
         if link is not None:
             attr = {"all_gather": "gather_link", "all_to_all": "reduce_link", "all_reduce": "replica_link"}[name]
             lines.append(f"  {name:<10}  alpha {link.alpha_s * 1e6:7.1f} us  busbw {link.busbw_gbps:.3f} GB/s"
@@ -244,10 +254,18 @@ def format_calibration(cal: Calibration, rounds: list[Calibration] | None = None
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--calibrate", metavar="FILE", default=None,
-                        help="measure this machine (W1 in a local gloo world) and write a calibration JSON; nothing is planned")
-    parser.add_argument("--calibrate-world", default="loopback", metavar="WORLD",
-                        help="with --calibrate: loopback, 1gbit, loopback,4 (ranks), hsdp2x2, 1gbit,hsdp2x2")
+    parser.add_argument(
+        "--calibrate",
+        metavar="FILE",
+        default=None,
+        help="measure this machine (W1 in a local gloo world) and write a calibration JSON; nothing is planned",
+    )
+    parser.add_argument(
+        "--calibrate-world",
+        default="loopback",
+        metavar="WORLD",
+        help="with --calibrate: loopback, 1gbit, loopback,4 (ranks), hsdp2x2, 1gbit,hsdp2x2",
+    )
     parser.add_argument("--calibrate-rounds", type=int, default=CalibrateConfig.rounds)  # fmt: skip
     parser.add_argument("--from-trace", metavar="DIR", default=None,
                         help="with --calibrate: fit the links to a run's trace (OVERLAP_TRACE=DIR) instead of measuring")  # fmt: skip

@@ -26,18 +26,18 @@ from pathlib import Path
 from typing import Any
 
 from overlap.config import OverlapConfig
-from overlap.tools.plan import calibrate
 from overlap.step_model.calibration import Calibration
 from overlap.step_model.cost import LINKS, Link, calibrate_from_bench
 from overlap.step_model.kernels import STACKS
+from overlap.tools.plan import calibrate
 from overlap.tools.plan.estimate import Cluster, estimate
 from overlap.tools.plan.layout import PP_SCHEDULES, fits_layout
 from overlap.tools.plan.models import AC_POLICIES, DEFAULT_MFU, GPUS, MODELS, gpu_spec, load_model
 from overlap.tools.plan.render import format_report
 from overlap.tools.plan.result import PLAN_DEFAULT_CONFIG, PlanConfig, PlanResult, RunCost
-from overlap.tools.plan.scaling import plot_scaling, scaling_curve, scaling_gpu_counts
 from overlap.tools.plan.run_spec import RunSpec
 from overlap.tools.plan.run_step import format_run, predict_run
+from overlap.tools.plan.scaling import plot_scaling, scaling_curve, scaling_gpu_counts
 from overlap.tools.plan.search import SearchSpace, search
 
 
@@ -48,8 +48,7 @@ def resolve_link(name: str) -> Link:
     if name.endswith(".json") and Path(name).is_file():
         return calibrate_from_bench(name)
     raise ValueError(
-        f"unknown link {name!r}; use a preset ({', '.join(LINKS)}) or an `overlap bench comm "
-        "--json` output file"
+        f"unknown link {name!r}; use a preset ({', '.join(LINKS)}) or an `overlap bench comm --json` output file"
     )
 
 
@@ -89,7 +88,11 @@ def plan(request: PlanConfig | None = None, /, **overrides: Any) -> PlanResult:
         space = SearchSpace.with_codecs() if request.search_codecs else SearchSpace()
     planned = estimate(profile, config, cluster)
     found = search(profile, config, cluster, space) if space is not None else None
-    counts = scaling_gpu_counts(request.gpus_per_node, request.num_gpus, request.scaling_gpus) if request.scaling_gpus else []
+    counts = (
+        scaling_gpu_counts(request.gpus_per_node, request.num_gpus, request.scaling_gpus)
+        if request.scaling_gpus
+        else []
+    )
     counts = [n for n in counts if fits_layout(cluster.dims, n, request.gpus_per_node)]
     best_config = found.best.config if found is not None else None
     points = scaling_curve(profile, config, cluster, counts, space, start=best_config)
@@ -112,42 +115,73 @@ def _token_count(text: str) -> float:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     d = PlanConfig()
-    parser.add_argument("--model", default=d.model,
-                        help=f"preset ({', '.join(MODELS)}) or package.module:factory returning an nn.Module")
+    parser.add_argument(
+        "--model",
+        default=d.model,
+        help=f"preset ({', '.join(MODELS)}) or package.module:factory returning an nn.Module",
+    )
     parser.add_argument("--gpus", type=int, default=d.num_gpus, help="GPUs in the run")
     parser.add_argument("--gpus-per-node", type=int, default=d.gpus_per_node)
     parser.add_argument("--link", default=d.link, help=f"inter-node link: {', '.join(LINKS)} or a bench comm JSON")
     parser.add_argument("--intra-link", default=d.intra_link, help="link inside a node (default nvlink4)")
     parser.add_argument("--gpu", default=d.gpu, help=f"GPU preset: {', '.join(GPUS)}")
-    parser.add_argument("--config", type=Path, default=None, help="OverlapConfig JSON to plan (default: bf16/fp32 mixed precision)")
+    parser.add_argument(
+        "--config", type=Path, default=None, help="OverlapConfig JSON to plan (default: bf16/fp32 mixed precision)"
+    )
     parser.add_argument("--seq-len", type=int, default=None, help="sequence length (default: the model preset's)")
-    parser.add_argument("--local-batch", type=int, default=None, help="sequences per GPU per step; with --tp/--pp per data-parallel rank (default: the preset's)")
-    parser.add_argument("--ac", choices=AC_POLICIES, default=None, help="activation checkpointing (default: the preset's)")
+    parser.add_argument(
+        "--local-batch",
+        type=int,
+        default=None,
+        help="sequences per GPU per step; with --tp/--pp per data-parallel rank (default: the preset's)",
+    )
+    parser.add_argument(
+        "--ac", choices=AC_POLICIES, default=None, help="activation checkpointing (default: the preset's)"
+    )
     rate = parser.add_mutually_exclusive_group()
-    rate.add_argument("--mfu", type=float, default=None,
-                      help="achieved share of peak in the compute kernels, instead of the kernel model "
-                      f"(module-path models: default {DEFAULT_MFU}, Llama 3 paper, Table 4)")
+    rate.add_argument(
+        "--mfu",
+        type=float,
+        default=None,
+        help="achieved share of peak in the compute kernels, instead of the kernel model "
+        f"(module-path models: default {DEFAULT_MFU}, Llama 3 paper, Table 4)",
+    )
     rate.add_argument("--tflops", type=float, default=None, help="achieved TFLOPs per GPU in the compute kernels")
     parser.add_argument("--gpu-hour-price", type=float, default=None, help="price per GPU-hour (with --tokens)")
-    parser.add_argument("--tokens", type=_token_count, default=None, help="tokens of the whole run, e.g. 15T (with --gpu-hour-price)")
+    parser.add_argument(
+        "--tokens", type=_token_count, default=None, help="tokens of the whole run, e.g. 15T (with --gpu-hour-price)"
+    )
     parser.add_argument("--png", type=Path, default=None, help="draw the scaling curve into this PNG")
     parser.add_argument("--json", type=Path, default=None, help="write the numbers as JSON here")
     parser.add_argument("--no-search", action="store_true", help="predict the given config only")
-    parser.add_argument("--search-codecs", action="store_true", help="also search the lossy codecs (int8/bf16 on the wire)")
+    parser.add_argument(
+        "--search-codecs", action="store_true", help="also search the lossy codecs (int8/bf16 on the wire)"
+    )
     parser.add_argument("--calibration", default=None, metavar="FILE",
                         help="measured costs (from --calibrate): links of their level, contention, host work")  # fmt: skip
     par = parser.add_argument_group("tensor and pipeline parallelism (overlap shards over the data-parallel rest)")
     par.add_argument("--tp", type=int, default=d.tp, help="tensor-parallel degree, inside a node (default 1)")
     par.add_argument("--pp", type=int, default=d.pp, help="pipeline stages (default 1)")
     par.add_argument("--microbatches", type=int, default=None, help="pipeline micro-batches per step (default: --pp)")
-    par.add_argument("--pp-schedule", choices=PP_SCHEDULES, default=d.pp_schedule, help="pipeline schedule (default 1f1b)")
+    par.add_argument(
+        "--pp-schedule", choices=PP_SCHEDULES, default=d.pp_schedule, help="pipeline schedule (default 1f1b)"
+    )
     par.add_argument("--virtual-stages", type=int, default=d.virtual_stages, help="stages per rank, interleaved only")
     par.add_argument("--async-tp", action="store_true", help="tensor-parallel collectives hidden behind the matmuls")
-    parser.add_argument("--run", type=Path, default=None, metavar="FILE",
-                        help="predict the run a RunSpec JSON describes (every parallel degree, data-parallel mode, "
-                        "precision, kernel stack: overlap/tools/plan/run_spec.py) and exit")
-    parser.add_argument("--stack", choices=sorted(STACKS), default=d.stack,
-                        help="kernels a preset model runs on, priced by the kernel model (ignored with --mfu/--tflops)")
+    parser.add_argument(
+        "--run",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="predict the run a RunSpec JSON describes (every parallel degree, data-parallel mode, "
+        "precision, kernel stack: overlap/tools/plan/run_spec.py) and exit",
+    )
+    parser.add_argument(
+        "--stack",
+        choices=sorted(STACKS),
+        default=d.stack,
+        help="kernels a preset model runs on, priced by the kernel model (ignored with --mfu/--tflops)",
+    )
     calibrate.add_arguments(parser)
 
 
@@ -158,13 +192,30 @@ def request_from_args(args: argparse.Namespace) -> PlanConfig:
             raise ValueError(f"--config {args.config}: no such file (an OverlapConfig JSON, see OverlapConfig.save)")
         config = OverlapConfig.load(args.config)
     return PlanConfig(
-        model=args.model, num_gpus=args.gpus, gpus_per_node=args.gpus_per_node, link=args.link,
-        intra_link=args.intra_link, gpu=args.gpu, config=config, seq_len=args.seq_len,
-        local_batch=args.local_batch, ac=args.ac, mfu=args.mfu, tflops=args.tflops,
-        gpu_hour_price=args.gpu_hour_price, tokens=args.tokens, search=not args.no_search,
-        search_codecs=args.search_codecs, calibration=args.calibration, tp=args.tp, pp=args.pp,
-        microbatches=args.microbatches, pp_schedule=args.pp_schedule, virtual_stages=args.virtual_stages,
-        async_tp=args.async_tp, stack=args.stack,
+        model=args.model,
+        num_gpus=args.gpus,
+        gpus_per_node=args.gpus_per_node,
+        link=args.link,
+        intra_link=args.intra_link,
+        gpu=args.gpu,
+        config=config,
+        seq_len=args.seq_len,
+        local_batch=args.local_batch,
+        ac=args.ac,
+        mfu=args.mfu,
+        tflops=args.tflops,
+        gpu_hour_price=args.gpu_hour_price,
+        tokens=args.tokens,
+        search=not args.no_search,
+        search_codecs=args.search_codecs,
+        calibration=args.calibration,
+        tp=args.tp,
+        pp=args.pp,
+        microbatches=args.microbatches,
+        pp_schedule=args.pp_schedule,
+        virtual_stages=args.virtual_stages,
+        async_tp=args.async_tp,
+        stack=args.stack,
     )
 
 
@@ -185,8 +236,12 @@ def run(args: argparse.Namespace) -> int:
     print(format_report(result))
     if args.png is not None:
         try:
-            path = plot_scaling(result.scaling, args.png, f"overlap plan: {result.profile.name} on {result.cluster.gpu.name}, "
-                                f"{result.request.link} between nodes of {result.cluster.gpus_per_node}")
+            path = plot_scaling(
+                result.scaling,
+                args.png,
+                f"overlap plan: {result.profile.name} on {result.cluster.gpu.name}, "
+                f"{result.request.link} between nodes of {result.cluster.gpus_per_node}",
+            )
         except ImportError:
             print("no PNG: matplotlib is not installed (pip install -e '.[plot]')")
             return 1

@@ -36,9 +36,9 @@ from overlap.step_model.cost import LINKS, Link, Topology, UnitCost
 from overlap.step_model.hardware import accelerator
 from overlap.step_model.kernels import BlockShape, block_seconds, head_seconds
 from overlap.step_model.kernels import stack as kernel_stack
+from overlap.step_model.simulate import Prediction
 from overlap.tools.plan.layout import ParallelBreakdown, ParallelDims
 from overlap.tools.plan.models import GpuSpec, ModelProfile
-from overlap.step_model.simulate import Prediction
 
 MASTER_BYTES_PER_PARAM = 4  # fp32 master shard
 SHARDED_STATE_BYTES_PER_PARAM = 16  # fp32 master + fp32 gradient + AdamW exp_avg, exp_avg_sq
@@ -124,7 +124,9 @@ class Cluster:
         """Two levels; a calibration's reduction link where the ring crosses its level. A preset
         inter-node link is one adapter per GPU: a ring with k ranks in each node drives k of them
         at once (NCCL's rails, [Note: rails] in overlap/step_model/hardware.py), up to NVLink."""
-        topo = Topology(self.num_gpus, self.gpus_per_node, self.intra, rails_link(self.inter, self.intra, self.gpus_per_node))
+        topo = Topology(
+            self.num_gpus, self.gpus_per_node, self.intra, rails_link(self.inter, self.intra, self.gpus_per_node)
+        )
         cal = self.calibration
         if cal is not None and cal.reduce_link is not None:
             level = "inter" if self.num_gpus > self.gpus_per_node else "intra"
@@ -221,7 +223,9 @@ def group_blocks(profile: ModelProfile, min_unit_numel: int) -> list[tuple[int, 
     return [tuple(int(n) for n in group) for group in group_units(names, numels, min_unit_numel)]
 
 
-def _codec_cost(kind: str, config: OverlapConfig, numel: int, dtype_bytes_: int, hbm_tbps: float) -> tuple[int | None, float]:
+def _codec_cost(
+    kind: str, config: OverlapConfig, numel: int, dtype_bytes_: int, hbm_tbps: float
+) -> tuple[int | None, float]:
     """Wire bytes and kernel seconds of one unit's compressed collective (None, 0: no codec).
 
     Kernel time: encode and decode are memory-bound, reading the raw bytes and the codes once

@@ -35,7 +35,9 @@ HOOK_REPS = 6
 HOOK_WARMUP = 2
 
 
-def measure_hooks(wrapped: nn.Module, plain: nn.Module, batch: tuple[torch.Tensor, ...], reps: int = HOOK_REPS) -> tuple[float, float]:
+def measure_hooks(
+    wrapped: nn.Module, plain: nn.Module, batch: tuple[torch.Tensor, ...], reps: int = HOOK_REPS
+) -> tuple[float, float]:
     """(forward, backward) seconds of training-thread CPU time the wrapper adds per unit of
     `wrapped` (an `overlap.wrap`ped copy of `plain`): the median over `reps` interleaved
     repetitions of (wrapped - plain), divided by the number of units; never below 0. Collective

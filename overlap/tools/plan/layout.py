@@ -255,7 +255,9 @@ def tp_cost(profile: ModelProfile, dims: ParallelDims, layout: Layout, num_layer
         raise ValueError(f"--tp needs the model's hidden size: {profile.name} is a module path; use a preset "
                          "or a TransformerShape")  # fmt: skip
     size = microbatch * profile.seq_len * profile.hidden * ACTIVATION_BYTES
-    per_block = BLOCK_TP_COLLECTIVES["forward"] + BLOCK_TP_COLLECTIVES["backward"] + RECOMPUTED_TP_COLLECTIVES[profile.ac]
+    per_block = (
+        BLOCK_TP_COLLECTIVES["forward"] + BLOCK_TP_COLLECTIVES["backward"] + RECOMPUTED_TP_COLLECTIVES[profile.ac]
+    )
     count = num_layers * per_block + ROOT_TP_COLLECTIVES
     topo = Topology(dims.tp, dims.tp, layout.tp_link, layout.tp_link)
     busy = count * ring_time_s("all_gather", size, topo)  # a reduce-scatter costs the same

@@ -86,7 +86,9 @@ def time_collective(op: str, num_bytes: int, group: dist.ProcessGroup) -> float:
     return max_over_ranks([statistics.median(times)])[0]
 
 
-def calibrate_links(shard: dist.ProcessGroup, replicas: dist.ProcessGroup | None, layer_bytes: int) -> tuple[Any, Any, Any, dict[str, list[tuple[int, float]]]]:
+def calibrate_links(
+    shard: dist.ProcessGroup, replicas: dist.ProcessGroup | None, layer_bytes: int
+) -> tuple[Any, Any, Any, dict[str, list[tuple[int, float]]]]:
     """(gather link, reduce link, replica link or None, the rows behind them)."""
     rows: dict[str, list[tuple[int, float]]] = {}
     for op in ("all_gather", "all_to_all"):
@@ -109,7 +111,9 @@ def profile_compute(model: nn.Module, batch: tuple[torch.Tensor, ...], steps: in
     return [statistics.median(x) for x in fwd], [statistics.median(x) for x in bwd]
 
 
-def profile_slowest(model: nn.Module, batch: tuple[torch.Tensor, ...], steps: int, warmup: int = PROFILE_WARMUP) -> tuple[list[float], list[float]]:
+def profile_slowest(
+    model: nn.Module, batch: tuple[torch.Tensor, ...], steps: int, warmup: int = PROFILE_WARMUP
+) -> tuple[list[float], list[float]]:
     """The per-layer compute that paces a step, every rank profiling at once: in each profiled
     step the layers of the rank whose forward + backward took longest in that step; per layer,
     the median over steps. Every rank returns the same.
@@ -134,7 +138,9 @@ def slowest_per_step(samples: torch.Tensor, num_layers: int) -> tuple[list[float
     return [statistics.median(x) for x in chosen[:num_layers]], [statistics.median(x) for x in chosen[num_layers:]]
 
 
-def profile_steps(model: nn.Module, batch: tuple[torch.Tensor, ...], steps: int, warmup: int = PROFILE_WARMUP) -> tuple[list[list[float]], list[list[float]]]:
+def profile_steps(
+    model: nn.Module, batch: tuple[torch.Tensor, ...], steps: int, warmup: int = PROFILE_WARMUP
+) -> tuple[list[list[float]], list[list[float]]]:
     """Per layer, the forward and backward seconds of the plain model in each of `steps` steps
     (after `warmup` untimed ones), on this rank.
 
@@ -180,7 +186,9 @@ def profile_steps(model: nn.Module, batch: tuple[torch.Tensor, ...], steps: int,
     return fwd, bwd
 
 
-def measure_optimizer(opt: torch.optim.Optimizer, grads: list[tuple[nn.Parameter, torch.Tensor]], reps: int = 3) -> float:
+def measure_optimizer(
+    opt: torch.optim.Optimizer, grads: list[tuple[nn.Parameter, torch.Tensor]], reps: int = 3
+) -> float:
     """AdamW's step and zero_grad on the wrapped model's shards (gradients from one backward,
     restored before each repetition); median seconds."""
     times = []
@@ -243,7 +251,7 @@ def measure_host(model: nn.Module, reps: int = 3) -> HostCosts:
         rt.free(unit)
         model.zero_grad(set_to_none=True)
     # the first repetition (two gather samples, one of each reduction) is a warm-up
-    med = max_over_ranks([statistics.median(samples[k][2 if k == "gather wait" else 1:]) for k in keys])
+    med = max_over_ranks([statistics.median(samples[k][2 if k == "gather wait" else 1 :]) for k in keys])
     return HostCosts(
         unit_bytes=4 * sum(p.numel() for p in rt.units[unit].unsharded_params),
         gather_issue_s=med[0], regather_issue_s=med[1], gather_wait_s=med[2],
@@ -251,7 +259,9 @@ def measure_host(model: nn.Module, reps: int = 3) -> HostCosts:
     )  # fmt: skip
 
 
-def measure_contention(layer: nn.Module, x: torch.Tensor, group: dist.ProcessGroup, op: str, reps: int = CONTENTION_REPS) -> tuple[float, float, float, float]:
+def measure_contention(
+    layer: nn.Module, x: torch.Tensor, group: dist.ProcessGroup, op: str, reps: int = CONTENTION_REPS
+) -> tuple[float, float, float, float]:
     """(compute alone, compute beside an all-gather loop, one all-gather alone, one all-gather
     beside compute), seconds; medians over `reps` alternations, means over ranks.
 

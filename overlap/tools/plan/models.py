@@ -195,18 +195,42 @@ class TransformerShape:
 # (126 layers, 16384, FFN 53248, 128 / 8 heads) is trained with full AC in torchtitan's 3-D runs.
 MODELS: dict[str, TransformerShape] = {
     "llama-8b": TransformerShape(
-        name="llama-8b", num_layers=32, hidden=4096, ffn_hidden=14336, num_heads=32,
-        num_kv_heads=8, vocab_size=128256, seq_len=8192, local_batch=2, ac="selective",
+        name="llama-8b",
+        num_layers=32,
+        hidden=4096,
+        ffn_hidden=14336,
+        num_heads=32,
+        num_kv_heads=8,
+        vocab_size=128256,
+        seq_len=8192,
+        local_batch=2,
+        ac="selective",
         source="Llama 3 paper (arXiv:2407.21783) Table 3; meta-llama/Meta-Llama-3-8B config.json",
     ),
     "llama-70b": TransformerShape(
-        name="llama-70b", num_layers=80, hidden=8192, ffn_hidden=28672, num_heads=64,
-        num_kv_heads=8, vocab_size=128256, seq_len=8192, local_batch=1, ac="full",
+        name="llama-70b",
+        num_layers=80,
+        hidden=8192,
+        ffn_hidden=28672,
+        num_heads=64,
+        num_kv_heads=8,
+        vocab_size=128256,
+        seq_len=8192,
+        local_batch=1,
+        ac="full",
         source="Llama 3 paper (arXiv:2407.21783) Table 3; meta-llama/Meta-Llama-3-70B config.json",
     ),
     "llama-405b": TransformerShape(
-        name="llama-405b", num_layers=126, hidden=16384, ffn_hidden=53248, num_heads=128,
-        num_kv_heads=8, vocab_size=128256, seq_len=8192, local_batch=1, ac="full",
+        name="llama-405b",
+        num_layers=126,
+        hidden=16384,
+        ffn_hidden=53248,
+        num_heads=128,
+        num_kv_heads=8,
+        vocab_size=128256,
+        seq_len=8192,
+        local_batch=1,
+        ac="full",
         source="Llama 3 paper (arXiv:2407.21783) Table 3; meta-llama/Llama-3.1-405B config.json",
     ),
 }
@@ -230,30 +254,50 @@ class GpuSpec:
 
 GPUS: dict[str, GpuSpec] = {
     "h100-sxm": GpuSpec(
-        name="H100 SXM", peak_tflops=989.4, hbm_gib=80, hbm_tbps=3.35,
-        source="NVIDIA H100 Tensor Core GPU datasheet: BF16 1,979 TFLOPS with sparsity, 80 GB "
-        "HBM3, 3.35 TB/s", accelerator="h100-sxm",
+        name="H100 SXM",
+        peak_tflops=989.4,
+        hbm_gib=80,
+        hbm_tbps=3.35,
+        source="NVIDIA H100 Tensor Core GPU datasheet: BF16 1,979 TFLOPS with sparsity, 80 GB HBM3, 3.35 TB/s",
+        accelerator="h100-sxm",
     ),
     "h100-96gb": GpuSpec(
-        name="H100 96GB (500 W)", peak_tflops=989.4, hbm_gib=96, hbm_tbps=2.4,
+        name="H100 96GB (500 W)",
+        peak_tflops=989.4,
+        hbm_gib=96,
+        hbm_tbps=2.4,
         source="torchtitan docs/performance.md (Grand Teton hosts): H100 with 96 GB HBM2e at "
         "2.4 TB/s, 500 W power limit; peak taken from the H100 SXM datasheet (the power limit "
-        "may lower sustained clocks)", accelerator="h100-96gb-500w",
+        "may lower sustained clocks)",
+        accelerator="h100-96gb-500w",
     ),
     "h200": GpuSpec(
-        name="H200 SXM", peak_tflops=989.4, hbm_gib=141, hbm_tbps=4.8,
-        source="NVIDIA H200 Tensor Core GPU datasheet: BF16 1,979 TFLOPS with sparsity, 141 GB "
-        "HBM3e, 4.8 TB/s", accelerator="h200",
+        name="H200 SXM",
+        peak_tflops=989.4,
+        hbm_gib=141,
+        hbm_tbps=4.8,
+        source="NVIDIA H200 Tensor Core GPU datasheet: BF16 1,979 TFLOPS with sparsity, 141 GB HBM3e, 4.8 TB/s",
+        accelerator="h200",
     ),
     "a100-80gb": GpuSpec(
-        name="A100 SXM 80GB", peak_tflops=312.0, hbm_gib=80, hbm_tbps=2.039,
-        source="NVIDIA A100 Tensor Core GPU datasheet: BF16 312 TFLOPS dense, 80 GB HBM2e, "
-        "2,039 GB/s", accelerator="a100-80gb",
+        name="A100 SXM 80GB",
+        peak_tflops=312.0,
+        hbm_gib=80,
+        hbm_tbps=2.039,
+        source="NVIDIA A100 Tensor Core GPU datasheet: BF16 312 TFLOPS dense, 80 GB HBM2e, 2,039 GB/s",
+        accelerator="a100-80gb",
     ),
     **{
-        key: GpuSpec(name=a.name, peak_tflops=a.bf16_tflops, hbm_gib=a.hbm_gib, hbm_tbps=a.hbm_tbps, source=a.source,
-                     accelerator=key)
-        for key, a in ACCELERATORS.items() if key in ("a100-40gb", "b200", "gb200")
+        key: GpuSpec(
+            name=a.name,
+            peak_tflops=a.bf16_tflops,
+            hbm_gib=a.hbm_gib,
+            hbm_tbps=a.hbm_tbps,
+            source=a.source,
+            accelerator=key,
+        )
+        for key, a in ACCELERATORS.items()
+        if key in ("a100-40gb", "b200", "gb200")
     },
 }
 

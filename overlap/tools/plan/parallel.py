@@ -22,6 +22,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from overlap.config import OverlapConfig
+from overlap.step_model.simulate import Prediction
 from overlap.tools.plan.fsdp import Cluster, Estimate, build_units, estimate_fsdp
 from overlap.tools.plan.layout import (
     ParallelBreakdown,
@@ -33,7 +34,6 @@ from overlap.tools.plan.layout import (
     tp_cost,
 )
 from overlap.tools.plan.models import ModelProfile
-from overlap.step_model.simulate import Prediction
 
 
 def dp_cluster(cluster: Cluster) -> Cluster:
@@ -74,7 +74,8 @@ def estimate_parallel(profile: ModelProfile, config: OverlapConfig, cluster: Clu
         step_s=step_s,
         compute_s=m * unsynced.compute_s + synced.optimizer_s,
         exposed_s=gathering * unsynced.exposed_s + m * (tp.exposed_s + p2p) + reduce_tail_s,
-        comm_busy_s=gathering * unsynced.comm_busy_s + m * (tp.busy_s + p2p)
+        comm_busy_s=gathering * unsynced.comm_busy_s
+        + m * (tp.busy_s + p2p)
         + max(0.0, s.comm_busy_s - unsynced.comm_busy_s),
         peak_unsharded_bytes=held[0],
         peak_unsharded_units=held[1],

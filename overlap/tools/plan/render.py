@@ -47,13 +47,19 @@ def _assumptions(r: PlanResult) -> list[str]:
     kernels = c.kernels is not None and p.shape is not None
     if kernels:
         e = r.estimate
-        executed = p.executed_flops_per_token * e.tokens_per_gpu_step / max(e.prediction.compute_s - e.optimizer_s, 1e-12)
-        rate = (f"the kernel model's rates ({c.kernels}: GEMMs, attention, element-wise bytes on this GPU) = "
-                f"{executed / 1e12:.0f} TFLOPs executed, {100 * executed / 1e12 / c.gpu.peak_tflops:.0f}% of")
+        executed = (
+            p.executed_flops_per_token * e.tokens_per_gpu_step / max(e.prediction.compute_s - e.optimizer_s, 1e-12)
+        )
+        rate = (
+            f"the kernel model's rates ({c.kernels}: GEMMs, attention, element-wise bytes on this GPU) = "
+            f"{executed / 1e12:.0f} TFLOPs executed, {100 * executed / 1e12 / c.gpu.peak_tflops:.0f}% of"
+        )
     elif req.tflops is not None:
         rate = f"{c.achieved_tflops:.1f} TFLOPs (--tflops) = {share:.0f}% of"
     else:
-        src = "--mfu" if req.mfu is not None else f"default {DEFAULT_MFU}: Llama 3 paper Table 4, 38-43% BF16 MFU on H100"
+        src = (
+            "--mfu" if req.mfu is not None else f"default {DEFAULT_MFU}: Llama 3 paper Table 4, 38-43% BF16 MFU on H100"
+        )
         rate = f"{c.achieved_tflops:.1f} TFLOPs = {share:.0f}% ({src}) of"
     nodes = f" = {c.num_nodes} nodes x {c.gpus_per_node}" if c.num_gpus > c.gpus_per_node else " in one node"
     config = "--config" if req.config is not None else "plan default: bf16 params, fp32 gradient reduction"
@@ -104,8 +110,8 @@ def _memory(e: Estimate, ac: str) -> list[str]:
     lines = [
         f"  memory per GPU   {m.total_bytes / GIB:.2f} GiB of {e.hbm_bytes / GIB:g} GiB: {fits}",
         f"    sharded params+grads+AdamW {m.sharded_state_bytes / GIB:8.2f} GiB  16 B/param / {e.num_gpus} GPUs"
-        if e.parallel is None else
-        f"    sharded params+grads+AdamW {m.sharded_state_bytes / GIB:8.2f} GiB  16 B/param of one rank's stage "
+        if e.parallel is None
+        else f"    sharded params+grads+AdamW {m.sharded_state_bytes / GIB:8.2f} GiB  16 B/param of one rank's stage "
         f"(1/{e.parallel.layout.dims.tp} wide) / dp {e.parallel.layout.dp}",
         f"    root unit, unsharded       {m.root_bytes / GIB:8.2f} GiB  embeddings, final norm, head",
         f"    units in flight (peak)     {m.units_in_flight_bytes / GIB:8.2f} GiB  "
@@ -218,7 +224,9 @@ def _scaling(r: PlanResult) -> list[str]:
     if not r.scaling:
         return []
     priced = r.request.tokens is not None
-    head = f"{'GPUs':>5} {'nodes':>5} {'step s':>7} {'exposed':>7} {'tok/s/GPU':>9} {'tok/s':>7} {'MFU':>6} {'mem GiB':>7}"
+    head = (
+        f"{'GPUs':>5} {'nodes':>5} {'step s':>7} {'exposed':>7} {'tok/s/GPU':>9} {'tok/s':>7} {'MFU':>6} {'mem GiB':>7}"
+    )
     head += f" {'days':>6} {'cost':>7}" if priced else ""
     head += f" | {'best: step s':>12} {'tok/s/GPU':>9} {'MFU':>6} {'blocks/unit':>11} {'prefetch':>8} {'ZeRO':>4}"
     title = (

@@ -8,13 +8,12 @@ from typing import Any
 import torch
 
 from overlap.config import OverlapConfig
+from overlap.step_model.kernels import STACKS
 from overlap.tools.plan.estimate import Cluster, Estimate, check_whole_nodes
 from overlap.tools.plan.layout import ParallelDims, PpSchedule, data_parallel_degree
-from overlap.step_model.kernels import STACKS
 from overlap.tools.plan.models import AC_POLICIES, DEFAULT_MFU, GPUS, AcPolicy, ModelProfile, gpu_spec
 from overlap.tools.plan.scaling import SCALING_GPUS, ScalingPoint
 from overlap.tools.plan.search import SearchResult
-
 
 PLAN_DEFAULT_CONFIG = OverlapConfig(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 """What the planner assumes without --config: bf16 all-gathers and compute, fp32 gradient
@@ -93,8 +92,7 @@ class PlanConfig:
             raise ValueError(f"--mfu is a fraction of peak in (0, 1], got {self.mfu!r}")
         if self.tflops is not None and not 0 < self.tflops <= gpu_spec(self.gpu).peak_tflops:
             raise ValueError(
-                f"--tflops must be in (0, {gpu_spec(self.gpu).peak_tflops}] (the {self.gpu} peak), "
-                f"got {self.tflops!r}"
+                f"--tflops must be in (0, {gpu_spec(self.gpu).peak_tflops}] (the {self.gpu} peak), got {self.tflops!r}"
             )
         if (self.gpu_hour_price is None) != (self.tokens is None):
             raise ValueError("--gpu-hour-price and --tokens go together: give both to price the run")
@@ -191,7 +189,6 @@ class PlanResult:
             "best": row(self.best),
             "scaling": [{"given": row(p.given), "best": row(p.best)} for p in self.scaling],
         }
-
 
 
 def parallel_dict(e: Estimate) -> dict[str, Any]:

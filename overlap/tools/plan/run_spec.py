@@ -104,7 +104,17 @@ class RunSpec:
     """What the configuration does not publish and the row assumes, shown with the prediction."""
 
     def __post_init__(self) -> None:
-        for name in ("num_gpus", "seq_len", "global_batch", "micro_batch", "tp", "pp", "cp", "replicas", "virtual_stages"):
+        for name in (
+            "num_gpus",
+            "seq_len",
+            "global_batch",
+            "micro_batch",
+            "tp",
+            "pp",
+            "cp",
+            "replicas",
+            "virtual_stages",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"RunSpec.{name} must be an int >= 1, got {value!r}")
@@ -117,14 +127,18 @@ class RunSpec:
         if self.dp_mode not in DP_MODES:
             raise ValueError(f"RunSpec.dp_mode must be one of {DP_MODES}, got {self.dp_mode!r}")
         if self.num_gpus % (self.tp * self.pp * self.cp):
-            raise ValueError(f"RunSpec: {self.num_gpus} GPUs do not split into tp {self.tp} x pp {self.pp} x cp {self.cp}")
+            raise ValueError(
+                f"RunSpec: {self.num_gpus} GPUs do not split into tp {self.tp} x pp {self.pp} x cp {self.cp}"
+            )
         if self.global_batch % self.dp or (self.global_batch // self.dp) % self.micro_batch:
             raise ValueError(f"RunSpec: global batch {self.global_batch} does not split into {self.dp} data-parallel "
                              f"ranks of micro-batches of {self.micro_batch}")  # fmt: skip
         if self.schedule == "interleaved" and self.virtual_stages < 2:
             raise ValueError("RunSpec: the interleaved schedule needs virtual_stages >= 2")
         if self.pp * self.virtual_stages > self.model.num_layers:
-            raise ValueError(f"RunSpec: {self.pp * self.virtual_stages} pipeline stages for {self.model.num_layers} layers")
+            raise ValueError(
+                f"RunSpec: {self.pp * self.virtual_stages} pipeline stages for {self.model.num_layers} layers"
+            )
 
     @property
     def dp(self) -> int:

@@ -206,8 +206,10 @@ def _lacks(spec: RunSpec) -> list[str]:
     if spec.precision == "fp8" and gpu.fp8_tflops is None:
         out.append(f"fp8 on {gpu.name}: no fp8 tensor cores, planned at bf16")
     if spec.cp > 1:
-        out.append("ring attention priced as one flash kernel over the rank's causal share plus its K/V passes: "
-                   "per-block kernels and the partial results' merges are not modelled")
+        out.append(
+            "ring attention priced as one flash kernel over the rank's causal share plus its K/V passes: "
+            "per-block kernels and the partial results' merges are not modelled"
+        )
     return out
 
 

@@ -33,7 +33,9 @@ class ScalingPoint:
         return self.given.tokens_per_gpu_step / self.given.prediction.compute_s
 
 
-def scaling_gpu_counts(gpus_per_node: int, extra: int | None = None, counts: tuple[int, ...] = SCALING_GPUS) -> list[int]:
+def scaling_gpu_counts(
+    gpus_per_node: int, extra: int | None = None, counts: tuple[int, ...] = SCALING_GPUS
+) -> list[int]:
     """`counts` that are whole nodes (or fit in one node), plus `extra` (the planned size)."""
     chosen = {n for n in counts if n <= gpus_per_node or n % gpus_per_node == 0}
     if extra is not None:
@@ -79,12 +81,19 @@ def plot_scaling(points: list[ScalingPoint], path: Path, title: str) -> Path:
     fig, (ax_tps, ax_exp) = plt.subplots(1, 2, figsize=(12, 4.5))
     ax_tps.plot(gpus, [p.given.tokens_per_s_per_gpu for p in points], "o-", label="planned config")
     ax_tps.plot(gpus, [p.best.tokens_per_s_per_gpu for p in points], "s--", label="best config found")
-    ax_tps.plot(gpus, [p.compute_bound_tokens_per_s_per_gpu for p in points], ":", color="gray",
-                label="compute-bound ceiling")
+    ax_tps.plot(
+        gpus, [p.compute_bound_tokens_per_s_per_gpu for p in points], ":", color="gray", label="compute-bound ceiling"
+    )
     misfits = [p for p in points if not p.given.fits]
     if misfits:
-        ax_tps.plot([p.num_gpus for p in misfits], [p.given.tokens_per_s_per_gpu for p in misfits], "x",
-                    color="red", markersize=10, label="planned config does not fit in memory")
+        ax_tps.plot(
+            [p.num_gpus for p in misfits],
+            [p.given.tokens_per_s_per_gpu for p in misfits],
+            "x",
+            color="red",
+            markersize=10,
+            label="planned config does not fit in memory",
+        )
     ax_tps.set_ylabel("tokens/s per GPU")
     ax_tps.set_ylim(bottom=0)
     ax_exp.plot(gpus, [100 * p.given.exposed_share for p in points], "o-", label="planned config")

@@ -33,8 +33,14 @@ class SearchSpace:
     grad_compression: tuple[str | None, ...] = (None,)
 
     def __post_init__(self) -> None:
-        for name in ("blocks_per_unit", "prefetch_depth", "bucket_blocks", "reshard_after_forward",
-                     "param_compression", "grad_compression"):
+        for name in (
+            "blocks_per_unit",
+            "prefetch_depth",
+            "bucket_blocks",
+            "reshard_after_forward",
+            "param_compression",
+            "grad_compression",
+        ):
             if not getattr(self, name):
                 raise ValueError(f"SearchSpace.{name} needs at least one value")
 
@@ -147,7 +153,8 @@ def describe(config: OverlapConfig, profile: ModelProfile, base: OverlapConfig |
     parts = [
         f"{per_unit} block{'s' if per_unit > 1 else ''}/unit (min_unit_numel={config.min_unit_numel})",
         f"prefetch_depth={config.prefetch_depth}",
-        "reduce_scatter_bucket_bytes=0 (per unit)" if bucket == 0
+        "reduce_scatter_bucket_bytes=0 (per unit)"
+        if bucket == 0
         else f"reduce_scatter_bucket_bytes={bucket} ({bucket / (block * reduce_b):.3g} blocks)",
         f"reshard_after_forward={config.reshard_after_forward}",
     ]

@@ -9,8 +9,8 @@ from dataclasses import replace
 from pathlib import Path
 
 from overlap.step_model.calibration import Calibration
-from overlap.step_model.fitting import RING_FACTOR, fit_link
 from overlap.step_model.cost import Link
+from overlap.step_model.fitting import RING_FACTOR, fit_link
 
 TRACE_LANES = {1: "all_gather", 2: "reduce"}
 """Trace thread ids of the collective lanes (overlap/observe/trace.py's LANES)."""
@@ -49,7 +49,12 @@ def _fit_or_scale(name: str, rows: list[tuple[int, float]], n: int, op: str, pre
     f = RING_FACTOR[op]
     nbytes, seconds = max(rows)
     wire_s = max(seconds - f * (n - 1) * preset.alpha_s, 1e-9)
-    return Link(name, preset.alpha_s, f * (n - 1) / n * nbytes / wire_s / 1e9, f"{op} spans of one size, {preset.name}'s latency")
+    return Link(
+        name,
+        preset.alpha_s,
+        f * (n - 1) / n * nbytes / wire_s / 1e9,
+        f"{op} spans of one size, {preset.name}'s latency",
+    )
 
 
 def from_trace(trace_dir: str | Path, base: Calibration) -> Calibration:
@@ -64,10 +69,14 @@ def from_trace(trace_dir: str | Path, base: Calibration) -> Calibration:
     gather = _fit_or_scale("traced all_gather", rows["all_gather"], n, "all_gather", base.gather_link)
     reduce = None
     if "reduce" in rows:
-        reduce = _fit_or_scale(f"traced {reduce_op}", rows["reduce"], n, reduce_op, base.reduce_link or base.gather_link)
+        reduce = _fit_or_scale(
+            f"traced {reduce_op}", rows["reduce"], n, reduce_op, base.reduce_link or base.gather_link
+        )
     replica = None
     if "all_reduce" in rows and r > 1:
-        replica = _fit_or_scale("traced all_reduce", rows["all_reduce"], r, "all_reduce", base.replica_link or base.gather_link)
+        replica = _fit_or_scale(
+            "traced all_reduce", rows["all_reduce"], r, "all_reduce", base.replica_link or base.gather_link
+        )
     return replace(
         base, source=f"trace {trace_dir} ({base.source})", gather_link=gather, reduce_link=reduce,
         replica_link=replica, measured={"trace_rows": rows},

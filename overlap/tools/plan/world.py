@@ -29,13 +29,15 @@ class World:
 
             LinkSpec.parse(self.link)  # fail here, not in the ranks
         if self.num_ranks < 2 or self.num_replicas < 1 or self.num_ranks % self.num_replicas:
-            raise ValueError(f"World: num_ranks ({self.num_ranks}) must be >= 2 and a multiple of num_replicas ({self.num_replicas})")
+            raise ValueError(
+                f"World: num_ranks ({self.num_ranks}) must be >= 2 and a multiple of num_replicas ({self.num_replicas})"
+            )
         if self.num_ranks // self.num_replicas < 2:
             raise ValueError(f"World: a shard group needs >= 2 ranks, got {self.num_ranks} / {self.num_replicas}")
 
     @classmethod
     def parse(cls, text: str) -> World:
-        """"loopback", "1gbit" (2 ranks), "loopback,4" or "4ranks" (4 ranks), "hsdp2x2"
+        """ "loopback", "1gbit" (2 ranks), "loopback,4" or "4ranks" (4 ranks), "hsdp2x2"
         (2 replicas x 2 shards, loopback), "1gbit,hsdp2x2"."""
         link, ranks, replicas = "loopback", 2, 1
         for part in (p.strip() for p in text.split(",") if p.strip()):
@@ -60,8 +62,8 @@ class World:
 
     def run(self, fn: Callable[..., Any], *args: Any) -> list[Any]:
         """`fn(rank, world_size, *args)` on this world's ranks (one thread each)."""
-        from overlap.tools.worlds.link import LinkSpec, run_linked_world
         from overlap.tools.worlds.launch import run_local_world
+        from overlap.tools.worlds.link import LinkSpec, run_linked_world
 
         if self.link == "loopback":
             return run_local_world(fn, self.num_ranks, *args, threads_per_rank=1)
@@ -107,5 +109,5 @@ def set_up_rank() -> None:
         from overlap.kernels.cpu import load_extension
 
         load_extension()
-    except Exception as e:  # noqa: BLE001  the reference kernels still work
+    except Exception as e:
         print(f"note: C++ kernels not loaded ({e})")

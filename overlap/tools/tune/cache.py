@@ -43,9 +43,7 @@ def _policy_text(policy: Any) -> str:
         return "auto"
     if isinstance(policy, frozenset):
         return "classes:" + ",".join(sorted(f"{c.__module__}.{c.__qualname__}" for c in policy))
-    return (
-        f"callable:{getattr(policy, '__module__', '?')}.{getattr(policy, '__qualname__', policy)}"
-    )
+    return f"callable:{getattr(policy, '__module__', '?')}.{getattr(policy, '__qualname__', policy)}"
 
 
 def config_fields(config: OverlapConfig) -> dict[str, Any]:

@@ -72,28 +72,17 @@ def workload_fns(cfg: Workload, rank: int) -> tuple[Callable[[], torch.nn.Module
     def step_fn(model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
         train_step(model, opt, batch)
 
-    return (
-        functools.partial(build_model, cfg),
-        step_fn,
-        functools.partial(torch.optim.AdamW, lr=cfg.lr),
-    )
+    return (functools.partial(build_model, cfg), step_fn, functools.partial(torch.optim.AdamW, lr=cfg.lr))
 
 
 def workload_key(cfg: Workload) -> dict[str, Any]:
     """What the model signature cannot see: batch shape and threads per rank."""
-    return {
-        "workload": cfg.model,
-        "batch": cfg.batch,
-        "seq": cfg.seq,
-        "threads": torch.get_num_threads(),
-    }
+    return {"workload": cfg.model, "batch": cfg.batch, "seq": cfg.seq, "threads": torch.get_num_threads()}
 
 
 def resolve_space(cmd: TuneCommand, model: torch.nn.Module) -> TuneSpace:
     """The model's default space with the command line's fields replacing its own."""
-    space = default_space(
-        model, base=cmd.search.base, allow_compression=cmd.search.allow_compression
-    )
+    space = default_space(model, base=cmd.search.base, allow_compression=cmd.search.allow_compression)
     return TuneSpace(**{**space.to_dict(), **cmd.space_overrides})
 
 
@@ -101,9 +90,7 @@ def tune_rank(rank: int, world_size: int, cmd: TuneCommand) -> TuneResult | None
     """The tuner on one rank (all ranks call it); rank 0 prints and returns the result."""
     model_fn, step_fn, optimizer_fn = workload_fns(cmd.workload, rank)
     space = resolve_space(cmd, model_fn())
-    search = cmd.search.replace(
-        space=space, key_extra={**cmd.search.key_extra, **workload_key(cmd.workload)}
-    )
+    search = cmd.search.replace(space=space, key_extra={**cmd.search.key_extra, **workload_key(cmd.workload)})
     result = tune(model_fn, step_fn, config=search, optimizer_fn=optimizer_fn, out=cmd.out)
     if rank != 0:
         return None

@@ -40,9 +40,7 @@ def halving_schedule(num_candidates: int, first_round_steps: int) -> tuple[Halvi
     if num_candidates < 1:
         raise ValueError(f"halving_schedule: num_candidates must be >= 1, got {num_candidates}")
     if first_round_steps < 1:
-        raise ValueError(
-            f"halving_schedule: first_round_steps must be >= 1, got {first_round_steps}"
-        )
+        raise ValueError(f"halving_schedule: first_round_steps must be >= 1, got {first_round_steps}")
     rounds = []
     n, steps = num_candidates, first_round_steps
     while n > 1:

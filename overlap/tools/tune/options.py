@@ -90,25 +90,19 @@ class TuneConfig:
 
     def __post_init__(self) -> None:
         if not 0.0 < self.keep_fraction <= 1.0:
-            raise ValueError(
-                f"TuneConfig.keep_fraction must be in (0, 1], got {self.keep_fraction}"
-            )
+            raise ValueError(f"TuneConfig.keep_fraction must be in (0, 1], got {self.keep_fraction}")
         for name in ("first_round_steps", "profile_steps"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"TuneConfig.{name} must be an int >= 1, got {value!r}")
         if not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
-            raise ValueError(
-                f"TuneConfig.warmup_steps must be an int >= 0, got {self.warmup_steps!r}"
-            )
+            raise ValueError(f"TuneConfig.warmup_steps must be an int >= 0, got {self.warmup_steps!r}")
         for name in ("max_candidates", "total_steps", "max_unsharded_bytes"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"TuneConfig.{name} must be None or an int >= 1, got {value!r}")
         if self.cache not in ("use", "refresh", "off"):
-            raise ValueError(
-                f"TuneConfig.cache must be 'use', 'refresh' or 'off', got {self.cache!r}"
-            )
+            raise ValueError(f"TuneConfig.cache must be 'use', 'refresh' or 'off', got {self.cache!r}")
         if self.space is not None and not self.space.lossless and not self.allow_compression:
             raise ValueError(
                 f"TuneConfig: the space holds lossy codecs {[str(c) for c in self.space.codecs]}, "
@@ -116,8 +110,7 @@ class TuneConfig:
             )
         if self.survivor_models not in ("auto", "keep", "rebuild"):
             raise ValueError(
-                "TuneConfig.survivor_models must be 'auto', 'keep' or 'rebuild', "
-                f"got {self.survivor_models!r}"
+                f"TuneConfig.survivor_models must be 'auto', 'keep' or 'rebuild', got {self.survivor_models!r}"
             )
         if isinstance(self.calibration, (str, Path)):  # read once, here: a bad file fails early
             object.__setattr__(self, "calibration", Calibration.load(self.calibration))

@@ -52,6 +52,7 @@ TIE_TOLERANCE = 0.03
 measured step, so a few percent between two predictions say nothing about which
 candidate is faster (see [Note: pruning])."""
 
+
 @dataclass(frozen=True)
 class UnitProfile:
     """One unit module of the unmerged model: its size and forward time on this device."""
@@ -100,11 +101,7 @@ def _sync(device: torch.device) -> None:
 
 
 def profile_model(
-    model: nn.Module,
-    step_fn: StepFn,
-    optimizer_fn: OptimizerFn,
-    unit_policy: Any,
-    num_steps: int = 2,
+    model: nn.Module, step_fn: StepFn, optimizer_fn: OptimizerFn, unit_policy: Any, num_steps: int = 2
 ) -> ModelProfile:
     """Time `num_steps` local steps of the plain `model` (after one untimed step), forward per
     unit module by hooks, the whole backward from the output's gradient to the last gradient
@@ -200,7 +197,9 @@ def topology_for(world_size: int, backend: str, link: str | None) -> Topology:
     return Topology(world_size, max(1, per_node), LINKS["nvlink4"], LINKS["ndr400"])
 
 
-def calibration_for(world_size: int, backend: str, link: str | None, calibration: Calibration | None) -> tuple[Calibration, Topology]:
+def calibration_for(
+    world_size: int, backend: str, link: str | None, calibration: Calibration | None
+) -> tuple[Calibration, Topology]:
     """The model `overlap tune` prunes with ([Note: one model] in overlap/step_model/calibration.py):
     `calibration` on this world's ranks, or the defaults for this world."""
     if calibration is not None:
@@ -279,9 +278,7 @@ def plan_grid(
     planned = []
     for i, config in enumerate(grid):
         prediction, signature = predict(profile, config, world_size, calibration, topo)
-        planned.append(
-            PlannedCandidate(i, prediction.step_s, prediction.peak_unsharded_bytes, signature)
-        )
+        planned.append(PlannedCandidate(i, prediction.step_s, prediction.peak_unsharded_bytes, signature))
     return sorted(planned, key=lambda c: (c.step_s, c.index))
 
 

@@ -100,12 +100,7 @@ class TuneResult:
             "predicted_ms": tuple(data["predicted_ms"]),
             "candidates": tuple(data["candidates"]),
             "rounds": tuple(
-                RoundResult(
-                    r["num_steps"],
-                    tuple(r["candidates"]),
-                    tuple(r["step_ms"]),
-                    tuple(r["survivors"]),
-                )
+                RoundResult(r["num_steps"], tuple(r["candidates"]), tuple(r["step_ms"]), tuple(r["survivors"]))
                 for r in data["rounds"]
             ),
             "winner": data["winner"],
@@ -130,14 +125,9 @@ class TuneResult:
                 f"{self.elapsed_s:.1f} s"
             )
         width = max(len(label) for label in self.grid)
-        lines = [
-            head,
-            f"{'round':>5} {'steps':>5}  {'candidate':<{width}} {'predicted ms':>12} {'step ms':>9}",
-        ]
+        lines = [head, f"{'round':>5} {'steps':>5}  {'candidate':<{width}} {'predicted ms':>12} {'step ms':>9}"]
         for r, rnd in enumerate(self.rounds):
-            for idx, ms in sorted(
-                zip(rnd.candidates, rnd.step_ms, strict=True), key=lambda x: x[1]
-            ):
+            for idx, ms in sorted(zip(rnd.candidates, rnd.step_ms, strict=True), key=lambda x: x[1]):
                 mark = " *" if idx in rnd.survivors else ""
                 lines.append(
                     f"{r:>5} {rnd.num_steps:>5}  {self.grid[idx]:<{width}} "

@@ -24,12 +24,12 @@ SPACE = "search space (default: sized to the model's units)"
 
 
 def count(text: str) -> int:
-    """"50e6" -> 50000000: a count or byte size, written as a number."""
+    """ "50e6" -> 50000000: a count or byte size, written as a number."""
     return int(float(text))
 
 
 def cap(text: str) -> int | None:
-    """"none" -> None (no cap), else a byte count."""
+    """ "none" -> None (no cap), else a byte count."""
     return None if text.lower() == "none" else count(text)
 
 
@@ -70,11 +70,7 @@ class Codec(NamedTuple):
         return self.param is None and self.grad is None
 
     def overrides(self) -> dict[str, Any]:
-        return {
-            "param_compression": self.param,
-            "grad_compression": self.grad,
-            "error_feedback": self.error_feedback,
-        }
+        return {"param_compression": self.param, "grad_compression": self.grad, "error_feedback": self.error_feedback}
 
     def __str__(self) -> str:
         p, g = self.param or "none", self.grad or "none"
@@ -103,14 +99,19 @@ def _as_tuple(name: str, values: Any) -> tuple[Any, ...]:
 class TuneSpace:
     """Values tried per `OverlapConfig` field; the grid is their product (in field order)."""
 
-    min_unit_numel: tuple[int, ...] = field(default=(0,), metadata=flag(group=SPACE, parse=comma_list(count), metavar="N,N,..."))
+    min_unit_numel: tuple[int, ...] = field(
+        default=(0,), metadata=flag(group=SPACE, parse=comma_list(count), metavar="N,N,...")
+    )
     """Shard granularity: consecutive units merge until each holds this many elements."""
 
-    prefetch_depth: tuple[int, ...] = field(default=(1, 2), metadata=flag(group=SPACE, parse=comma_list(count), metavar="D,D,..."))
+    prefetch_depth: tuple[int, ...] = field(
+        default=(1, 2), metadata=flag(group=SPACE, parse=comma_list(count), metavar="D,D,...")
+    )
     """Units all-gathered ahead of use."""
 
     max_inflight_allgather_bytes: tuple[int | None, ...] = field(
-        default=(None,), metadata=flag(name="--max-inflight-bytes", group=SPACE, parse=comma_list(cap), metavar="none,B,...")
+        default=(None,),
+        metadata=flag(name="--max-inflight-bytes", group=SPACE, parse=comma_list(cap), metavar="none,B,..."),
     )
     """Byte caps on unsharded parameters in flight (None: only the depth limits)."""
 
@@ -119,7 +120,9 @@ class TuneSpace:
     )
     """Gradient bucket sizes (0: every unit reduced on its own)."""
 
-    max_reduce_inputs: tuple[int, ...] = field(default=(1,), metadata=flag(group=SPACE, parse=comma_list(count), metavar="K,K,..."))
+    max_reduce_inputs: tuple[int, ...] = field(
+        default=(1,), metadata=flag(group=SPACE, parse=comma_list(count), metavar="K,K,...")
+    )
     """Reduce-scatter inputs alive at once (2 lets a second reduce-scatter queue on a slow link:
     autotune found it 13% faster behind 1 Gbit, RESULTS.md "Self-tuning")."""
 
@@ -252,12 +255,7 @@ def unit_numels(model: nn.Module, unit_policy: Any) -> dict[str, int]:
     return numels
 
 
-def default_space(
-    model: nn.Module,
-    *,
-    base: OverlapConfig | None = None,
-    allow_compression: bool = False,
-) -> TuneSpace:
+def default_space(model: nn.Module, *, base: OverlapConfig | None = None, allow_compression: bool = False) -> TuneSpace:
     """A grid sized to `model`: unit granularity of 1, 2 and 4 of its (largest) units per shard
     unit, prefetch depth 1, 2 and 4, gradient buckets of 0, 2 and 4 units' gradient bytes, 1 or 2
     reduce-scatter inputs alive, and `DEFAULT_CODECS` when compression is allowed. 54 candidates

@@ -80,23 +80,15 @@ from overlap.tools.tune.space import Codec, TuneSpace, default_space, describe, 
 from overlap.tools.worlds.link import active_link
 from overlap.transport.backend import semantics
 
-__all__ = [
-    "CachePolicy",
-    "RoundResult",
-    "TuneConfig",
-    "TuneResult",
-    "default_optimizer",
-    "tune",
-]
+__all__ = ["CachePolicy", "RoundResult", "TuneConfig", "TuneResult", "default_optimizer", "tune"]
+
 
 def default_optimizer(params: Any) -> torch.optim.Optimizer:
     """AdamW(lr=1e-4): what a trial trains with unless the caller passes `optimizer_fn`."""
     return torch.optim.AdamW(params, lr=1e-4)
 
 
-def _make_key(
-    model: nn.Module, pg: dist.ProcessGroup, space: TuneSpace, cfg: TuneConfig
-) -> TuneKey:
+def _make_key(model: nn.Module, pg: dist.ProcessGroup, space: TuneSpace, cfg: TuneConfig) -> TuneKey:
     device = next(model.parameters()).device
     backend = semantics(pg, device).backend  # [Note: NCCL is not gloo] in backend.py
     device_kind = "cpu"
@@ -133,9 +125,7 @@ def _plan(
     chosen = prune(
         planned,
         num_to_keep(len(grid), cfg.keep_fraction, cfg.max_candidates),
-        stratum=lambda i: Codec(
-            grid[i].param_compression, grid[i].grad_compression, grid[i].error_feedback
-        ),
+        stratum=lambda i: Codec(grid[i].param_compression, grid[i].grad_compression, grid[i].error_feedback),
         features=lambda i: tuple(tuned_fields(grid[i]).values()),
         must_keep=next((i for i, c in enumerate(grid) if c == cfg.base), None),
         max_unsharded_bytes=cfg.max_unsharded_bytes,
@@ -176,8 +166,7 @@ def _run_rounds(
                 times = [float(t) for t in trial(grid[idx], rnd.num_steps)]
                 if len(times) != rnd.num_steps:
                     raise ValueError(
-                        f"overlap.tune: the trial returned {len(times)} step times for "
-                        f"{rnd.num_steps} steps"
+                        f"overlap.tune: the trial returned {len(times)} step times for {rnd.num_steps} steps"
                     )
                 local.append(times)
                 bar.update()
@@ -187,10 +176,7 @@ def _run_rounds(
                 scores = [score([per_rank[k] for per_rank in gathered]) for k in range(len(alive))]
                 keep = survivors(scores, rnd.num_survivors)
                 decision = RoundResult(
-                    rnd.num_steps,
-                    tuple(alive),
-                    tuple(s * 1e3 for s in scores),
-                    tuple(alive[k] for k in keep),
+                    rnd.num_steps, tuple(alive), tuple(s * 1e3 for s in scores), tuple(alive[k] for k in keep)
                 )
             decision = broadcast_from_rank0(decision, pg)
             rounds.append(decision)
@@ -236,12 +222,8 @@ def tune(
     rank = pg.rank()
     model = model_fn()
     if not isinstance(model, nn.Module):
-        raise TypeError(
-            f"overlap.tune: model_fn() must return an nn.Module, got {type(model).__name__}"
-        )
-    space = cfg.space or default_space(
-        model, base=cfg.base, allow_compression=cfg.allow_compression
-    )
+        raise TypeError(f"overlap.tune: model_fn() must return an nn.Module, got {type(model).__name__}")
+    space = cfg.space or default_space(model, base=cfg.base, allow_compression=cfg.allow_compression)
     grid = space.candidates(cfg.base)
     labels = tuple(describe(c) for c in grid)
     key = _make_key(model, pg, space, cfg)
@@ -285,14 +267,10 @@ def tune(
         first = first_round_steps_for(len(chosen), cfg.total_steps)
     schedule = halving_schedule(len(chosen), first)
     if trial is None:
-        keep = cfg.survivor_models == "keep" or (
-            cfg.survivor_models == "auto" and profile.device_type == "cpu"
-        )
+        keep = cfg.survivor_models == "keep" or (cfg.survivor_models == "auto" and profile.device_type == "cpu")
         trial = MeasuredTrial(model_fn, step_fn, optimizer_fn, pg, group, cfg.warmup_steps, keep)
     t_measure = time.perf_counter()
-    rounds = _run_rounds(
-        schedule, chosen, grid, labels, trial, pg, show_progress=cfg.progress and rank == 0
-    )
+    rounds = _run_rounds(schedule, chosen, grid, labels, trial, pg, show_progress=cfg.progress and rank == 0)
     measure_s = time.perf_counter() - t_measure
     winner = rounds[-1].survivors[0] if rounds else chosen[0]
     result = TuneResult(
@@ -324,9 +302,7 @@ def _store(cache_dir: Path, key: TuneKey, result: TuneResult) -> str | None:
     try:
         return str(write_entry(cache_dir, key, {"result": result.to_json()}))
     except OSError as e:
-        warnings.warn(
-            f"overlap.tune: could not write the cache entry in {cache_dir}: {e}", stacklevel=3
-        )
+        warnings.warn(f"overlap.tune: could not write the cache entry in {cache_dir}: {e}", stacklevel=3)
         return None
 
 

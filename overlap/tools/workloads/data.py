@@ -51,9 +51,7 @@ class ByteDataset:
     val: torch.Tensor
 
     @classmethod
-    def from_stdlib(
-        cls, max_bytes: int = DEFAULT_MAX_BYTES, val_fraction: float = 0.1
-    ) -> ByteDataset:
+    def from_stdlib(cls, max_bytes: int = DEFAULT_MAX_BYTES, val_fraction: float = 0.1) -> ByteDataset:
         if not 0.0 < val_fraction < 1.0:
             raise ValueError(f"ByteDataset: val_fraction must be in (0, 1), got {val_fraction}")
         data = load_stdlib_bytes(max_bytes)

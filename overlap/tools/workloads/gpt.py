@@ -30,9 +30,7 @@ class GPTConfig:
 
     def __post_init__(self) -> None:
         if self.n_embd % self.n_head:
-            raise ValueError(
-                f"GPTConfig: n_embd={self.n_embd} must be divisible by n_head={self.n_head}"
-            )
+            raise ValueError(f"GPTConfig: n_embd={self.n_embd} must be divisible by n_head={self.n_head}")
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"GPTConfig: {name} must be > 0, got {getattr(self, name)}")
@@ -130,9 +128,7 @@ class GPT(nn.Module):
         `targets` (None when no targets are given)."""
         t = idx.size(1)
         if t > self.config.block_size:
-            raise ValueError(
-                f"GPT.forward: sequence length {t} exceeds block_size={self.config.block_size}"
-            )
+            raise ValueError(f"GPT.forward: sequence length {t} exceeds block_size={self.config.block_size}")
         pos = torch.arange(t, device=idx.device)
         x = self.drop(self.wte(idx) + self.wpe(pos))
         for block in self.blocks:

@@ -1,10 +1,10 @@
 """The small models of the overhead and FSDP x TP benchmarks, declared once.
 
-    tiny_blocks(units, dim)      `units` x (Linear(dim, dim) + GELU): almost no compute, so a
-                                 step is the wrappers' per-unit cost (`overlap bench overhead`)
-    ResidualMlp(layers, dim, ff) `layers` residual MLP blocks (dim -> ff -> dim, ReLU) and a
-                                 plain head; `tensor_parallel` makes each block ColwiseParallel
-                                 up, RowwiseParallel down (`overlap bench mesh`)
+tiny_blocks(units, dim)      `units` x (Linear(dim, dim) + GELU): almost no compute, so a
+                             step is the wrappers' per-unit cost (`overlap bench overhead`)
+ResidualMlp(layers, dim, ff) `layers` residual MLP blocks (dim -> ff -> dim, ReLU) and a
+                             plain head; `tensor_parallel` makes each block ColwiseParallel
+                             up, RowwiseParallel down (`overlap bench mesh`)
 """
 
 from __future__ import annotations

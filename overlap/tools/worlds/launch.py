@@ -214,9 +214,7 @@ def exit_now(code: int) -> NoReturn:
     os._exit(code)
 
 
-def _drain(
-    results: Any, done: dict[int, Any], failed: list[_RankFailed], wait_s: float = 0.0
-) -> None:
+def _drain(results: Any, done: dict[int, Any], failed: list[_RankFailed], wait_s: float = 0.0) -> None:
     """Move queued rank reports into `done` / `failed`; wait up to `wait_s` for the first."""
     while True:
         try:
@@ -260,10 +258,7 @@ def _exit_description(code: int) -> str:
 
 
 def _world_error(
-    nproc: int,
-    failed: list[_RankFailed],
-    fallback: ProcessException,
-    exitcodes: Sequence[int | None] = (),
+    nproc: int, failed: list[_RankFailed], fallback: ProcessException, exitcodes: Sequence[int | None] = ()
 ) -> RuntimeError:
     """Name the rank that failed first: once it dies, its peers fail too (connection reset),
     and their errors only echo the real one.
@@ -295,9 +290,7 @@ def _world_error(
     elif echoes:
         rank, detail = echoes[0].rank, echoes[0].traceback.strip()
     else:
-        return RuntimeError(
-            f"rank {fallback.error_index} of {nproc} failed:\n{fallback.msg.strip()}"
-        )
+        return RuntimeError(f"rank {fallback.error_index} of {nproc} failed:\n{fallback.msg.strip()}")
     others = sorted(({f.rank for f in failed} | {r for r, _ in silent}) - {rank})
     echo = f" (then ranks {others} failed too)" if others else ""
     return RuntimeError(f"rank {rank} of {nproc} failed{echo}:\n{detail}")
@@ -327,9 +320,7 @@ def run_local_world(
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     rank_args = (fn, nproc, _free_port(), backend, timeout_s, threads, results, args)
-    procs = mp.start_processes(
-        _rank_main, rank_args, nprocs=nproc, join=False, start_method="spawn"
-    )
+    procs = mp.start_processes(_rank_main, rank_args, nprocs=nproc, join=False, start_method="spawn")
     done: dict[int, Any] = {}
     failed: list[_RankFailed] = []
     start = time.monotonic()
@@ -338,9 +329,7 @@ def run_local_world(
         while not procs.join(timeout=0.1):
             _drain(results, done, failed)
             if deadline_s is not None and time.monotonic() - start > deadline_s:
-                raise TimeoutError(
-                    f"run_local_world: ranks {_alive(procs)} still running after {deadline_s:.0f}s"
-                )
+                raise TimeoutError(f"run_local_world: ranks {_alive(procs)} still running after {deadline_s:.0f}s")
     except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
         _drain(results, done, failed, wait_s=1.0)
         exitcodes = [p.exitcode for p in procs.processes]

@@ -77,9 +77,7 @@ class LinkSpec:
 
     def __post_init__(self) -> None:
         if self.rate_bits_per_s < 8_000:
-            raise ValueError(
-                f"LinkSpec.rate_bits_per_s must be >= 8kbit, got {self.rate_bits_per_s}"
-            )
+            raise ValueError(f"LinkSpec.rate_bits_per_s must be >= 8kbit, got {self.rate_bits_per_s}")
         if self.delay_us < 0:
             raise ValueError(f"LinkSpec.delay_us must be >= 0, got {self.delay_us}")
 
@@ -166,9 +164,7 @@ def _pid_alive(pid: int) -> bool:
 
 def sweep_stale_namespaces() -> list[str]:
     """Delete namespaces left by link runs whose launcher is gone; see [Note: link namespaces]."""
-    stale = [
-        ns for ns in list_namespaces() if (m := _NS_RE.match(ns)) and not _pid_alive(int(m[1]))
-    ]
+    stale = [ns for ns in list_namespaces() if (m := _NS_RE.match(ns)) and not _pid_alive(int(m[1]))]
     for ns in stale:
         _delete_ns(ns)
     return stale
@@ -245,8 +241,7 @@ class EmulatedLink:
             _sh("ip", "-n", ns, "link", "set", IFNAME, "up")
             self._shape(ns)
         hosts = "".join(  # c10d's store sockets are IPv6 dual-stack: v4-mapped peers too
-            f"{self.rank_addr(r)} rank{r}\n::ffff:{self.rank_addr(r)} rank{r}\n"
-            for r in range(self.num_ranks)
+            f"{self.rank_addr(r)} rank{r}\n::ffff:{self.rank_addr(r)} rank{r}\n" for r in range(self.num_ranks)
         )
         for rank in range(self.num_ranks):
             etc = _NETNS_ETC / self.rank_ns(rank)
@@ -316,12 +311,7 @@ class EmulatedLink:
 
 
 def run_linked_command(
-    argv: Sequence[str],
-    nproc: int,
-    spec: LinkSpec,
-    *,
-    timeout_s: float = 900.0,
-    num_threads: int | None = None,
+    argv: Sequence[str], nproc: int, spec: LinkSpec, *, timeout_s: float = 900.0, num_threads: int | None = None
 ) -> None:
     """Run `argv` once per rank, each in its namespace of an `EmulatedLink`; wait for all.
 
@@ -374,11 +364,7 @@ def _stop(procs: list[subprocess.Popen[bytes]]) -> None:
 
 
 def run_linked_world(
-    fn: Callable[..., Any],
-    nproc: int,
-    *args: Any,
-    spec: LinkSpec,
-    timeout_s: float = 900.0,
+    fn: Callable[..., Any], nproc: int, *args: Any, spec: LinkSpec, timeout_s: float = 900.0
 ) -> list[Any]:
     """`overlap.launch.run_local_world` over an emulated link: `fn(rank, world_size, *args)`
     on `nproc` ranks, each in its own namespace; the ranks' return values in rank order.
@@ -404,7 +390,6 @@ def _rank_main(task_dir: Path) -> None:
     return value where the launcher reads it."""
     import torch
     import torch.distributed as dist
-
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     fn, args = pickle.loads((task_dir / "task.pkl").read_bytes())

@@ -64,7 +64,7 @@ class Bandwidth:
     def attempt(self, op: str, size: int, run: Callable[[], None]) -> None:
         try:
             run()
-        except Exception as e:  # noqa: BLE001  a benchmark reports, it does not stop
+        except Exception as e:
             self.measured["errors"].append({"op": op, "numel": size, "error": f"{type(e).__name__}: {str(e)[:300]}"})
             self.progress(self.measured)
 
@@ -83,7 +83,9 @@ class Bandwidth:
             layout = block_layout(numel, n)
             for kind, s, d in (("out", FP32, FP32), ("out", BF16, BF16), ("in", BF16, FP32), ("in", FP32, FP32)):
                 op = f"copy_{kind} ws={n} {SHORT[s]}>{SHORT[d]}"
-                self.attempt(op, numel, lambda k=kind, s=s, d=d, n=n, op=op, lay=layout: self.copy(op, numel, k, lay, n, s, d))
+                self.attempt(
+                    op, numel, lambda k=kind, s=s, d=d, n=n, op=op, lay=layout: self.copy(op, numel, k, lay, n, s, d)
+                )
 
     def quantize(self, src: torch.Tensor, bits: int, fmt: str, block: int) -> None:
         numel = src.numel()
@@ -100,7 +102,9 @@ class Bandwidth:
         moved = codes.numel() + 4 * scales.numel() + 8 * numel
         for backend in (self.fast, "ref"):
             name = select_backend(self.dev, block, backend, fmt=fmt)  # type: ignore[arg-type]
-            fn = functools.partial(dequantize_blockwise, codes, scales, bits, block, numel, out, True, fmt=fmt, backend=backend)
+            fn = functools.partial(
+                dequantize_blockwise, codes, scales, bits, block, numel, out, True, fmt=fmt, backend=backend
+            )
             self.add(f"dequant_acc {'fp8' if fmt == 'fp8' else f'int{bits}'}", numel, numel, name, fn, moved)
 
     def feedback(self, src: torch.Tensor) -> None:

@@ -10,16 +10,7 @@ import torch
 
 from overlap.kernels import copy_in, copy_in_ref, copy_out, copy_out_ref
 
-from .internals import (
-    CHUNK_ALIGN_NUMEL,
-    TAG_NUMEL,
-    ParamInfo,
-    UnitLayout,
-    _plan,
-    _segments,
-    flag_cols,
-    make_layout,
-)
+from .internals import CHUNK_ALIGN_NUMEL, TAG_NUMEL, ParamInfo, UnitLayout, _plan, _segments, flag_cols, make_layout
 
 
 def runtime_copy_out_layout(layout: UnitLayout, n: int) -> tuple[list[int], list[int], int]:
@@ -131,7 +122,12 @@ def launch_plan(launch: Any) -> dict[str, Any]:
     many of its segments take the vector branch."""
     segments = int(getattr(launch, "num_segments", 1))
     aligned = int(getattr(launch, "num_aligned", segments if launch.aligned else 0))
-    return {"aligned": bool(launch.aligned), "tiles": int(launch.num_tiles), "segments": segments, "aligned_segments": aligned}
+    return {
+        "aligned": bool(launch.aligned),
+        "tiles": int(launch.num_tiles),
+        "segments": segments,
+        "aligned_segments": aligned,
+    }
 
 
 def copy_job(kind: str, layout: UnitLayout, n: int, src: torch.dtype, dst: torch.dtype, gen: torch.Generator | None,

@@ -98,7 +98,9 @@ def numerics_cases(dev: torch.device, interpreted: bool, plans: dict[str, Any]) 
                                        block: int = block, numel: int = numel) -> dict[str, Any]:  # fmt: skip
                         got = dequantize_blockwise(codes.to(dev), scales.to(dev), bits, block, numel, base.to(dev, copy=True),
                                                    accumulate, fmt=fmt, backend="triton")  # type: ignore[arg-type]  # fmt: skip
-                        want = dequantize_blockwise_ref(codes, scales, bits, block, numel, base.clone(), accumulate, fmt)  # type: ignore[arg-type]
+                        want = dequantize_blockwise_ref(
+                            codes, scales, bits, block, numel, base.clone(), accumulate, fmt
+                        )  # type: ignore[arg-type]
                         return {"out": compare(got, want)}
 
                     verb = "dequant_acc" if accumulate else "dequant"
@@ -140,15 +142,37 @@ def numerics_cases(dev: torch.device, interpreted: bool, plans: dict[str, Any]) 
                 if mode in ("fp32", "bf16"):
                     res = (torch.randn(3, numel, generator=g) * 0.01).to(FP32 if mode == "fp32" else BF16)
                 elif mode == "int8":
-                    res = (torch.randint(-127, 128, (3, nb * block), generator=g, dtype=torch.int8), torch.rand(3, nb, generator=g) * 1e-3)
+                    res = (
+                        torch.randint(-127, 128, (3, nb * block), generator=g, dtype=torch.int8),
+                        torch.rand(3, nb, generator=g) * 1e-3,
+                    )
                 noise = torch.rand(3, nb * block, generator=g) if mode == "sr" else None
                 outs = []
                 for where in (dev, torch.device("cpu")):
-                    codes = torch.zeros(4, code_numel(numel, bits, block), dtype=torch.int8 if bits == 8 and fmt == "int" else torch.uint8, device=where)
+                    codes = torch.zeros(
+                        4,
+                        code_numel(numel, bits, block),
+                        dtype=torch.int8 if bits == 8 and fmt == "int" else torch.uint8,
+                        device=where,
+                    )
                     scales = torch.zeros(4, nb, device=where)
                     count = torch.zeros((), dtype=torch.int64, device=where)
-                    r = None if res is None else (tuple(t.to(where, copy=True) for t in res) if isinstance(res, tuple) else res.to(where, copy=True))
-                    kw = {"fmt": fmt, "skip": 1, "noise": None if noise is None else noise.to(where), "residual": r, "count": count}
+                    r = (
+                        None
+                        if res is None
+                        else (
+                            tuple(t.to(where, copy=True) for t in res)
+                            if isinstance(res, tuple)
+                            else res.to(where, copy=True)
+                        )
+                    )
+                    kw = {
+                        "fmt": fmt,
+                        "skip": 1,
+                        "noise": None if noise is None else noise.to(where),
+                        "residual": r,
+                        "count": count,
+                    }
                     if where == dev:
                         triton_kernels.encode_rows(x.to(dev), codes, scales, bits, block, **kw)  # type: ignore[arg-type]
                     else:

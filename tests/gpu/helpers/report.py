@@ -86,10 +86,12 @@ def environment(device: torch.device) -> dict[str, Any]:
         from overlap.engine.torch_compat import probe
 
         env["torch_private_api"] = probe()
-    except Exception as e:  # noqa: BLE001  recorded, not fatal
+    except Exception as e:
         env["torch_private_api"] = f"unknown ({type(e).__name__}: {e})"
     with contextlib.suppress(Exception):
-        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, timeout=5, check=False)
+        head = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, timeout=5, check=False
+        )
         env["git_head"] = head.stdout.strip() or None
     if kind == "cuda":
         env.update(cuda_facts(device))
@@ -112,7 +114,7 @@ def cuda_facts(device: torch.device) -> dict[str, Any]:
     for key, fact in facts.items():
         try:
             env[key] = fact()
-        except Exception as e:  # noqa: BLE001  a missing fact is recorded, not fatal
+        except Exception as e:
             env[key] = f"unknown ({type(e).__name__}: {e})"
     smi = str(env.get("nvidia_smi", "")).split(",")
     env["driver"] = smi[1].strip() if len(smi) > 1 else None

@@ -241,7 +241,9 @@ def config_run(
         memory.update(before_wrap_bytes=before_wrap, after_wrap_bytes=after_wrap,
                       steps_peak_bytes=torch.cuda.max_memory_allocated(device))  # fmt: skip
     stats = overlap.step_stats(model)
-    counted = {k: getattr(stats, k) for k in ("num_allgathers", "num_reduce_scatters", "num_allreduces") if hasattr(stats, k)}
+    counted = {
+        k: getattr(stats, k) for k in ("num_allgathers", "num_reduce_scatters", "num_allreduces") if hasattr(stats, k)
+    }
     state = overlap.full_state_dict(model, rank0_only=False)
     del model, opt
     rest = {"scales": scales, "memory": memory}
@@ -265,7 +267,7 @@ def captured_copy_plans(plans: list[dict[str, Any]]) -> Iterator[None]:
                                  "tensors": dtypes, **job.plan()}  # fmt: skip
                         if entry not in plans:
                             plans.append(entry)
-                except Exception as e:  # noqa: BLE001  a report, never a failure of the run
+                except Exception as e:
                     plans.append({"kind": f"copy_{kind}", "error": f"{type(e).__name__}: {e}"})
                 return fn(a, b, sizes=sizes, num_rows=num_rows, data_cols=data_cols, **k)
 

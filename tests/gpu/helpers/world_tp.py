@@ -83,11 +83,7 @@ def tp_model(sizes: Sizes, device: torch.device) -> TPNet:
 def tp_rank(rank: int, nproc: int, spec: dict[str, Any], send: Send) -> None:
     """One rank of the 2x2 (dp, tp) world: the reference, then each config twice."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        RowwiseParallel,
-        parallelize_module,
-    )
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     device, sizes, impls = rank_setup(spec)
     mesh = init_device_mesh(device.type, (2, 2), mesh_dim_names=("dp", "tp"))
@@ -105,7 +101,9 @@ def tp_rank(rank: int, nproc: int, spec: dict[str, Any], send: Send) -> None:
                     model.layers[0].down.weight[:, -1] = OVERFLOW_WEIGHT
             for block in model.layers:
                 parallelize_module(block, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
-            runs.append(tp_config_run(model, mesh["dp"], overrides, impls["overrides"], batches, dp, rank, device, delayed))
+            runs.append(
+                tp_config_run(model, mesh["dp"], overrides, impls["overrides"], batches, dp, rank, device, delayed)
+            )
         (l1, s1, scales1, _), (l2, s2, scales2, counts) = runs
         summary = delayed_summary((l1, s1, scales1), (l2, s2, scales2), counts)
         if name == "plain":
@@ -116,7 +114,9 @@ def tp_rank(rank: int, nproc: int, spec: dict[str, Any], send: Send) -> None:
     run_configs(spec["configs"], nproc, send, one)
 
 
-def tp_reference(sizes: Sizes, device: torch.device, batches: list[torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def tp_reference(
+    sizes: Sizes, device: torch.device, batches: list[torch.Tensor]
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """One process, the unsharded model: both dp ranks' batches, (g0 + g1) / 2, SGD."""
     model = tp_model(sizes, device)
     params = list(model.parameters())

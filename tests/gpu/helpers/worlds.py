@@ -43,7 +43,7 @@ def _rank_entry(rank: int, nproc: int, port: int, spec: dict[str, Any], results:
                                 timeout=timedelta(seconds=WORLD_TIMEOUT_S))  # fmt: skip
         spec["target"](rank, nproc, spec, lambda kind, payload: results.put((rank, kind, payload)))
         results.put((rank, "done", None))
-    except BaseException:  # noqa: BLE001
+    except BaseException:
         results.put((rank, "error", traceback.format_exc()[-3000:]))
     finally:
         gc.collect()
@@ -80,7 +80,7 @@ def run_world(nproc: int, spec: dict[str, Any], on_message: Callable[[int, str, 
                     with contextlib.suppress(queue.Empty):  # a last report may still be in the pipe
                         rank, kind, payload = results.get(timeout=2.0)
                         on_message(rank, kind, payload) if kind not in ("done", "error") else None
-                    raise RuntimeError(f"{', '.join(dead)} ended without reporting done")
+                    raise RuntimeError(f"{', '.join(dead)} ended without reporting done") from None
                 continue
             if kind == "done":
                 done.add(rank)
@@ -120,7 +120,7 @@ def probe_native(device: torch.device) -> dict[str, Any]:
                 run()
             synchronize(device)
             ok.append(1)
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             errors[name] = f"{type(e).__name__}: {str(e)[:300]}"
             ok.append(0)
     flags = torch.tensor(ok)
@@ -153,7 +153,7 @@ def run_configs(configs: dict[str, dict[str, Any]], nproc: int, send: Send,
         t0 = time.monotonic()
         try:
             summary = one(name, overrides)
-        except Exception:  # noqa: BLE001  this config's result
+        except Exception:
             summary = {"error": traceback.format_exc()[-3000:]}
         summary["seconds"] = round(time.monotonic() - t0, 2)
         send("config", {"name": name, **summary})

@@ -13,7 +13,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from titan_launch import WORLD_TIMEOUT_S, run_world  # noqa: E402
+from titan_launch import WORLD_TIMEOUT_S, run_world
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,14 @@ DEFAULTS = {"n_layers": 2, "steps": 3, "param_dtype": "bfloat16"}
 ACCUM = {"n_layers": 2, "steps": 3, "ac": "full", "global_batch_size": 8, "reshard": "never"}
 # per-block and loss compile through dynamo and AOTAutograd (aot_eager: what overlap's hooks meet;
 # inductor's code generation is torch's and costs a cold compile of ~45 s here), "always"
-COMPILED = {"n_layers": 2, "steps": 2, "compile": True, "compile_backend": "aot_eager", "ac": "none", "reshard": "always"}
+COMPILED = {
+    "n_layers": 2,
+    "steps": 2,
+    "compile": True,
+    "compile_backend": "aot_eager",
+    "ac": "none",
+    "reshard": "always",
+}
 
 
 def _ckpt(folder: str, **kw: int) -> dict:
@@ -35,8 +42,14 @@ RUNS = [
     {"name": "compile-overlap", "impl": "overlap", **COMPILED},
     # last, the refusals
     {"name": "cpu-offload", "impl": "overlap", "n_layers": 2, "cpu_offload": True, "expect_error": "CPU offload"},
-    {"name": "spmd-types-tp", "impl": "overlap", "n_layers": 2, "tp": 2, "spmd_backend": "spmd_types",
-     "expect_error": "--parallelism.spmd_backend partial_dtensor"},
+    {
+        "name": "spmd-types-tp",
+        "impl": "overlap",
+        "n_layers": 2,
+        "tp": 2,
+        "spmd_backend": "spmd_types",
+        "expect_error": "--parallelism.spmd_backend partial_dtensor",
+    },
 ]
 
 

@@ -41,14 +41,7 @@ class SyntheticLoader(BaseDataLoader):
         vocab_size: int = 2048
 
     def __init__(
-        self,
-        config: Config,
-        *,
-        dp_world_size: int,
-        dp_rank: int,
-        seq_len: int,
-        local_batch_size: int,
-        **_: Any,
+        self, config: Config, *, dp_world_size: int, dp_rank: int, seq_len: int, local_batch_size: int, **_: Any
     ) -> None:
         self.vocab_size = config.vocab_size
         self.dp_world_size, self.dp_rank = dp_world_size, dp_rank

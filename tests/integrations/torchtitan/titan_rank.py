@@ -22,22 +22,21 @@ import titan_shims as shims
 
 shims.install_device()
 
-import torch  # noqa: E402
-from torch.distributed.tensor import DTensor  # noqa: E402
-
-import torchtitan  # noqa: E402,F401
+import torch
+import torchtitan  # noqa: F401
+from torch.distributed.tensor import DTensor
 
 shims.install_fsdp_sum()
 shims.install_pipeline_step()
 
-from titan_data import SyntheticLoader, SyntheticTokenizer  # noqa: E402
-from torchtitan.components.metrics import MetricsProcessor  # noqa: E402
-from torchtitan.components.validate import Validator  # noqa: E402
-from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC  # noqa: E402
-from torchtitan.trainer import Trainer  # noqa: E402
+from titan_data import SyntheticLoader, SyntheticTokenizer
+from torchtitan.components.metrics import MetricsProcessor
+from torchtitan.components.validate import Validator
+from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
+from torchtitan.trainer import Trainer
 
-import overlap  # noqa: E402
-from overlap.integrations.torchtitan import use_overlap  # noqa: E402
+import overlap
+from overlap.integrations.torchtitan import use_overlap
 
 _STEPS: list[dict[str, float]] = []
 

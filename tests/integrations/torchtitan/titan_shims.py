@@ -91,10 +91,21 @@ def install_pipeline_step() -> None:
     if getattr(original, "_cpu_shim", False):
         return
 
-    def step(self: Any, *args: Any, arg_mbs: Any = None, kwarg_mbs: Any = None, target_mbs: Any = None,
-             losses: Any = None, return_outputs: bool = True, loss_kwargs: Any = None, **kwargs: Any) -> Any:
+    def step(
+        self: Any,
+        *args: Any,
+        arg_mbs: Any = None,
+        kwarg_mbs: Any = None,
+        target_mbs: Any = None,
+        losses: Any = None,
+        return_outputs: bool = True,
+        loss_kwargs: Any = None,
+        **kwargs: Any,
+    ) -> Any:
         if arg_mbs is None and kwarg_mbs is None and target_mbs is None:
-            return original(self, *args, losses=losses, return_outputs=return_outputs, loss_kwargs=loss_kwargs, **kwargs)
+            return original(
+                self, *args, losses=losses, return_outputs=return_outputs, loss_kwargs=loss_kwargs, **kwargs
+            )
         for stage in self._stages:
             stage.has_backward = self._has_backward
             stage.clear_runtime_states()

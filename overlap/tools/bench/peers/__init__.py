@@ -241,9 +241,7 @@ def build_trainer(name: str, model: nn.Module, setup: TrainSetup) -> Trainer:
         return plain_trainer(name, root, setup)
     if name == "fsdp2-bf16reduce":
         root = shard_fsdp2(model, setup, prefetch=True, reduce_dtype=torch.bfloat16)
-        return plain_trainer(
-            name, root, setup, lossy=True, settings={"reduce_dtype": "bfloat16", "prefetch": True}
-        )
+        return plain_trainer(name, root, setup, lossy=True, settings={"reduce_dtype": "bfloat16", "prefetch": True})
     if name in DDP_HOOK_PEERS:
         return ddp_hook_trainer(name, model, setup)
     if name in DEEPSPEED_PEERS:
@@ -251,9 +249,7 @@ def build_trainer(name: str, model: nn.Module, setup: TrainSetup) -> Trainer:
     raise ValueError(f"unknown contender {name!r}: choose from {BASELINES + PEERS} or overlap[...]")
 
 
-def overlap_trainer(
-    name: str, model: nn.Module, setup: TrainSetup, overrides: dict[str, Any]
-) -> Trainer:
+def overlap_trainer(name: str, model: nn.Module, setup: TrainSetup, overrides: dict[str, Any]) -> Trainer:
     import overlap
 
     wrapped = overlap.wrap(model, **overrides)
@@ -273,10 +269,7 @@ def overlap_trainer(
 
 
 def shard_fsdp2(
-    model: nn.Module,
-    setup: TrainSetup,
-    prefetch: bool,
-    reduce_dtype: torch.dtype | None = None,
+    model: nn.Module, setup: TrainSetup, prefetch: bool, reduce_dtype: torch.dtype | None = None
 ) -> nn.Module:
     """`fully_shard` on every unit, then on the root. `prefetch`: FSDP2's implicit prefetch
     needs CUDA streams; on CPU only explicit next/previous-unit prefetch with async unshard

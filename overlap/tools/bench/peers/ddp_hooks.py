@@ -19,9 +19,7 @@ from overlap.tools.bench.peers.trainer import Trainer, TrainSetup, ddp, plain_tr
 POWERSGD_RANKS = {"ddp-powersgd1": 1, "ddp-powersgd4": 4}
 
 
-def bf16_hook(
-    process_group: dist.ProcessGroup | None, bucket: dist.GradBucket
-) -> torch.futures.Future[torch.Tensor]:
+def bf16_hook(process_group: dist.ProcessGroup | None, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """torch's `bf16_compress_hook`, registered under another name.
 
     [Note: bf16 hook on CPU] DDP.register_comm_hook refuses a hook *named* bf16_compress_hook

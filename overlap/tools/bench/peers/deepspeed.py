@@ -49,9 +49,7 @@ def import_deepspeed(device: torch.device) -> Any:
     os.environ.setdefault("LOCAL_RANK", str(dist.get_rank()))
     # DeepSpeed calls torch's deprecated collective names (all_gather_into_tensor,
     # reduce_scatter_tensor) on every step, and the FutureWarning would repeat each time.
-    warnings.filterwarnings(
-        "ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning
-    )
+    warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
     import deepspeed
 
     deepspeed.utils.logger.setLevel(logging.WARNING)

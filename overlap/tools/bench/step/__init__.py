@@ -154,19 +154,19 @@ from overlap.tools.worlds.link import LinkSpec, run_linked_world
 
 __all__ = [
     "ALL_CONTENDERS",
-    "Batch",
-    "Contender",
     "DEFAULT_CONTENDERS",
     "GPT_CORPUS_BYTES",
     "MODELS",
-    "ModelName",
     "PARITY_RTOL",
-    "Peaks",
     "RATIO_BASES",
+    "WARMUP_STEPS",
+    "Batch",
+    "Contender",
+    "ModelName",
+    "Peaks",
     "StepBenchConfig",
     "StepReport",
     "StepRun",
-    "WARMUP_STEPS",
     "Workload",
     "add_arguments",
     "attach_zero3_comm",
@@ -231,7 +231,9 @@ def measure_peaks(cfg: StepBenchConfig, world_size: int) -> dict[str, Peaks]:
     seen: dict[str, list[tuple[int, int]]] = {name: [] for name in names}
     for _ in range(cfg.memory_repeats):
         for name in names:
-            ranks = run_local_world(peak_rank, world_size, cfg, name, timeout_s=cfg.timeout_s, threads_per_rank=cfg.threads)
+            ranks = run_local_world(
+                peak_rank, world_size, cfg, name, timeout_s=cfg.timeout_s, threads_per_rank=cfg.threads
+            )
             seen[name].append(ranks[0])
     out = {}
     for name, runs in seen.items():
@@ -305,8 +307,7 @@ def config_from_args(args: argparse.Namespace) -> StepBenchConfig:
 def run(args: argparse.Namespace) -> int:
     if args.mesh is not None:  # the old spelling of `overlap bench mesh`, sharing these flags
         warnings.warn(
-            "overlap bench step --mesh dp=N,tp=M moved to overlap bench mesh --dp N --tp M "
-            "(an alias for one release)",
+            "overlap bench step --mesh dp=N,tp=M moved to overlap bench mesh --dp N --tp M (an alias for one release)",
             DeprecationWarning,
             stacklevel=2,
         )

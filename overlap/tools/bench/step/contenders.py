@@ -73,9 +73,7 @@ def train_setup(cfg: StepBenchConfig) -> peers.TrainSetup:
     )
 
 
-def trainer_step(
-    t: peers.Trainer, batch: Batch, on_stepped: Callable[[], None] | None = None
-) -> torch.Tensor:
+def trainer_step(t: peers.Trainer, batch: Batch, on_stepped: Callable[[], None] | None = None) -> torch.Tensor:
     """`train_step` through a trainer's own API (a DeepSpeed engine steps and zeroes itself)."""
     loss = compute_loss(t.model, batch)
     t.backward(loss)
@@ -145,10 +143,7 @@ def make_overlap(cfg: StepBenchConfig, batch: Batch, name: str, overrides: dict)
 
 
 def attach_zero3_comm(
-    module: nn.Module,
-    params: list[nn.Parameter],
-    works: list[dist.Work],
-    gather_in_backward: bool,
+    module: nn.Module, params: list[nn.Parameter], works: list[dist.Work], gather_in_backward: bool
 ) -> None:
     """Hooks that issue the ZeRO-3 collectives of `params` (owned by `module`); see
     [Note: what floor-compute||comm issues, and when] in bench/step/__init__.py."""

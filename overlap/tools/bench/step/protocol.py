@@ -16,12 +16,7 @@ from overlap.observe.monitor import rss_bytes
 from overlap.tools.bench import peers
 from overlap.tools.bench.peers import state_bytes
 from overlap.tools.bench.step.config import StepBenchConfig
-from overlap.tools.bench.step.contenders import (
-    Contender,
-    build_contender,
-    build_contenders,
-    train_setup,
-)
+from overlap.tools.bench.step.contenders import Contender, build_contender, build_contenders, train_setup
 from overlap.tools.bench.step.report import StepReport, summarize
 from overlap.tools.workloads.step import make_batch
 
@@ -36,11 +31,7 @@ def check_parity(contenders: list[Contender], losses: dict[str, list[float]]) ->
     for c in contenders:
         if c.name == "ddp" or not c.trains_like_ddp:
             continue
-        rel = (
-            float("nan")
-            if ref is None
-            else abs(losses[c.name][1] - ref[1]) / max(abs(ref[1]), 1e-30)
-        )
+        rel = float("nan") if ref is None else abs(losses[c.name][1] - ref[1]) / max(abs(ref[1]), 1e-30)
         rel_t = torch.tensor([rel], dtype=torch.float64)  # parity report, once per contender (CPU)
         dist.all_reduce(rel_t, op=dist.ReduceOp.MAX)
         worst = rel_t.item()  # the one read of it: a CPU tensor, outside the timed steps
@@ -52,10 +43,7 @@ def check_parity(contenders: list[Contender], losses: dict[str, list[float]]) ->
         elif c.lossy:
             print(f"parity (lossy): {c.name} loss at step 1 differs from ddp by {worst:.1e}")
         elif not worst <= PARITY_RTOL:
-            print(
-                f"WARNING: {c.name} loss at step 1 differs from ddp by {worst:.2e} "
-                f"relative (> {PARITY_RTOL:g})"
-            )
+            print(f"WARNING: {c.name} loss at step 1 differs from ddp by {worst:.2e} relative (> {PARITY_RTOL:g})")
         else:
             print(f"parity ok: {c.name} loss at step 1 within {worst:.1e} of ddp")
 

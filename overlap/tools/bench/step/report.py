@@ -109,9 +109,7 @@ def summarize(cfg: StepBenchConfig, world_size: int, contenders: list[Contender]
                 settings=c.settings,
             )
         )
-    return StepReport(
-        world_size=world_size, link=active_link() or "loopback", config=cfg, runs=runs
-    )
+    return StepReport(world_size=world_size, link=active_link() or "loopback", config=cfg, runs=runs)
 
 
 def format_report(report: StepReport) -> str:
@@ -145,9 +143,9 @@ def format_report(report: StepReport) -> str:
         "(error feedback, PowerSGD), per rank.\n"
         "peak RSS = the OS's high-water mark (VmHWM) of a fresh world running only that contender "
         "(largest rank; whole process: import, build, steps); train = that peak less the RSS "
-        "before the contender was built" + (
-            f" (medians of {cfg.memory_repeats} worlds)" if cfg.memory_repeats > 1 else ""
-        ) + ("" if cfg.memory else ": not measured (--no-memory)")
+        "before the contender was built"
+        + (f" (medians of {cfg.memory_repeats} worlds)" if cfg.memory_repeats > 1 else "")
+        + ("" if cfg.memory else ": not measured (--no-memory)")
     )
     for row in rows:
         if not row.name.startswith("overlap"):
@@ -174,10 +172,7 @@ def format_scaling(reports: list[StepReport]) -> str:
     w = max(len("contender"), *map(len, names))
     col = 18
     n0 = base.world_size
-    title = (
-        f"\nscaling: global tokens/s at world size n (speedup vs n={n0}), "
-        f"{base.config.batch} sequences per rank"
-    )
+    title = f"\nscaling: global tokens/s at world size n (speedup vs n={n0}), {base.config.batch} sequences per rank"
     header = f"{'contender':<{w}}" + "".join(f"{f'n={r.world_size}':>{col}}" for r in reports)
     lines = [title, header, "-" * len(header)]
     for name in names:
