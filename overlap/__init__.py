@@ -5,9 +5,7 @@ opt = torch.optim.AdamW(model.parameters())
 """
 
 from overlap import checkpoint
-from overlap import (
-    comm as comm,  # the documented `overlap.comm.CollectiveError` (transport/collectives.py)
-)
+from overlap import comm as comm  # the documented `overlap.comm.CollectiveError` (transport/collectives.py)
 from overlap.amp import ShardedGradScaler
 from overlap.api import (
     clip_grad_norm_,

@@ -18,9 +18,9 @@ import torch.distributed as dist
 
 from overlap.transport import collectives as comm
 from overlap.transport.fingerprint import FingerprintCheck
-from overlap.transport.strategy import AllReduce, GatherResult
+from overlap.transport.strategy import AllReduce, Event, GatherResult
 
-GatherDone = Callable[[GatherResult, Any], "torch.cuda.Event | None"]
+GatherDone = Callable[[GatherResult, Any], "Event"]
 """The runtime's work after a unit's all-gather has arrived: (record, gathered rows) -> the
 event recorded right after copy-out (`Executor.gather_copied`: CUDA) or None (copy-out, tag
 check, hpZ copy, buffers dropped; `Runtime._finish_gather`)."""
@@ -79,7 +79,7 @@ class Executor:
         """Make the unit's gathered parameters usable on the compute stream or thread."""
         raise NotImplementedError
 
-    def gather_copied(self) -> torch.cuda.Event | None:
+    def gather_copied(self) -> Event:
         """`done` has just copied the gathered rows out: what compute will wait for (CUDA)."""
         return None
 
@@ -92,36 +92,29 @@ class Executor:
         """Before a reduction is issued."""
         raise NotImplementedError
 
-    def reduce_issued(self, result: comm.CommResult, span: Any) -> tuple[torch.cuda.Event | None, torch.Tensor | None]:
+    def reduce_issued(self, result: comm.CommResult, span: Any) -> tuple[Event, torch.Tensor | None]:
         """A reduction was just issued (inside `on(reduce_stream)`): (event, reduced shard)
         where the executor already has them, else (None, None)."""
         raise NotImplementedError
 
-    def after_reduction(
-        self, fn: Callable[[], torch.Tensor], after: torch.cuda.Event | None
-    ) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+    def after_reduction(self, fn: Callable[[], torch.Tensor], after: Event) -> tuple[torch.Tensor, Event]:
         """Run `fn` (the work on a reduced shard: its division, its cast) behind `after`, where
         reductions run: (its result, the event after it)."""
         raise NotImplementedError
 
-    def release_reduce(self, result: comm.CommResult, event: torch.cuda.Event | None) -> torch.Tensor | None:
+    def release_reduce(self, result: comm.CommResult, event: Event) -> torch.Tensor | None:
         """The compute side is done with the reduction's input: the reduced shard where the
         executor only gets it now (host), else None."""
         raise NotImplementedError
 
     def all_reduce(
-        self, issue: Callable[[], comm.CommResult], reduced: torch.Tensor, after: torch.cuda.Event | None, label: str
-    ) -> tuple[comm.CommResult, torch.cuda.Event | None]:
+        self, issue: Callable[[], comm.CommResult], reduced: torch.Tensor, after: Event, label: str
+    ) -> tuple[comm.CommResult, Event]:
         """HSDP: issue `issue` (the sum of `reduced` across replicas, [Note: hybrid sharding])
         behind `after`: (its result, the event after it)."""
         raise NotImplementedError
 
-    def finish_reduce(
-        self,
-        event: torch.cuda.Event | None,
-        all_reduce: comm.CommResult | None,
-        all_reduce_event: torch.cuda.Event | None,
-    ) -> None:
+    def finish_reduce(self, event: Event, all_reduce: comm.CommResult | None, all_reduce_event: Event) -> None:
         """Make a reduced (and HSDP-summed) shard usable on the compute stream or thread."""
         raise NotImplementedError
 

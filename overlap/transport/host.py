@@ -21,7 +21,7 @@ import torch
 from overlap.transport import collectives as comm
 from overlap.transport.executor import Executor, GatherDone, TagRead
 from overlap.transport.fingerprint import TAG_NUMEL, FingerprintCheck, HostTags, host_byte_tags
-from overlap.transport.strategy import GatherResult
+from overlap.transport.strategy import Event, GatherResult
 
 # [Note: CPU page faults]
 # glibc serves blocks above M_MMAP_THRESHOLD (128 KiB at first, adapting up to 32 MiB) with mmap
@@ -94,35 +94,28 @@ class HostExecutor(Executor):
     def before_reduce(self) -> None:
         pass
 
-    def reduce_issued(self, result: comm.CommResult, span: Any) -> tuple[torch.cuda.Event | None, torch.Tensor | None]:
+    def reduce_issued(self, result: comm.CommResult, span: Any) -> tuple[Event, torch.Tensor | None]:
         self.timer.stop(span, work=result.work)
         return None, None
 
-    def after_reduction(
-        self, fn: Callable[[], torch.Tensor], after: torch.cuda.Event | None
-    ) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+    def after_reduction(self, fn: Callable[[], torch.Tensor], after: Event) -> tuple[torch.Tensor, Event]:
         return fn(), None  # the training thread, now
 
-    def release_reduce(self, result: comm.CommResult, event: torch.cuda.Event | None) -> torch.Tensor | None:
+    def release_reduce(self, result: comm.CommResult, event: Event) -> torch.Tensor | None:
         # wait for the work; sum (or decode) what an exchange received
         reduced = self.wait(result)
         self.timer.waited(result.work)
         return reduced
 
     def all_reduce(
-        self, issue: Callable[[], comm.CommResult], reduced: torch.Tensor, after: torch.cuda.Event | None, label: str
-    ) -> tuple[comm.CommResult, torch.cuda.Event | None]:
+        self, issue: Callable[[], comm.CommResult], reduced: torch.Tensor, after: Event, label: str
+    ) -> tuple[comm.CommResult, Event]:
         span = self.timer.start("collective", "all_reduce", label, None, reduced.numel() * reduced.element_size())
         result = issue()
         self.timer.stop(span, work=result.work)
         return result, None
 
-    def finish_reduce(
-        self,
-        event: torch.cuda.Event | None,
-        all_reduce: comm.CommResult | None,
-        all_reduce_event: torch.cuda.Event | None,
-    ) -> None:
+    def finish_reduce(self, event: Event, all_reduce: comm.CommResult | None, all_reduce_event: Event) -> None:
         if all_reduce is not None:
             self.wait(all_reduce)
             self.timer.waited(all_reduce.work)

@@ -27,7 +27,7 @@ same collectives, so they still pair.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, TypeAlias
 
 import torch
 import torch.distributed as dist
@@ -36,6 +36,9 @@ from overlap.compression import Codec
 from overlap.compression.feedback import FeedbackResidual
 from overlap.transport import backend, coded
 from overlap.transport import collectives as comm
+
+Event: TypeAlias = "torch.cuda.Event | None"
+"""Where a collective's result is ready on CUDA (an event on its stream); None on the host."""
 
 
 class UnitWire(NamedTuple):
@@ -76,7 +79,7 @@ class GatherResult(NamedTuple):
     tag: int | None  # the tag it carries ([Note: collective fingerprints]); None: untagged
     from_secondary: bool  # hpZ: read from the secondary copies ([Note: secondary copy])
     nbytes: int  # bytes its buffers hold, accounted as gather_buffers
-    event: torch.cuda.Event | None = None  # CUDA: copy-out done on the gather stream ([Note: gather event])
+    event: Event = None  # CUDA: copy-out done on the gather stream ([Note: gather event])
 
 
 def held_bytes(result: comm.CommResult) -> int:

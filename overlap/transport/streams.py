@@ -37,7 +37,7 @@ from overlap.transport import backend
 from overlap.transport import collectives as comm
 from overlap.transport.executor import Executor, GatherDone, TagRead
 from overlap.transport.fingerprint import FingerprintCheck, byte_tags
-from overlap.transport.strategy import AllReduce, GatherResult
+from overlap.transport.strategy import AllReduce, Event, GatherResult
 
 
 def check_settings(semantics: backend.CommSemantics, gather_impl: str) -> None:
@@ -86,7 +86,7 @@ class StreamExecutor(Executor):
         assert event is not None, f"rank {self.rank}: no copy-out was enqueued for the gather"
         return record._replace(comm=None, event=event)
 
-    def gather_copied(self) -> torch.cuda.Event | None:
+    def gather_copied(self) -> Event:
         """[Note: gather event]
         The event the compute stream waits on before using a unit's gathered parameters is
         recorded right after copy-out: what `done` enqueues after it on the gather stream (the
@@ -134,16 +134,14 @@ class StreamExecutor(Executor):
             summed = self.reduce_stream.record_event()
         self.compute().wait_event(summed)
 
-    def reduce_issued(self, result: comm.CommResult, span: Any) -> tuple[torch.cuda.Event | None, torch.Tensor | None]:
+    def reduce_issued(self, result: comm.CommResult, span: Any) -> tuple[Event, torch.Tensor | None]:
         # The reduce stream waits and sums (once: the tensor is kept, [Note: streams]).
         assert self.reduce_stream is not None
         reduced = self.wait(result)
         self.timer.stop(span, self.reduce_stream)
         return self.reduce_stream.record_event(), reduced
 
-    def after_reduction(
-        self, fn: Callable[[], torch.Tensor], after: torch.cuda.Event | None
-    ) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+    def after_reduction(self, fn: Callable[[], torch.Tensor], after: Event) -> tuple[torch.Tensor, Event]:
         # on the reduce stream, behind the reduction (`after` was recorded on it); what `fn`
         # allocates belongs to the reduce stream, as the reduced shard does ([Note: streams])
         assert self.reduce_stream is not None
@@ -151,14 +149,12 @@ class StreamExecutor(Executor):
             out = fn()
         return out, self.reduce_stream.record_event()
 
-    def release_reduce(self, result: comm.CommResult, event: torch.cuda.Event | None) -> torch.Tensor | None:
+    def release_reduce(self, result: comm.CommResult, event: Event) -> torch.Tensor | None:
         # compute may reuse the input once the reduce-scatter is done
         self.compute().wait_event(event)
         return None
 
-    def all_reduce(
-        self, issue: Any, reduced: torch.Tensor, after: torch.cuda.Event | None, label: str
-    ) -> tuple[comm.CommResult, torch.cuda.Event | None]:
+    def all_reduce(self, issue: Any, reduced: torch.Tensor, after: Event, label: str) -> tuple[comm.CommResult, Event]:
         assert self.all_reduce_stream is not None and after is not None
         stream = self.all_reduce_stream
         stream.wait_event(after)
@@ -169,10 +165,5 @@ class StreamExecutor(Executor):
             self.timer.stop(span, stream)
             return result, stream.record_event()
 
-    def finish_reduce(
-        self,
-        event: torch.cuda.Event | None,
-        all_reduce: comm.CommResult | None,
-        all_reduce_event: torch.cuda.Event | None,
-    ) -> None:
+    def finish_reduce(self, event: Event, all_reduce: comm.CommResult | None, all_reduce_event: Event) -> None:
         self.compute().wait_event(all_reduce_event if all_reduce is not None else event)

@@ -216,9 +216,7 @@ def warm(where: str, index: int, count: int, limit: int | None = None, only: str
     out: dict[str, Any] = {"where": where, "cases": 0, "compiled": 0, "kernels": 0, "errors": {}}
     if where == "none":
         return out
-    from .numerics_cases import (
-        numerics_cases,  # here: after main() took TRITON_INTERPRET away
-    )
+    from .numerics_cases import numerics_cases  # here: after main() took TRITON_INTERPRET away
 
     on_gpu = where == "cuda"
     dev = torch.device("cuda", 0) if on_gpu else torch.device("cpu")
