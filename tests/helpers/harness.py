@@ -57,6 +57,14 @@ def rank_threads() -> int:
     return int(os.environ.get("OMP_NUM_THREADS") or 1)
 
 
+def torchrun_env(rank: int, world: int, **extra: str) -> None:
+    """What torchrun sets, so that a launcher's library (accelerate, Lightning) sees a distributed
+    launch in a spawned rank; `OMP_NUM_THREADS` too, else accelerate's CPU mode sets torch's
+    thread count itself. `extra` sets more variables."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+                      OMP_NUM_THREADS=str(rank_threads()), **extra)  # fmt: skip
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -22,6 +22,8 @@ transformers = pytest.importorskip(
     "transformers", reason="optional extra `hf` (pip install -e '.[hf]'); CI installs it"
 )
 
+from helpers.hf import tiny_config, tiny_model
+
 import overlap
 
 # runs in every rank too (they import this module to find the test functions)
@@ -33,39 +35,14 @@ ATTN = "eager"
 
 
 def tiny_llama(seed: int = 0) -> nn.Module:
-    config = transformers.LlamaConfig(
-        vocab_size=101,
-        hidden_size=64,
-        intermediate_size=97,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-        attention_dropout=0.0,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
-    )
-    torch.manual_seed(seed)
-    return transformers.AutoModelForCausalLM.from_config(config, attn_implementation=ATTN)
+    config = tiny_config("llama", vocab_size=101, hidden_size=64, intermediate_size=97, attention_dropout=0.0,
+                         bos_token_id=1, eos_token_id=2, pad_token_id=0)  # fmt: skip
+    return tiny_model(transformers.LlamaForCausalLM, config, seed)
 
 
 def tiny_gpt2(seed: int = 0) -> nn.Module:
-    config = transformers.GPT2Config(
-        vocab_size=97,
-        n_embd=48,
-        n_layer=2,
-        n_head=4,
-        n_positions=32,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
-    torch.manual_seed(seed)
-    return transformers.AutoModelForCausalLM.from_config(config, attn_implementation=ATTN)
+    config = tiny_config("gpt2", vocab_size=97, n_embd=48, bos_token_id=1, eos_token_id=2)
+    return tiny_model(transformers.GPT2LMHeadModel, config, seed)
 
 
 MODELS = {"llama": tiny_llama, "gpt2": tiny_gpt2}

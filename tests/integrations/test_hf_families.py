@@ -33,6 +33,7 @@ transformers = pytest.importorskip(
     "transformers", reason="optional extra `hf` (pip install -e '.[hf]'); CI installs it"
 )
 
+from helpers.hf import tiny_config, tiny_model
 from test_hf import _shard_rows
 
 import overlap
@@ -44,11 +45,6 @@ transformers.logging.set_verbosity_error()
 T = transformers
 STEPS = 3
 VOCAB = 97
-
-
-def _build(cls: type, config: Any) -> nn.Module:
-    torch.manual_seed(0)
-    return cls._from_config(config, attn_implementation="eager")
 
 
 def _text(rank: int, step: int, batch: int = 2, seq: int = 8) -> torch.Tensor:
@@ -87,94 +83,27 @@ def _clip(rank: int, step: int) -> dict:
 LAYERS = {"num_hidden_layers": 2, "num_attention_heads": 4, "hidden_size": 32, "intermediate_size": 37}
 NO_DROPOUT = {"hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0}
 
+SMALL = {"hidden_size": 32, "intermediate_size": 37}
+# fmt: off
 FAMILIES: dict[str, tuple[Callable[[], nn.Module], Callable[[int, int], dict]]] = {
-    "llama": (
-        lambda: _build(
-            T.LlamaForCausalLM,
-            T.LlamaConfig(
-                vocab_size=VOCAB, num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False, **LAYERS
-            ),
-        ),
-        _lm,
-    ),
-    "mixtral": (
-        # intermediate 36: grouped_mm wants row strides that are multiples of 16 bytes
-        lambda: _build(
-            T.MixtralForCausalLM,
-            T.MixtralConfig(
-                vocab_size=VOCAB,
-                num_key_value_heads=2,
-                num_local_experts=8,
-                num_experts_per_tok=2,
-                max_position_embeddings=64,
-                router_jitter_noise=0.0,
-                tie_word_embeddings=False,
-                **{**LAYERS, "intermediate_size": 36},
-            ),
-        ),
-        _moe,
-    ),
-    "gpt2": (
-        lambda: _build(
-            T.GPT2LMHeadModel,
-            T.GPT2Config(
-                vocab_size=VOCAB,
-                n_embd=32,
-                n_layer=2,
-                n_head=4,
-                n_positions=32,
-                resid_pdrop=0.0,
-                embd_pdrop=0.0,
-                attn_pdrop=0.0,
-            ),
-        ),
-        _lm,
-    ),
-    "bert": (
-        lambda: _build(
-            T.BertForMaskedLM, T.BertConfig(vocab_size=VOCAB, max_position_embeddings=32, **LAYERS, **NO_DROPOUT)
-        ),
-        _lm,
-    ),
-    "t5": (
-        lambda: _build(
-            T.T5ForConditionalGeneration,
-            T.T5Config(
-                vocab_size=VOCAB,
-                d_model=32,
-                d_kv=8,
-                d_ff=37,
-                num_layers=2,
-                num_decoder_layers=2,
-                num_heads=4,
-                relative_attention_num_buckets=8,
-                dropout_rate=0.0,
-                decoder_start_token_id=0,
-                pad_token_id=0,
-                eos_token_id=1,
-            ),
-        ),
-        _seq2seq,
-    ),
-    "vit": (
-        lambda: _build(
-            T.ViTForImageClassification,
-            T.ViTConfig(image_size=16, patch_size=8, num_channels=3, num_labels=5, **LAYERS, **NO_DROPOUT),
-        ),
-        _vit,
-    ),
-    "clip": (
-        lambda: _build(
-            T.CLIPModel,
-            T.CLIPConfig(
-                text_config={"vocab_size": VOCAB, "max_position_embeddings": 16, **LAYERS},
-                vision_config={"image_size": 16, "patch_size": 8, **LAYERS},
-                projection_dim=24,
-            ),
-        ),
-        _clip,
-    ),
+    "llama": (lambda: tiny_model(T.LlamaForCausalLM, tiny_config("llama", vocab_size=VOCAB, **SMALL)), _lm),
+    # intermediate 36: grouped_mm wants row strides that are multiples of 16 bytes
+    "mixtral": (lambda: tiny_model(T.MixtralForCausalLM, tiny_config("mixtral", vocab_size=VOCAB, hidden_size=32,
+                                                                  intermediate_size=36)), _moe),
+    "gpt2": (lambda: tiny_model(T.GPT2LMHeadModel, tiny_config("gpt2", vocab_size=VOCAB, n_embd=32)), _lm),
+    "bert": (lambda: tiny_model(T.BertForMaskedLM, T.BertConfig(vocab_size=VOCAB, max_position_embeddings=32, **LAYERS,
+                                                            **NO_DROPOUT)), _lm),
+    "t5": (lambda: tiny_model(T.T5ForConditionalGeneration, T.T5Config(
+        vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=37, num_layers=2, num_decoder_layers=2, num_heads=4,
+        relative_attention_num_buckets=8, dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0,
+        eos_token_id=1)), _seq2seq),
+    "vit": (lambda: tiny_model(T.ViTForImageClassification, T.ViTConfig(image_size=16, patch_size=8, num_channels=3,
+                                                                    num_labels=5, **LAYERS, **NO_DROPOUT)), _vit),
+    "clip": (lambda: tiny_model(T.CLIPModel, T.CLIPConfig(
+        text_config={"vocab_size": VOCAB, "max_position_embeddings": 16, **LAYERS},
+        vision_config={"image_size": 16, "patch_size": 8, **LAYERS}, projection_dim=24)), _clip),
 }
+# fmt: on
 
 
 def _bf16_with_fp32_norms(model: nn.Module) -> nn.Module:

@@ -40,7 +40,8 @@ accelerate = pytest.importorskip(
     "accelerate", reason="optional extra `integrations` (pip install -e '.[integrations]'); CI installs it"
 )
 
-from helpers.harness import rank_threads
+from helpers.harness import torchrun_env
+from helpers.hf import tiny_config, tiny_model
 from helpers.tolerance import losses_within, reordered_mismatches, reordered_rtol
 
 import overlap
@@ -50,16 +51,6 @@ from overlap.integrations import is_wrapped
 TIMEOUT_S = 300
 SAMPLES = 16  # 2 ranks x 4 batches of 2: one epoch is 2 optimizer steps of 2 micro-batches
 ACCUMULATE = 2
-
-
-def torchrun_env(rank: int, world: int) -> None:
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world),
-        OMP_NUM_THREADS=str(rank_threads()),  # else accelerate's CPU mode sets torch's thread count itself
-    )
 
 
 def net() -> nn.Module:
@@ -170,18 +161,9 @@ def export_hf(rank: int, world: int, *, root: str) -> dict:
 
     torchrun_env(rank, world)
     accelerator = accelerate.Accelerator(cpu=True)
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=61,
-        hidden_size=16,
-        intermediate_size=23,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=32,
-        tie_word_embeddings=False,
-    )
-    model = overlap.wrap(transformers.LlamaForCausalLM._from_config(config, attn_implementation="eager"))
+    config = tiny_config("llama", vocab_size=61, hidden_size=16, intermediate_size=23, num_attention_heads=2,
+                         num_key_value_heads=1, max_position_embeddings=32)  # fmt: skip
+    model = overlap.wrap(tiny_model(transformers.LlamaForCausalLM, config))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     model, optimizer = overlap_accelerate.prepare(accelerator, model, optimizer)
     ids = torch.randint(0, 61, (2, 8), generator=torch.Generator().manual_seed(rank))

@@ -47,7 +47,8 @@ transformers = pytest.importorskip(
 )
 pytest.importorskip("accelerate", reason="optional extra `integrations` (Trainer needs accelerate); CI installs it")
 
-from helpers.harness import rank_threads
+from helpers.harness import torchrun_env
+from helpers.hf import tiny_config, tiny_model
 from helpers.tolerance import losses_within, reordered_mismatches, reordered_rtol
 
 import overlap
@@ -61,30 +62,9 @@ SAVE_EVERY = 2
 TIMEOUT_S = 300  # a Trainer run is a few seconds; generous for a loaded machine
 
 
-def torchrun_env(rank: int, world: int) -> None:
-    """What torchrun sets, so that the Trainer (accelerate) sees a distributed launch."""
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world),
-        OMP_NUM_THREADS=str(rank_threads()),  # else accelerate's CPU mode sets torch's thread count itself
-    )
-
-
 def tiny_llama() -> torch.nn.Module:
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=37,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-    )
-    return transformers.LlamaForCausalLM._from_config(config, attn_implementation="eager")
+    config = tiny_config("llama", vocab_size=VOCAB, hidden_size=32, intermediate_size=37)
+    return tiny_model(transformers.LlamaForCausalLM, config)
 
 
 def dataset() -> list[dict[str, torch.Tensor]]:

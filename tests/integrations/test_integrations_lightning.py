@@ -42,7 +42,7 @@ L = pytest.importorskip(
     "lightning", reason="optional extra `integrations` (pip install -e '.[integrations]'); CI installs it"
 )
 
-from helpers.harness import World, rank_threads
+from helpers.harness import World, torchrun_env
 
 import overlap
 from overlap.integrations import is_wrapped
@@ -58,17 +58,6 @@ def world1():
     world = World(1)
     yield world
     world.close()
-
-
-def torchrun_env(rank: int, world: int) -> None:
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world),
-        NODE_RANK="0",
-        OMP_NUM_THREADS=str(rank_threads()),
-    )
 
 
 class Block(nn.Module):
@@ -142,7 +131,7 @@ def fit(
 ) -> dict:
     """Lightning DDP ("ddp") or OverlapStrategy ("overlap": a ModelCheckpoint every epoch; with
     `full`, one-file checkpoints: `out/full.ckpt` saved after fit instead)."""
-    torchrun_env(rank, world)
+    torchrun_env(rank, world, NODE_RANK="0")
     lit = LitNet(wrap=None if mode == "ddp" else "net")
     if mode == "ddp":
         lit.head.requires_grad_(False)
@@ -174,7 +163,7 @@ def fit(
 def refused(rank: int, world: int, *, out: str, what: str) -> str:
     """The error for `what`: "unwrapped" (a trainable head outside the wrap), "trainer_devices" /
     "fabric_devices" (devices=1 in a world of `world` processes); or "no error"."""
-    torchrun_env(rank, world)
+    torchrun_env(rank, world, NODE_RANK="0")
     devices = 1 if what.endswith("devices") else world
     try:
         if what == "fabric_devices":
@@ -199,7 +188,7 @@ def refused(rank: int, world: int, *, out: str, what: str) -> str:
 
 
 def fabric_run(rank: int, world: int, *, mode: str, out: str) -> dict:
-    torchrun_env(rank, world)
+    torchrun_env(rank, world, NODE_RANK="0")
     strategy = "ddp" if mode == "ddp" else overlap_lightning.OverlapFabricStrategy()
     fabric = L.Fabric(accelerator="cpu", devices=world, strategy=strategy)
     fabric.launch()
