@@ -10,11 +10,11 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from helpers.models import STRICT_ZERO3, Block, TinyLM, batch, loss_of, tiny_lm
+from helpers.probes import counting_reductions, error_of
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import overlap
-from overlap.transport import coded
 from overlap.transport import collectives as comm
 
 
@@ -170,27 +170,19 @@ def no_sync_matches_ddp(rank: int, world: int) -> dict:
     base = tiny_lm()
     ref = DDP(copy.deepcopy(base))
     ours = overlap.wrap(base)
-    calls = []
-    # every gradient reduction goes through one of these (small gathers use all-to-all too)
-    reductions = ("reduce_scatter_flat", "reduce_scatter_and_gather", "reduce_scatter_encoded")
-    owner = {name: coded if name.endswith("_encoded") else comm for name in reductions}
-    originals = {name: getattr(owner[name], name) for name in reductions}
-    for name, fn in originals.items():
-        setattr(owner[name], name, lambda *a, _fn=fn, **k: (calls.append(1), _fn(*a, **k))[1])
-    for micro in range(3):
-        x = batch(base, rank, micro)
-        if micro < 2:
-            with ref.no_sync():
+    with counting_reductions() as calls:
+        for micro in range(3):
+            x = batch(base, rank, micro)
+            if micro < 2:
+                with ref.no_sync():
+                    loss_of(ref(x)).backward()
+                with overlap.no_sync(ours):
+                    loss_of(ours(x)).backward()
+                assert not calls, "no_sync issued a reduce-scatter"
+            else:
                 loss_of(ref(x)).backward()
-            with overlap.no_sync(ours):
                 loss_of(ours(x)).backward()
-            assert not calls, "no_sync issued a reduce-scatter"
-        else:
-            loss_of(ref(x)).backward()
-            loss_of(ours(x)).backward()
-            assert calls, "the synced micro-batch reduced nothing: the counter sees no reduction"
-    for name, fn in originals.items():
-        setattr(owner[name], name, fn)
+                assert calls, "the synced micro-batch reduced nothing: the counter sees no reduction"
     named = dict(ref.module.named_parameters())
     for name, p in ours.named_parameters():
         local = p.grad.to_local()
@@ -222,11 +214,7 @@ class RankDependent(nn.Module):
 
 def order_mismatch(rank: int, world: int) -> str:
     model = overlap.wrap(RankDependent())
-    try:
-        model(torch.randn(2, 8))
-    except ValueError as e:
-        return str(e)
-    return "no error"
+    return error_of(model, torch.randn(2, 8))
 
 
 def test_order_mismatch_raises_on_every_rank(world2):
@@ -235,12 +223,7 @@ def test_order_mismatch_raises_on_every_rank(world2):
 
 
 def model_mismatch(rank: int, world: int) -> str:
-    model = tiny_lm(hidden=30 if rank == 0 else 31)
-    try:
-        overlap.wrap(model)
-    except ValueError as e:
-        return str(e)
-    return "no error"
+    return error_of(overlap.wrap, tiny_lm(hidden=30 if rank == 0 else 31))
 
 
 def test_model_mismatch_raises_on_every_rank(world2):

@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from helpers.probes import error_of
 from torch.distributed.device_mesh import init_device_mesh
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -302,11 +303,7 @@ def test_full_state_dict_gathers_to_rank0(request, world_name):
 def buffer_mismatch(rank: int, world: int) -> str:
     model = NormNet()
     model.register_buffer("extra", torch.zeros(2 + rank))
-    try:
-        overlap.wrap(model)
-    except ValueError as e:
-        return str(e)
-    return "no error"
+    return error_of(overlap.wrap, model)
 
 
 def test_buffer_mismatch_raises_on_every_rank(world2):

@@ -5,8 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
-from helpers.models import batch, loss_of, tiny_lm
+from helpers.models import sgd_steps, tiny_lm
 
 import overlap
 from overlap.observe.report import format_summary, load_events, plot_timeline, summarize, union_ms
@@ -57,12 +56,7 @@ def test_summary_arithmetic_on_synthetic_trace(tmp_path):
 
 
 def traced_steps(rank: int, world: int, out: str) -> dict:
-    model = overlap.wrap(tiny_lm(), trace_dir=out)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    for step in range(3):
-        loss_of(model(batch(model, rank, step))).backward()
-        opt.step()
-        opt.zero_grad()
+    sgd_steps(overlap.wrap(tiny_lm(), trace_dir=out), rank)
     return {}
 
 

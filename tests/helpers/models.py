@@ -65,3 +65,12 @@ def batch(model: nn.Module, rank: int, step: int) -> torch.Tensor:
 
 def loss_of(out: torch.Tensor) -> torch.Tensor:
     return out.float().pow(2).mean()
+
+
+def sgd_steps(model: nn.Module, rank: int, steps: int = 3, lr: float = 0.1) -> None:
+    """`steps` steps of SGD on `loss_of` the model's `batch`es for this rank."""
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    for step in range(steps):
+        loss_of(model(batch(model, rank, step))).backward()
+        opt.step()
+        opt.zero_grad()

@@ -14,11 +14,10 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.utils.checkpoint as ckpt
 from helpers.models import STRICT_ZERO3, Block, TinyLM, batch, encoder_stack, loss_of
+from helpers.probes import counting_reductions, error_of
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import overlap
-from overlap.transport import coded
-from overlap.transport import collectives as comm
 
 
 class TiedLM(TinyLM):
@@ -252,18 +251,9 @@ def test_meta_init_with_param_init_fn(world2):
 
 def eval_forward_reduces_nothing(rank: int, world: int) -> dict:
     model = overlap.wrap(TinyLM())
-    calls = []
-    # every gradient reduction goes through one of these (small gathers use all-to-all too)
-    reductions = ("reduce_scatter_flat", "reduce_scatter_and_gather", "reduce_scatter_encoded")
-    owner = {name: coded if name.endswith("_encoded") else comm for name in reductions}
-    originals = {name: getattr(owner[name], name) for name in reductions}
-    for name, fn in originals.items():
-        setattr(owner[name], name, lambda *a, _fn=fn, **k: (calls.append(1), _fn(*a, **k))[1])
     model.eval()
-    with torch.no_grad():
+    with counting_reductions() as calls, torch.no_grad():
         model(batch(model, rank, 0))
-    for name, fn in originals.items():
-        setattr(owner[name], name, fn)
     assert not calls
     assert all(u.unsharded_flat.untyped_storage().nbytes() == 0 for u in model._overlap_state.units)
     return {}
@@ -277,11 +267,7 @@ def mixed_devices(rank: int, world: int) -> str:
     model = TinyLM()
     with torch.device("meta"):
         model.head = nn.Linear(24, 37, bias=False)
-    try:
-        overlap.wrap(model)
-    except ValueError as e:
-        return str(e)
-    return "no error"
+    return error_of(overlap.wrap, model)
 
 
 def test_parameters_on_several_devices_raise(world2):

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers.models import batch, loss_of, tiny_lm
+from helpers.models import sgd_steps, tiny_lm
 
 import overlap
 from overlap.observe.monitor import Monitor, nvml_handle
@@ -60,12 +60,7 @@ def test_quiet_when_below_thresholds():
 
 
 def metrics_run(rank: int, world: int, path: str) -> dict:
-    model = overlap.wrap(tiny_lm(), metrics_file=path)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    for step in range(3):
-        loss_of(model(batch(model, rank, step))).backward()
-        opt.step()
-        opt.zero_grad()
+    sgd_steps(overlap.wrap(tiny_lm(), metrics_file=path), rank)
     return {}
 
 
