@@ -77,96 +77,40 @@ class Accelerator:
 # Blackwell: no public MAMF we can cite; the Hopper shares are used and the row says so.
 # SM counts: A100 108, H100/H200 132, B200 148 (NVIDIA architecture whitepapers).
 GEMM_SHAPE_MIX = 0.9
-_HOPPER = dict(
-    generation="hopper", gemm_share=0.801 * GEMM_SHAPE_MIX, fp8_gemm_share=0.62, nvlink_gbps=450.0, sm_count=132
-)
+# fmt: off
+_HOPPER = dict(generation="hopper", gemm_share=0.801 * GEMM_SHAPE_MIX, fp8_gemm_share=0.62, nvlink_gbps=450.0,
+               sm_count=132)
+# fmt: on
+# fmt: off
 ACCELERATORS: dict[str, Accelerator] = {
-    "a100-40gb": Accelerator(
-        name="A100 SXM4 40GB",
-        generation="ampere",
-        bf16_tflops=312.0,
-        fp8_tflops=None,
-        hbm_gib=40,
-        hbm_tbps=1.555,
-        power_w=400,
-        nvlink_gbps=300.0,
-        sm_count=108,
-        gemm_share=0.859 * GEMM_SHAPE_MIX,
-        source="NVIDIA A100 datasheet",
-    ),
-    "a100-80gb": Accelerator(
-        name="A100 SXM4 80GB",
-        generation="ampere",
-        bf16_tflops=312.0,
-        fp8_tflops=None,
-        hbm_gib=80,
-        hbm_tbps=2.039,
-        power_w=400,
-        nvlink_gbps=300.0,
-        sm_count=108,
-        gemm_share=0.859 * GEMM_SHAPE_MIX,
-        source="NVIDIA A100 datasheet",
-    ),
-    "h100-sxm": Accelerator(
-        name="H100 SXM 80GB (700 W)",
-        bf16_tflops=989.4,
-        fp8_tflops=1979.0,
-        hbm_gib=80,
-        hbm_tbps=3.35,
-        power_w=700,
-        source="NVIDIA H100 datasheet (SXM5)",
-        **_HOPPER,
-    ),
+    "a100-40gb": Accelerator(name="A100 SXM4 40GB", generation="ampere", bf16_tflops=312.0, fp8_tflops=None,
+                             hbm_gib=40, hbm_tbps=1.555, power_w=400, nvlink_gbps=300.0, sm_count=108,
+                             gemm_share=0.859 * GEMM_SHAPE_MIX,
+                             source="NVIDIA A100 datasheet"),
+    "a100-80gb": Accelerator(name="A100 SXM4 80GB", generation="ampere", bf16_tflops=312.0, fp8_tflops=None,
+                             hbm_gib=80, hbm_tbps=2.039, power_w=400, nvlink_gbps=300.0, sm_count=108,
+                             gemm_share=0.859 * GEMM_SHAPE_MIX,
+                             source="NVIDIA A100 datasheet"),
+    "h100-sxm": Accelerator(name="H100 SXM 80GB (700 W)", bf16_tflops=989.4, fp8_tflops=1979.0, hbm_gib=80,
+                            hbm_tbps=3.35, power_w=700, source="NVIDIA H100 datasheet (SXM5)", **_HOPPER),
     "h100-96gb-500w": Accelerator(
-        name="H100 96GB HBM2e (500 W)",
-        bf16_tflops=835.5 + (989.4 - 835.5) * (500 - 400) / (700 - 400),
-        fp8_tflops=1670.5 + (1979.0 - 1670.5) * (500 - 400) / (700 - 400),
-        hbm_gib=96,
-        hbm_tbps=2.4,
-        power_w=500,
+        name="H100 96GB HBM2e (500 W)", bf16_tflops=835.5 + (989.4 - 835.5) * (500 - 400) / (700 - 400),
+        fp8_tflops=1670.5 + (1979.0 - 1670.5) * (500 - 400) / (700 - 400), hbm_gib=96, hbm_tbps=2.4, power_w=500,
         source="torchtitan benchmarks (Grand Teton hosts: 96 GB HBM2e, 2.4 TB/s, 500 W; peak 'between SXM "
         "and NVL'): peak interpolated by power between the H100 NVL (400 W) and SXM (700 W) datasheets",
-        **_HOPPER,
-    ),
-    "h200": Accelerator(
-        name="H200 SXM 141GB",
-        bf16_tflops=989.4,
-        fp8_tflops=1979.0,
-        hbm_gib=141,
-        hbm_tbps=4.8,
-        power_w=700,
-        source="NVIDIA H200 datasheet",
-        **_HOPPER,
-    ),
-    "b200": Accelerator(
-        name="B200 (DGX B200)",
-        generation="blackwell",
-        bf16_tflops=2250.0,
-        fp8_tflops=4500.0,
-        hbm_gib=180,
-        hbm_tbps=8.0,
-        power_w=1000,
-        nvlink_gbps=900.0,
-        sm_count=148,
-        gemm_share=0.801 * GEMM_SHAPE_MIX,
-        fp8_gemm_share=0.62,
-        source="NVIDIA DGX B200 datasheet, per GPU; GEMM shares as Hopper",
-    ),
-    "gb200": Accelerator(
-        name="B200 in GB200 NVL72",
-        generation="blackwell",
-        bf16_tflops=2500.0,
-        fp8_tflops=5000.0,
-        hbm_gib=186,
-        hbm_tbps=8.0,
-        power_w=1200,
-        nvlink_gbps=900.0,
-        sm_count=148,
-        gemm_share=0.801 * GEMM_SHAPE_MIX,
-        fp8_gemm_share=0.62,
-        source="NVIDIA GB200 NVL72 datasheet, per GPU; GEMM shares as Hopper",
-    ),
+        **_HOPPER),
+    "h200": Accelerator(name="H200 SXM 141GB", bf16_tflops=989.4, fp8_tflops=1979.0, hbm_gib=141, hbm_tbps=4.8,
+                        power_w=700, source="NVIDIA H200 datasheet", **_HOPPER),
+    "b200": Accelerator(name="B200 (DGX B200)", generation="blackwell", bf16_tflops=2250.0, fp8_tflops=4500.0,
+                        hbm_gib=180, hbm_tbps=8.0, power_w=1000, nvlink_gbps=900.0, sm_count=148,
+                        gemm_share=0.801 * GEMM_SHAPE_MIX,
+                        fp8_gemm_share=0.62, source="NVIDIA DGX B200 datasheet, per GPU; GEMM shares as Hopper"),
+    "gb200": Accelerator(name="B200 in GB200 NVL72", generation="blackwell", bf16_tflops=2500.0, fp8_tflops=5000.0,
+                         hbm_gib=186, hbm_tbps=8.0, power_w=1200, nvlink_gbps=900.0, sm_count=148,
+                         gemm_share=0.801 * GEMM_SHAPE_MIX,
+                         fp8_gemm_share=0.62, source="NVIDIA GB200 NVL72 datasheet, per GPU; GEMM shares as Hopper"),
 }
+# fmt: on
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -190,56 +134,23 @@ class NodeSpec:
         return self.rail_gbit / 8 * RAIL_SHARE
 
 
+# fmt: off
 NODES: dict[str, NodeSpec] = {
-    "dgx-a100": NodeSpec(
-        name="DGX A100 (8 x 200G HDR)",
-        gpus_per_node=8,
-        nvlink_domain=8,
-        rails=8,
-        rail_gbit=200,
-        source="NVIDIA DGX A100 datasheet: 8 x ConnectX-6 200 Gb/s compute adapters (Selene)",
-    ),
-    "dgx-h100": NodeSpec(
-        name="DGX H100 (8 x 400G NDR)",
-        gpus_per_node=8,
-        nvlink_domain=8,
-        rails=8,
-        rail_gbit=400,
-        source="NVIDIA DGX H100 datasheet: 8 x ConnectX-7 400 Gb/s",
-    ),
-    "dgx-h200": NodeSpec(
-        name="DGX H200 (8 x 400G)",
-        gpus_per_node=8,
-        nvlink_domain=8,
-        rails=8,
-        rail_gbit=400,
-        source="NVIDIA DGX H200 datasheet: 8 x ConnectX-7 400 Gb/s",
-    ),
-    "grand-teton": NodeSpec(
-        name="Grand Teton H100 (400G RDMA per GPU)",
-        gpus_per_node=8,
-        nvlink_domain=8,
-        rails=8,
-        rail_gbit=400,
-        source="torchtitan benchmarks: 400 Gb/s RDMA per GPU",
-    ),
-    "dgx-b200": NodeSpec(
-        name="DGX B200 (8 x 400G)",
-        gpus_per_node=8,
-        nvlink_domain=8,
-        rails=8,
-        rail_gbit=400,
-        source="NVIDIA DGX B200 datasheet: 8 x ConnectX-7 400 Gb/s",
-    ),
-    "gb200-nvl72": NodeSpec(
-        name="GB200 NVL72 (4 GPUs per tray, 400G each)",
-        gpus_per_node=4,
-        nvlink_domain=72,
-        rails=4,
-        rail_gbit=400,
-        source="NVIDIA GB200 NVL72: 18 trays of 4 GPUs on one NVLink fabric, ConnectX-7 400G per GPU",
-    ),
+    "dgx-a100": NodeSpec(name="DGX A100 (8 x 200G HDR)", gpus_per_node=8, nvlink_domain=8, rails=8, rail_gbit=200,
+                         source="NVIDIA DGX A100 datasheet: 8 x ConnectX-6 200 Gb/s compute adapters (Selene)"),
+    "dgx-h100": NodeSpec(name="DGX H100 (8 x 400G NDR)", gpus_per_node=8, nvlink_domain=8, rails=8, rail_gbit=400,
+                         source="NVIDIA DGX H100 datasheet: 8 x ConnectX-7 400 Gb/s"),
+    "dgx-h200": NodeSpec(name="DGX H200 (8 x 400G)", gpus_per_node=8, nvlink_domain=8, rails=8, rail_gbit=400,
+                         source="NVIDIA DGX H200 datasheet: 8 x ConnectX-7 400 Gb/s"),
+    "grand-teton": NodeSpec(name="Grand Teton H100 (400G RDMA per GPU)", gpus_per_node=8, nvlink_domain=8, rails=8,
+                            rail_gbit=400, source="torchtitan benchmarks: 400 Gb/s RDMA per GPU"),
+    "dgx-b200": NodeSpec(name="DGX B200 (8 x 400G)", gpus_per_node=8, nvlink_domain=8, rails=8, rail_gbit=400,
+                         source="NVIDIA DGX B200 datasheet: 8 x ConnectX-7 400 Gb/s"),
+    "gb200-nvl72": NodeSpec(name="GB200 NVL72 (4 GPUs per tray, 400G each)", gpus_per_node=4, nvlink_domain=72,
+                            rails=4, rail_gbit=400,
+                            source="NVIDIA GB200 NVL72: 18 trays of 4 GPUs on one NVLink fabric, ConnectX-7 400G per GPU"),
 }
+# fmt: on
 
 
 def ring_link(gpu: Accelerator, node: NodeSpec, group_size: int, ranks_per_node: int) -> Link:

@@ -81,71 +81,39 @@ class KernelStack:
 # assumption: the papers' causal curves sit close to the non-causal ones at long sequences).
 _FA2 = {"ampere": 0.60, "hopper": 0.34, "blackwell": 0.34}
 _FA3 = {"ampere": 0.60, "hopper": 0.50, "blackwell": 0.50}
+# fmt: off
 STACKS: dict[str, KernelStack] = {
     # eager PyTorch: RMSNorm as ~6 kernels (cast, pow, mean, rsqrt, mul, mul) each reading and
     # writing h: 12 passes; rotary via complex views: 8 passes over q and k; SwiGLU's silu and
     # mul: 5 passes over f; residual adds (3 passes each) and the q/k/v/output transposes: 10.
-    "torch-eager": KernelStack(
-        name="PyTorch eager, SDPA flash (FA2)",
-        attention_share=_FA2,
-        norm_passes=12,
-        rope_passes=8,
-        act_passes=5,
-        residual_passes=10,
-        gather_copy_out=True,
-        source="torchtitan's Llama modules run eagerly; SDPA's flash backend is FA2",
-    ),
+    "torch-eager": KernelStack(name="PyTorch eager, SDPA flash (FA2)", attention_share=_FA2, norm_passes=12,
+                               rope_passes=8, act_passes=5, residual_passes=10, gather_copy_out=True,
+                               source="torchtitan's Llama modules run eagerly; SDPA's flash backend is FA2"),
     # torch.compile: Inductor fuses each norm, the rotary embedding and the activation into one
     # read and one write, residual adds into their neighbours.
-    "torch-compile": KernelStack(
-        name="PyTorch + torch.compile, SDPA flash (FA2)",
-        attention_share=_FA2,
-        norm_passes=2,
-        rope_passes=2,
-        act_passes=3,
-        residual_passes=4,
-        gather_copy_out=True,
-        source="torch.compile (Inductor) fusion of point-wise chains",
-    ),
+    "torch-compile": KernelStack(name="PyTorch + torch.compile, SDPA flash (FA2)", attention_share=_FA2,
+                                 norm_passes=2, rope_passes=2, act_passes=3, residual_passes=4, gather_copy_out=True,
+                                 source="torch.compile (Inductor) fusion of point-wise chains"),
     # Megatron-Core / NeMo with Transformer Engine: fused LayerNorm+GEMM, fused rotary, fused bias
     # + activation, cuDNN / FA3-class attention.
-    "megatron-te": KernelStack(
-        name="Megatron-Core + Transformer Engine",
-        attention_share=_FA3,
-        norm_passes=2,
-        rope_passes=2,
-        act_passes=3,
-        residual_passes=4,
-        tp_overlap_backward=True,
-        source="Transformer Engine fused kernels; cuDNN fused attention",
-    ),
+    "megatron-te": KernelStack(name="Megatron-Core + Transformer Engine", attention_share=_FA3, norm_passes=2,
+                               rope_passes=2, act_passes=3, residual_passes=4, tp_overlap_backward=True,
+                               source="Transformer Engine fused kernels; cuDNN fused attention"),
     # Megatron-LM 2021 (A100): fused bias-GeLU and fused LayerNorm kernels, softmax fused,
     # attention not flash (scores materialized): modelled as FA2-rate attention on Ampere.
     # attention as Megatron-LM computed it in 2021: QK^T and AV as batched GEMMs over the whole
     # s x s score matrix, its fused scale-mask-softmax (read + write) and dropout (read, write and
     # a byte mask) forward, the same three backward: ~10 passes of 2 bytes.
-    "megatron-2021": KernelStack(
-        name="Megatron-LM 2021 fused kernels",
-        attention_share=_FA2,
-        norm_passes=2,
-        rope_passes=0,
-        act_passes=3,
-        residual_passes=6,
-        score_passes=10,
-        source="Megatron-LM fused layer norm, bias-GeLU and scaled-masked-softmax kernels",
-    ),
+    "megatron-2021": KernelStack(name="Megatron-LM 2021 fused kernels", attention_share=_FA2, norm_passes=2,
+                                 rope_passes=0, act_passes=3, residual_passes=6, score_passes=10,
+                                 source="Megatron-LM fused layer norm, bias-GeLU and scaled-masked-softmax kernels"),
     # llm-foundry MPT: flash attention (FA2), torch layer_norm (one kernel: 2 passes), torch GELU
     # (one kernel), ALiBi (no rotary), eager residual adds and transposes.
-    "llm-foundry": KernelStack(
-        name="llm-foundry MPT (eager, flash attention)",
-        attention_share=_FA2,
-        norm_passes=2,
-        rope_passes=0,
-        act_passes=2,
-        residual_passes=10,
-        source="llm-foundry MPT blocks: low-precision LayerNorm, FA2, GELU",
-    ),
+    "llm-foundry": KernelStack(name="llm-foundry MPT (eager, flash attention)", attention_share=_FA2, norm_passes=2,
+                               rope_passes=0, act_passes=2, residual_passes=10,
+                               source="llm-foundry MPT blocks: low-precision LayerNorm, FA2, GELU"),
 }
+# fmt: on
 
 
 @dataclass(frozen=True, kw_only=True)

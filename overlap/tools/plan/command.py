@@ -185,38 +185,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     calibrate.add_arguments(parser)
 
 
+_PLAN_ARGS = ("model", "num_gpus", "gpus_per_node", "link", "intra_link", "gpu", "seq_len", "local_batch", "ac", "mfu",
+              "tflops", "gpu_hour_price", "tokens", "search_codecs", "calibration", "tp", "pp", "microbatches",
+              "pp_schedule", "virtual_stages", "async_tp", "stack")  # fmt: skip
+"""`PlanConfig` fields that `overlap plan`'s options set as they are."""
+_ARG_OF_FIELD = {"num_gpus": "gpus"}
+"""The options whose name differs from their `PlanConfig` field."""
+
+
 def request_from_args(args: argparse.Namespace) -> PlanConfig:
     config = None
     if args.config is not None:
         if not args.config.is_file():
             raise ValueError(f"--config {args.config}: no such file (an OverlapConfig JSON, see OverlapConfig.save)")
         config = OverlapConfig.load(args.config)
-    return PlanConfig(
-        model=args.model,
-        num_gpus=args.gpus,
-        gpus_per_node=args.gpus_per_node,
-        link=args.link,
-        intra_link=args.intra_link,
-        gpu=args.gpu,
-        config=config,
-        seq_len=args.seq_len,
-        local_batch=args.local_batch,
-        ac=args.ac,
-        mfu=args.mfu,
-        tflops=args.tflops,
-        gpu_hour_price=args.gpu_hour_price,
-        tokens=args.tokens,
-        search=not args.no_search,
-        search_codecs=args.search_codecs,
-        calibration=args.calibration,
-        tp=args.tp,
-        pp=args.pp,
-        microbatches=args.microbatches,
-        pp_schedule=args.pp_schedule,
-        virtual_stages=args.virtual_stages,
-        async_tp=args.async_tp,
-        stack=args.stack,
-    )
+    fields = {name: getattr(args, _ARG_OF_FIELD.get(name, name)) for name in _PLAN_ARGS}
+    return PlanConfig(config=config, search=not args.no_search, **fields)
 
 
 def run(args: argparse.Namespace) -> int:

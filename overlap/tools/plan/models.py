@@ -25,6 +25,7 @@ import torch
 import torch.nn as nn
 
 from overlap.step_model.hardware import ACCELERATORS
+from overlap.tools.plan.run_spec import ModelShape
 
 AcPolicy = Literal["none", "selective", "full"]
 AC_POLICIES: tuple[AcPolicy, ...] = ("none", "selective", "full")
@@ -88,16 +89,11 @@ class ModelProfile:
 
 
 @dataclass(frozen=True, kw_only=True)
-class TransformerShape:
-    """A Llama-3-style decoder: RMSNorm, grouped-query attention, SwiGLU MLP, untied head."""
+class TransformerShape(ModelShape):
+    """A Llama-3-style decoder: RMSNorm, grouped-query attention, SwiGLU MLP, untied head; the
+    shape (`ModelShape`, whose parameter counts it shares) with the planner's defaults."""
 
     name: str
-    num_layers: int
-    hidden: int
-    ffn_hidden: int
-    num_heads: int
-    num_kv_heads: int
-    vocab_size: int
     seq_len: int
     """Default training sequence length (--seq-len overrides)."""
     local_batch: int
@@ -121,15 +117,6 @@ class TransformerShape:
         """Weights of one block's seven matmuls: wq, wk, wv, wo and the SwiGLU w1, w3, w2."""
         h, kv, f = self.hidden, self.kv_dim, self.ffn_hidden
         return 2 * h * h + 2 * h * kv + 3 * h * f
-
-    def layer_numel(self) -> int:
-        return self.layer_matmul_numel() + 2 * self.hidden  # + attention and MLP RMSNorm weights
-
-    def root_numel(self) -> int:
-        return 2 * self.vocab_size * self.hidden + self.hidden  # embedding, head, final norm
-
-    def num_params(self) -> int:
-        return self.num_layers * self.layer_numel() + self.root_numel()
 
     def layer_activation_elems(self, ac: AcPolicy) -> int:
         """Elements per token one block keeps for backward (an estimate, see below).
@@ -193,47 +180,25 @@ class TransformerShape:
 # batch 2 with selective AC is torchtitan's published 8B FSDP benchmark (docs/performance.md);
 # 70B at local batch 1 needs full AC to fit 80 GB (torchtitan trains it so, same page); 405B
 # (126 layers, 16384, FFN 53248, 128 / 8 heads) is trained with full AC in torchtitan's 3-D runs.
+# fmt: off
 MODELS: dict[str, TransformerShape] = {
     "llama-8b": TransformerShape(
-        name="llama-8b",
-        num_layers=32,
-        hidden=4096,
-        ffn_hidden=14336,
-        num_heads=32,
-        num_kv_heads=8,
-        vocab_size=128256,
-        seq_len=8192,
-        local_batch=2,
-        ac="selective",
+        name="llama-8b", num_layers=32, hidden=4096, ffn_hidden=14336, num_heads=32,
+        num_kv_heads=8, vocab_size=128256, seq_len=8192, local_batch=2, ac="selective",
         source="Llama 3 paper (arXiv:2407.21783) Table 3; meta-llama/Meta-Llama-3-8B config.json",
     ),
     "llama-70b": TransformerShape(
-        name="llama-70b",
-        num_layers=80,
-        hidden=8192,
-        ffn_hidden=28672,
-        num_heads=64,
-        num_kv_heads=8,
-        vocab_size=128256,
-        seq_len=8192,
-        local_batch=1,
-        ac="full",
+        name="llama-70b", num_layers=80, hidden=8192, ffn_hidden=28672, num_heads=64,
+        num_kv_heads=8, vocab_size=128256, seq_len=8192, local_batch=1, ac="full",
         source="Llama 3 paper (arXiv:2407.21783) Table 3; meta-llama/Meta-Llama-3-70B config.json",
     ),
     "llama-405b": TransformerShape(
-        name="llama-405b",
-        num_layers=126,
-        hidden=16384,
-        ffn_hidden=53248,
-        num_heads=128,
-        num_kv_heads=8,
-        vocab_size=128256,
-        seq_len=8192,
-        local_batch=1,
-        ac="full",
+        name="llama-405b", num_layers=126, hidden=16384, ffn_hidden=53248, num_heads=128,
+        num_kv_heads=8, vocab_size=128256, seq_len=8192, local_batch=1, ac="full",
         source="Llama 3 paper (arXiv:2407.21783) Table 3; meta-llama/Llama-3.1-405B config.json",
     ),
 }
+# fmt: on
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -252,54 +217,17 @@ class GpuSpec:
     the kernel model prices compute with."""
 
 
+# fmt: off
+_SXM_SHEET = "NVIDIA {} Tensor Core GPU datasheet: BF16 1,979 TFLOPS with sparsity, {}"
 GPUS: dict[str, GpuSpec] = {
-    "h100-sxm": GpuSpec(
-        name="H100 SXM",
-        peak_tflops=989.4,
-        hbm_gib=80,
-        hbm_tbps=3.35,
-        source="NVIDIA H100 Tensor Core GPU datasheet: BF16 1,979 TFLOPS with sparsity, 80 GB HBM3, 3.35 TB/s",
-        accelerator="h100-sxm",
-    ),
-    "h100-96gb": GpuSpec(
-        name="H100 96GB (500 W)",
-        peak_tflops=989.4,
-        hbm_gib=96,
-        hbm_tbps=2.4,
-        source="torchtitan docs/performance.md (Grand Teton hosts): H100 with 96 GB HBM2e at "
-        "2.4 TB/s, 500 W power limit; peak taken from the H100 SXM datasheet (the power limit "
-        "may lower sustained clocks)",
-        accelerator="h100-96gb-500w",
-    ),
-    "h200": GpuSpec(
-        name="H200 SXM",
-        peak_tflops=989.4,
-        hbm_gib=141,
-        hbm_tbps=4.8,
-        source="NVIDIA H200 Tensor Core GPU datasheet: BF16 1,979 TFLOPS with sparsity, 141 GB HBM3e, 4.8 TB/s",
-        accelerator="h200",
-    ),
-    "a100-80gb": GpuSpec(
-        name="A100 SXM 80GB",
-        peak_tflops=312.0,
-        hbm_gib=80,
-        hbm_tbps=2.039,
-        source="NVIDIA A100 Tensor Core GPU datasheet: BF16 312 TFLOPS dense, 80 GB HBM2e, 2,039 GB/s",
-        accelerator="a100-80gb",
-    ),
-    **{
-        key: GpuSpec(
-            name=a.name,
-            peak_tflops=a.bf16_tflops,
-            hbm_gib=a.hbm_gib,
-            hbm_tbps=a.hbm_tbps,
-            source=a.source,
-            accelerator=key,
-        )
-        for key, a in ACCELERATORS.items()
-        if key in ("a100-40gb", "b200", "gb200")
-    },
+    "h100-sxm":  GpuSpec(name="H100 SXM",          peak_tflops=989.4, hbm_gib=80,  hbm_tbps=3.35,  accelerator="h100-sxm",       source=_SXM_SHEET.format("H100", "80 GB HBM3, 3.35 TB/s")),
+    "h100-96gb": GpuSpec(name="H100 96GB (500 W)", peak_tflops=989.4, hbm_gib=96,  hbm_tbps=2.4,   accelerator="h100-96gb-500w", source="torchtitan docs/performance.md (Grand Teton hosts): H100 with 96 GB HBM2e at 2.4 TB/s, 500 W power limit; peak taken from the H100 SXM datasheet (the power limit may lower sustained clocks)"),
+    "h200":      GpuSpec(name="H200 SXM",          peak_tflops=989.4, hbm_gib=141, hbm_tbps=4.8,   accelerator="h200",           source=_SXM_SHEET.format("H200", "141 GB HBM3e, 4.8 TB/s")),
+    "a100-80gb": GpuSpec(name="A100 SXM 80GB",     peak_tflops=312.0, hbm_gib=80,  hbm_tbps=2.039, accelerator="a100-80gb",      source="NVIDIA A100 Tensor Core GPU datasheet: BF16 312 TFLOPS dense, 80 GB HBM2e, 2,039 GB/s"),
+    **{key: GpuSpec(name=a.name, peak_tflops=a.bf16_tflops, hbm_gib=a.hbm_gib, hbm_tbps=a.hbm_tbps, accelerator=key, source=a.source)
+       for key, a in ACCELERATORS.items() if key in ("a100-40gb", "b200", "gb200")},
 }
+# fmt: on
 
 DEFAULT_MFU = 0.40
 """Achieved share of peak for the compute kernels of a model the kernel model cannot price (a
