@@ -67,6 +67,15 @@ def loss_of(out: torch.Tensor) -> torch.Tensor:
     return out.float().pow(2).mean()
 
 
+def backward_both(ref: nn.Module, ours: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`loss_of` the reference and of our model on `x`, each backward: (reference loss, ours)."""
+    ref_loss = loss_of(ref(x))
+    ref_loss.backward()
+    loss = loss_of(ours(x))
+    loss.backward()
+    return ref_loss, loss
+
+
 def sgd_steps(model: nn.Module, rank: int, steps: int = 3, lr: float = 0.1) -> None:
     """`steps` steps of SGD on `loss_of` the model's `batch`es for this rank."""
     opt = torch.optim.SGD(model.parameters(), lr=lr)

@@ -43,6 +43,20 @@ from collections.abc import Mapping, Sequence
 import torch
 
 
+def shard_rows(full: torch.Tensor, local: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+    """The rows of the whole tensor `full` that rank `rank` of `world` holds as `local` (dim 0
+    split in ceil(rows / world) chunks, the last one short)."""
+    rows = -(-full.shape[0] // world)
+    return full[rank * rows : rank * rows + local.shape[0]]
+
+
+def max_rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    """The largest |a - b| relative to a's largest magnitude (0 for empty tensors)."""
+    if a.numel() == 0:
+        return 0.0
+    return (a.float() - b.float()).abs().max().item() / max(a.abs().max().item(), 1e-12)
+
+
 def reordered_rtol(numel: int, steps: int = 1, dtype: torch.dtype = torch.float32) -> float:
     """The tolerance of [Note: what is bitwise] for a result that went through `steps` updates,
     each from a sum of `numel` terms taken in another order: steps * (log2(numel) + 1) * eps."""

@@ -23,6 +23,7 @@ transformers = pytest.importorskip(
 )
 
 from helpers.hf import tiny_config, tiny_model
+from helpers.tolerance import shard_rows
 
 import overlap
 
@@ -58,12 +59,6 @@ def _input_ids(model: nn.Module, rank: int, step: int) -> torch.Tensor:
     return torch.randint(0, model.config.vocab_size, (2, SEQ_LEN), generator=g)
 
 
-def _shard_rows(full: torch.Tensor, local: torch.Tensor, rank: int, world: int) -> torch.Tensor:
-    """Rank r holds rows [r*c, r*c + local_rows) with c = ceil(dim0 / world) (torch.chunk)."""
-    rows = -(-full.shape[0] // world)
-    return full[rank * rows : rank * rows + local.shape[0]]
-
-
 def _compare(what: str, ref: torch.Tensor, ours: torch.Tensor, out: list[str]) -> None:
     if not torch.equal(ref, ours):
         diff = (ref.float() - ours.float()).abs().max().item() if ref.shape == ours.shape else None
@@ -94,7 +89,7 @@ def train_vs_ddp(rank: int, world: int, model: str, config: dict | None = None, 
         for name, p in ours.named_parameters():
             assert isinstance(p, DTensor) and p.shape == named_ref[name].shape, (rank, name)
             local = p.grad.to_local()
-            g_ref = _shard_rows(named_ref[name].grad, local, rank, world)
+            g_ref = shard_rows(named_ref[name].grad, local, rank, world)
             _compare(f"step {step} grad {name}", g_ref, local, mismatches)
         ref_opt.step()
         opt.step()
@@ -102,7 +97,7 @@ def train_vs_ddp(rank: int, world: int, model: str, config: dict | None = None, 
         opt.zero_grad(set_to_none=True)
         for name, p in ours.named_parameters():
             local = p.detach().to_local()
-            p_ref = _shard_rows(named_ref[name].detach(), local, rank, world)
+            p_ref = shard_rows(named_ref[name].detach(), local, rank, world)
             _compare(f"step {step} param {name}", p_ref, local, mismatches)
     tied = None
     if model == "gpt2":

@@ -34,7 +34,7 @@ transformers = pytest.importorskip(
 )
 
 from helpers.hf import tiny_config, tiny_model
-from test_hf import _shard_rows
+from helpers.tolerance import shard_rows
 
 import overlap
 from overlap.transport import collectives as comm
@@ -136,7 +136,7 @@ def _shard_diffs(ref: nn.Module, ours: nn.Module, rank: int, world: int, grads: 
             continue
         if isinstance(mine, DTensor):
             mine = mine.to_local()
-            theirs = _shard_rows(theirs, mine, rank, world)
+            theirs = shard_rows(theirs, mine, rank, world)
         if not torch.equal(mine, theirs):
             out[name] = _max_rel(theirs, mine)
     return out

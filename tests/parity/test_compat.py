@@ -25,22 +25,11 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-from helpers.models import Block, batch, loss_of, tiny_lm
+from helpers.models import Block, backward_both, batch, loss_of, tiny_lm
+from helpers.tolerance import max_rel_diff, shard_rows
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import overlap
-
-
-def _shard_rows(full: torch.Tensor, local: torch.Tensor, rank: int, world: int) -> torch.Tensor:
-    rows = -(-full.shape[0] // world)
-    return full[rank * rows : rank * rows + local.shape[0]]
-
-
-def _max_rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
-    if a.numel() == 0:
-        return 0.0
-    return (a.float() - b.float()).abs().max().item() / max(a.abs().max().item(), 1e-12)
-
 
 # ------------------------------------------------------------------- torch.compile
 
@@ -68,27 +57,24 @@ def compiled_vs_ddp(rank: int, world: int, how: str, config: dict, backend: str 
     worst, bitwise, compiles = 0.0, True, []
     for step in range(steps):
         x = batch(base, rank, step)
-        ref_loss = loss_of(ref(x))
-        ref_loss.backward()
-        loss = loss_of(ours(x))
-        loss.backward()
+        ref_loss, loss = backward_both(ref, ours, x)
         compiles.append(counter.frame_count)
         bitwise &= bool(torch.equal(loss, ref_loss))
-        worst = max(worst, _max_rel_diff(ref_loss.detach(), loss.detach()))
+        worst = max(worst, max_rel_diff(ref_loss.detach(), loss.detach()))
         for name, p in ours.named_parameters():
             name = name.replace("._orig_mod", "")  # the eager reference has no compiled level
-            g_ref = _shard_rows(named_ref[name].grad, p.grad.to_local(), rank, world)
+            g_ref = shard_rows(named_ref[name].grad, p.grad.to_local(), rank, world)
             bitwise &= bool(torch.equal(g_ref, p.grad.to_local()))
-            worst = max(worst, _max_rel_diff(g_ref, p.grad.to_local()))
+            worst = max(worst, max_rel_diff(g_ref, p.grad.to_local()))
         ref_opt.step()
         opt.step()
         ref_opt.zero_grad()
         opt.zero_grad()
         for name, p in ours.named_parameters():
             name = name.replace("._orig_mod", "")
-            p_ref = _shard_rows(named_ref[name].detach(), p.to_local(), rank, world)
+            p_ref = shard_rows(named_ref[name].detach(), p.to_local(), rank, world)
             bitwise &= bool(torch.equal(p_ref, p.detach().to_local()))
-            worst = max(worst, _max_rel_diff(p_ref, p.detach().to_local()))
+            worst = max(worst, max_rel_diff(p_ref, p.detach().to_local()))
     return {"bitwise": bitwise, "worst": worst, "compiles": compiles, "labels": labels}
 
 
@@ -168,11 +154,11 @@ def fp16_with_scaler(rank: int, world: int, steps: int = 5) -> dict:
         loss = loss_of(ours(x))
         scaler.scale(loss).backward()
         bitwise &= bool(torch.equal(loss, ref_loss))
-        worst = max(worst, _max_rel_diff(ref_loss.detach(), loss.detach()))
+        worst = max(worst, max_rel_diff(ref_loss.detach(), loss.detach()))
         params = dict(ours.named_parameters())
         for name, p in params.items():
             assert p.grad.dtype == torch.float32, name  # fp32 master gradients
-            g_ref = _shard_rows(named_master[name].grad, p.grad.to_local(), rank, world)
+            g_ref = shard_rows(named_master[name].grad, p.grad.to_local(), rank, world)
             bitwise &= bool(torch.equal(g_ref, p.grad.to_local()))
         if step == INF_STEP:
             shard = params[INF_PARAM].grad.to_local()
@@ -192,9 +178,9 @@ def fp16_with_scaler(rank: int, world: int, steps: int = 5) -> dict:
         skipped.append(unchanged)
         scales.append((scale_before, scaler.get_scale(), ref_scaler.get_scale()))
         for name, p in params.items():
-            p_ref = _shard_rows(named_master[name].detach(), p.to_local(), rank, world)
+            p_ref = shard_rows(named_master[name].detach(), p.to_local(), rank, world)
             bitwise &= bool(torch.equal(p_ref, p.detach().to_local()))
-            worst = max(worst, _max_rel_diff(p_ref, p.detach().to_local()))
+            worst = max(worst, max_rel_diff(p_ref, p.detach().to_local()))
     return {"bitwise": bitwise, "worst": worst, "scales": scales, "skipped": skipped}
 
 

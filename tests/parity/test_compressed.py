@@ -8,11 +8,11 @@ import copy
 
 import pytest
 import torch
-from helpers.models import batch, loss_of, tiny_lm
+from helpers.models import backward_both, batch, loss_of, tiny_lm
+from helpers.probes import identity_codecs
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import overlap
-from overlap.compression import IdentityCodec
 
 
 def train(rank: int, world: int, config: dict, steps: int = 6, identity_path: bool = False) -> dict:
@@ -20,17 +20,13 @@ def train(rank: int, world: int, config: dict, steps: int = 6, identity_path: bo
     ref = DDP(copy.deepcopy(base))
     ours = overlap.wrap(base, **config)
     if identity_path:  # force the compressed code path with a codec that changes nothing
-        ours._overlap_state.runtime.param_codec = IdentityCodec()
-        ours._overlap_state.runtime.grad_codec = IdentityCodec()
+        identity_codecs(ours)
     o_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     o = torch.optim.AdamW(ours.parameters(), lr=1e-2)
     losses, ref_losses, wire = [], [], []
     for step in range(steps):
         x = batch(base, rank, step)
-        lr_ = loss_of(ref(x))
-        lr_.backward()
-        lo = loss_of(ours(x))
-        lo.backward()
+        lr_, lo = backward_both(ref, ours, x)
         o_ref.step()
         o.step()
         o_ref.zero_grad()

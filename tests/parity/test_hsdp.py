@@ -13,7 +13,7 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
-from helpers.models import STRICT_ZERO3, batch, loss_of, tiny_lm
+from helpers.models import STRICT_ZERO3, backward_both, batch, loss_of, tiny_lm
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -49,10 +49,7 @@ def _steps_vs_ddp(
         if on_step is not None:
             on_step()
         x = batch(base, rank, step)
-        ref_loss = loss_of(ref(x))
-        ref_loss.backward()
-        loss = loss_of(ours(x))
-        loss.backward()
+        ref_loss, loss = backward_both(ref, ours, x)
         worst["loss"] = max(worst["loss"], _rel(ref_loss.detach(), loss.detach()))
         for name, p in ours.named_parameters():
             check_param(name, p)

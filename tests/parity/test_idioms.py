@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from helpers.models import Block, TinyLM, batch, encoder_stack, loss_of, tiny_lm
+from helpers.models import Block, TinyLM, backward_both, batch, encoder_stack, loss_of, tiny_lm
 from helpers.tolerance import reordered_rtol
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
@@ -431,10 +431,7 @@ def scalars_like_ddp(rank: int, world: int) -> dict:
     mismatches = []
     for step in range(3):
         x = batch(base, rank, step)
-        ref_loss = loss_of(ref(x))
-        ref_loss.backward()
-        loss = loss_of(ours(x))
-        loss.backward()
+        ref_loss, loss = backward_both(ref, ours, x)
         if not torch.equal(loss, ref_loss):
             mismatches.append(f"step {step} loss {loss.item()} vs {ref_loss.item()}")
         mismatches += _mismatches(f"step {step} grad", ref.module, ours, rank, world, grads=True)

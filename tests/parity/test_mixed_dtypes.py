@@ -18,15 +18,16 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from helpers.models import TinyLM, batch, loss_of
-from test_parity import _max_rel_diff, _shard_rows, bf16_compute_vs_reference
+from helpers.models import TinyLM, backward_both, batch, loss_of
+from helpers.probes import identity_codecs
+from helpers.tolerance import max_rel_diff, shard_rows
+from test_parity import bf16_compute_vs_reference
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import overlap
 from overlap import checkpoint
-from overlap.compression import IdentityCodec
 
 
 class MixedBlock(nn.Module):
@@ -78,7 +79,7 @@ def _optim(name: str, params) -> torch.optim.Optimizer:
 
 def _ulps(ref: torch.Tensor, ours: torch.Tensor) -> float:
     """Largest difference in units of the dtype's epsilon relative to the tensor's largest value."""
-    return _max_rel_diff(ref, ours) / torch.finfo(ref.dtype).eps
+    return max_rel_diff(ref, ours) / torch.finfo(ref.dtype).eps
 
 
 def _compare(
@@ -94,7 +95,7 @@ def _compare(
             continue
         assert mine.dtype == theirs.dtype, (rank, name, mine.dtype)
         local = mine.to_local()
-        rows = _shard_rows(theirs, local, shard_rank, num_shards)
+        rows = shard_rows(theirs, local, shard_rank, num_shards)
         out["bitwise"] &= bool(torch.equal(rows, local))
         key = "grad_ulps" if grads else "param_ulps"
         out[key] = max(out[key], _ulps(rows, local))
@@ -125,8 +126,7 @@ def mixed_vs_ddp(
         shard_rank, num_shards = mesh.get_local_rank(1), world // 2
     ours = overlap.wrap(base, **config)
     if identity_path:  # the compressed code path with a codec that changes nothing
-        ours._overlap_state.runtime.param_codec = IdentityCodec()
-        ours._overlap_state.runtime.grad_codec = IdentityCodec()
+        identity_codecs(ours)
     units = ours._overlap_state.units
     out = {
         "labels": [u.layout.label for u in units],
@@ -142,12 +142,9 @@ def mixed_vs_ddp(
     ref_opt, opt = _optim(optim, ref.parameters()), _optim(optim, ours.parameters())
     for step in range(steps):
         x = batch(base, rank, step)
-        ref_loss = loss_of(ref(x))
-        ref_loss.backward()
-        loss = loss_of(ours(x))
-        loss.backward()
+        ref_loss, loss = backward_both(ref, ours, x)
         out["bitwise"] &= bool(torch.equal(loss, ref_loss))
-        out["loss"] = max(out["loss"], _max_rel_diff(ref_loss.detach(), loss.detach()))
+        out["loss"] = max(out["loss"], max_rel_diff(ref_loss.detach(), loss.detach()))
         out["losses"].append(loss.item())
         _compare(rank, world, ref.module, ours, True, out, shard_rank, num_shards)
         ref_opt.step()
@@ -303,7 +300,7 @@ def seeded_per_rank_and_deferred(rank: int, world: int) -> dict:
     ref_loss = loss_of(ref(batch(plain, rank, 0)))
     ref_loss.backward()
     grads = all(
-        torch.equal(_shard_rows(q.grad, p.grad.to_local(), rank, world), p.grad.to_local())
+        torch.equal(shard_rows(q.grad, p.grad.to_local(), rank, world), p.grad.to_local())
         for p, q in zip(deferred.parameters(), ref.module.parameters())
     )
     return {"synced": synced, "materialized": materialized, "loss": torch.equal(loss, ref_loss), "grads": grads}
@@ -340,7 +337,7 @@ def requires_grad_and_no_sync(rank: int, world: int) -> dict:
         opt.zero_grad(set_to_none=True)
         ref_opt.zero_grad(set_to_none=True)
         for p, q in zip(ours.parameters(), ref.module.parameters()):
-            bitwise &= bool(torch.equal(_shard_rows(q.detach(), p.to_local(), rank, world), p.to_local()))
+            bitwise &= bool(torch.equal(shard_rows(q.detach(), p.to_local(), rank, world), p.to_local()))
     return {"bitwise": bitwise}
 
 

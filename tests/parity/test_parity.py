@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.nn as nn
 from helpers.models import STRICT_ZERO3, batch, encoder_stack, loss_of, tiny_lm
-from helpers.tolerance import reordered_rtol
+from helpers.tolerance import max_rel_diff, reordered_rtol, shard_rows
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import overlap
@@ -30,18 +30,6 @@ def _make_optim(name: str, params) -> torch.optim.Optimizer:
     if name == "adamw":
         return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
     return torch.optim.SGD(params, lr=0.05, momentum=0.9)
-
-
-def _shard_rows(full: torch.Tensor, local: torch.Tensor, rank: int, world: int) -> torch.Tensor:
-    rows = -(-full.shape[0] // world)
-    return full[rank * rows : rank * rows + local.shape[0]]
-
-
-def _max_rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
-    if a.numel() == 0:
-        return 0.0
-    scale = max(a.abs().max().item(), 1e-12)
-    return (a.float() - b.float()).abs().max().item() / scale
 
 
 def _install_delays(rank: int, seed: int) -> None:
@@ -86,14 +74,14 @@ def train_vs_ddp(
             torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)
             overlap.clip_grad_norm_(ours, clip)
         bitwise &= bool(torch.equal(loss, ref_loss))
-        worst["loss"] = max(worst["loss"], _max_rel_diff(ref_loss.detach(), loss.detach()))
+        worst["loss"] = max(worst["loss"], max_rel_diff(ref_loss.detach(), loss.detach()))
         named_ref = dict(ref.module.named_parameters())
         for name, p in ours.named_parameters():
             assert isinstance(p, torch.distributed.tensor.DTensor), name
             assert p.shape == named_ref[name].shape and p.dim() == named_ref[name].dim(), name
-            g_ref = _shard_rows(named_ref[name].grad, p.grad.to_local(), rank, world)
+            g_ref = shard_rows(named_ref[name].grad, p.grad.to_local(), rank, world)
             bitwise &= bool(torch.equal(g_ref, p.grad.to_local()))
-            worst["grad"] = max(worst["grad"], _max_rel_diff(g_ref, p.grad.to_local()))
+            worst["grad"] = max(worst["grad"], max_rel_diff(g_ref, p.grad.to_local()))
         if delays:
             time.sleep(rng.uniform(0, 0.004))  # before the optimizer
         ref_opt.step()
@@ -101,9 +89,9 @@ def train_vs_ddp(
         ref_opt.zero_grad(set_to_none=True)
         opt.zero_grad(set_to_none=True)
         for name, p in ours.named_parameters():
-            p_ref = _shard_rows(named_ref[name].detach(), p.to_local(), rank, world)
+            p_ref = shard_rows(named_ref[name].detach(), p.to_local(), rank, world)
             bitwise &= bool(torch.equal(p_ref, p.to_local()))
-            worst["param"] = max(worst["param"], _max_rel_diff(p_ref, p.detach().to_local()))
+            worst["param"] = max(worst["param"], max_rel_diff(p_ref, p.detach().to_local()))
     stats = overlap.step_stats(ours)
     kept = len(ours._overlap_state.schedule.kept_units())  # [Note: units kept for backward]
     return {"bitwise": bitwise, **worst, "max_unsharded": stats.max_unsharded_units, "kept": kept}
@@ -201,13 +189,13 @@ def bf16_compute_vs_reference(rank: int, world: int, base: nn.Module, make_optim
         bitwise &= bool(torch.equal(loss, ref_loss))
         for (name, p), p_ref in zip(ours.named_parameters(), master.parameters()):
             assert p.dtype == p_ref.dtype and p.grad.dtype == p_ref.dtype, name
-            bitwise &= bool(torch.equal(_shard_rows(p_ref.grad, p.grad.to_local(), rank, world), p.grad.to_local()))
+            bitwise &= bool(torch.equal(shard_rows(p_ref.grad, p.grad.to_local(), rank, world), p.grad.to_local()))
         ref_opt.step()
         opt.step()
         ref_opt.zero_grad()
         opt.zero_grad()
         for p, p_ref in zip(ours.parameters(), master.parameters()):
-            bitwise &= bool(torch.equal(_shard_rows(p_ref.detach(), p.to_local(), rank, world), p.to_local()))
+            bitwise &= bool(torch.equal(shard_rows(p_ref.detach(), p.to_local(), rank, world), p.to_local()))
     return {"bitwise": bitwise}
 
 
