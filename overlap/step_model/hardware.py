@@ -77,6 +77,12 @@ class Accelerator:
 # Blackwell: no public MAMF we can cite; the Hopper shares are used and the row says so.
 # SM counts: A100 108, H100/H200 132, B200 148 (NVIDIA architecture whitepapers).
 GEMM_SHAPE_MIX = 0.9
+# The 500 W H100 of torchtitan's Grand Teton hosts has its own measurement: FBGEMM's fp8 GEMM
+# benchmark (pytorch/FBGEMM pull 2546, "H100 500W") times cuBLAS bf16 at 585 TFLOPS on an
+# 8192^3 GEMM and 575 / 546 on Llama-70B-sized ones (65536 x 8192 x 7168, 65536 x 3584 x 8192),
+# against the power-interpolated peak of 887: 0.62-0.66 where the SXM's MAMF share x the shape
+# mix gives 0.72. The 8192^3 point over its tile efficiency (kernels.py) is taken.
+H100_500W_GEMM_SHARE = 585.2 / (835.5 + (989.4 - 835.5) * (500 - 400) / (700 - 400)) / (8192 / (8192 + 128))
 # fmt: off
 _HOPPER = dict(generation="hopper", gemm_share=0.801 * GEMM_SHAPE_MIX, fp8_gemm_share=0.62, nvlink_gbps=450.0,
                sm_count=132)
@@ -97,8 +103,8 @@ ACCELERATORS: dict[str, Accelerator] = {
         name="H100 96GB HBM2e (500 W)", bf16_tflops=835.5 + (989.4 - 835.5) * (500 - 400) / (700 - 400),
         fp8_tflops=1670.5 + (1979.0 - 1670.5) * (500 - 400) / (700 - 400), hbm_gib=96, hbm_tbps=2.4, power_w=500,
         source="torchtitan benchmarks (Grand Teton hosts: 96 GB HBM2e, 2.4 TB/s, 500 W; peak 'between SXM "
-        "and NVL'): peak interpolated by power between the H100 NVL (400 W) and SXM (700 W) datasheets",
-        **_HOPPER),
+        "and NVL'): peak interpolated by power between the H100 NVL (400 W) and SXM (700 W) datasheets; "
+        "bf16 GEMM share measured on this card (FBGEMM)", **{**_HOPPER, "gemm_share": H100_500W_GEMM_SHARE}),
     "h200": Accelerator(name="H200 SXM 141GB", bf16_tflops=989.4, fp8_tflops=1979.0, hbm_gib=141, hbm_tbps=4.8,
                         power_w=700, source="NVIDIA H200 datasheet", **_HOPPER),
     "b200": Accelerator(name="B200 (DGX B200)", generation="blackwell", bf16_tflops=2250.0, fp8_tflops=4500.0,

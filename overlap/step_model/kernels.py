@@ -18,6 +18,17 @@ attention's backward recomputes the scores: FlashAttention-2 paper, Section 3.2'
 Activation checkpointing re-runs what it dropped: full, the whole forward; selective (torchtitan's
 op-level policy), every second matmul and the element-wise work; Megatron's selective, the core
 attention only; torchtitan's layer policy "2" (every second block whole), half a forward.
+
+[Note: float8 recipes]
+torchao's float8 training recipes (torchao.float8.Float8LinearRecipeName) differ in more than the
+scale's granularity. TENSORWISE calls cuBLAS's fp8 kernel with one scale per tensor; the cast of an
+operand and of its transpose share that scale. ROWWISE calls PyTorch's CUTLASS rowwise kernel,
+which runs "most shapes within 90-100% of tensor-wise efficiency, a long tail down to 50%"
+(pytorch/pytorch issue 147971): 0.9 of the fp8 rate is taken. Its backward casts grad_output and
+the input again along the other axis (a row scale is not a column scale: one more amax pass and
+cast each), and because the CUTLASS kernel is slow with the precise accumulation the backward
+needs, torchao runs the backward GEMMs on cuBLAS with unit scales and rescales the output
+afterwards (pytorch/ao pull 1325): one more read and write of grad input.
 """
 
 from __future__ import annotations
@@ -38,6 +49,10 @@ ACT_BYTES = 2
 
 Mlp = Literal["swiglu", "gelu"]
 Recompute = Literal["none", "selective", "full", "attention", "layer2"]
+Fp8Recipe = Literal["tensorwise", "rowwise"]
+FP8_RECIPES: tuple[Fp8Recipe, ...] = ("tensorwise", "rowwise")
+ROWWISE_KERNEL_SHARE = 0.9
+"""Rowwise-scaled fp8 GEMM rate / tensorwise ([Note: float8 recipes])."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -70,6 +85,10 @@ class KernelStack:
     userbuffers overlap dgrad and wgrad); PyTorch's async TP fuses the forward's all-gather +
     matmul and matmul + reduce-scatter only (its announcement measured ~29% on the forward and
     ~8% end to end on Llama 3 8B/70B)."""
+    torch_ring: bool = False
+    """Context parallelism runs PyTorch's ring attention as torchtitan calls it (K/V heads
+    repeated, fp32 merges and gradient ring: [Note: ring attention] in
+    overlap/tools/plan/ring_attention.py); False: Transformer Engine's."""
     source: str = ""
 
 
@@ -87,12 +106,13 @@ STACKS: dict[str, KernelStack] = {
     # writing h: 12 passes; rotary via complex views: 8 passes over q and k; SwiGLU's silu and
     # mul: 5 passes over f; residual adds (3 passes each) and the q/k/v/output transposes: 10.
     "torch-eager": KernelStack(name="PyTorch eager, SDPA flash (FA2)", attention_share=_FA2, norm_passes=12,
-                               rope_passes=8, act_passes=5, residual_passes=10, gather_copy_out=True,
+                               rope_passes=8, act_passes=5, residual_passes=10, gather_copy_out=True, torch_ring=True,
                                source="torchtitan's Llama modules run eagerly; SDPA's flash backend is FA2"),
     # torch.compile: Inductor fuses each norm, the rotary embedding and the activation into one
     # read and one write, residual adds into their neighbours.
     "torch-compile": KernelStack(name="PyTorch + torch.compile, SDPA flash (FA2)", attention_share=_FA2,
                                  norm_passes=2, rope_passes=2, act_passes=3, residual_passes=4, gather_copy_out=True,
+                                 torch_ring=True,
                                  source="torch.compile (Inductor) fusion of point-wise chains"),
     # Megatron-Core / NeMo with Transformer Engine: fused LayerNorm+GEMM, fused rotary, fused bias
     # + activation, cuDNN / FA3-class attention.
@@ -154,17 +174,32 @@ def tile_efficiency(k: int, n: int) -> float:
     return d / (d + TILE)
 
 
-def gemm_seconds(tokens: float, k: int, n: int, gpu: Accelerator, fp8: bool) -> float:
+def gemm_seconds(tokens: float, k: int, n: int, gpu: Accelerator, fp8: bool, recipe: Fp8Recipe = "tensorwise") -> float:
     """One forward GEMM of `tokens` rows through a K x N weight ([Note: block compute])."""
     flops = 2.0 * tokens * k * n
     if fp8 and gpu.fp8_tflops:
-        rate = gpu.fp8_tflops * gpu.fp8_gemm_share
+        rate = gpu.fp8_tflops * gpu.fp8_gemm_share * (ROWWISE_KERNEL_SHARE if recipe == "rowwise" else 1.0)
         # the fp8 recipe casts the input (and its amax) before each GEMM: one read, one write of
         # the bf16 input in fp8, priced at HBM bandwidth
         cast = tokens * k * 3 / (gpu.hbm_tbps * 1e12 * HBM_SHARE)
     else:
         rate, cast = gpu.bf16_tflops * gpu.gemm_share, 0.0
     return flops / (rate * 1e12 * tile_efficiency(k, n)) + cast
+
+
+def gemm_backward_seconds(tokens: float, k: int, n: int, gpu: Accelerator, fp8: bool,
+                          recipe: Fp8Recipe = "tensorwise") -> float:  # fmt: skip
+    """The two backward GEMMs (grad input, grad weight) of one forward GEMM ([Note: float8
+    recipes]): twice the forward's work, and under rowwise scaling the casts along the other axis
+    and the rescale of grad input."""
+    base = 2 * gemm_seconds(tokens, k, n, gpu, fp8, "tensorwise")
+    if not (fp8 and gpu.fp8_tflops) or recipe == "tensorwise":
+        return base
+    hbm = gpu.hbm_tbps * 1e12 * HBM_SHARE
+    # grad_output (tokens x N) and the input (tokens x K) cast once more along their other axis:
+    # a column amax (one read) and the cast (read 2, write 1 bytes); grad input rescaled (read and
+    # write 2 bytes of tokens x K)
+    return base + tokens * (n + k) * (2 + 3) / hbm + tokens * k * 4 / hbm
 
 
 def block_seconds(
@@ -176,10 +211,13 @@ def block_seconds(
     *,
     tp: int = 1,
     fp8: bool = False,
+    fp8_recipe: Fp8Recipe = "tensorwise",
     recompute: Recompute = "none",
 ) -> BlockSeconds:
     """[Note: block compute] for `tokens` tokens on this rank attending over `context` tokens."""
-    gemm = sum(gemm_seconds(tokens, *_shard(k, n, tp, i, shape), gpu, fp8) for i, (k, n) in enumerate(shape.gemms()))
+    shards = [_shard(k, n, tp, i, shape) for i, (k, n) in enumerate(shape.gemms())]
+    gemm = sum(gemm_seconds(tokens, k, n, gpu, fp8, fp8_recipe) for k, n in shards)
+    gemm_backward = sum(gemm_backward_seconds(tokens, k, n, gpu, fp8, fp8_recipe) for k, n in shards)
     heads_dim = shape.hidden / tp
     if stack.score_passes:
         head_dim = shape.hidden // shape.num_heads
@@ -200,7 +238,7 @@ def block_seconds(
     )  # norms and residuals act on the full (SP-gathered) width
     elementwise = tokens * passes * ACT_BYTES / (gpu.hbm_tbps * 1e12 * HBM_SHARE)
     forward = gemm + attention + elementwise
-    backward = 2 * gemm + ATTENTION_BACKWARD * attention + 2 * elementwise
+    backward = gemm_backward + ATTENTION_BACKWARD * attention + 2 * elementwise
     recompute_s = {
         "none": 0.0,
         "full": forward,

@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
 from overlap.step_model.hardware import ACCELERATORS, NODES
-from overlap.step_model.kernels import STACKS, BlockShape, Mlp, Recompute
+from overlap.step_model.kernels import FP8_RECIPES, STACKS, BlockShape, Fp8Recipe, Mlp, Recompute
 
 DpMode = Literal["ddp", "zero1", "zero2", "zero3", "zero3-keep"]
 DP_MODES: tuple[DpMode, ...] = ("ddp", "zero1", "zero2", "zero3", "zero3-keep")
@@ -87,6 +87,9 @@ class RunSpec:
     virtual_stages: int = 1
     precision: Literal["bf16", "fp8"] = "bf16"
     """Matmul precision: fp8 runs the blocks' GEMMs at the fp8 rate (attention stays bf16)."""
+    fp8_recipe: Fp8Recipe = "tensorwise"
+    """torchao's float8 scaling with fp8 precision: tensorwise or rowwise ([Note: float8 recipes]
+    in overlap/step_model/kernels.py)."""
     fp8_all_gather: bool = False
     """ZeRO-3 gathers fp8 weights (torchtitan's enable_fsdp_float8_all_gather)."""
     param_bytes: int = 2
@@ -124,6 +127,8 @@ class RunSpec:
             raise ValueError(f"RunSpec.node: unknown {self.node!r}; use one of {sorted(NODES)}")
         if self.stack not in STACKS:
             raise ValueError(f"RunSpec.stack: unknown {self.stack!r}; use one of {sorted(STACKS)}")
+        if self.fp8_recipe not in FP8_RECIPES:
+            raise ValueError(f"RunSpec.fp8_recipe must be one of {FP8_RECIPES}, got {self.fp8_recipe!r}")
         if self.dp_mode not in DP_MODES:
             raise ValueError(f"RunSpec.dp_mode must be one of {DP_MODES}, got {self.dp_mode!r}")
         if self.num_gpus % (self.tp * self.pp * self.cp):

@@ -16,8 +16,9 @@ the sequence), the head and loss, recomputation by the checkpointing policy. Com
     tensor          4 collectives forward and 4 backward per block (sequence parallel), plus
                     those recomputation replays; rings over T ranks on NVLink; exposed unless
                     overlapped (async TP: the forward's; Transformer Engine: all)
-    context         ring attention: each block passes K and V around the C ranks forward, K, V
-                    and their gradients backward, hidden behind the attention kernel's time
+    context         ring attention ([Note: ring attention] in ring_attention.py): K/V passes
+                    around the C ranks beyond what the attention kernels hide, and PyTorch's
+                    per-step merges on the compute stream
     pipeline        (M + (P-1)/v) micro-batch slots per step ([Note: pipeline step] in
                     layout.py) and the stage-to-stage sends, one rail each
 [Note: weight passes]
@@ -44,6 +45,7 @@ from overlap.step_model.cost import Link, Topology, UnitCost, ring_time_s
 from overlap.step_model.fitting import solve_increasing
 from overlap.step_model.hardware import HBM_SHARE, accelerator, nccl_share, node_spec, ring_link
 from overlap.step_model.kernels import block_seconds, head_seconds, stack
+from overlap.tools.plan import ring_attention
 from overlap.tools.plan.fsdp import OPTIMIZER_BYTES_PER_PARAM
 from overlap.tools.plan.run_spec import RunSpec
 
@@ -103,9 +105,11 @@ def _microbatch_compute(spec: RunSpec) -> tuple[list[tuple[float, float]], tuple
     gpu, kernels = accelerator(spec.gpu), stack(spec.stack)
     tokens = spec.micro_batch * spec.seq_len / spec.cp
     b = block_seconds(spec.model.block(), tokens, spec.seq_len, gpu, kernels, tp=spec.tp,
-                      fp8=spec.precision == "fp8", recompute=spec.ac)  # fmt: skip
+                      fp8=spec.precision == "fp8", fp8_recipe=spec.fp8_recipe, recompute=spec.ac)  # fmt: skip
     weights_fwd, weights_bwd = _weight_pass_s(spec)
-    blocks = [(b.forward_s + weights_fwd, b.backward_s + b.recompute_s + weights_bwd)] * spec.layers_per_rank
+    ring_fwd, ring_bwd = ring_attention.compute_s(spec)
+    forward, backward = b.forward_s + weights_fwd + ring_fwd, b.backward_s + b.recompute_s + weights_bwd + ring_bwd
+    blocks = [(forward, backward)] * spec.layers_per_rank
     head = head_seconds(tokens, spec.model.hidden, spec.model.vocab_size, gpu, spec.tp)
     return blocks, head
 
@@ -128,19 +132,6 @@ def _tp_exposed(spec: RunSpec) -> float:
     if spec.async_tp:
         count = 0 if stack(spec.stack).tp_overlap_backward else spec.layers_per_rank * 4 + 2
     return count * ring_time_s("all_gather", size, topo)
-
-
-def _cp_exposed(spec: RunSpec, attention_s: float) -> float:
-    """Ring attention's K/V passes beyond the attention kernel's time, one micro-batch."""
-    if spec.cp == 1:
-        return 0.0
-    tokens = spec.micro_batch * spec.seq_len / spec.cp
-    kv = 2 * tokens * spec.model.block().kv_dim / spec.tp * 2
-    link = _group_link(spec, spec.cp, max(1, node_spec(spec.node).gpus_per_node // spec.tp))
-    per_pass = link.alpha_s + link.seconds(kv)
-    forward = (spec.cp - 1) * per_pass
-    backward = 2 * forward
-    return spec.layers_per_rank * (max(0.0, forward - attention_s) + max(0.0, backward - 2.5 * attention_s))
 
 
 def _dp_group(spec: RunSpec) -> tuple[int, Link]:
@@ -207,9 +198,11 @@ def _lacks(spec: RunSpec) -> list[str]:
         out.append(f"fp8 on {gpu.name}: no fp8 tensor cores, planned at bf16")
     if spec.cp > 1:
         out.append(
-            "ring attention priced as one flash kernel over the rank's causal share plus its K/V passes: "
-            "per-block kernels and the partial results' merges are not modelled"
+            "ring attention's steps priced as one flash kernel over the rank's causal share"
+            + ("" if stack(spec.stack).torch_ring else "; its merges as fused into the kernels")
         )
+    if spec.precision == "fp8" and spec.fp8_recipe == "rowwise":
+        out.append("rowwise fp8 backward GEMMs at the fast-accumulation rate (torchao's slow accumulation unpriced)")
     return out
 
 
@@ -233,7 +226,7 @@ def predict_run(spec: RunSpec, *, compute_scale: float = 1.0) -> RunPrediction:
         owned /= spec.dp * spec.cp // (spec.replicas if spec.dp_mode in ("zero3", "zero3-keep") else 1)
     optimizer_s = OPTIMIZER_BYTES_PER_PARAM * owned / (gpu.hbm_tbps * 1e12 * HBM_SHARE)
     tp_mb = _tp_exposed(spec)
-    cp_mb = _cp_exposed(spec, attention_s)
+    cp_mb = ring_attention.exposed_s(spec, attention_s)
     p2p_mb = 0.0
     if p > 1:
         link = _group_link(spec, 2, 1)

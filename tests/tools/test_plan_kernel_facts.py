@@ -1,0 +1,89 @@
+"""The documented kernel facts the run model prices: the 500 W H100's measured GEMM rate, float8
+rowwise scaling's casts and rescale, and PyTorch's ring attention (repeated K/V heads, fp32
+merges and gradient ring)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from overlap.step_model.hardware import ACCELERATORS
+from overlap.step_model.kernels import (
+    ROWWISE_KERNEL_SHARE,
+    STACKS,
+    BlockShape,
+    block_seconds,
+    gemm_backward_seconds,
+    gemm_seconds,
+)
+from overlap.tools.plan import ring_attention
+from overlap.tools.plan.run_spec import ModelShape, RunSpec
+from overlap.tools.plan.run_step import predict_run
+
+LLAMA_8B = ModelShape(num_layers=32, hidden=4096, ffn_hidden=14336, num_heads=32, num_kv_heads=8, vocab_size=128256)
+LLAMA_405B = ModelShape(num_layers=126, hidden=16384, ffn_hidden=53248, num_heads=128, num_kv_heads=8,
+                        vocab_size=128256)  # fmt: skip
+
+
+def test_the_500w_h100_runs_bf16_gemms_at_the_rate_measured_on_it() -> None:
+    # FBGEMM's "H100 500W" benchmark: cuBLAS bf16 8192^3 at 585 TFLOPS (the SXM's MAMF share
+    # would give ~627)
+    gpu = ACCELERATORS["h100-96gb-500w"]
+    tflops = 2 * 8192**3 / gemm_seconds(8192, 8192, 8192, gpu, fp8=False) / 1e12
+    assert tflops == pytest.approx(585.2, rel=1e-3)
+    assert gpu.gemm_share < ACCELERATORS["h100-sxm"].gemm_share
+
+
+def test_rowwise_fp8_pays_its_slower_kernel_second_casts_and_rescale() -> None:
+    gpu = ACCELERATORS["h100-sxm"]
+    t, k, n = 16384, 4096, 14336
+    tensorwise = gemm_seconds(t, k, n, gpu, fp8=True)
+    rowwise = gemm_seconds(t, k, n, gpu, fp8=True, recipe="rowwise")
+    cast = t * k * 3 / (gpu.hbm_tbps * 1e12 * 0.85)
+    assert rowwise - cast == pytest.approx((tensorwise - cast) / ROWWISE_KERNEL_SHARE)
+    extra = gemm_backward_seconds(t, k, n, gpu, True, "rowwise") - gemm_backward_seconds(t, k, n, gpu, True)
+    assert extra == pytest.approx(t * ((n + k) * 5 + k * 4) / (gpu.hbm_tbps * 1e12 * 0.85))
+    # bf16 has no recipe
+    assert gemm_backward_seconds(t, k, n, gpu, False, "rowwise") == 2 * gemm_seconds(t, k, n, gpu, fp8=False)
+    shape = BlockShape(hidden=4096, ffn_hidden=14336, num_heads=32, num_kv_heads=8)
+    args = (shape, 16384, 8192, gpu, STACKS["torch-compile"])
+    assert block_seconds(*args, fp8=True, fp8_recipe="rowwise").backward_s > block_seconds(*args, fp8=True).backward_s
+
+
+def test_a_run_spec_names_its_fp8_recipe() -> None:
+    spec = RunSpec(model=LLAMA_8B, gpu="h100-96gb-500w", node="grand-teton", num_gpus=64, tp=8, seq_len=8192,
+                   global_batch=96, micro_batch=12, ac="selective", stack="torch-compile", precision="fp8")  # fmt: skip
+    rowwise = replace(spec, fp8_recipe="rowwise")
+    assert predict_run(rowwise).step_s > 1.1 * predict_run(spec).step_s
+    with pytest.raises(ValueError, match="fp8_recipe"):
+        replace(spec, fp8_recipe="blockwise")
+
+
+def _cp_run(cp: int, stack: str = "torch-compile", model: ModelShape = LLAMA_8B, **kw) -> RunSpec:
+    fields = dict(gpu="h100-96gb-500w", node="grand-teton", num_gpus=8, cp=cp, seq_len=32768 * cp,
+                  global_batch=8 // cp, micro_batch=1, ac="full", stack=stack, precision="fp8")  # fmt: skip
+    fields.update(kw)
+    return RunSpec(model=model, **fields)
+
+
+def test_torch_ring_attention_merges_every_step_on_the_compute_stream() -> None:
+    # the rank's tokens stay 32k: each step's merge and copies cost the same, and there are C steps
+    two, eight = ring_attention.compute_s(_cp_run(2)), ring_attention.compute_s(_cp_run(8))
+    assert eight[0] == pytest.approx(4 * two[0]) and eight[1] == pytest.approx(4 * two[1])
+    assert two[0] > 0
+    assert ring_attention.compute_s(_cp_run(8, "megatron-te")) == (0.0, 0.0)  # fused into TE's kernels
+    assert ring_attention.compute_s(_cp_run(1)) == (0.0, 0.0)
+    assert predict_run(_cp_run(8)).compute_s > predict_run(_cp_run(8, "megatron-te", precision="bf16")).compute_s / 2
+
+
+def test_torch_ring_attention_carries_repeated_kv_heads_and_fp32_gradients_across_nodes() -> None:
+    # 405B with TP 8 inside the node: the CP ring spans nodes on one rail per rank
+    big = dict(model=LLAMA_405B, num_gpus=512, tp=8, pp=8, dp_mode="zero3-keep", global_batch=8)
+    torch_ring = _cp_run(8, **big)
+    te_ring = replace(torch_ring, stack="megatron-te")
+    one_block = 2 * 32768 * 262144 * 2048 / 300e12  # the rank's causal attention forward, ~0.12 s
+    torch_s, te_s = ring_attention.exposed_s(torch_ring, one_block), ring_attention.exposed_s(te_ring, one_block)
+    assert te_s == 0.0  # K/V of 1 head per rank hide behind each step
+    assert torch_s > 0.05 * torch_ring.layers_per_rank * one_block  # 16 repeated heads gathered behind 1/C
+    assert ring_attention.exposed_s(replace(torch_ring, ac="none"), one_block) < torch_s  # no recomputed ring
