@@ -87,3 +87,16 @@ def test_torch_ring_attention_carries_repeated_kv_heads_and_fp32_gradients_acros
     assert te_s == 0.0  # K/V of 1 head per rank hide behind each step
     assert torch_s > 0.05 * torch_ring.layers_per_rank * one_block  # 16 repeated heads gathered behind 1/C
     assert ring_attention.exposed_s(replace(torch_ring, ac="none"), one_block) < torch_s  # no recomputed ring
+
+
+def test_mpt_benchmarks_run_flash_attention_in_triton_at_fa2s_documented_distance() -> None:
+    # FA2 paper 4.1: FA2 1.3-1.5x the Triton kernel forward, 2x backward
+    shape, gpu = (
+        BlockShape(hidden=2048, ffn_hidden=8192, num_heads=16, num_kv_heads=16, mlp="gelu"),
+        ACCELERATORS["a100-80gb"],
+    )
+    mpt = block_seconds(shape, 2048, 2048, gpu, STACKS["llm-foundry"])
+    fa2 = block_seconds(
+        shape, 2048, 2048, gpu, replace(STACKS["llm-foundry"], attention_share=STACKS["torch-compile"].attention_share)
+    )
+    assert mpt.attention_forward_s / fa2.attention_forward_s == pytest.approx((1.4 + 2.5 * 2) / 3.5)
