@@ -49,20 +49,16 @@ import torch
 import torch.nn.functional as F
 
 from overlap.engine.units import CHUNK_ALIGN_NUMEL, ParamInfo, UnitLayout, make_layout
-from overlap.kernels import (
+from overlap.kernels import copy_in, copy_out, cpu
+from overlap.kernels import rows as row_ops
+from overlap.kernels.quantize import dequantize_blockwise, quantize_blockwise, quantize_feedback_blockwise
+from overlap.kernels.reference import (
+    CodeFormat,
     code_numel,
-    copy_in,
-    copy_out,
-    cpu,
-    dequantize_blockwise,
     dequantize_blockwise_ref,
     num_blocks_for,
-    quantize_blockwise,
     quantize_blockwise_ref,
-    quantize_feedback_blockwise,
 )
-from overlap.kernels import rows as row_ops
-from overlap.kernels.reference import CodeFormat
 from overlap.transport.host import keep_freed_cpu_memory
 
 Contender = Literal["ref", "cpp", "triton", "compiled"]

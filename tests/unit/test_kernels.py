@@ -19,32 +19,16 @@ from pathlib import Path
 import pytest
 import torch
 from helpers.harness import triton_or_skip
+from helpers.kernel_inputs import random_input
 
-from overlap.kernels import (
-    code_numel,
-    cpu,
-    dequantize_blockwise,
-    dequantize_blockwise_ref,
-    num_blocks_for,
-    quantize_blockwise,
-    quantize_blockwise_ref,
-    select_backend,
-)
-from overlap.kernels.quantize import Backend
+from overlap.kernels import cpu
+from overlap.kernels.quantize import Backend, dequantize_blockwise, quantize_blockwise, select_backend
+from overlap.kernels.reference import code_numel, dequantize_blockwise_ref, num_blocks_for, quantize_blockwise_ref
 
 ROOT = Path(__file__).resolve().parents[2]
 FORMATS = [(8, "int"), (4, "int"), (8, "fp8")]
 IN_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 OUT_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-
-
-def _random_input(numel: int, dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
-    # Wide dynamic range across blocks, some zeros, and (in fp32) a denormal.
-    x = torch.randn(numel, generator=gen) * torch.rand(numel, generator=gen).pow(6) * 100
-    x[:: max(1, numel // 5)] = 0.0
-    if dtype == torch.float32 and numel > 3:
-        x[numel // 3] = 3e-41
-    return x.to(dtype)
 
 
 def _shapes(gen: torch.Generator, count: int, max_numel: int) -> list[tuple[int, int]]:
@@ -57,8 +41,9 @@ def _shapes(gen: torch.Generator, count: int, max_numel: int) -> list[tuple[int,
 
 
 def _pythonpath() -> str:
-    """For subprocesses: import the checkout under test, whatever an editable install points at."""
-    return os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    """For subprocesses: import the checkout under test, whatever an editable install points at,
+    and the tests' helpers."""
+    return os.pathsep.join(p for p in (str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")) if p)
 
 
 def _cpp_or_skip():
@@ -74,7 +59,7 @@ def _check_backend_matches(backend: Backend, shapes: list[tuple[int, int]], form
     for numel, block in shapes:
         for bits, fmt in formats:
             for dtype in in_dtypes:
-                x = _random_input(numel, dtype, gen)
+                x = random_input(numel, dtype, gen)
                 ref = quantize_blockwise(x, bits, block, fmt=fmt, backend="ref")
                 got = quantize_blockwise(x, bits, block, fmt=fmt, backend=backend)
                 where = f"{backend} {fmt}{bits} block={block} numel={numel} {dtype}"
@@ -314,9 +299,9 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def _gpu_input(numel: int, dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
-    """`_random_input` with, where it fits, a NaN block, an Inf block, and a block whose scale
+    """`random_input` with, where it fits, a NaN block, an Inf block, and a block whose scale
     is subnormal (every value tiny), beside ordinary ones."""
-    x = _random_input(numel, torch.float32, gen)
+    x = random_input(numel, torch.float32, gen)
     if numel >= 1024:
         x[100] = float("nan")
         x[300] = float("inf")

@@ -18,21 +18,17 @@ import torch
 
 assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
 
-from overlap.kernels import (
-    code_numel,
-    copy_in,
-    copy_in_ref,
-    copy_out,
-    copy_out_ref,
+from helpers.kernel_inputs import random_input
+
+from overlap.kernels import copy_in, copy_in_ref, copy_out, copy_out_ref
+from overlap.kernels import triton_kernels as tk
+from overlap.kernels.quantize import (
     dequantize_blockwise,
-    dequantize_blockwise_ref,
-    num_blocks_for,
     quantize_blockwise,
-    quantize_blockwise_ref,
     quantize_feedback_blockwise,
     quantize_feedback_int8res_blockwise,
 )
-from overlap.kernels import triton_kernels as tk
+from overlap.kernels.reference import code_numel, dequantize_blockwise_ref, num_blocks_for, quantize_blockwise_ref
 from overlap.kernels.rows import decode_rows, decode_sum_rows, encode_rows_loop
 
 OUT_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -40,14 +36,6 @@ OUT_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 def _call_bound(bound: Callable, srcs: Any, full: torch.Tensor) -> Any:
     return bound(srcs, full)
-
-
-def random_input(numel: int, dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
-    x = torch.randn(numel, generator=gen) * torch.rand(numel, generator=gen).pow(6) * 100
-    x[:: max(1, numel // 5)] = 0.0
-    if dtype == torch.float32 and numel > 3:
-        x[numel // 3] = 3e-41
-    return x.to(dtype)
 
 
 _INT_VIEW = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}

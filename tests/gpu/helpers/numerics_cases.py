@@ -11,15 +11,13 @@ from typing import Any
 
 import torch
 
-from overlap.kernels import (
+from overlap.kernels.quantize import (
     dequantize_blockwise,
-    dequantize_blockwise_ref,
-    num_blocks_for,
     quantize_blockwise,
-    quantize_blockwise_ref,
     quantize_feedback_blockwise,
     quantize_feedback_int8res_blockwise,
 )
+from overlap.kernels.reference import dequantize_blockwise_ref, num_blocks_for, quantize_blockwise_ref
 
 from .common import BF16, FLOATS, FORMATS, FP32, SHORT
 from .compare import compare
