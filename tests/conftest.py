@@ -20,25 +20,19 @@ sys.path[:0] = [_TESTS] + sorted(
 from helpers.harness import DEEPSPEED_BUILD_S, World
 
 
-@pytest.fixture(scope="module")
-def world2():
-    world = World(2)
-    yield world
-    world.close()
+def _world(size: int):
+    """A module-scoped fixture `world{size}`: a World of `size` gloo ranks, closed after the module."""
+
+    @pytest.fixture(scope="module", name=f"world{size}")
+    def world():
+        w = World(size)
+        yield w
+        w.close()
+
+    return world
 
 
-@pytest.fixture(scope="module")
-def world4():
-    world = World(4)
-    yield world
-    world.close()
-
-
-@pytest.fixture(scope="module")
-def world8():
-    world = World(8)
-    yield world
-    world.close()
+world1, world2, world4, world8 = _world(1), _world(2), _world(4), _world(8)
 
 
 @pytest.fixture(scope="session")

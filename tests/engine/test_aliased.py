@@ -11,20 +11,12 @@ import copy
 
 import pytest
 import torch
-from helpers.harness import World
 from helpers.models import batch, loss_of, tiny_lm
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import overlap
 from overlap.engine.state import state_of
-
-
-@pytest.fixture(scope="module")
-def world1():
-    world = World(1)
-    yield world
-    world.close()
 
 
 def _optim(name: str, params) -> torch.optim.Optimizer:

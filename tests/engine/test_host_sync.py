@@ -124,13 +124,6 @@ def _steps(rank: int, world: int, config: dict, hsdp: bool) -> list[str]:
     return recorder.calls
 
 
-@pytest.fixture(scope="module")
-def world2():
-    w = World(2)
-    yield w
-    w.close()
-
-
 # The documented exceptions, each at most once per step: where they are and why they are fine.
 ONCE_PER_STEP = {
     # the non-finite check of a codec's scales: its CPU branch reads the device counter directly;

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers.harness import World
 from helpers.models import STRICT_ZERO3, batch, encoder_stack, loss_of
 
 
@@ -74,13 +73,6 @@ CONFIGS = {
     "two_inputs": {"max_reduce_inputs": 2},
     "int8_ef": {"grad_compression": "int8", "error_feedback": True},
 }
-
-
-@pytest.fixture(scope="module")
-def world2():
-    w = World(2)
-    yield w
-    w.close()
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))

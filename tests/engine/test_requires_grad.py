@@ -12,7 +12,6 @@ import copy
 
 import pytest
 import torch
-from helpers.harness import World
 from helpers.models import batch, encoder_stack, loss_of
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -65,13 +64,6 @@ def freeze_unfreeze(rank: int, world: int, config: dict) -> dict:
         if o.dim() > 0
     )
     return out
-
-
-@pytest.fixture(scope="module")
-def world2():
-    w = World(2)
-    yield w
-    w.close()
 
 
 @pytest.mark.parametrize("config", [{}, {"reduce_scatter_bucket_bytes": 1 << 20}], ids=["per_unit", "bucketed"])

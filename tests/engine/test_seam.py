@@ -18,10 +18,8 @@ import re
 from collections.abc import Iterator
 from typing import Any
 
-import pytest
 import torch
 import torch.nn as nn
-from helpers.harness import World
 from helpers.models import STRICT_ZERO3, batch, encoder_stack, loss_of
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -164,13 +162,6 @@ def fused_exchanges(rank: int, world: int) -> dict:
         return _parity(rank, 3, setup, layers=6, shared_memory="off", **STRICT_ZERO3)
     finally:
         comm.reduce_scatter_and_gather = real
-
-
-@pytest.fixture(scope="module")
-def world2():
-    w = World(2)
-    yield w
-    w.close()
 
 
 def test_custom_all_gather_gathers_every_unit(world2):

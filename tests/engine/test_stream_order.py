@@ -25,7 +25,6 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from helpers.harness import World
 from helpers.models import loss_of
 from test_seam import CpuStreamExecutor
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -205,13 +204,6 @@ def counts_read_last(rank: int, world: int, config: dict) -> dict:
     return {"log": log, "mismatches": mismatches}
 
 
-@pytest.fixture(scope="module")
-def world2():
-    w = World(2)
-    yield w
-    w.close()
-
-
 @pytest.mark.parametrize(
     "config",
     [{"reduce_scatter_impl": "native"}, {"reduce_scatter_bucket_bytes": 1 << 20, "reduce_dtype": torch.bfloat16}],
@@ -273,13 +265,6 @@ def tp_sums(rank: int, world: int, config: dict) -> dict:
         ours.zero_grad()
         ref.zero_grad()
     return {"calls": per_step, "differences": differences}
-
-
-@pytest.fixture(scope="module")
-def world4():
-    w = World(4)
-    yield w
-    w.close()
 
 
 @pytest.mark.parametrize(

@@ -6,7 +6,6 @@ from datetime import timedelta
 
 import pytest
 import torch
-from helpers.harness import World
 
 from overlap.transport import backend
 from overlap.transport.base import honoured_timeout
@@ -67,13 +66,6 @@ def wrap_with_timeout(rank: int, world_size: int, stream_ordered: bool, seconds:
     honoured = None if stream_ordered or seconds is None else timedelta(seconds=seconds)
     assert model._overlap_state.runtime.timeout == honoured
     return [str(w.message) for w in caught if "collective_timeout_s" in str(w.message)]
-
-
-@pytest.fixture(scope="module")
-def world1():
-    w = World(1)
-    yield w
-    w.close()
 
 
 def test_wrap_warns_once_when_the_timeout_is_ignored(world1):

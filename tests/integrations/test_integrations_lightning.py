@@ -42,7 +42,7 @@ L = pytest.importorskip(
     "lightning", reason="optional extra `integrations` (pip install -e '.[integrations]'); CI installs it"
 )
 
-from helpers.harness import World, torchrun_env
+from helpers.harness import torchrun_env
 
 import overlap
 from overlap.integrations import is_wrapped
@@ -51,13 +51,6 @@ from overlap.integrations import lightning as overlap_lightning
 TIMEOUT_S = 300  # a fit is a few seconds; generous for a loaded machine
 BATCH = 2
 SAMPLES = 16  # 2 ranks x 4 batches of 2: one epoch is 2 optimizer steps of 2 micro-batches
-
-
-@pytest.fixture(scope="module")
-def world1():
-    world = World(1)
-    yield world
-    world.close()
 
 
 class Block(nn.Module):

@@ -4,21 +4,12 @@ param_dtype=bf16 and reduce_dtype=fp32, micro-batches add up in fp32, as FSDP2 d
 
 from __future__ import annotations
 
-import pytest
 import torch
-from helpers.harness import World
 from helpers.models import batch, loss_of, tiny_lm
 
 import overlap
 
 MICRO_BATCHES = 4
-
-
-@pytest.fixture(scope="module")
-def world2():
-    w = World(2)
-    yield w
-    w.close()
 
 
 def accumulated_vs_reduced_each_time(rank: int, world: int) -> float:
