@@ -28,7 +28,9 @@ which runs "most shapes within 90-100% of tensor-wise efficiency, a long tail do
 the input again along the other axis (a row scale is not a column scale: one more amax pass and
 cast each), and because the CUTLASS kernel is slow with the precise accumulation the backward
 needs, torchao runs the backward GEMMs on cuBLAS with unit scales and rescales the output
-afterwards (pytorch/ao pull 1325): one more read and write of grad input.
+afterwards (pytorch/ao pull 1325): one more read and write of grad input. The casts weigh most on
+thin GEMMs (torchtitan issue 1207: rowwise made Llama's tensor-parallel wk and wv ~40% slower,
+flat against bf16 overall), which the per-GEMM casts below price by the GEMM's own K and N.
 """
 
 from __future__ import annotations
