@@ -16,7 +16,7 @@ from dataclasses import replace
 import pytest
 import torch
 from helpers.harness import World
-from helpers.models import batch, loss_of, tiny_lm
+from helpers.models import batch, tiny_lm, train_steps
 
 import overlap
 from overlap.engine.autotune_policy import (
@@ -301,12 +301,8 @@ def train(rank: int, world: int, autotune: bool, config_json: str | None = None,
     model = overlap.wrap(tiny_lm(), config=config)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     losses, params = [], []
-    for step in range(STEPS):
-        loss = loss_of(model(batch(model, rank, step)))
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
+    for step, loss in train_steps(model, opt, rank, STEPS):
+        losses.append(loss)
         params.append([p.detach().to_local().clone() for p in model.parameters()])
         if step % 3 == 2:  # evaluation forwards between steps are not training steps
             with torch.no_grad():

@@ -57,6 +57,19 @@ def rank_threads() -> int:
     return int(os.environ.get("OMP_NUM_THREADS") or 1)
 
 
+def ddp_and_overlap(
+    world: Any, fn: Callable[..., Any], wrapper: str, timeout_s: float, ddp: dict[str, Any], ours: dict[str, Any]
+) -> tuple[list[Any], list[Any]]:
+    """Every rank's results of `fn` run in `world` with mode="ddp" and `ddp`'s arguments, then
+    with mode="overlap" and `ours`'. Each result names the class of the model the launcher
+    trained (`"wrapper"`): DDP's, and ours `wrapper` (not put inside DDP)."""
+    ddp_results = world.run(fn, timeout_s=timeout_s, mode="ddp", **ddp)
+    our_results = world.run(fn, timeout_s=timeout_s, mode="overlap", **ours)
+    assert [r["wrapper"] for r in ddp_results] == ["DistributedDataParallel"] * world.world_size
+    assert [r["wrapper"] for r in our_results] == [wrapper] * world.world_size
+    return ddp_results, our_results
+
+
 def torchrun_env(rank: int, world: int, **extra: str) -> None:
     """What torchrun sets, so that a launcher's library (accelerate, Lightning) sees a distributed
     launch in a spawned rank; `OMP_NUM_THREADS` too, else accelerate's CPU mode sets torch's

@@ -3,6 +3,8 @@ parameters does not divide by 2 or 4 (padding), and so that the root unit has pa
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 import torch.nn as nn
 
@@ -76,10 +78,26 @@ def backward_both(ref: nn.Module, ours: nn.Module, x: torch.Tensor) -> tuple[tor
     return ref_loss, loss
 
 
-def sgd_steps(model: nn.Module, rank: int, steps: int = 3, lr: float = 0.1) -> None:
-    """`steps` steps of SGD on `loss_of` the model's `batch`es for this rank."""
-    opt = torch.optim.SGD(model.parameters(), lr=lr)
+def step_both(ref_opt: torch.optim.Optimizer, opt: torch.optim.Optimizer) -> None:
+    """Step the reference's optimizer and ours, then zero both gradients (to None)."""
+    ref_opt.step()
+    opt.step()
+    ref_opt.zero_grad(set_to_none=True)
+    opt.zero_grad(set_to_none=True)
+
+
+def train_steps(model: nn.Module, opt: torch.optim.Optimizer, rank: int, steps: int) -> Iterator[tuple[int, float]]:
+    """`steps` steps of `opt` on `loss_of` the model's `batch`es for this rank, yielding (step,
+    loss) after each."""
     for step in range(steps):
-        loss_of(model(batch(model, rank, step))).backward()
+        loss = loss_of(model(batch(model, rank, step)))
+        loss.backward()
         opt.step()
         opt.zero_grad()
+        yield step, loss.item()
+
+
+def sgd_steps(model: nn.Module, rank: int, steps: int = 3, lr: float = 0.1) -> None:
+    """`steps` steps of SGD (`train_steps`)."""
+    for _ in train_steps(model, torch.optim.SGD(model.parameters(), lr=lr), rank, steps):
+        pass

@@ -23,6 +23,7 @@ transformers = pytest.importorskip(
 )
 
 from helpers.hf import tiny_config, tiny_model
+from helpers.models import step_both
 from helpers.tolerance import shard_rows
 
 import overlap
@@ -91,10 +92,7 @@ def train_vs_ddp(rank: int, world: int, model: str, config: dict | None = None, 
             local = p.grad.to_local()
             g_ref = shard_rows(named_ref[name].grad, local, rank, world)
             _compare(f"step {step} grad {name}", g_ref, local, mismatches)
-        ref_opt.step()
-        opt.step()
-        ref_opt.zero_grad(set_to_none=True)
-        opt.zero_grad(set_to_none=True)
+        step_both(ref_opt, opt)
         for name, p in ours.named_parameters():
             local = p.detach().to_local()
             p_ref = shard_rows(named_ref[name].detach(), local, rank, world)

@@ -34,6 +34,7 @@ transformers = pytest.importorskip(
 )
 
 from helpers.hf import tiny_config, tiny_model
+from helpers.models import step_both
 from helpers.tolerance import shard_rows
 
 import overlap
@@ -178,10 +179,7 @@ def train_family(rank: int, world: int, family: str) -> dict:
         unused_experts.append([8 - len(seen) for seen in hit])
         losses.append((ref_loss.item(), loss.item(), torch.equal(ref_loss, loss)))
         grad_diffs.append(_shard_diffs(ref.module, ours, rank, world, grads=True))
-        ref_opt.step()
-        opt.step()
-        ref_opt.zero_grad(set_to_none=True)
-        opt.zero_grad(set_to_none=True)
+        step_both(ref_opt, opt)
         param_diffs.append(_shard_diffs(ref.module, ours, rank, world, grads=False))
     with torch.no_grad():  # the loss after the last update
         batch = inputs(rank, STEPS)

@@ -40,7 +40,7 @@ accelerate = pytest.importorskip(
     "accelerate", reason="optional extra `integrations` (pip install -e '.[integrations]'); CI installs it"
 )
 
-from helpers.harness import torchrun_env
+from helpers.harness import ddp_and_overlap, torchrun_env
 from helpers.hf import tiny_config, tiny_model
 from helpers.tolerance import losses_within, reordered_mismatches, reordered_rtol
 
@@ -213,10 +213,9 @@ def accelerate_save_state(rank: int, world: int, *, root: str) -> list[str]:
 
 
 def test_matches_ddp_and_resumes(world2, tmp_path):
-    ddp = world2.run(run, timeout_s=TIMEOUT_S, mode="ddp", root=str(tmp_path / "ddp"))
-    ours = world2.run(run, timeout_s=TIMEOUT_S, mode="overlap", root=str(tmp_path / "ckpt"))
-    assert [r["wrapper"] for r in ddp] == ["DistributedDataParallel"] * 2
-    assert [r["wrapper"] for r in ours] == ["Sequential"] * 2  # not put inside DDP
+    ddp, ours = ddp_and_overlap(
+        world2, run, "Sequential", TIMEOUT_S, {"root": str(tmp_path / "ddp")}, {"root": str(tmp_path / "ckpt")}
+    )
     ref, full = ddp[0]["params"], ours[0]["params"]
     rtol = reordered_rtol(sum(v.numel() for v in ref.values()), steps=4)
     for rank in range(2):

@@ -47,7 +47,7 @@ transformers = pytest.importorskip(
 )
 pytest.importorskip("accelerate", reason="optional extra `integrations` (Trainer needs accelerate); CI installs it")
 
-from helpers.harness import torchrun_env
+from helpers.harness import ddp_and_overlap, torchrun_env
 from helpers.hf import tiny_config, tiny_model
 from helpers.tolerance import losses_within, reordered_mismatches, reordered_rtol
 
@@ -179,10 +179,9 @@ def refused(rank: int, world: int, *, out: str, what: str, resume: str | None = 
 
 
 def test_trainer_matches_ddp_saves_and_resumes(world2, tmp_path):
-    ddp = world2.run(run, timeout_s=TIMEOUT_S, mode="ddp", out=str(tmp_path / "ddp"))
-    ours = world2.run(run, timeout_s=TIMEOUT_S, mode="overlap", out=str(tmp_path / "ours"))
-    assert [r["wrapper"] for r in ddp] == ["DistributedDataParallel"] * 2
-    assert [r["wrapper"] for r in ours] == ["LlamaForCausalLM"] * 2  # not put inside DDP
+    ddp, ours = ddp_and_overlap(
+        world2, run, "LlamaForCausalLM", TIMEOUT_S, {"out": str(tmp_path / "ddp")}, {"out": str(tmp_path / "ours")}
+    )
     ref, full = ddp[0]["params"], ours[0]["params"]
     rtol = reordered_rtol(sum(v.numel() for v in ref.values()), steps=STEPS)
     for rank in range(2):  # 4 steps x 2 micro-batches, each rank its own data

@@ -25,7 +25,7 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-from helpers.models import Block, backward_both, batch, loss_of, tiny_lm
+from helpers.models import Block, backward_both, batch, loss_of, step_both, tiny_lm
 from helpers.tolerance import max_rel_diff, shard_rows
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -66,10 +66,7 @@ def compiled_vs_ddp(rank: int, world: int, how: str, config: dict, backend: str 
             g_ref = shard_rows(named_ref[name].grad, p.grad.to_local(), rank, world)
             bitwise &= bool(torch.equal(g_ref, p.grad.to_local()))
             worst = max(worst, max_rel_diff(g_ref, p.grad.to_local()))
-        ref_opt.step()
-        opt.step()
-        ref_opt.zero_grad()
-        opt.zero_grad()
+        step_both(ref_opt, opt)
         for name, p in ours.named_parameters():
             name = name.replace("._orig_mod", "")
             p_ref = shard_rows(named_ref[name].detach(), p.to_local(), rank, world)

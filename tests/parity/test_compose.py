@@ -305,54 +305,32 @@ def _refusals(mesh: DeviceMesh) -> dict[str, tuple]:
     unnamed = DeviceMesh.from_group(tp.get_group(), "cpu")
     dp = {"group": mesh["dp"]}
     name = "'layers.0.up.weight'"
+    # fmt: off
     return {
         "group None": (lambda: _tp_model(mesh), {"group": None}, [name, "`group` is None", "mesh['dp']"]),
         "group ProcessGroup": (lambda: _tp_model(mesh), {"group": dist.group.WORLD}, [name, "a ProcessGroup"]),
-        "already on dp": (
-            lambda: _One(distribute_tensor(torch.randn(4, 4), mesh["dp"], [Shard(0)])),
-            dp,
-            ["'weight'", "already distributed over the data-parallel dimension ['dp']"],
-        ),
-        "2-D tp": (
-            lambda: _One(
-                DTensor.from_local(torch.randn(2, 2), cube["cp", "tp"], [Shard(0), Shard(1)], run_check=False)
-            ),
-            {"group": cube["rep"]},
-            ["'weight'", "only 1-D tensor parallelism"],
-        ),
+        "already on dp": (lambda: _One(distribute_tensor(torch.randn(4, 4), mesh["dp"], [Shard(0)])), dp,
+                          ["'weight'", "already distributed over the data-parallel dimension ['dp']"]),
+        "2-D tp": (lambda: _One(DTensor.from_local(torch.randn(2, 2), cube["cp", "tp"], [Shard(0), Shard(1)],
+                                                   run_check=False)),
+                   {"group": cube["rep"]}, ["'weight'", "only 1-D tensor parallelism"]),
         "two meshes": (_two_meshes(cube), {"group": cube["rep"]}, ["'weight'", "'extra'", "several meshes"]),
-        "Partial": (
-            lambda: _One(dtensor(torch.randn(4, 4), tp, Partial())),
-            dp,
-            ["'weight'", "Partial", "not supported"],
-        ),
-        "StridedShard": (
-            lambda: _One(dtensor(torch.randn(2, 4), tp, _StridedShard(0, split_factor=2))),
-            dp,
-            ["'weight'", "_StridedShard", "not supported"],
-        ),
+        "Partial": (lambda: _One(dtensor(torch.randn(4, 4), tp, Partial())), dp,
+                    ["'weight'", "Partial", "not supported"]),
+        "StridedShard": (lambda: _One(dtensor(torch.randn(2, 4), tp, _StridedShard(0, split_factor=2))), dp,
+                         ["'weight'", "_StridedShard", "not supported"]),
         "0-dim": (lambda: _One(distribute_tensor(torch.tensor(1.0), tp, [Replicate()])), dp, ["'weight'", "0-dim"]),
-        "uneven": (
-            lambda: _One(distribute_tensor(torch.randn(5, 4), tp, [Shard(0)])),
-            dp,
-            ["'weight'", "dim 0 of size 5 is sharded unevenly over 2 tp ranks"],
-        ),
-        "another mesh": (
-            lambda: _One(distribute_tensor(torch.randn(4, 4), other["tp"], [Shard(0)])),
-            dp,
-            ["'weight'", "do not form one mesh"],
-        ),
-        "unnamed": (
-            lambda: _One(distribute_tensor(torch.randn(4, 4), unnamed, [Shard(0)])),
-            dp,
-            ["'weight'", "named mesh dimensions"],
-        ),
-        "3-D data parallel": (
-            lambda: _One(distribute_tensor(torch.randn(4, 4), tesseract["tp"], [Shard(0)])),
-            {"group": tesseract},
-            ["'weight'", "data-parallel part of `group` is 3-D ('a', 'b', 'c')"],
-        ),
+        "uneven": (lambda: _One(distribute_tensor(torch.randn(5, 4), tp, [Shard(0)])), dp,
+                   ["'weight'", "dim 0 of size 5 is sharded unevenly over 2 tp ranks"]),
+        "another mesh": (lambda: _One(distribute_tensor(torch.randn(4, 4), other["tp"], [Shard(0)])), dp,
+                         ["'weight'", "do not form one mesh"]),
+        "unnamed": (lambda: _One(distribute_tensor(torch.randn(4, 4), unnamed, [Shard(0)])), dp,
+                    ["'weight'", "named mesh dimensions"]),
+        "3-D data parallel": (lambda: _One(distribute_tensor(torch.randn(4, 4), tesseract["tp"], [Shard(0)])),
+                              {"group": tesseract},
+                              ["'weight'", "data-parallel part of `group` is 3-D ('a', 'b', 'c')"]),
     }
+    # fmt: on
 
 
 def _disagreeing_model(mesh: DeviceMesh) -> Net:

@@ -8,7 +8,7 @@ import copy
 
 import pytest
 import torch
-from helpers.models import backward_both, batch, loss_of, tiny_lm
+from helpers.models import backward_both, batch, loss_of, step_both, tiny_lm
 from helpers.probes import identity_codecs
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -27,10 +27,7 @@ def train(rank: int, world: int, config: dict, steps: int = 6, identity_path: bo
     for step in range(steps):
         x = batch(base, rank, step)
         lr_, lo = backward_both(ref, ours, x)
-        o_ref.step()
-        o.step()
-        o_ref.zero_grad()
-        o.zero_grad()
+        step_both(o_ref, o)
         losses.append(lo.item())
         ref_losses.append(lr_.item())
         stats = overlap.step_stats(ours)

@@ -13,7 +13,7 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
-from helpers.models import STRICT_ZERO3, backward_both, batch, loss_of, tiny_lm
+from helpers.models import STRICT_ZERO3, backward_both, batch, loss_of, step_both, tiny_lm
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -55,10 +55,7 @@ def _steps_vs_ddp(
             check_param(name, p)
             g = p.grad.to_local()
             worst["grad"] = max(worst["grad"], _rel(_rows(named_ref[name].grad, g, shard_rank, num_shards), g))
-        ref_opt.step()
-        opt.step()
-        ref_opt.zero_grad(set_to_none=True)
-        opt.zero_grad(set_to_none=True)
+        step_both(ref_opt, opt)
         for name, p in ours.named_parameters():
             local = p.detach().to_local()
             worst["param"] = max(

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from helpers.models import Block, TinyLM, backward_both, batch, encoder_stack, loss_of, tiny_lm
+from helpers.models import Block, TinyLM, backward_both, batch, encoder_stack, loss_of, step_both, tiny_lm
 from helpers.tolerance import reordered_rtol
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
@@ -173,10 +173,7 @@ def accumulate_like_ddp(rank: int, world: int, idiom: str) -> list[str]:
                     assert reduce_scatters, (rank, "nothing reduced after no_sync")
                     reduce_scatters.clear()
             mismatches += _mismatches(f"step {step} grad", ref.module, ours, rank, world, grads=True)
-            ref_opt.step()
-            opt.step()
-            ref_opt.zero_grad()
-            opt.zero_grad()
+            step_both(ref_opt, opt)
             mismatches += _mismatches(f"step {step} param", ref.module, ours, rank, world, grads=False)
     finally:
         comm.reduce_scatter_flat = original
@@ -223,10 +220,7 @@ def head_on_rank0_like_ddp(rank: int, world: int, keep_bytes: int) -> list[str]:
                 model(first).square().mean().backward()
             model(second).square().mean().backward()
         mismatches += _mismatches(f"step {step} grad", ref.module, ours, rank, world, grads=True)
-        ref_opt.step()
-        opt.step()
-        ref_opt.zero_grad()
-        opt.zero_grad()
+        step_both(ref_opt, opt)
         mismatches += _mismatches(f"step {step} param", ref.module, ours, rank, world, grads=False)
     return mismatches
 
@@ -346,10 +340,7 @@ def unshard_and_reshard(rank: int, world: int) -> dict:
         x = batch(base, rank, step)
         loss_of(ref(x)).backward()
         loss_of(ours(x)).backward()
-        ref_opt.step()
-        opt.step()
-        ref_opt.zero_grad()
-        opt.zero_grad()
+        step_both(ref_opt, opt)
         mismatches.extend(_mismatches(f"step {step} param", ref.module, ours, rank, world, grads=False))
 
     train(0)
@@ -435,10 +426,7 @@ def scalars_like_ddp(rank: int, world: int) -> dict:
         if not torch.equal(loss, ref_loss):
             mismatches.append(f"step {step} loss {loss.item()} vs {ref_loss.item()}")
         mismatches += _mismatches(f"step {step} grad", ref.module, ours, rank, world, grads=True)
-        ref_opt.step()
-        opt.step()
-        ref_opt.zero_grad(set_to_none=True)
-        opt.zero_grad(set_to_none=True)
+        step_both(ref_opt, opt)
         mismatches += _mismatches(f"step {step} param", ref.module, ours, rank, world, grads=False)
     full = overlap.full_state_dict(ours, rank0_only=False)
     want = {k: v.detach() for k, v in ref.module.state_dict().items()}

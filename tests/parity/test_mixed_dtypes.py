@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from helpers.models import TinyLM, backward_both, batch, loss_of
+from helpers.models import TinyLM, backward_both, batch, loss_of, step_both
 from helpers.probes import identity_codecs
 from helpers.tolerance import max_rel_diff, shard_rows
 from test_parity import bf16_compute_vs_reference
@@ -101,17 +101,8 @@ def _compare(
         out[key] = max(out[key], _ulps(rows, local))
 
 
-def mixed_vs_ddp(
-    rank: int,
-    world: int,
-    config: dict,
-    optim: str = "adamw",
-    steps: int = 3,
-    fp32_root_norm: bool = True,
-    freeze_norms: bool = False,
-    identity_path: bool = False,
-    hsdp: bool = False,
-) -> dict:
+def mixed_vs_ddp(rank: int, world: int, config: dict, optim: str = "adamw", steps: int = 3, fp32_root_norm: bool = True,
+                 freeze_norms: bool = False, identity_path: bool = False, hsdp: bool = False) -> dict:  # fmt: skip
     base = mixed_lm(fp32_root_norm=fp32_root_norm)
     if freeze_norms:  # the fp32 units then have no gradient at all
         for module in base.modules():
@@ -147,10 +138,7 @@ def mixed_vs_ddp(
         out["loss"] = max(out["loss"], max_rel_diff(ref_loss.detach(), loss.detach()))
         out["losses"].append(loss.item())
         _compare(rank, world, ref.module, ours, True, out, shard_rank, num_shards)
-        ref_opt.step()
-        opt.step()
-        ref_opt.zero_grad(set_to_none=True)
-        opt.zero_grad(set_to_none=True)
+        step_both(ref_opt, opt)
         _compare(rank, world, ref.module, ours, False, out, shard_rank, num_shards)
     out["optim_dtypes_kept"] = all(
         v.dtype == p.dtype for p in ours.parameters() for k, v in opt.state[p].items() if k != "step"
@@ -332,10 +320,7 @@ def requires_grad_and_no_sync(rank: int, world: int) -> dict:
         loss.backward()
         ref_loss.backward()
         bitwise &= bool(torch.equal(loss, ref_loss))
-        opt.step()
-        ref_opt.step()
-        opt.zero_grad(set_to_none=True)
-        ref_opt.zero_grad(set_to_none=True)
+        step_both(opt, ref_opt)
         for p, q in zip(ours.parameters(), ref.module.parameters()):
             bitwise &= bool(torch.equal(shard_rows(q.detach(), p.to_local(), rank, world), p.to_local()))
     return {"bitwise": bitwise}

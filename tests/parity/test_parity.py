@@ -16,7 +16,7 @@ import time
 import pytest
 import torch
 import torch.nn as nn
-from helpers.models import STRICT_ZERO3, batch, encoder_stack, loss_of, tiny_lm
+from helpers.models import STRICT_ZERO3, batch, encoder_stack, loss_of, step_both, tiny_lm
 from helpers.tolerance import max_rel_diff, reordered_rtol, shard_rows
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -84,10 +84,7 @@ def train_vs_ddp(
             worst["grad"] = max(worst["grad"], max_rel_diff(g_ref, p.grad.to_local()))
         if delays:
             time.sleep(rng.uniform(0, 0.004))  # before the optimizer
-        ref_opt.step()
-        opt.step()
-        ref_opt.zero_grad(set_to_none=True)
-        opt.zero_grad(set_to_none=True)
+        step_both(ref_opt, opt)
         for name, p in ours.named_parameters():
             p_ref = shard_rows(named_ref[name].detach(), p.to_local(), rank, world)
             bitwise &= bool(torch.equal(p_ref, p.to_local()))
@@ -190,10 +187,7 @@ def bf16_compute_vs_reference(rank: int, world: int, base: nn.Module, make_optim
         for (name, p), p_ref in zip(ours.named_parameters(), master.parameters()):
             assert p.dtype == p_ref.dtype and p.grad.dtype == p_ref.dtype, name
             bitwise &= bool(torch.equal(shard_rows(p_ref.grad, p.grad.to_local(), rank, world), p.grad.to_local()))
-        ref_opt.step()
-        opt.step()
-        ref_opt.zero_grad()
-        opt.zero_grad()
+        step_both(ref_opt, opt)
         for p, p_ref in zip(ours.parameters(), master.parameters()):
             bitwise &= bool(torch.equal(shard_rows(p_ref.detach(), p.to_local(), rank, world), p.to_local()))
     return {"bitwise": bitwise}

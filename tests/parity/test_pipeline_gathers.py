@@ -180,20 +180,18 @@ def _micro_batch(s: Schedule, n: int, sync: bool) -> list:
     return out + s.end_backward()
 
 
+def _schedule(num_units: int, max_inflight_allgather_bytes: int | None = None) -> Schedule:
+    """A schedule of `num_units` units of 100 bytes, prefetch depth 1, no bucketing."""
+    config = ScheduleConfig(prefetch_depth=1, max_inflight_allgather_bytes=max_inflight_allgather_bytes,
+                            reshard_after_forward=True, reduce_scatter_bucket_bytes=0)  # fmt: skip
+    return Schedule([100] * num_units, [100] * num_units, config)
+
+
 def test_schedule_retains_units_until_a_backward_syncs():
     """[Note: retained across micro-batches]: the first micro-batch gathers, the next ones gather
     nothing and free nothing, the synced one frees and reduces every unit; under a cap the units
     do not fit, every micro-batch gathers and frees as before."""
-    s = Schedule(
-        [100] * 3,
-        [100] * 3,
-        ScheduleConfig(
-            prefetch_depth=1,
-            max_inflight_allgather_bytes=None,
-            reshard_after_forward=True,
-            reduce_scatter_bucket_bytes=0,
-        ),
-    )
+    s = _schedule(3)
     _micro_batch(s, 3, sync=True)  # the order is recorded
     s.set_reshard_after_backward(False)
     first = _micro_batch(s, 3, sync=False)
@@ -206,16 +204,7 @@ def test_schedule_retains_units_until_a_backward_syncs():
     assert not [a for a in last if isinstance(a, Gather)]
     assert [a.unit for a in last if isinstance(a, Free)] == [2, 1, 0]
     assert s.states == [UnitState.SHARDED] * 3 and not s.held_units()
-    capped = Schedule(
-        [100] * 3,
-        [100] * 3,
-        ScheduleConfig(
-            prefetch_depth=1,
-            max_inflight_allgather_bytes=250,
-            reshard_after_forward=True,
-            reduce_scatter_bucket_bytes=0,
-        ),
-    )
+    capped = _schedule(3, max_inflight_allgather_bytes=250)
     capped.set_reshard_after_backward(False)
     for _ in range(2):
         actions = _micro_batch(capped, 3, sync=False)
@@ -223,16 +212,7 @@ def test_schedule_retains_units_until_a_backward_syncs():
 
 
 def test_reshard_frees_retained_units():
-    s = Schedule(
-        [100] * 2,
-        [100] * 2,
-        ScheduleConfig(
-            prefetch_depth=1,
-            max_inflight_allgather_bytes=None,
-            reshard_after_forward=True,
-            reduce_scatter_bucket_bytes=0,
-        ),
-    )
+    s = _schedule(2)
     s.set_reshard_after_backward(False)
     _micro_batch(s, 2, sync=False)
     assert s.held_units() == [0, 1]

@@ -8,7 +8,7 @@ import copy
 
 import pytest
 import torch
-from helpers.models import batch, loss_of, tiny_lm
+from helpers.models import tiny_lm, train_steps
 
 import overlap
 from overlap import OverlapConfig
@@ -99,13 +99,7 @@ def train(rank: int, world: int, grad_compression: str | None, steps: int = 4) -
         ours = overlap.wrap(copy.deepcopy(base), grad_compression=grad_compression)
         codec = type(ours._overlap_state.runtime.grad_codec).__name__
         opt = torch.optim.AdamW(ours.parameters(), lr=1e-2)
-        losses = []
-        for step in range(steps):
-            loss = loss_of(ours(batch(base, rank, step)))
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            losses.append(loss.item())
+        losses = [loss for _, loss in train_steps(ours, opt, rank, steps)]
         shards = {n: p.to_local().detach().clone() for n, p in ours.named_parameters()}
         return {"losses": losses, "shards": shards, "codec": codec}
     finally:

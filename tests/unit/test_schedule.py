@@ -7,19 +7,9 @@ import random
 
 import pytest
 
-from overlap.engine.schedule import (
-    CheckOrder,
-    Free,
-    Gather,
-    Reduce,
-    ReleaseReduce,
-    Schedule,
-    ScheduleConfig,
-    UnitState,
-    WaitGather,
-    WaitReduce,
-    order_hash,
-)
+from overlap.engine.actions import CheckOrder, Free, Gather, Reduce, ReleaseReduce, WaitGather, WaitReduce, order_hash
+from overlap.engine.schedule import Schedule, ScheduleConfig
+from overlap.engine.unit_state import UnitState
 
 
 def make(n: int, depth: int = 1, reshard: bool = True, bucket: int = 0, root=None, cap=None):

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 import overlap
+from overlap.tools.workloads.toy import ResidualMlp
 
 from .common import (
     LR,
@@ -53,31 +54,10 @@ OVERFLOW_WEIGHT = 64.0
 # (their scales differ after the first step) and hold different weights for good.
 
 
-class Block(nn.Module):
-    def __init__(self, d: int, hidden: int) -> None:
-        super().__init__()
-        self.up = nn.Linear(d, hidden)
-        self.down = nn.Linear(hidden, d)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.down(torch.relu(self.up(x)))
-
-
-class TPNet(nn.Module):
-    def __init__(self, d: int, hidden: int, num_blocks: int) -> None:
-        super().__init__()
-        self.layers = nn.ModuleList(Block(d, hidden) for _ in range(num_blocks))
-        self.head = nn.Linear(d, d)  # plain: sharded over dp only
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for layer in self.layers:
-            x = layer(x)
-        return self.head(x)
-
-
-def tp_model(sizes: Sizes, device: torch.device) -> TPNet:
+def tp_model(sizes: Sizes, device: torch.device) -> ResidualMlp:
+    """Residual MLP blocks (the units) and a plain head, sharded over dp only."""
     torch.manual_seed(0)
-    return TPNet(sizes.d, sizes.ff, sizes.layers).to(device)
+    return ResidualMlp(sizes.layers, sizes.d, sizes.ff).to(device)
 
 
 def tp_rank(rank: int, nproc: int, spec: dict[str, Any], send: Send) -> None:
