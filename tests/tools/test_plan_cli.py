@@ -176,16 +176,15 @@ def test_search_finds_no_worse_config(result_1024):
     assert at_1024.given.step_s == pytest.approx(r.estimate.step_s)
 
 
+def _h100_cluster(num_gpus: int) -> Cluster:
+    """H100 SXM nodes of 8 on NVLink and 400G rails, compute at a given 400 TFLOP/s."""
+    return Cluster(num_gpus=num_gpus, gpus_per_node=8, gpu=GPUS["h100-sxm"], intra=LINKS["nvlink4"],
+                   inter=LINKS["ndr400"], achieved_tflops=400.0)  # fmt: skip
+
+
 def test_memory_uses_the_simulators_peaks():
     profile = load_model("llama-8b")
-    cluster = Cluster(
-        num_gpus=64,
-        gpus_per_node=8,
-        gpu=GPUS["h100-sxm"],
-        intra=LINKS["nvlink4"],
-        inter=LINKS["ndr400"],
-        achieved_tflops=400.0,
-    )
+    cluster = _h100_cluster(64)
     shallow = estimate(profile, PLAN_DEFAULT_CONFIG.replace(prefetch_depth=1), cluster)
     deep = estimate(profile, PLAN_DEFAULT_CONFIG.replace(prefetch_depth=3), cluster)
     layer_bf16 = MODELS["llama-8b"].layer_numel() * 2
@@ -198,14 +197,7 @@ def test_memory_uses_the_simulators_peaks():
 
 def test_codecs_shrink_wire_bytes_and_comm_time():
     profile = load_model("llama-8b")
-    cluster = Cluster(
-        num_gpus=1024,
-        gpus_per_node=8,
-        gpu=GPUS["h100-sxm"],
-        intra=LINKS["nvlink4"],
-        inter=LINKS["ndr400"],
-        achieved_tflops=400.0,
-    )
+    cluster = _h100_cluster(1024)
     plain = estimate(profile, PLAN_DEFAULT_CONFIG, cluster)
     int8 = PLAN_DEFAULT_CONFIG.replace(param_compression="int8", grad_compression="int8")
     units = build_units(profile, int8, cluster)
