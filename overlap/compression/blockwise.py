@@ -122,15 +122,8 @@ class _BlockwiseCodec(Codec):
             return None
         return codes, scales
 
-    def encode_rows_into(
-        self,
-        rows: torch.Tensor,
-        wire: torch.Tensor,
-        skip: int | None = None,
-        residual: Any = None,
-        *,
-        count: bool = True,
-    ) -> None:
+    def encode_rows_into(self, rows: torch.Tensor, wire: torch.Tensor, skip: int | None = None, residual: Any = None, *,
+                         count: bool = True) -> None:  # fmt: skip
         views = self._wire_views(wire, rows.shape[1])
         fused: Residual | None = None if residual is None else residual.kernel_rows(self)
         if views is None or (residual is not None and fused is None) or not rows.is_floating_point():

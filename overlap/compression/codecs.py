@@ -110,15 +110,8 @@ class Codec(ABC):
     # as `to_bytes` lays them out, usually a strided view of the collective's buffer. These
     # defaults loop over the rows; blockwise codecs override them with one launch per call.
 
-    def encode_rows_into(
-        self,
-        rows: torch.Tensor,
-        wire: torch.Tensor,
-        skip: int | None = None,
-        residual: Any = None,
-        *,
-        count: bool = True,
-    ) -> None:
+    def encode_rows_into(self, rows: torch.Tensor, wire: torch.Tensor, skip: int | None = None, residual: Any = None, *,
+                         count: bool = True) -> None:  # fmt: skip
         """Encode row r of `rows` (num_rows, n) into `wire[r]` for every r but `skip`, with
         error feedback from `residual` (a `FeedbackResidual` whose rank is `skip`) if given."""
         for r in range(rows.shape[0]):

@@ -47,13 +47,8 @@ COMPILED_DTYPES = frozenset({torch.float32, torch.bfloat16, torch.float16})
 
 
 # ---------------------------------------------------------------------------------- references
-def copy_out_ref(
-    flat: torch.Tensor,
-    outs: Sequence[torch.Tensor],
-    sizes: Sequence[int] | None = None,
-    num_rows: int = 1,
-    data_cols: Sequence[int] | None = None,
-) -> None:
+def copy_out_ref(flat: torch.Tensor, outs: Sequence[torch.Tensor], sizes: Sequence[int] | None = None,
+                 num_rows: int = 1, data_cols: Sequence[int] | None = None) -> None:  # fmt: skip
     """Definition of `copy_out` ([Note: fused copy layout]) in plain torch ops."""
     sizes = _sizes_or_numels(sizes, outs)
     cols = [s // num_rows for s in sizes]
@@ -64,13 +59,8 @@ def copy_out_ref(
             out.view(-1).copy_(block[:, :d].reshape(-1)[: out.numel()])
 
 
-def copy_in_ref(
-    srcs: Sequence[torch.Tensor | None],
-    flat: torch.Tensor,
-    sizes: Sequence[int] | None = None,
-    num_rows: int = 1,
-    data_cols: Sequence[int] | None = None,
-) -> torch.Tensor:
+def copy_in_ref(srcs: Sequence[torch.Tensor | None], flat: torch.Tensor, sizes: Sequence[int] | None = None,
+                num_rows: int = 1, data_cols: Sequence[int] | None = None) -> torch.Tensor:  # fmt: skip
     """Definition of `copy_in` ([Note: fused copy layout]) in plain torch ops; returns `flat`."""
     sizes = _sizes_or_numels(sizes, srcs)
     data = [s // num_rows for s in sizes] if data_cols is None else list(data_cols)
@@ -89,16 +79,9 @@ def copy_in_ref(
 
 
 # ---------------------------------------------------------------------------------- dispatch
-def copy_out(
-    flat: torch.Tensor,
-    outs: Sequence[torch.Tensor],
-    *,
-    sizes: Sequence[int] | None = None,
-    num_rows: int = 1,
-    data_cols: Sequence[int] | None = None,
-    backend: Backend = "auto",
-    validate: bool = True,
-) -> None:
+def copy_out(flat: torch.Tensor, outs: Sequence[torch.Tensor], *, sizes: Sequence[int] | None = None, num_rows: int = 1,
+             data_cols: Sequence[int] | None = None, backend: Backend = "auto",
+             validate: bool = True) -> None:  # fmt: skip
     """Split `flat` into the contiguous `outs` in one pass, casting to each out's dtype.
 
     See [Note: fused copy layout]; `sizes[i]` (default `outs[i].numel()`) is segment i's length
@@ -127,16 +110,9 @@ def copy_out(
     torch.autograd.graph.increment_version(outs)  # raw writes: count them as `copy_` would
 
 
-def copy_in(
-    srcs: Sequence[torch.Tensor | None],
-    flat: torch.Tensor,
-    *,
-    sizes: Sequence[int] | None = None,
-    num_rows: int = 1,
-    data_cols: Sequence[int] | None = None,
-    backend: Backend = "auto",
-    validate: bool = True,
-) -> torch.Tensor:
+def copy_in(srcs: Sequence[torch.Tensor | None], flat: torch.Tensor, *, sizes: Sequence[int] | None = None,
+            num_rows: int = 1, data_cols: Sequence[int] | None = None, backend: Backend = "auto",
+            validate: bool = True) -> torch.Tensor:  # fmt: skip
     """Pack `srcs` into the contiguous `flat` in one pass, cast to `flat.dtype`, zero-padded.
 
     See [Note: fused copy layout]; `sizes[i]` (default `srcs[i].numel()`, required for a None

@@ -63,7 +63,7 @@ def _triton_usable(device: torch.device, block: int) -> bool:
 _fp8_fallback_warned: set[torch.device] = set()
 
 
-def select_backend(device: torch.device, block: int, backend: Backend = "auto", *, fmt: CodeFormat = "int") -> str:
+def select_backend(device: torch.device, block: int, backend: Backend = "auto", *, fmt: CodeFormat = "int") -> Backend:
     """The backend `quantize_blockwise` / `dequantize_blockwise` use for `fmt` codes on `device`.
 
     fp8 on a GPU below sm_89 (e.g. A100) cannot use Triton ([Note: Triton launches] in
@@ -94,17 +94,9 @@ def select_backend(device: torch.device, block: int, backend: Backend = "auto", 
     return "ref"
 
 
-def quantize_blockwise(
-    x: torch.Tensor,
-    bits: int,
-    block: int,
-    stochastic: bool = False,
-    generator: torch.Generator | None = None,
-    *,
-    fmt: CodeFormat = "int",
-    backend: Backend = "auto",
-    noise: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_blockwise(x: torch.Tensor, bits: int, block: int, stochastic: bool = False,
+                       generator: torch.Generator | None = None, *, fmt: CodeFormat = "int", backend: Backend = "auto",
+                       noise: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """Quantize `x` (any shape, read flat) blockwise -> (codes, fp32 scales).
 
     Stochastic rounding draws `num_blocks * block` uniforms from `generator` (on x's device);
@@ -126,18 +118,9 @@ def quantize_blockwise(
     return quantize_blockwise_ref(x, bits, block, stochastic, fmt=fmt, noise=noise)
 
 
-def dequantize_blockwise(
-    codes: torch.Tensor,
-    scales: torch.Tensor,
-    bits: int,
-    block: int,
-    numel: int,
-    out: torch.Tensor | None = None,
-    accumulate: bool = False,
-    *,
-    fmt: CodeFormat = "int",
-    backend: Backend = "auto",
-) -> torch.Tensor:
+def dequantize_blockwise(codes: torch.Tensor, scales: torch.Tensor, bits: int, block: int, numel: int,
+                         out: torch.Tensor | None = None, accumulate: bool = False, *, fmt: CodeFormat = "int",
+                         backend: Backend = "auto") -> torch.Tensor:  # fmt: skip
     """Decode the first `numel` elements into `out` (new fp32 if None); `accumulate` adds into it
     (sum in fp32, stored in out's dtype). Returns `out`."""
     _check_format(bits, block, fmt, False)
@@ -166,18 +149,10 @@ def dequantize_blockwise(
     return dequantize_blockwise_ref(codes, scales, bits, block, numel, out, accumulate, fmt)
 
 
-def quantize_feedback_blockwise(
-    x: torch.Tensor,
-    residual: torch.Tensor,
-    bits: int,
-    block: int,
-    stochastic: bool = False,
-    generator: torch.Generator | None = None,
-    *,
-    fmt: CodeFormat = "int",
-    backend: Backend = "auto",
-    noise: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_feedback_blockwise(x: torch.Tensor, residual: torch.Tensor, bits: int, block: int,
+                                stochastic: bool = False, generator: torch.Generator | None = None, *,
+                                fmt: CodeFormat = "int", backend: Backend = "auto",
+                                noise: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """Error feedback in one call: quantize `x + residual` blockwise -> (codes, fp32 scales) and
     set `residual` (contiguous fp32, x's numel) to what the codes dropped, in place:
     `decode(codes) + residual == x + old residual` in fp32, exactly for round-to-nearest.
@@ -203,17 +178,8 @@ def quantize_feedback_blockwise(
             return triton_kernels.quantize_feedback_blockwise(x, target, bits, block, fmt=fmt, noise=noise)
         return _extension().quantize_feedback_blockwise(x, target, bits, block, _FMT_ID[fmt], noise)
     target.add_(x)  # x + r == r + x in IEEE arithmetic
-    codes, scales = quantize_blockwise(
-        target,
-        bits,
-        block,
-        stochastic,
-        generator,
-        fmt=fmt,
-        backend=chosen,
-        noise=noise,  # type: ignore[arg-type]
-    )
-    decoded = dequantize_blockwise(codes, scales, bits, block, x.numel(), fmt=fmt, backend=chosen)  # type: ignore[arg-type]
+    codes, scales = quantize_blockwise(target, bits, block, stochastic, generator, fmt=fmt, backend=chosen, noise=noise)
+    decoded = dequantize_blockwise(codes, scales, bits, block, x.numel(), fmt=fmt, backend=chosen)
     finite_residual(torch.sub(target, decoded, out=target))
     return codes, scales
 
@@ -225,19 +191,10 @@ def finite_residual(residual: torch.Tensor) -> torch.Tensor:
     return residual.masked_fill_(~torch.isfinite(residual), 0.0)
 
 
-def quantize_feedback_int8res_blockwise(
-    x: torch.Tensor,
-    res_codes: torch.Tensor,
-    res_scales: torch.Tensor,
-    bits: int,
-    block: int,
-    stochastic: bool = False,
-    generator: torch.Generator | None = None,
-    *,
-    fmt: CodeFormat = "int",
-    backend: Backend = "auto",
-    noise: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_feedback_int8res_blockwise(x: torch.Tensor, res_codes: torch.Tensor, res_scales: torch.Tensor, bits: int,
+                                        block: int, stochastic: bool = False, generator: torch.Generator | None = None,
+                                        *, fmt: CodeFormat = "int", backend: Backend = "auto",
+                                        noise: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """Error feedback with the residual kept as int8 blockwise codes (same `block`): quantize
     `x + decode(res_codes, res_scales)` -> (codes, fp32 scales) and re-encode what the codes
     dropped into `res_codes` / `res_scales`, in place. Defined as the composition below
@@ -275,19 +232,11 @@ def quantize_feedback_int8res_blockwise(
         return _extension().quantize_feedback_int8res_blockwise(
             x, res_codes, res_scales, bits, block, _FMT_ID[fmt], noise
         )
-    residual = dequantize_blockwise(res_codes, res_scales, 8, block, numel, backend=chosen)  # type: ignore[arg-type]
+    residual = dequantize_blockwise(res_codes, res_scales, 8, block, numel, backend=chosen)
     codes, scales = quantize_feedback_blockwise(
-        x,
-        residual,
-        bits,
-        block,
-        stochastic,
-        generator,
-        fmt=fmt,
-        backend=chosen,
-        noise=noise,  # type: ignore[arg-type]
+        x, residual, bits, block, stochastic, generator, fmt=fmt, backend=chosen, noise=noise
     )
-    new_codes, new_scales = quantize_blockwise(residual, 8, block, backend=chosen)  # type: ignore[arg-type]
+    new_codes, new_scales = quantize_blockwise(residual, 8, block, backend=chosen)
     res_codes.copy_(new_codes.view(res_codes.shape))
     res_scales.copy_(new_scales.view(res_scales.shape))
     return codes, scales

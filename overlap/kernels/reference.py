@@ -61,6 +61,9 @@ from typing import Literal
 import torch
 
 CodeFormat = Literal["int", "fp8"]
+Residual = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
+"""Error-feedback rows: dense (fp32 or bf16, one row of numel per encoded row), or int8 codes
+and fp32 scales in the codec's blocks (one row of each per encoded row)."""
 
 FP8_MAX = 448.0
 
@@ -81,15 +84,9 @@ def code_numel(numel: int, bits: int, block: int) -> int:
     return padded // 2 if bits == 4 else padded
 
 
-def quantize_blockwise_ref(
-    x: torch.Tensor,
-    bits: int,
-    block: int,
-    stochastic: bool = False,
-    generator: torch.Generator | None = None,
-    fmt: CodeFormat = "int",
-    noise: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_blockwise_ref(x: torch.Tensor, bits: int, block: int, stochastic: bool = False,
+                           generator: torch.Generator | None = None, fmt: CodeFormat = "int",
+                           noise: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """Quantize flat `x` blockwise; returns (codes, scales). See [Note: blockwise quantization format].
 
     `noise` (fp32, num_blocks * block uniforms in [0, 1)) replaces drawing from `generator`, so
@@ -137,16 +134,9 @@ def unpack_codes_ref(codes: torch.Tensor, bits: int, fmt: CodeFormat = "int") ->
     return torch.stack((lo, hi), dim=1).reshape(-1).float()
 
 
-def dequantize_blockwise_ref(
-    codes: torch.Tensor,
-    scales: torch.Tensor,
-    bits: int,
-    block: int,
-    numel: int,
-    out: torch.Tensor | None = None,
-    accumulate: bool = False,
-    fmt: CodeFormat = "int",
-) -> torch.Tensor:
+def dequantize_blockwise_ref(codes: torch.Tensor, scales: torch.Tensor, bits: int, block: int, numel: int,
+                             out: torch.Tensor | None = None, accumulate: bool = False,
+                             fmt: CodeFormat = "int") -> torch.Tensor:  # fmt: skip
     """Decode into `out` (fp32 if None), or `out += decoded` with the sum in fp32 when accumulating."""
     q = unpack_codes_ref(codes, bits, fmt).view(-1, block)
     decoded = (q * scales[:, None]).reshape(-1)[:numel]

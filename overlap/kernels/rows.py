@@ -21,11 +21,7 @@ from overlap.kernels.quantize import (
     quantize_feedback_int8res_blockwise,
     select_backend,
 )
-from overlap.kernels.reference import CodeFormat, num_blocks_for
-
-Residual = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
-"""Error-feedback rows: dense (fp32 or bf16, one row of numel per encoded row), or int8 codes
-and fp32 scales in the codec's blocks (one row of each per encoded row)."""
+from overlap.kernels.reference import CodeFormat, Residual, num_blocks_for
 
 
 def _encoded_rows(num_rows: int, skip: int | None) -> list[int]:
@@ -36,21 +32,10 @@ def _triton(device: torch.device, block: int, backend: Backend, fmt: CodeFormat)
     return select_backend(device, block, backend, fmt=fmt) == "triton"
 
 
-def encode_rows(
-    x: torch.Tensor,
-    codes: torch.Tensor,
-    scales: torch.Tensor,
-    bits: int,
-    block: int,
-    *,
-    fmt: CodeFormat = "int",
-    skip: int | None = None,
-    stochastic: bool = False,
-    generator: torch.Generator | None = None,
-    residual: Residual | None = None,
-    count: torch.Tensor | None = None,
-    backend: Backend = "auto",
-) -> None:
+def encode_rows(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, bits: int, block: int, *,
+                fmt: CodeFormat = "int", skip: int | None = None, stochastic: bool = False,
+                generator: torch.Generator | None = None, residual: Residual | None = None,
+                count: torch.Tensor | None = None, backend: Backend = "auto") -> None:  # fmt: skip
     """Quantize every row of `x` (rows, numel) except row `skip` into the same row of `codes`
     (rows, >= code_numel; int8 for int8 codes, else uint8) and `scales` (rows, >= num_blocks,
     fp32). The i-th encoded row (rows in order, `skip` left out) has row i of `residual` for
@@ -76,20 +61,10 @@ def encode_rows(
                      count=count, backend=backend)  # fmt: skip
 
 
-def encode_rows_loop(
-    x: torch.Tensor,
-    codes: torch.Tensor,
-    scales: torch.Tensor,
-    bits: int,
-    block: int,
-    *,
-    fmt: CodeFormat = "int",
-    skip: int | None = None,
-    noise: torch.Tensor | None = None,
-    residual: Residual | None = None,
-    count: torch.Tensor | None = None,
-    backend: Backend = "auto",
-) -> None:
+def encode_rows_loop(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, bits: int, block: int, *,
+                     fmt: CodeFormat = "int", skip: int | None = None, noise: torch.Tensor | None = None,
+                     residual: Residual | None = None, count: torch.Tensor | None = None,
+                     backend: Backend = "auto") -> None:  # fmt: skip
     """`encode_rows` as a loop over the single-row ops (the definition), with its `noise` given."""
     loop_backend: Backend = "ref" if backend == "triton" else backend
     stochastic = noise is not None
@@ -115,18 +90,9 @@ def encode_rows_loop(
             count.add_(torch.isnan(s).sum())
 
 
-def decode_rows(
-    codes: torch.Tensor,
-    scales: torch.Tensor,
-    bits: int,
-    block: int,
-    numel: int,
-    out: torch.Tensor,
-    *,
-    fmt: CodeFormat = "int",
-    count: torch.Tensor | None = None,
-    backend: Backend = "auto",
-) -> torch.Tensor:
+def decode_rows(codes: torch.Tensor, scales: torch.Tensor, bits: int, block: int, numel: int, out: torch.Tensor, *,
+                fmt: CodeFormat = "int", count: torch.Tensor | None = None,
+                backend: Backend = "auto") -> torch.Tensor:  # fmt: skip
     """Decode row r of `codes` / `scales` into row r of `out` (rows, numel; any floating dtype),
     for every row; `count` (int64 scalar) gets the rows' NaN scales added. Returns `out`."""
     _check_format(bits, block, fmt, False)
@@ -143,19 +109,9 @@ def decode_rows(
     return out
 
 
-def decode_sum_rows(
-    codes: torch.Tensor,
-    scales: torch.Tensor,
-    own: torch.Tensor,
-    skip: int,
-    num_rows: int,
-    bits: int,
-    block: int,
-    out: torch.Tensor,
-    *,
-    fmt: CodeFormat = "int",
-    backend: Backend = "auto",
-) -> torch.Tensor:
+def decode_sum_rows(codes: torch.Tensor, scales: torch.Tensor, own: torch.Tensor, skip: int, num_rows: int, bits: int,
+                    block: int, out: torch.Tensor, *, fmt: CodeFormat = "int",
+                    backend: Backend = "auto") -> torch.Tensor:  # fmt: skip
     """`out` (numel; any floating dtype) = the fp32 sum, in rank order, of `num_rows` ranks'
     rows, cast once at the end: rank `skip` adds `own`, every other rank the decode of its row of
     `codes` / `scales`. Those hold a row per rank, or one fewer, with none for `skip` (this

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import torch
 
-from overlap.kernels.reference import CodeFormat, code_numel, num_blocks_for, qmax_for
+from overlap.kernels.reference import CodeFormat, Residual, code_numel, num_blocks_for, qmax_for
 from overlap.kernels.triton_launch import LAUNCH_OPTIONS, available, on_device
 
 try:
@@ -225,19 +225,9 @@ def _stride(t: torch.Tensor) -> int:
     return t.stride(0) if t.shape[0] > 1 else 0
 
 
-def encode_rows(
-    x: torch.Tensor,
-    codes: torch.Tensor,
-    scales: torch.Tensor,
-    bits: int,
-    block: int,
-    *,
-    fmt: CodeFormat = "int",
-    skip: int | None = None,
-    noise: torch.Tensor | None = None,
-    residual: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None = None,
-    count: torch.Tensor | None = None,
-) -> None:
+def encode_rows(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, bits: int, block: int, *,
+                fmt: CodeFormat = "int", skip: int | None = None, noise: torch.Tensor | None = None,
+                residual: Residual | None = None, count: torch.Tensor | None = None) -> None:  # fmt: skip
     """Quantize each row of `x` (rows, numel) but `skip` into the same row of `codes` / `scales`
     (rows, code_numel) / (rows, num_blocks), in one launch ([Note: rows per launch]).
 
@@ -276,18 +266,9 @@ def encode_rows(
         )  # fmt: skip
 
 
-def decode_rows(
-    codes: torch.Tensor,
-    scales: torch.Tensor,
-    bits: int,
-    block: int,
-    numel: int,
-    out: torch.Tensor,
-    accumulate: bool = False,
-    *,
-    fmt: CodeFormat = "int",
-    count: torch.Tensor | None = None,
-) -> torch.Tensor:
+def decode_rows(codes: torch.Tensor, scales: torch.Tensor, bits: int, block: int, numel: int, out: torch.Tensor,
+                accumulate: bool = False, *, fmt: CodeFormat = "int",
+                count: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     """Decode each row of `codes` / `scales` into (or, accumulating, add into, in fp32) the same
     row of `out` (rows, numel), in one launch; `count` gets the NaN scales added."""
     codes2, scales2, out2 = _rows(codes), _rows(scales), _rows(out)
@@ -306,18 +287,8 @@ def decode_rows(
     return out
 
 
-def decode_sum_rows(
-    codes: torch.Tensor,
-    scales: torch.Tensor,
-    own: torch.Tensor,
-    skip: int,
-    num_rows: int,
-    bits: int,
-    block: int,
-    out: torch.Tensor,
-    *,
-    fmt: CodeFormat = "int",
-) -> torch.Tensor:
+def decode_sum_rows(codes: torch.Tensor, scales: torch.Tensor, own: torch.Tensor, skip: int, num_rows: int, bits: int,
+                    block: int, out: torch.Tensor, *, fmt: CodeFormat = "int") -> torch.Tensor:  # fmt: skip
     """`out` = the sum, in fp32 and in rank order, of `num_rows` rows: rank `skip` contributes
     `own` (numel elements), every other rank the decode of its row of `codes` / `scales`, which
     hold `num_rows` rows or, when they hold one fewer, none for `skip`. One launch."""
@@ -338,31 +309,13 @@ def decode_sum_rows(
     return out
 
 
-def quantize_blockwise(
-    x: torch.Tensor, bits: int, block: int, *, fmt: CodeFormat = "int", noise: torch.Tensor | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Flat contiguous `x` -> (codes, scales); `noise` (num_blocks * block uniforms) rounds stochastically."""
-    _check(x, "x", block)
-    numel = x.numel()
-    nb = num_blocks_for(numel, block)
-    code_dtype = torch.int8 if bits == 8 and fmt == "int" else torch.uint8
-    codes = torch.empty(code_numel(numel, bits, block), dtype=code_dtype, device=x.device)
-    scales = torch.empty(nb, dtype=torch.float32, device=x.device)
-    encode_rows(x, codes, scales, bits, block, fmt=fmt, noise=noise)
-    return codes, scales
-
-
-def quantize_feedback_blockwise(
-    x: torch.Tensor,
-    residual: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
-    bits: int,
-    block: int,
-    *,
-    fmt: CodeFormat = "int",
-    noise: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Error feedback fused into the quantize, one pass ([Note: rows per launch]): `residual`
-    dense (fp32 / bf16, numel) or int8 (codes, scales), updated in place."""
+def quantize_blockwise(x: torch.Tensor, bits: int, block: int, *, fmt: CodeFormat = "int", noise: torch.Tensor | None = None,
+                       residual: Residual | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Flat contiguous `x` -> (codes, scales); `noise` (num_blocks * block uniforms) rounds
+    stochastically; `residual` (dense fp32 / bf16 of numel, or int8 (codes, scales)) runs error
+    feedback fused into the quantize, one pass ([Note: rows per launch]), updated in place."""
+    if residual is None:
+        _check(x, "x", block)
     numel = x.numel()
     nb = num_blocks_for(numel, block)
     code_dtype = torch.int8 if bits == 8 and fmt == "int" else torch.uint8
@@ -372,16 +325,11 @@ def quantize_feedback_blockwise(
     return codes, scales
 
 
-def dequantize_blockwise(
-    codes: torch.Tensor,
-    scales: torch.Tensor,
-    bits: int,
-    block: int,
-    numel: int,
-    out: torch.Tensor,
-    accumulate: bool = False,
-    *,
-    fmt: CodeFormat = "int",
-) -> torch.Tensor:
-    """Decode into `out` (flat, contiguous), or add into it with the sum in fp32."""
-    return decode_rows(codes, scales, bits, block, numel, out, accumulate, fmt=fmt)
+def quantize_feedback_blockwise(x: torch.Tensor, residual: Residual, bits: int, block: int, *, fmt: CodeFormat = "int",
+                                noise: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Error feedback fused into the quantize: `quantize_blockwise` with a `residual`."""
+    return quantize_blockwise(x, bits, block, fmt=fmt, noise=noise, residual=residual)
+
+
+dequantize_blockwise = decode_rows
+"""Decode into `out` (flat, contiguous: one row), or add into it with the sum in fp32."""
