@@ -224,8 +224,9 @@ def format_report(r: EvalReport, result: Any) -> str:
 
 
 def main() -> int:
+    from entry import run_timed
+
     from overlap.tools.tune import command
-    from overlap.tools.worlds.runner import run_bench
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     command.add_arguments(parser)
@@ -243,10 +244,7 @@ def main() -> int:
         cmd=cmd, rounds=args.rounds, steps=args.steps, nproc=cmd.nproc, link=cmd.link,
         json_path=args.json_path,
     )  # fmt: skip
-    t0 = time.perf_counter()
-    run_bench(eval_rank, cfg)
-    print(f"tune_eval: {time.perf_counter() - t0:.0f} s in all")
-    return 0
+    return run_timed("tune_eval", eval_rank, cfg)
 
 
 if __name__ == "__main__":

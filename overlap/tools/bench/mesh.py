@@ -36,6 +36,7 @@ import overlap
 from overlap.engine.autotune_memory import process_peak_rss_bytes
 from overlap.tools.bench.peers import parse_overrides, state_bytes
 from overlap.tools.flags import OVERLAP_CONFIG_FLAG, command, config_or_exit, from_flags
+from overlap.tools.workloads.step import ModelShape
 from overlap.tools.workloads.toy import ResidualMlp, tensor_parallel
 from overlap.tools.worlds.launch import run_local_world
 
@@ -43,8 +44,9 @@ WARMUP_STEPS = 2
 
 
 @dataclass(frozen=True, kw_only=True)
-class MeshBenchConfig:
-    """One FSDP x TP comparison."""
+class MeshBenchConfig(ModelShape):
+    """One FSDP x TP comparison: `layers` residual MLP blocks `dim` -> `ff` -> `dim` (dim and ff
+    divisible by tp); a dp rank's `batch` sequences are the same on its tp ranks."""
 
     dp: int = 2
     """Data-parallel ranks: overlap and FSDP2 shard over them."""
@@ -56,17 +58,6 @@ class MeshBenchConfig:
     """Rounds interleaving the contenders (order rotated each round)."""
     steps: int = 6
     """Timed steps per contender per round."""
-    layers: int = 8
-    """Residual MLP blocks: the units of sharding."""
-    dim: int = 512
-    """Model width (divisible by tp)."""
-    ff: int = 2048
-    """Hidden width of each block (divisible by tp)."""
-    batch: int = 4
-    """Sequences per dp rank (the same on the tp ranks of a dp rank)."""
-    seq: int = 128
-    lr: float = 1e-4
-    """AdamW's learning rate."""
     threads: int = 1
     """Torch threads per rank."""
     memory: bool = True
@@ -75,8 +66,9 @@ class MeshBenchConfig:
     """Process-group timeout: a hung collective fails after this long."""
 
     def __post_init__(self) -> None:
-        if min(self.dp, self.tp, self.rounds, self.steps, self.layers, self.dim, self.ff, self.batch, self.seq) < 1:
+        if min(self.dp, self.tp, self.rounds, self.steps) < 1:
             raise ValueError("MeshBenchConfig: sizes, rounds and steps must be >= 1")
+        super().__post_init__()
         if self.ff % self.tp or self.dim % self.tp:
             raise ValueError(f"MeshBenchConfig: dim={self.dim} and ff={self.ff} must divide by tp={self.tp}")
         for spec in self.overlap_configs:

@@ -31,24 +31,35 @@ Batch = tuple[torch.Tensor, ...]
 
 
 @dataclass(frozen=True, kw_only=True)
-class Workload:
-    """A model and its batch. Defaults are W1: a few minutes per benchmark on 2 CPU cores."""
+class ModelShape:
+    """The sizes of a stack of layers and of its batch, and the learning rate: the fields
+    `Workload` (bench step, tune) and bench mesh share, with the same flags. Defaults are W1's."""
 
-    model: ModelName = "w1"
-    """W1 (transformer encoder layers on random input) or the byte-level GPT on stdlib bytes."""
     layers: int = 8
-    """Layers (W1) or Blocks (gpt): the units of sharding."""
+    """Layers (W1), Blocks (gpt) or MLP blocks (bench mesh): the units of sharding."""
     dim: int = 512
     """Model width."""
-    heads: int = 8
     ff: int = 2048
-    """W1's feed-forward width (gpt: always 4 x dim)."""
+    """W1's feed-forward width (gpt: always 4 x dim; bench mesh: each MLP block's hidden width)."""
     batch: int = 4
-    """Sequences per rank per step."""
+    """Sequences per (data-parallel) rank per step."""
     seq: int = 128
     """Tokens per sequence."""
     lr: float = 1e-4
     """AdamW's learning rate."""
+
+    def __post_init__(self) -> None:
+        if min(self.layers, self.dim, self.ff, self.batch, self.seq) < 1:
+            raise ValueError(f"{type(self).__name__}: model sizes, batch and seq must be >= 1")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Workload(ModelShape):
+    """A model and its batch. Defaults are W1: a few minutes per benchmark on 2 CPU cores."""
+
+    model: ModelName = "w1"
+    """W1 (transformer encoder layers on random input) or the byte-level GPT on stdlib bytes."""
+    heads: int = 8
     seed: int = 0
     """Model initialization (the same on every rank) and the batches (different per rank)."""
 
@@ -56,7 +67,8 @@ class Workload:
         name = type(self).__name__
         if self.model not in MODELS:
             raise ValueError(f"{name}.model: {self.model!r} is not one of {MODELS}")
-        if min(self.layers, self.dim, self.heads, self.ff, self.batch, self.seq) < 1:
+        super().__post_init__()
+        if self.heads < 1:
             raise ValueError(f"{name}: model sizes, batch and seq must be >= 1")
         if self.dim % self.heads:
             raise ValueError(f"{name}: dim={self.dim} must be divisible by heads={self.heads}")
