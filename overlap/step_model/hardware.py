@@ -69,14 +69,20 @@ class Accelerator:
 # (SXM: as H100 SXM, 141 GB, 4.8 TB/s); DGX B200 (8 GPUs: 72 PF FP8 and 36 PF FP16 training
 # with sparsity, 1,440 GB, 64 TB/s, NVLink 1.8 TB/s per GPU, ~1,000 W per GPU); GB200 NVL72
 # (72 GPUs: 720 PF FP8 and 360 PF FP16/BF16 with sparsity, 13.4 TB at 576 TB/s, 1.8 TB/s NVLink).
-# GEMM shares: the maximum achievable matmul FLOPS (MAMF) of a bf16 matmul at its best shape,
-# measured by ml-engineering's mamf-finder (stas00/ml-engineering, compute/accelerator/README.md,
-# "Maximum Achievable Matmul FLOPS comparison table"): A100 SXM 267.9 of 312 (85.9%), H100 SXM
-# 792.1 of 989 (80.1%); the shapes a model runs are not the best one, so 0.9 of the MAMF share is
-# taken (0.773, 0.721). fp8: ~1,200-1,300 of 1,979 TFLOPS on H100 in public sweeps (0.62).
-# Blackwell: no public MAMF we can cite; the Hopper shares are used and the row says so.
+# GEMM shares: the maximum achievable matmul FLOPS (MAMF) of a matmul at its best shape, measured by
+# ml-engineering's mamf-finder (stas00/ml-engineering, compute/accelerator/README.md, "Maximum
+# Achievable Matmul FLOPS comparison table"), bf16: A100 SXM 267.9 of 312 (85.9%), H100 SXM 792.1 of
+# 989 (80.1%; "H200 is the same"), B200 SXM 1745.0 of 2250 (77.6%), GB200 1822.0 of 2500 (72.9%);
+# fp8 (float8_e4m3fn): H100 SXM 1402.6 of 1979 (70.9%), H200 SXM 1453.4 (73.4%), B200 3432.5 of 4500
+# (76.3%), GB200 3615.6 of 5000 (72.3%). The shapes a model runs are not the best one, so
+# GEMM_SHAPE_MIX of each MAMF share is taken (bf16: 0.773 A100, 0.721 H100/H200, 0.698 B200, 0.656
+# GB200). Blackwell's larger peak is reached by fewer of the shapes a model runs (a lower share).
 # SM counts: A100 108, H100/H200 132, B200 148 (NVIDIA architecture whitepapers).
 GEMM_SHAPE_MIX = 0.9
+MAMF_SHARE = {  # (bf16, fp8) MAMF / datasheet peak, the table above
+    "a100": (0.859, 0.0), "h100": (0.801, 0.709), "h200": (0.801, 0.734), "b200": (0.776, 0.763),
+    "gb200": (0.729, 0.723),
+}  # fmt: skip
 # The 500 W H100 of torchtitan's Grand Teton hosts has its own measurement: FBGEMM's fp8 GEMM
 # benchmark (pytorch/FBGEMM pull 2546, "H100 500W") times cuBLAS bf16 at 585 TFLOPS on an
 # 8192^3 GEMM and 575 / 546 on Llama-70B-sized ones (65536 x 8192 x 7168, 65536 x 3584 x 8192),
@@ -84,18 +90,18 @@ GEMM_SHAPE_MIX = 0.9
 # mix gives 0.72. The 8192^3 point over its tile efficiency (kernels.py) is taken.
 H100_500W_GEMM_SHARE = 585.2 / (835.5 + (989.4 - 835.5) * (500 - 400) / (700 - 400)) / (8192 / (8192 + 128))
 # fmt: off
-_HOPPER = dict(generation="hopper", gemm_share=0.801 * GEMM_SHAPE_MIX, fp8_gemm_share=0.62, nvlink_gbps=450.0,
-               sm_count=132)
+_HOPPER = dict(generation="hopper", gemm_share=MAMF_SHARE["h100"][0] * GEMM_SHAPE_MIX,
+               fp8_gemm_share=MAMF_SHARE["h100"][1] * GEMM_SHAPE_MIX, nvlink_gbps=450.0, sm_count=132)
 # fmt: on
 # fmt: off
 ACCELERATORS: dict[str, Accelerator] = {
     "a100-40gb": Accelerator(name="A100 SXM4 40GB", generation="ampere", bf16_tflops=312.0, fp8_tflops=None,
                              hbm_gib=40, hbm_tbps=1.555, power_w=400, nvlink_gbps=300.0, sm_count=108,
-                             gemm_share=0.859 * GEMM_SHAPE_MIX,
+                             gemm_share=MAMF_SHARE["a100"][0] * GEMM_SHAPE_MIX,
                              source="NVIDIA A100 datasheet"),
     "a100-80gb": Accelerator(name="A100 SXM4 80GB", generation="ampere", bf16_tflops=312.0, fp8_tflops=None,
                              hbm_gib=80, hbm_tbps=2.039, power_w=400, nvlink_gbps=300.0, sm_count=108,
-                             gemm_share=0.859 * GEMM_SHAPE_MIX,
+                             gemm_share=MAMF_SHARE["a100"][0] * GEMM_SHAPE_MIX,
                              source="NVIDIA A100 datasheet"),
     "h100-sxm": Accelerator(name="H100 SXM 80GB (700 W)", bf16_tflops=989.4, fp8_tflops=1979.0, hbm_gib=80,
                             hbm_tbps=3.35, power_w=700, source="NVIDIA H100 datasheet (SXM5)", **_HOPPER),
@@ -106,15 +112,18 @@ ACCELERATORS: dict[str, Accelerator] = {
         "and NVL'): peak interpolated by power between the H100 NVL (400 W) and SXM (700 W) datasheets; "
         "bf16 GEMM share measured on this card (FBGEMM)", **{**_HOPPER, "gemm_share": H100_500W_GEMM_SHARE}),
     "h200": Accelerator(name="H200 SXM 141GB", bf16_tflops=989.4, fp8_tflops=1979.0, hbm_gib=141, hbm_tbps=4.8,
-                        power_w=700, source="NVIDIA H200 datasheet", **_HOPPER),
+                        power_w=700, source="NVIDIA H200 datasheet; fp8 GEMM share: H200 SXM MAMF",
+                        **{**_HOPPER, "fp8_gemm_share": MAMF_SHARE["h200"][1] * GEMM_SHAPE_MIX}),
     "b200": Accelerator(name="B200 (DGX B200)", generation="blackwell", bf16_tflops=2250.0, fp8_tflops=4500.0,
                         hbm_gib=180, hbm_tbps=8.0, power_w=1000, nvlink_gbps=900.0, sm_count=148,
-                        gemm_share=0.801 * GEMM_SHAPE_MIX,
-                        fp8_gemm_share=0.62, source="NVIDIA DGX B200 datasheet, per GPU; GEMM shares as Hopper"),
+                        gemm_share=MAMF_SHARE["b200"][0] * GEMM_SHAPE_MIX,
+                        fp8_gemm_share=MAMF_SHARE["b200"][1] * GEMM_SHAPE_MIX,
+                        source="NVIDIA DGX B200 datasheet, per GPU; GEMM shares: B200 SXM MAMF"),
     "gb200": Accelerator(name="B200 in GB200 NVL72", generation="blackwell", bf16_tflops=2500.0, fp8_tflops=5000.0,
                          hbm_gib=186, hbm_tbps=8.0, power_w=1200, nvlink_gbps=900.0, sm_count=148,
-                         gemm_share=0.801 * GEMM_SHAPE_MIX,
-                         fp8_gemm_share=0.62, source="NVIDIA GB200 NVL72 datasheet, per GPU; GEMM shares as Hopper"),
+                         gemm_share=MAMF_SHARE["gb200"][0] * GEMM_SHAPE_MIX,
+                         fp8_gemm_share=MAMF_SHARE["gb200"][1] * GEMM_SHAPE_MIX,
+                         source="NVIDIA GB200 NVL72 datasheet, per GPU; GEMM shares: GB200 MAMF"),
 }
 # fmt: on
 
