@@ -100,3 +100,20 @@ def test_mpt_benchmarks_run_flash_attention_in_triton_at_fa2s_documented_distanc
         shape, 2048, 2048, gpu, replace(STACKS["llm-foundry"], attention_share=STACKS["torch-compile"].attention_share)
     )
     assert mpt.attention_forward_s / fa2.attention_forward_s == pytest.approx((1.4 + 2.5 * 2) / 3.5)
+
+
+@pytest.mark.parametrize(
+    ("name", "bf16_mamf", "fp8_mamf"),
+    [("b200", 1745.0, 3432.5), ("gb200", 1822.0, 3615.6), ("h100-sxm", 792.1, 1402.6)],
+)
+def test_gemm_shares_follow_each_cards_measured_mamf(name: str, bf16_mamf: float, fp8_mamf: float) -> None:
+    # ml-engineering's MAMF table (bf16 and float8_e4m3fn): a large GEMM runs at the shape-mix share
+    # of the card's own measured maximum, not Hopper's share of a Blackwell peak
+    gpu = ACCELERATORS[name]
+    tile = 8192 / (8192 + 128)
+    bf16 = 2 * 8192**3 / gemm_seconds(8192, 8192, 8192, gpu, fp8=False) / 1e12
+    assert bf16 == pytest.approx(0.9 * bf16_mamf * tile, rel=2e-3)
+    fp8_gemm_s = gemm_seconds(8192, 8192, 8192, gpu, fp8=True) - 8192 * 8192 * 3 / (gpu.hbm_tbps * 1e12 * 0.85)
+    assert 2 * 8192**3 / fp8_gemm_s / 1e12 == pytest.approx(0.9 * fp8_mamf * tile, rel=2e-3)
+    if gpu.generation == "blackwell":  # Blackwell reaches a smaller share of its peak than Hopper
+        assert gpu.gemm_share < ACCELERATORS["h100-sxm"].gemm_share

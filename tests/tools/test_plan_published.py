@@ -161,3 +161,15 @@ def test_one_measured_size_calibrates_the_kernels_and_the_links_stay_the_models(
     assert 1.0 < scale < 1.4
     with pytest.raises(ValueError, match="compute_scale"):
         predict_run(small, compute_scale=0.0)
+
+
+def test_megatron_2021_rows_carry_the_papers_own_launch_script() -> None:
+    # examples/academic_paper_scripts/sc21/run_table_1.sh: micro-batch, interleaved stages and the
+    # DDP implementation of each Table 1 row
+    _, rows = pp.load_rows()
+    specs = {row["id"]: spec for row, spec, _ in rows if row["source"] == "megatron-2021"}
+    assert specs["meg21-1.7b"].micro_batch == 16 and specs["meg21-1.7b"].dp_overlap  # --DDP-impl torch
+    assert specs["meg21-145b"].micro_batch == 2 and specs["meg21-145b"].virtual_stages == 2
+    assert specs["meg21-530b"].virtual_stages == 3 and not specs["meg21-530b"].dp_overlap  # --DDP-impl local
+    one_f_one_b = predict_run(replace(specs["meg21-310b"], schedule="1f1b", virtual_stages=1))
+    assert predict_run(specs["meg21-310b"]).pp_bubble_s < 0.6 * one_f_one_b.pp_bubble_s
