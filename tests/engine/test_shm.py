@@ -3,7 +3,9 @@
 - ranks of one host are found from the group and exchange through shared memory; training is
   DDP's bitwise at two ranks (and within tolerance at four, and under HSDP 2 x 2, shared memory
   inside each shard group); `shared_memory="off"`, or a rank elsewhere, keeps gloo's strategies;
-- the ring wraps around and makes room by completing earlier collectives, never deadlocking;
+- the ring wraps around and makes room by completing earlier collectives, never deadlocking; once
+  drained, posts start over at its beginning (first fit);
+- a wait that outlasts its spin and yield stages sleeps, and returns with the bytes once the peer posts;
 - ranks that issue different collectives raise on every rank, naming it;
 - a peer killed or stopped mid-exchange makes the survivor raise (at once, or after the
   timeout), and no segment is left in /dev/shm at any point after wrap.
@@ -105,7 +107,31 @@ def many_in_flight(rank: int, world: int, ring_bytes: int) -> dict:
         want = torch.cat(rows) if kind == "gather" else sum(rows[1:], rows[0])
         if not torch.equal(got, want):
             wrong.append(f"{kind} {k}")
-    return {"wrong": wrong, "seq": plan.segments.seq, "left": _segments_left(plan.segments)}
+    dist.barrier()  # every peer consumed every post: the ring has drained
+    plan.segments.reserve(64)
+    drained_start = plan.segments.reserved[0] if plan.segments.reserved else None
+    plan.segments.cancel()
+    return {"wrong": wrong, "seq": plan.segments.seq, "left": _segments_left(plan.segments), "start": drained_start}
+
+
+def late_peer(rank: int, world: int, late_s: float) -> dict:
+    """Rank 1 posts `late_s` after rank 0 starts waiting: past the spin and yield stages, rank 0
+    sleeps on the futex and the post wakes it; the gathered bytes are rank 1's."""
+    group = dist.group.WORLD
+    plan = shm.ShmPlan(timedelta(seconds=60))
+    plan.segments = shm.ShmSegments(group, 1 << 20, plan.timeout)
+    gather = shm.ShmAllGather(plan, shm.AllGather())
+    gather.plan(_wire(group))
+    results = []
+    for k in range(3):
+        dist.barrier()
+        if rank == 1:
+            time.sleep(late_s)
+        start = time.monotonic()
+        got = comm.wait(gather(0, torch.full((256,), float(10 * k + rank)), torch.float32, None, None, False))
+        want = torch.cat([torch.full((256,), float(10 * k + r)) for r in range(world)])
+        results.append((torch.equal(got, want), time.monotonic() - start))
+    return {"exact": all(ok for ok, _ in results), "waited_s": [w for _, w in results]}
 
 
 def different_sizes(rank: int, world: int) -> str:
@@ -155,6 +181,15 @@ def test_off_or_elsewhere_keeps_gloo(world2):
 def test_ring_wraps_and_makes_room(world2):
     for rank, r in enumerate(world2.run(many_in_flight, ring_bytes=6 << 20, timeout_s=300)):
         assert r["wrong"] == [] and r["seq"] == 40 and r["left"] == [], (rank, r)
+        assert r["start"] == 0, (rank, r["start"])  # first fit: a drained ring starts over
+
+
+def test_sleeping_wait_returns_after_the_post(world2):
+    late_s = 0.2  # well past the spin and yield stages (shm.SPIN_S, shm.YIELD_S)
+    r0, r1 = world2.run(late_peer, late_s=late_s, timeout_s=120)
+    assert r0["exact"] and r1["exact"], (r0, r1)
+    # rank 0 slept through rank 1's delay and returned after the post, long before any deadline
+    assert all(late_s * 0.9 < w < late_s + 5.0 for w in r0["waited_s"]), r0["waited_s"]
 
 
 def test_different_collectives_raise_on_every_rank(world2):
