@@ -148,23 +148,65 @@ STACKS: dict[str, KernelStack] = {
 
 @dataclass(frozen=True, kw_only=True)
 class BlockShape:
-    """One decoder block: the shape its compute depends on."""
+    """One decoder block: the shape its compute depends on.
+
+    Attention is grouped-query (`head_dim` wide heads; 0: hidden / num_heads) or, with
+    `kv_lora_rank`, DeepSeek's multi-head latent attention: queries through a `q_lora_rank`
+    bottleneck (0: none), keys and values from one `kv_lora_rank` latent, query/key heads of
+    `head_dim` + `rope_head_dim`, value heads of `v_head_dim`. `ffn_hidden` 0: no dense MLP (a
+    MoE layer's experts are priced by overlap/step_model/moe.py)."""
 
     hidden: int
     ffn_hidden: int
     num_heads: int
     num_kv_heads: int
     mlp: Mlp = "swiglu"
+    head_dim: int = 0
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    rope_head_dim: int = 0
+    v_head_dim: int = 0
+
+    @property
+    def qk_head_dim(self) -> int:
+        return (self.head_dim or self.hidden // self.num_heads) + self.rope_head_dim
 
     @property
     def kv_dim(self) -> int:
-        return self.hidden // self.num_heads * self.num_kv_heads
+        return (self.head_dim or self.hidden // self.num_heads) * self.num_kv_heads
+
+    @property
+    def attention_width(self) -> float:
+        """Heads x (query/key head + value head) / 2: QK^T and AV cost 4 x this FLOPs per token
+        and position attended (= hidden for Llama-style heads)."""
+        v = self.v_head_dim or self.qk_head_dim
+        return self.num_heads * (self.qk_head_dim + v) / 2
+
+    def attention_gemms(self) -> list[tuple[int, int, bool]]:
+        """(K, N, row-parallel) of each attention weight, unsharded."""
+        h, heads = self.hidden, self.num_heads
+        if not self.kv_lora_rank:
+            q = heads * self.qk_head_dim
+            return [(h, q, False), (h, self.kv_dim, False), (h, self.kv_dim, False), (q, h, True)]
+        qk, v, rank = self.qk_head_dim, self.v_head_dim or self.qk_head_dim, self.kv_lora_rank
+        nope = qk - self.rope_head_dim
+        q = (
+            [(h, self.q_lora_rank, False), (self.q_lora_rank, heads * qk, False)]
+            if self.q_lora_rank
+            else [(h, heads * qk, False)]
+        )
+        # the latent and the shared rotary key are computed whole on every rank (Megatron's MLA)
+        return q + [(h, rank + self.rope_head_dim, False), (rank, heads * (nope + v), False), (heads * v, h, True)]
+
+    def mlp_gemms(self) -> list[tuple[int, int, bool]]:
+        h, f = self.hidden, self.ffn_hidden
+        if not f:
+            return []
+        return [(h, f, False), (h, f, False), (f, h, True)] if self.mlp == "swiglu" else [(h, f, False), (f, h, True)]
 
     def gemms(self) -> list[tuple[int, int]]:
         """(K, N) of each weight matrix of the block, unsharded."""
-        h, kv, f = self.hidden, self.kv_dim, self.ffn_hidden
-        mlp = [(h, f), (h, f), (f, h)] if self.mlp == "swiglu" else [(h, f), (f, h)]
-        return [(h, h), (h, kv), (h, kv), (h, h)] + mlp
+        return [(k, n) for k, n, _ in self.attention_gemms() + self.mlp_gemms()]
 
 
 @dataclass(frozen=True)
@@ -223,22 +265,27 @@ def block_seconds(
     fp8: bool = False,
     fp8_recipe: Fp8Recipe = "tensorwise",
     recompute: Recompute = "none",
+    window: int = 0,
 ) -> BlockSeconds:
-    """[Note: block compute] for `tokens` tokens on this rank attending over `context` tokens."""
-    shards = [_shard(k, n, tp, i, shape) for i, (k, n) in enumerate(shape.gemms())]
+    """[Note: block compute] for `tokens` tokens on this rank attending over `context` tokens
+    (causally; with a sliding `window`, to at most that many before each)."""
+    shards = [_shard(k, n, tp, row) for k, n, row in shape.attention_gemms() + shape.mlp_gemms()]
     gemm = sum(gemm_seconds(tokens, k, n, gpu, fp8, fp8_recipe) for k, n in shards)
     gemm_backward = sum(gemm_backward_seconds(tokens, k, n, gpu, fp8, fp8_recipe) for k, n in shards)
-    heads_dim = shape.hidden / tp
+    heads_dim = shape.attention_width / tp
     if stack.score_passes:
-        head_dim = shape.hidden // shape.num_heads
+        head_dim = shape.qk_head_dim
         scores = tokens * context * (shape.num_heads / tp) * stack.score_passes * ACT_BYTES
         score_gemms = 4.0 * tokens * context * heads_dim / (gpu.bf16_tflops * 1e12 * gpu.gemm_share
                                                             * tile_efficiency(head_dim, context))  # fmt: skip
         # forward: the GEMMs and a third of the passes; ATTENTION_BACKWARD scales it for backward
         attention = score_gemms + scores / 3 / (gpu.hbm_tbps * 1e12 * HBM_SHARE)
     else:
-        attn_share = stack.attention_share[gpu.generation] * context / (context + ATTENTION_SEQ_HALF)
-        attention = 2.0 * tokens * context * heads_dim / (gpu.bf16_tflops * 1e12 * attn_share)
+        span = min(context, window) if window else context
+        # a causal token attends to context / 2 positions on average, to w - w^2 / 2s in a window w
+        attended = context / 2 if span == context else span - span * span / (2 * context)
+        attn_share = stack.attention_share[gpu.generation] * span / (span + ATTENTION_SEQ_HALF)
+        attention = 4.0 * tokens * attended * heads_dim / (gpu.bf16_tflops * 1e12 * attn_share)
     h, kv, f = shape.hidden / tp, shape.kv_dim / tp, shape.ffn_hidden / tp
     passes = (
         2 * stack.norm_passes * shape.hidden
@@ -259,9 +306,8 @@ def block_seconds(
     return BlockSeconds(forward, backward, recompute_s, gemm, attention, elementwise)
 
 
-def _shard(k: int, n: int, tp: int, index: int, shape: BlockShape) -> tuple[int, int]:
+def _shard(k: int, n: int, tp: int, row_parallel: bool) -> tuple[int, int]:
     """Column-parallel matrices split N, row-parallel (wo, the MLP's last) split K."""
-    row_parallel = index == 3 or index == len(shape.gemms()) - 1
     return (k // tp, n) if row_parallel else (k, n // tp)
 
 

@@ -26,6 +26,7 @@ from typing import Any, Literal
 
 from overlap.step_model.hardware import ACCELERATORS, NODES
 from overlap.step_model.kernels import FP8_RECIPES, STACKS, BlockShape, Fp8Recipe, Mlp, Recompute
+from overlap.step_model.moe import MoeShape
 
 DpMode = Literal["ddp", "zero1", "zero2", "zero3", "zero3-keep"]
 DP_MODES: tuple[DpMode, ...] = ("ddp", "zero1", "zero2", "zero3", "zero3-keep")
@@ -34,7 +35,10 @@ Schedule = Literal["1f1b", "interleaved", "gpipe"]
 
 @dataclass(frozen=True, kw_only=True)
 class ModelShape:
-    """A decoder-only transformer: what its compute and its bytes depend on."""
+    """A decoder-only transformer: what its compute and its bytes depend on. The attention
+    fields after `tied_embeddings` are `BlockShape`'s (overlap/step_model/kernels.py); `moe`
+    makes the MLP of its layers a mixture of experts ([Note: expert parallelism] in
+    overlap/step_model/moe.py), `ffn_hidden` then being the width of its dense layers' MLP."""
 
     num_layers: int
     hidden: int
@@ -44,19 +48,59 @@ class ModelShape:
     vocab_size: int
     mlp: Mlp = "swiglu"
     tied_embeddings: bool = False
+    head_dim: int = 0
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    rope_head_dim: int = 0
+    v_head_dim: int = 0
+    sliding_window: int = 0
+    """Tokens a sliding-window layer attends to (0: every layer attends to the whole context)."""
+    sliding_layers: int = 0
+    """How many of the layers use the sliding window, spread evenly (GPT-OSS: every second)."""
+    moe: MoeShape | None = None
 
-    def block(self) -> BlockShape:
-        return BlockShape(hidden=self.hidden, ffn_hidden=self.ffn_hidden, num_heads=self.num_heads,
-                          num_kv_heads=self.num_kv_heads, mlp=self.mlp)  # fmt: skip
+    def __post_init__(self) -> None:
+        if isinstance(self.moe, dict):  # from JSON (RunSpec.from_dict, the published-runs file)
+            object.__setattr__(self, "moe", MoeShape(**self.moe))
+        if not 0 <= self.sliding_layers <= self.num_layers:
+            raise ValueError(f"ModelShape.sliding_layers must be in [0, {self.num_layers}], got {self.sliding_layers}")
 
-    def layer_numel(self) -> int:
+    def block(self, *, moe_layer: bool = False) -> BlockShape:
+        """A dense layer's block, or with `moe_layer` a MoE layer's attention (no dense MLP)."""
+        return BlockShape(hidden=self.hidden, ffn_hidden=0 if moe_layer else self.ffn_hidden,
+                          num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, mlp=self.mlp,
+                          head_dim=self.head_dim, q_lora_rank=self.q_lora_rank, kv_lora_rank=self.kv_lora_rank,
+                          rope_head_dim=self.rope_head_dim, v_head_dim=self.v_head_dim)  # fmt: skip
+
+    def is_moe_layer(self, index: int) -> bool:
+        return self.moe is not None and self.moe.is_moe_layer(index)
+
+    def is_sliding_layer(self, index: int) -> bool:
+        """Layer `index` attends through the sliding window (the first of every
+        num_layers / sliding_layers layers)."""
+        return bool(self.sliding_layers) and index % (self.num_layers // self.sliding_layers) == 0
+
+    def layer_numel(self, index: int | None = None) -> int:
+        """Parameters of layer `index` (None: a dense layer), its routed experts included."""
+        if index is not None and self.is_moe_layer(index):
+            assert self.moe is not None
+            attention = sum(k * n for k, n in self.block(moe_layer=True).gemms())
+            return attention + self.moe.dense_numel(self.hidden) + self.moe.num_experts * self.moe.expert_numel(
+                self.hidden) + 2 * self.hidden  # fmt: skip
         return sum(k * n for k, n in self.block().gemms()) + 2 * self.hidden
+
+    def expert_layer_numel(self, index: int) -> int:
+        """Parameters of layer `index`'s routed experts (0 for a dense layer)."""
+        if not self.is_moe_layer(index):
+            return 0
+        assert self.moe is not None
+        return self.moe.num_experts * self.moe.expert_numel(self.hidden)
 
     def root_numel(self) -> int:
         return (1 if self.tied_embeddings else 2) * self.vocab_size * self.hidden + self.hidden
 
     def num_params(self) -> int:
-        return self.num_layers * self.layer_numel() + self.root_numel()
+        return sum(self.layer_numel(i) for i in range(self.num_layers)) + self.root_numel()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -103,6 +147,20 @@ class RunSpec:
     """A preset of `overlap.step_model.kernels.STACKS`: the kernels' rates and fusion."""
     async_tp: bool = False
     """Tensor-parallel collectives overlapped with the GEMMs (async TP, --tp-comm-overlap)."""
+    ep: int = 1
+    """Expert parallel degree: each MoE layer's routed experts split over this many ranks of the
+    data-parallel (x context x, with `etp` 1, tensor) ranks, as Megatron-Core and torchtitan
+    lay out their expert mesh."""
+    etp: int = 1
+    """Expert tensor parallel degree: 1 (experts whole on each rank, tokens from the sequence-
+    parallel shard) or `tp` (experts split as the dense MLP)."""
+    ep_overlap: bool = False
+    """The dispatch and combine of one micro-batch run behind another's compute (Megatron-Core's
+    overlap_moe_expert_parallel_comm, which merges the forward and backward of two micro-batches
+    in the 1F1B steady state); False: exposed."""
+    capacity_factor: float | None = None
+    """Token dropping with each expert padded to capacity_factor x its balanced share; None:
+    dropless (what the published MoE benchmarks run)."""
     notes: tuple[str, ...] = field(default_factory=tuple)
     """What the configuration does not publish and the row assumes, shown with the prediction."""
 
@@ -117,6 +175,8 @@ class RunSpec:
             "cp",
             "replicas",
             "virtual_stages",
+            "ep",
+            "etp",
         ):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -138,12 +198,41 @@ class RunSpec:
         if self.global_batch % self.dp or (self.global_batch // self.dp) % self.micro_batch:
             raise ValueError(f"RunSpec: global batch {self.global_batch} does not split into {self.dp} data-parallel "
                              f"ranks of micro-batches of {self.micro_batch}")  # fmt: skip
+        self._check_experts()
         if self.schedule == "interleaved" and self.virtual_stages < 2:
             raise ValueError("RunSpec: the interleaved schedule needs virtual_stages >= 2")
         if self.pp * self.virtual_stages > self.model.num_layers:
             raise ValueError(
                 f"RunSpec: {self.pp * self.virtual_stages} pipeline stages for {self.model.num_layers} layers"
             )
+
+    def _check_experts(self) -> None:
+        moe = self.model.moe
+        if moe is None:
+            if self.ep > 1:
+                raise ValueError("RunSpec: ep > 1 needs a model with MoE layers (ModelShape.moe)")
+            return
+        if self.etp not in (1, self.tp):
+            raise ValueError(f"RunSpec.etp must be 1 or tp ({self.tp}), got {self.etp}")
+        if moe.num_experts % self.ep:
+            raise ValueError(f"RunSpec: {moe.num_experts} experts do not split over ep {self.ep}")
+        if self.expert_ranks % self.ep:
+            raise ValueError(f"RunSpec: ep {self.ep} does not divide the {self.expert_ranks} ranks the experts "
+                             f"span (dp x cp{' x tp' if self.etp == 1 else ''})")  # fmt: skip
+        if self.capacity_factor is not None and not self.capacity_factor > 0:
+            raise ValueError(f"RunSpec.capacity_factor must be > 0 or None, got {self.capacity_factor!r}")
+
+    @property
+    def expert_ranks(self) -> int:
+        """Ranks of one pipeline stage the expert layout splits into ep x expert data parallel
+        (Megatron-Core: ETP x EP x EDP = TP x CP x DP)."""
+        return self.dp * self.cp * self.tp // self.etp
+
+    @property
+    def edp(self) -> int:
+        """Expert data-parallel degree: the ranks each expert's parameters are sharded or
+        replicated over (torchtitan's efsdp = dp_shard x cp / ep)."""
+        return self.expert_ranks // self.ep
 
     @property
     def dp(self) -> int:

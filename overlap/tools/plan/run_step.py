@@ -21,6 +21,13 @@ the sequence), the head and loss, recomputation by the checkpointing policy. Com
                     per-step merges on the compute stream
     pipeline        (M + (P-1)/v) micro-batch slots per step ([Note: pipeline step] in
                     layout.py) and the stage-to-stage sends, one rail each
+    expert          per MoE layer the dispatch and combine all-to-alls forward and backward (and
+                    again for a recomputed forward) over the EP group, exposed unless `ep_overlap`; the routed
+                    experts' parameters are sharded (reduced) over the expert data-parallel
+                    group (dp x cp [x tp] / ep), the rest over dp ([Note: expert parallelism]
+                    in overlap/step_model/moe.py)
+The bottleneck rank of a pipeline holds the model's last layers (with dense layers first, the
+MoE layers; with sliding-window layers, its share of them).
 [Note: weight passes]
 Some work scales with the weights, not the tokens, and runs on the compute stream: fp32
 parameters under autocast are cast to bf16 at each forward use (read 4, write 2 bytes; again for
@@ -43,8 +50,9 @@ from overlap.config import OverlapConfig
 from overlap.step_model.calibration import default_calibration
 from overlap.step_model.cost import Link, Topology, UnitCost, ring_time_s
 from overlap.step_model.fitting import solve_increasing
-from overlap.step_model.hardware import HBM_SHARE, accelerator, nccl_share, node_spec, ring_link
+from overlap.step_model.hardware import HBM_SHARE, NVLINK_SHARE, accelerator, nccl_share, node_spec, ring_link
 from overlap.step_model.kernels import block_seconds, head_seconds, stack
+from overlap.step_model.moe import all_to_all_s, moe_seconds
 from overlap.tools.plan import ring_attention
 from overlap.tools.plan.fsdp import OPTIMIZER_BYTES_PER_PARAM
 from overlap.tools.plan.run_spec import RunSpec
@@ -69,6 +77,7 @@ class RunPrediction:
     pp_bubble_s: float
     p2p_s: float
     optimizer_s: float
+    ep_exposed_s: float = 0.0
     lacks: list[str] = field(default_factory=list)
     """What the model does not represent for this run (shown beside the prediction)."""
 
@@ -82,11 +91,25 @@ def _group_link(spec: RunSpec, size: int, ranks_per_node: int) -> Link:
     return ring_link(accelerator(spec.gpu), node_spec(spec.node), size, max(1, min(size, ranks_per_node)))
 
 
-def _weight_pass_s(spec: RunSpec) -> tuple[float, float]:
-    """(forward, backward) seconds per block and micro-batch of the passes over its weights on
+def _rank_layers(spec: RunSpec) -> range:
+    """Indices of the layers on the bottleneck rank ([Note: a run's step])."""
+    m = spec.model
+    return range(max(0, m.num_layers - spec.layers_per_rank), m.num_layers)
+
+
+def _layer_numel(spec: RunSpec, index: int) -> tuple[float, float]:
+    """(dense, routed-expert) parameters of layer `index` on one rank: 1/T of the dense ones,
+    the rank's E/EP experts split over ETP."""
+    m = spec.model
+    expert = m.expert_layer_numel(index)
+    return (m.layer_numel(index) - expert) / spec.tp, expert / (spec.ep * spec.etp)
+
+
+def _weight_pass_s(spec: RunSpec, index: int) -> tuple[float, float]:
+    """(forward, backward) seconds per micro-batch of the passes over layer `index`'s weights on
     the compute stream ([Note: weight passes])."""
     gpu, kernels = accelerator(spec.gpu), stack(spec.stack)
-    numel = spec.model.layer_numel() / spec.tp
+    numel = sum(_layer_numel(spec, index))
     forward = backward = 0.0
     if spec.param_bytes == 4:  # fp32 parameters under autocast
         forward += 6 * (1 + RECOMPUTED_FORWARDS[spec.ac])
@@ -102,22 +125,64 @@ def _weight_pass_s(spec: RunSpec) -> tuple[float, float]:
 def _microbatch_compute(spec: RunSpec) -> tuple[list[tuple[float, float]], tuple[float, float]]:
     """(forward, backward + recompute) seconds of each block on the bottleneck rank, and of the
     head and loss, for one micro-batch."""
-    gpu, kernels = accelerator(spec.gpu), stack(spec.stack)
+    gpu, kernels, m = accelerator(spec.gpu), stack(spec.stack), spec.model
     tokens = spec.micro_batch * spec.seq_len / spec.cp
-    b = block_seconds(spec.model.block(), tokens, spec.seq_len, gpu, kernels, tp=spec.tp,
-                      fp8=spec.precision == "fp8", fp8_recipe=spec.fp8_recipe, recompute=spec.ac)  # fmt: skip
-    weights_fwd, weights_bwd = _weight_pass_s(spec)
+    fp8 = spec.precision == "fp8"
     ring_fwd, ring_bwd = ring_attention.compute_s(spec)
-    forward, backward = b.forward_s + weights_fwd + ring_fwd, b.backward_s + b.recompute_s + weights_bwd + ring_bwd
-    blocks = [(forward, backward)] * spec.layers_per_rank
-    head = head_seconds(tokens, spec.model.hidden, spec.model.vocab_size, gpu, spec.tp)
+    blocks = []
+    for index in _rank_layers(spec):
+        moe_layer = m.is_moe_layer(index)
+        b = block_seconds(m.block(moe_layer=moe_layer), tokens, spec.seq_len, gpu, kernels, tp=spec.tp, fp8=fp8,
+                          fp8_recipe=spec.fp8_recipe, recompute=spec.ac,
+                          window=m.sliding_window if m.is_sliding_layer(index) else 0)  # fmt: skip
+        weights_fwd, weights_bwd = _weight_pass_s(spec, index)
+        forward = b.forward_s + weights_fwd + ring_fwd
+        backward = b.backward_s + b.recompute_s + weights_bwd + ring_bwd
+        if moe_layer:
+            e = _moe_seconds(spec, tokens)
+            forward += e.forward_s
+            backward += e.backward_s + RECOMPUTED_FORWARDS[spec.ac] * e.forward_s
+        blocks.append((forward, backward))
+    head = head_seconds(tokens, m.hidden, m.vocab_size, gpu, spec.tp)
     return blocks, head
 
 
-def _stage_numel(spec: RunSpec) -> tuple[int, int]:
-    """(block parameters, root parameters) on the bottleneck rank, 1/T of each."""
-    m = spec.model
-    return spec.layers_per_rank * m.layer_numel() // spec.tp, m.root_numel() // spec.tp
+def _moe_seconds(spec: RunSpec, tokens: float):
+    """One MoE layer's MLP for the rank's `tokens` (sequence-parallel shard of them with ETP 1)."""
+    assert spec.model.moe is not None
+    routed = tokens / (spec.tp // spec.etp)
+    return moe_seconds(spec.model.moe, spec.model.hidden, routed, accelerator(spec.gpu), ep=spec.ep,
+                       tp=spec.tp, etp=spec.etp, shared_tokens=tokens, fp8=spec.precision == "fp8",
+                       fp8_recipe=spec.fp8_recipe, capacity_factor=spec.capacity_factor)  # fmt: skip
+
+
+def _ep_exposed(spec: RunSpec) -> float:
+    """Exposed seconds of one micro-batch's dispatch and combine all-to-alls ([Note: expert
+    parallelism]): two forward, two backward and two per recomputed forward, per MoE layer."""
+    moe_layers = sum(spec.model.is_moe_layer(i) for i in _rank_layers(spec))
+    if spec.ep == 1 or not moe_layers:
+        return 0.0
+    gpu, node = accelerator(spec.gpu), node_spec(spec.node)
+    nvlink = Link(f"nvlink ({gpu.name})", node.alpha_intra_s, gpu.nvlink_gbps * NVLINK_SHARE, gpu.source)
+    rail = Link(f"{node.rail_gbit:g}G rail", node.alpha_inter_s, node.rail_gbps(), node.source)
+    # the EP group's ranks are consecutive in the expert layout (ETP innermost)
+    per_domain = node.nvlink_domain // spec.etp
+    e = _moe_seconds(spec, spec.micro_batch * spec.seq_len / spec.cp)
+    count = moe_layers * (4 + 2 * RECOMPUTED_FORWARDS[spec.ac])
+    return count * all_to_all_s(e.dispatch_bytes, spec.ep, per_domain, nvlink, rail)
+
+
+def _stage_numel(spec: RunSpec) -> tuple[float, float, float]:
+    """(dense block, routed-expert, root) parameters on the bottleneck rank ([Note: a run's
+    step]): 1/T of the dense ones, the rank's experts."""
+    layers = [_layer_numel(spec, i) for i in _rank_layers(spec)]
+    return sum(d for d, _ in layers), sum(e for _, e in layers), spec.model.root_numel() / spec.tp
+
+
+def _expert_group(spec: RunSpec) -> tuple[int, Link]:
+    """The expert data-parallel group and its link: EDP ranks strided by ETP x EP."""
+    per_node = max(1, node_spec(spec.node).gpus_per_node // (spec.ep * spec.etp))
+    return spec.edp, _group_link(spec, spec.edp, per_node)
 
 
 def _tp_exposed(spec: RunSpec) -> float:
@@ -147,15 +212,19 @@ def _simulated_fsdp(spec: RunSpec, blocks: list[tuple[float, float]], head: tupl
     """(seconds, of which exposed) of one micro-batch replayed on the simulator with the
     runtime's Schedule: gathers, and with `reduce` the gradients' reduce-scatter."""
     size, link = _dp_group(spec)
-    block_numel, root_numel = _stage_numel(spec)
+    root_numel = _stage_numel(spec)[2]
     gather_bytes = 1 if spec.fp8_all_gather else spec.param_bytes
-    per_block = block_numel // len(blocks)
     cal = replace(default_calibration("nccl", size, link), compute_share_lost=nccl_share(accelerator(spec.gpu)))
     grad_bytes = spec.reduce_bytes if reduce else 0
-    units: list[UnitCost] = [cal.unit("root", root_numel * spec.param_bytes, root_numel * grad_bytes, *head,
-                                      gather_wire_bytes=root_numel * spec.param_bytes)]  # fmt: skip
-    units += [cal.unit(f"blocks.{i}", per_block * spec.param_bytes, per_block * grad_bytes, f, b,
-                       gather_wire_bytes=per_block * gather_bytes) for i, (f, b) in enumerate(blocks)]  # fmt: skip
+    wire = _expert_wire_share(spec, size, link)
+    units: list[UnitCost] = [cal.unit("root", int(root_numel * spec.param_bytes), int(root_numel * grad_bytes), *head,
+                                      gather_wire_bytes=int(root_numel * spec.param_bytes))]  # fmt: skip
+    for i, ((f, b), index) in enumerate(zip(blocks, _rank_layers(spec), strict=True)):
+        dense, expert = _layer_numel(spec, index)
+        numel = int(dense + expert)
+        units.append(cal.unit(f"blocks.{i}", numel * spec.param_bytes, numel * grad_bytes, f, b,
+                              gather_wire_bytes=int((dense + wire * expert) * gather_bytes),
+                              reduce_wire_bytes=int((dense + wire * expert) * grad_bytes)))  # fmt: skip
     config = OverlapConfig(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
                            reshard_after_forward=spec.dp_mode == "zero3")  # fmt: skip
     replicas = spec.replicas if spec.dp_mode == "zero3" else 1
@@ -165,22 +234,30 @@ def _simulated_fsdp(spec: RunSpec, blocks: list[tuple[float, float]], head: tupl
     return p.step_s, p.exposed_s
 
 
+def _expert_wire_share(spec: RunSpec, size: int, link: Link) -> float:
+    """Routed-expert bytes as the data-parallel group's bytes of the same ring time: the experts
+    gather and reduce over the expert data-parallel group instead ([Note: a run's step])."""
+    edp, elink = _expert_group(spec)
+    if edp == 1 or size == 1:
+        return 0.0
+    return ((edp - 1) / edp / elink.busbw_gbps) / ((size - 1) / size / link.busbw_gbps)
+
+
 def _once_per_step(spec: RunSpec, mb_forward_s: float, mb_backward_s: float) -> float:
     """Exposed seconds of a data-parallel exchange that happens once per step ([Note: a run's
     step]): the stage's reduction behind one micro-batch's backward, ZeRO-1's and a kept ZeRO-3's
     gather behind one micro-batch's forward."""
-    size, link = _dp_group(spec)
-    if size == 1:
-        return 0.0
-    block_numel, root_numel = _stage_numel(spec)
-    numel = block_numel + root_numel
-    topo = Topology(size, size, link, link)
+    dense, expert, root = _stage_numel(spec)
     reduce_op = "all_reduce" if spec.dp_mode == "ddp" else "reduce_scatter"
-    reduce_s = ring_time_s(reduce_op, numel * spec.reduce_bytes, topo)
-    gather_s = 0.0
-    if spec.dp_mode in ("zero1", "zero3-keep"):
-        gather_bytes = 1 if spec.fp8_all_gather else spec.param_bytes
-        gather_s = ring_time_s("all_gather", numel * gather_bytes, topo)
+    gather_bytes = 1 if spec.fp8_all_gather else spec.param_bytes
+    reduce_s = gather_s = 0.0
+    for group, link, numel in ((*_dp_group(spec), dense + root), (*_expert_group(spec), expert)):
+        if group == 1 or not numel:
+            continue
+        topo = Topology(group, group, link, link)
+        reduce_s += ring_time_s(reduce_op, numel * spec.reduce_bytes, topo)
+        if spec.dp_mode in ("zero1", "zero3-keep"):
+            gather_s += ring_time_s("all_gather", numel * gather_bytes, topo)
     if not spec.dp_overlap:
         return reduce_s + gather_s
     # what hides still takes NCCL's SMs from the compute beside it ([Note: accelerator rates])
@@ -201,6 +278,9 @@ def _lacks(spec: RunSpec) -> list[str]:
             "ring attention's steps priced as one flash kernel over the rank's causal share"
             + ("" if stack(spec.stack).torch_ring else "; its merges as fused into the kernels")
         )
+    if spec.model.moe is not None:
+        overlap = "overlapped with another micro-batch" if spec.ep_overlap else "exposed"
+        out.append(f"routing balanced (no load imbalance priced); dispatch and combine all-to-alls {overlap}")
     if spec.precision == "fp8" and spec.fp8_recipe == "rowwise":
         out.append("rowwise fp8 backward GEMMs at the fast-accumulation rate (torchao's slow accumulation unpriced)")
     return out
@@ -220,12 +300,19 @@ def predict_run(spec: RunSpec, *, compute_scale: float = 1.0) -> RunPrediction:
     mb_forward = sum(f for f, _ in blocks) + head[0]
     mb_backward = sum(b for _, b in blocks) + head[1]
     m, p, v = spec.num_microbatches, spec.pp, spec.virtual_stages
-    block_numel, root_numel = _stage_numel(spec)
-    owned = block_numel + root_numel
+    dense, expert, root = _stage_numel(spec)
+    owned = dense + root + expert
     if spec.dp_mode != "ddp":
-        owned /= spec.dp * spec.cp // (spec.replicas if spec.dp_mode in ("zero3", "zero3-keep") else 1)
+        owned = (dense + root) / (
+            spec.dp * spec.cp // (spec.replicas if spec.dp_mode in ("zero3", "zero3-keep") else 1)
+        )
+        owned += expert / spec.edp
     optimizer_s = OPTIMIZER_BYTES_PER_PARAM * owned / (gpu.hbm_tbps * 1e12 * HBM_SHARE)
     tp_mb = _tp_exposed(spec)
+    ep_mb = _ep_exposed(spec)
+    if spec.ep_overlap:  # hidden behind the other micro-batch, taking NCCL's SMs from it
+        compute = mb_forward + mb_backward
+        ep_mb = max(0.0, ep_mb - compute) + min(ep_mb, compute) * nccl_share(gpu)
     cp_mb = ring_attention.exposed_s(spec, attention_s)
     p2p_mb = 0.0
     if p > 1:
@@ -235,7 +322,7 @@ def predict_run(spec: RunSpec, *, compute_scale: float = 1.0) -> RunPrediction:
     compute_mb = mb_forward + mb_backward
     if p == 1 and spec.dp_mode in ("zero3", "zero2"):
         mb_s, mb_exposed = _simulated_fsdp(spec, blocks, head)
-        step = m * (mb_s + tp_mb + cp_mb) + optimizer_s
+        step = m * (mb_s + tp_mb + cp_mb + ep_mb) + optimizer_s
         bubble, dp_exposed = 0.0, m * mb_exposed
     else:
         # ZeRO-3 and ZeRO-2 under pipelining gather every micro-batch, as FSDP2's stages with
@@ -244,14 +331,14 @@ def predict_run(spec: RunSpec, *, compute_scale: float = 1.0) -> RunPrediction:
         gathers_mb = 0.0
         if spec.dp_mode in ("zero3", "zero2"):
             gathers_mb = max(0.0, _simulated_fsdp(spec, blocks, head, reduce=False)[0] - compute_mb)
-        slot = compute_mb + gathers_mb + tp_mb + cp_mb + p2p_mb
+        slot = compute_mb + gathers_mb + tp_mb + cp_mb + ep_mb + p2p_mb
         fill = (p - 1) / v
         bubble = fill * slot
         dp_exposed = m * gathers_mb + _once_per_step(spec, mb_forward, mb_backward)
         step = (m + fill) * slot + (dp_exposed - m * gathers_mb) + optimizer_s
     return RunPrediction(spec=spec, step_s=step, compute_s=m * compute_mb, dp_exposed_s=dp_exposed,
                          tp_exposed_s=m * tp_mb, cp_exposed_s=m * cp_mb, pp_bubble_s=bubble, p2p_s=m * p2p_mb,
-                         optimizer_s=optimizer_s, lacks=_lacks(spec))  # fmt: skip
+                         optimizer_s=optimizer_s, ep_exposed_s=m * ep_mb, lacks=_lacks(spec))  # fmt: skip
 
 
 def calibrate_compute(spec: RunSpec, measured_tokens_per_s_per_gpu: float) -> float:
@@ -276,11 +363,12 @@ def format_run(pred: RunPrediction) -> str:
         f"run        {m.num_layers} layers x {m.hidden} ({m.num_params() / 1e9:.1f} B parameters), seq {s.seq_len}, "
         f"global batch {s.global_batch}, micro-batch {s.micro_batch} ({s.num_microbatches} per step)",
         f"cluster    {s.num_gpus} x {gpu.name} on {node_spec(s.node).name}; tp {s.tp}, pp {s.pp}"
-        f"{f' x {s.virtual_stages} ({s.schedule})' if s.pp > 1 else ''}, cp {s.cp}, dp {s.dp} ({s.dp_mode})",
+        f"{f' x {s.virtual_stages} ({s.schedule})' if s.pp > 1 else ''}, cp {s.cp}, dp {s.dp} ({s.dp_mode})"
+        f"{f', ep {s.ep} (etp {s.etp}, expert dp {s.edp})' if m.moe is not None else ''}",
         f"compute    {stack(s.stack).name}, {s.precision}, activation checkpointing {s.ac}",
         f"step       {pred.step_s:.3f} s: compute {pred.compute_s:.3f} + data-parallel exposed {pred.dp_exposed_s:.3f} + "
         f"tensor {pred.tp_exposed_s:.3f} + context {pred.cp_exposed_s:.3f} + bubble {pred.pp_bubble_s:.3f} + "
-        f"sends {pred.p2p_s:.3f} + optimizer {pred.optimizer_s:.3f}",
+        f"sends {pred.p2p_s:.3f} + experts {pred.ep_exposed_s:.3f} + optimizer {pred.optimizer_s:.3f}",
         f"tokens/s   {pred.tokens_per_s_per_gpu:,.0f} per GPU",
     ]
     lines += [f"assumes    {note}" for note in pred.lacks]
