@@ -34,8 +34,9 @@ from overlap.engine.units import group_units
 from overlap.step_model.calibration import Calibration, codec_path, default_calibration
 from overlap.step_model.cost import LINKS, Link, Topology, UnitCost
 from overlap.step_model.hardware import accelerator
-from overlap.step_model.kernels import BlockShape, block_seconds, head_seconds
+from overlap.step_model.kernels import block_seconds, head_seconds
 from overlap.step_model.kernels import stack as kernel_stack
+from overlap.step_model.moe import moe_seconds
 from overlap.step_model.simulate import Prediction
 from overlap.tools.plan.layout import ParallelBreakdown, ParallelDims
 from overlap.tools.plan.models import GpuSpec, ModelProfile
@@ -249,10 +250,21 @@ def kernel_seconds(profile: ModelProfile, cluster: Cluster) -> tuple[tuple[float
         return None
     shape, gpu, tp = profile.shape, accelerator(cluster.gpu.accelerator), profile.tensor_parallel
     tokens = profile.seq_len * profile.local_batch
-    block = BlockShape(hidden=shape.hidden, ffn_hidden=shape.ffn_hidden, num_heads=shape.num_heads,
-                       num_kv_heads=shape.num_kv_heads)  # fmt: skip
-    b = block_seconds(block, tokens, profile.seq_len, gpu, kernel_stack(cluster.kernels), tp=tp, recompute=profile.ac)
-    return (b.forward_s, b.backward_s + b.recompute_s), head_seconds(tokens, shape.hidden, shape.vocab_size, gpu, tp)
+    kernels = kernel_stack(cluster.kernels)
+    forward = backward = 0.0
+    for index in range(shape.num_layers):  # a MoE model's layers differ: their mean is each block's
+        moe_layer = shape.is_moe_layer(index)
+        window = shape.sliding_window if shape.is_sliding_layer(index) else 0
+        b = block_seconds(shape.block(moe_layer=moe_layer), tokens, profile.seq_len, gpu, kernels, tp=tp,
+                          recompute=profile.ac, window=window)  # fmt: skip
+        forward, backward = forward + b.forward_s, backward + b.backward_s + b.recompute_s
+        if moe_layer:
+            assert shape.moe is not None  # every expert on every rank: no expert parallelism here
+            e = moe_seconds(shape.moe, shape.hidden, tokens, gpu, tp=tp, etp=tp)
+            forward += e.forward_s
+            backward += e.backward_s + (e.forward_s if profile.ac == "full" else 0.0)
+    layers = shape.num_layers
+    return (forward / layers, backward / layers), head_seconds(tokens, shape.hidden, shape.vocab_size, gpu, tp)
 
 
 def build_units(profile: ModelProfile, config: OverlapConfig, cluster: Cluster) -> list[UnitCost]:

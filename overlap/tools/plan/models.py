@@ -25,6 +25,7 @@ import torch
 import torch.nn as nn
 
 from overlap.step_model.hardware import ACCELERATORS
+from overlap.step_model.moe import MoeShape
 from overlap.tools.plan.run_spec import ModelShape
 
 AcPolicy = Literal["none", "selective", "full"]
@@ -103,6 +104,7 @@ class TransformerShape(ModelShape):
     source: str
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.hidden % self.num_heads or self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"{self.name}: hidden={self.hidden} must divide by num_heads={self.num_heads}, "
@@ -111,14 +113,27 @@ class TransformerShape(ModelShape):
 
     @property
     def kv_dim(self) -> int:
-        return self.hidden // self.num_heads * self.num_kv_heads
+        return self.block().kv_dim
 
-    def layer_matmul_numel(self) -> int:
-        """Weights of one block's seven matmuls: wq, wk, wv, wo and the SwiGLU w1, w3, w2."""
-        h, kv, f = self.hidden, self.kv_dim, self.ffn_hidden
-        return 2 * h * h + 2 * h * kv + 3 * h * f
+    def layer_matmul_numel(self, index: int | None = None) -> int:
+        """Weights one token multiplies in layer `index` (None: a dense layer): the attention's
+        and the MLP's (wq, wk, wv, wo and the SwiGLU w1, w3, w2), or in a MoE layer the router,
+        the shared experts and its top-k routed experts."""
+        if index is None or not self.is_moe_layer(index):
+            return sum(k * n for k, n in self.block().gemms())
+        assert self.moe is not None
+        attention = sum(k * n for k, n in self.block(moe_layer=True).gemms())
+        return attention + self.moe.dense_numel(self.hidden) + self.moe.top_k * self.moe.expert_numel(self.hidden)
 
-    def layer_activation_elems(self, ac: AcPolicy) -> int:
+    def _mlp_width(self, index: int) -> int:
+        """Hidden activations per token of layer `index`'s MLP (a MoE layer's: top-k routed
+        experts and the shared ones)."""
+        if not self.is_moe_layer(index):
+            return self.ffn_hidden
+        assert self.moe is not None
+        return self.moe.top_k * self.moe.expert_ffn_hidden + self.moe.shared_ffn_hidden
+
+    def layer_activation_elems(self, ac: AcPolicy, index: int | None = None) -> int:
         """Elements per token one block keeps for backward (an estimate, see below).
 
         Without checkpointing: block input, norm output, q/k/v, attention output (flash attention
@@ -127,7 +142,7 @@ class TransformerShape(ModelShape):
         output plus every second matmul output (half of q, k, v, wo, w1, w3, w2 outputs). Full: the
         block input only.
         """
-        h, kv, f = self.hidden, self.kv_dim, self.ffn_hidden
+        h, kv, f = self.hidden, self.kv_dim, self.ffn_hidden if index is None else self._mlp_width(index)
         if ac == "none":
             return 6 * h + 2 * kv + 4 * f
         if ac == "selective":
@@ -145,22 +160,26 @@ class TransformerShape(ModelShape):
         _check_positive(seq=seq, local_batch=batch)
         if ac not in AC_POLICIES:
             raise ValueError(f"ac must be one of {AC_POLICIES}, got {ac!r}")
-        matmul = 2.0 * self.layer_matmul_numel()
-        attention = 4.0 * self.hidden * seq  # QK^T and AV, 2·h·T FLOPs each per token
-        recompute = {"none": 0.0, "selective": SELECTIVE_RECOMPUTE_SHARE * matmul, "full": matmul + attention}[ac]
+        layers = range(self.num_layers)
+        attention = [4.0 * self.block().attention_width * seq] * self.num_layers  # QK^T and AV per token
+        matmul = [2.0 * self.layer_matmul_numel(i) for i in layers]
+        recompute = [{"none": 0.0, "selective": SELECTIVE_RECOMPUTE_SHARE * mm, "full": mm + at}[ac]
+                     for mm, at in zip(matmul, attention, strict=True)]  # fmt: skip
         logits_bytes = self.vocab_size * (BF16_BYTES + 4)  # bf16 logits + their fp32 copy for the loss
-        workspace = self.layer_activation_elems("none") if ac != "none" else 0  # one block recomputed
-        act_elems = self.num_layers * self.layer_activation_elems(ac) + workspace
+        workspace = max(self.layer_activation_elems("none", i) for i in layers) if ac != "none" else 0
+        act_elems = sum(self.layer_activation_elems(ac, i) for i in layers) + workspace
+        moe = self.moe
+        experts = f", {moe.num_experts} experts top {moe.top_k} of width {moe.expert_ffn_hidden}" if moe else ""
         return ModelProfile(
             name=self.name,
             description=(
                 f"{self.num_layers} layers, hidden {self.hidden}, ffn {self.ffn_hidden}, "
-                f"{self.num_heads} heads / {self.num_kv_heads} kv, vocab {self.vocab_size}"
+                f"{self.num_heads} heads / {self.num_kv_heads} kv, vocab {self.vocab_size}{experts}"
             ),
-            block_numels=(self.layer_numel(),) * self.num_layers,
+            block_numels=tuple(self.layer_numel(i) for i in layers),
             root_numel=self.root_numel(),
-            block_forward_flops=(matmul + attention,) * self.num_layers,
-            block_recompute_flops=(recompute,) * self.num_layers,
+            block_forward_flops=tuple(mm + at for mm, at in zip(matmul, attention, strict=True)),
+            block_recompute_flops=tuple(recompute),
             root_forward_flops=2.0 * self.vocab_size * self.hidden,
             activation_bytes_per_token=act_elems * BF16_BYTES + logits_bytes,
             seq_len=seq,
@@ -196,6 +215,52 @@ MODELS: dict[str, TransformerShape] = {
         name="llama-405b", num_layers=126, hidden=16384, ffn_hidden=53248, num_heads=128,
         num_kv_heads=8, vocab_size=128256, seq_len=8192, local_batch=1, ac="full",
         source="Llama 3 paper (arXiv:2407.21783) Table 3; meta-llama/Llama-3.1-405B config.json",
+    ),
+    # Mixture-of-experts shapes, each from its released config.json on Hugging Face (layers,
+    # hidden_size, the dense layers' intermediate_size, heads / key-value heads and head_dim,
+    # vocab_size; experts, experts per token, the experts' moe_intermediate_size, shared experts,
+    # first_k_dense_replace / interleave step). Defaults: torchtitan's DeepSeek-V3 and Llama 4
+    # training configs (sequence 4096 / 8192, full AC where a layer's experts fill the GPU).
+    "deepseek-v3": TransformerShape(
+        name="deepseek-v3", num_layers=61, hidden=7168, ffn_hidden=18432, num_heads=128, num_kv_heads=128,
+        vocab_size=129280, head_dim=128, q_lora_rank=1536, kv_lora_rank=512, rope_head_dim=64, v_head_dim=128,
+        moe=MoeShape(num_experts=256, top_k=8, expert_ffn_hidden=2048, shared_ffn_hidden=2048, dense_layers=3),
+        seq_len=4096, local_batch=1, ac="full",
+        source="deepseek-ai/DeepSeek-V3 config.json (MLA, 256 routed experts top 8, 1 shared, 3 dense layers first)",
+    ),
+    "mixtral-8x7b": TransformerShape(
+        name="mixtral-8x7b", num_layers=32, hidden=4096, ffn_hidden=14336, num_heads=32, num_kv_heads=8,
+        vocab_size=32000, moe=MoeShape(num_experts=8, top_k=2, expert_ffn_hidden=14336),
+        seq_len=4096, local_batch=1, ac="full",
+        source="mistralai/Mixtral-8x7B-v0.1 config.json (8 experts top 2, width 14336)",
+    ),
+    "qwen3-30b-a3b": TransformerShape(
+        name="qwen3-30b-a3b", num_layers=48, hidden=2048, ffn_hidden=6144, num_heads=32, num_kv_heads=4,
+        vocab_size=151936, head_dim=128, moe=MoeShape(num_experts=128, top_k=8, expert_ffn_hidden=768),
+        seq_len=4096, local_batch=1, ac="selective",
+        source="Qwen/Qwen3-30B-A3B config.json (128 experts top 8, width 768, heads of 128)",
+    ),
+    "qwen3-235b-a22b": TransformerShape(
+        name="qwen3-235b-a22b", num_layers=94, hidden=4096, ffn_hidden=12288, num_heads=64, num_kv_heads=4,
+        vocab_size=151936, head_dim=128, moe=MoeShape(num_experts=128, top_k=8, expert_ffn_hidden=1536),
+        seq_len=4096, local_batch=1, ac="full",
+        source="Qwen/Qwen3-235B-A22B config.json (128 experts top 8, width 1536, heads of 128)",
+    ),
+    "llama4-scout": TransformerShape(
+        name="llama4-scout", num_layers=48, hidden=5120, ffn_hidden=16384, num_heads=40, num_kv_heads=8,
+        vocab_size=202048, head_dim=128,
+        moe=MoeShape(num_experts=16, top_k=1, expert_ffn_hidden=8192, shared_ffn_hidden=8192),
+        seq_len=8192, local_batch=1, ac="full",
+        source="meta-llama/Llama-4-Scout-17B-16E config.json (16 experts top 1 + 1 shared, width 8192; "
+        "chunked attention of 8192 equals the full context here)",
+    ),
+    "llama4-maverick": TransformerShape(
+        name="llama4-maverick", num_layers=48, hidden=5120, ffn_hidden=16384, num_heads=40, num_kv_heads=8,
+        vocab_size=202048, head_dim=128,
+        moe=MoeShape(num_experts=128, top_k=1, expert_ffn_hidden=8192, shared_ffn_hidden=8192, every=2),
+        seq_len=8192, local_batch=1, ac="full",
+        source="meta-llama/Llama-4-Maverick-17B-128E config.json (128 experts top 1 + 1 shared on every "
+        "second layer, interleave_moe_layer_step 2)",
     ),
 }
 # fmt: on

@@ -1,0 +1,142 @@
+"""The planner's expert parallelism: MoE shapes, the router, the dispatch/combine all-to-alls, the
+grouped expert GEMMs at tokens-per-expert rows and the expert parameters' data-parallel group."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from overlap.step_model.cost import Link
+from overlap.step_model.hardware import ACCELERATORS, HBM_SHARE
+from overlap.step_model.kernels import TILE, gemm_seconds
+from overlap.step_model.moe import MoeShape, all_to_all_s, expert_gemm_seconds, expert_rows, moe_seconds
+from overlap.tools.plan.models import MODELS
+from overlap.tools.plan.run_spec import ModelShape, RunSpec
+from overlap.tools.plan.run_step import predict_run
+
+H100 = ACCELERATORS["h100-sxm"]
+DATA = Path(__file__).resolve().parents[2] / "benchmarks" / "published_runs.json"
+QWEN3_30B = ModelShape(
+    **{k: v for k, v in json.loads(DATA.read_text())["models"]["qwen3-30b-a3b"].items() if k != "source"}
+)
+
+
+def qwen_run(**overrides) -> RunSpec:
+    base = dict(model=QWEN3_30B, gpu="h100-sxm", node="dgx-h100", num_gpus=16, seq_len=4096, global_batch=256,
+                micro_batch=1, ep=8, dp_mode="zero1", stack="megatron-te")  # fmt: skip
+    return RunSpec(**{**base, **overrides})
+
+
+@pytest.mark.parametrize(
+    ("name", "total_b", "active_b"),
+    [("deepseek-v3", 671, 37), ("mixtral-8x7b", 46.7, 12.9), ("qwen3-30b-a3b", 30.5, 3.3), ("llama4-scout", 109, 17)],
+)
+def test_moe_presets_match_their_published_sizes(name: str, total_b: float, active_b: float) -> None:
+    shape = MODELS[name]
+    active = (
+        sum(shape.layer_matmul_numel(i) for i in range(shape.num_layers)) + shape.root_numel()
+    )  # embeddings counted, as the model cards do
+    assert shape.num_params() / 1e9 == pytest.approx(total_b, rel=0.02)
+    assert active / 1e9 == pytest.approx(active_b, rel=0.03)
+
+
+def test_router_gemm_and_top_k_are_priced() -> None:
+    moe = QWEN3_30B.moe
+    e = moe_seconds(moe, 2048, 4096, H100, ep=8)
+    assert e.router_forward_s > gemm_seconds(4096, 2048, moe.num_experts, H100, fp8=False)
+    more = moe_seconds(replace(moe, num_experts=256), 2048, 4096, H100, ep=8)
+    assert more.router_forward_s > e.router_forward_s
+
+
+def test_expert_rows_are_tokens_times_top_k_over_experts_per_rank() -> None:
+    moe = QWEN3_30B.moe  # 128 experts, top 8
+    assert expert_rows(4096, moe, 8, None) == 4096 * 8 * 8 / 128
+    assert expert_rows(4096, moe, 8, 1.25) == 1.25 * 4096 * 8 * 8 / 128
+    e1, e8 = moe_seconds(moe, 2048, 4096, H100, ep=1), moe_seconds(moe, 2048, 4096, H100, ep=8)
+    # the same t·k rows per rank, in 8x fewer, 8x taller GEMMs: no slower
+    assert e8.expert_forward_s <= e1.expert_forward_s
+
+
+def test_grouped_gemm_pads_rows_to_tiles_and_streams_weights() -> None:
+    assert expert_gemm_seconds(1, 2048, 768, H100, False) >= gemm_seconds(TILE, 2048, 768, H100, False)
+    weights = 2048 * 768 * 2 / (H100.hbm_tbps * 1e12 * HBM_SHARE)
+    assert expert_gemm_seconds(16, 2048, 768, H100, False) >= weights
+    big = 64 * TILE
+    assert expert_gemm_seconds(big, 4096, 4096, H100, False) == pytest.approx(
+        gemm_seconds(big, 4096, 4096, H100, False)
+    )
+
+
+def test_all_to_all_splits_nvlink_and_rails() -> None:
+    nvlink, rail = Link("nv", 1e-6, 400.0), Link("rail", 2e-6, 40.0)
+    size = 1e9
+    assert all_to_all_s(size, 1, 8, nvlink, rail) == 0.0
+    assert all_to_all_s(size, 8, 8, nvlink, rail) == pytest.approx(1e-6 + 7 / 8 * size / 400e9)
+    # 16 ranks over two nodes: 7/16 over NVLink, 8/16 over the rail at the same time
+    assert all_to_all_s(size, 16, 8, nvlink, rail) == pytest.approx(
+        2e-6 + max(7 / 16 * size / 400e9, 8 / 16 * size / 40e9)
+    )
+
+
+def test_dispatch_volume_is_tokens_top_k_hidden_bytes() -> None:
+    e = moe_seconds(QWEN3_30B.moe, 2048, 4096, H100, ep=8)
+    assert e.dispatch_bytes == 4096 * 8 * 2048 * 2
+
+
+def test_run_prices_all_to_alls_per_moe_layer() -> None:
+    one_node, two_nodes = predict_run(qwen_run(ep=8)), predict_run(qwen_run(ep=16))
+    assert predict_run(qwen_run(ep=1)).ep_exposed_s == 0.0
+    assert 0.0 < one_node.ep_exposed_s < two_nodes.ep_exposed_s  # the second node's tokens go over rails
+    assert predict_run(qwen_run(ep=16, ep_overlap=True)).ep_exposed_s < two_nodes.ep_exposed_s
+
+
+def test_expert_parameters_shard_over_the_expert_data_parallel_group() -> None:
+    spec = qwen_run(ep=8)
+    assert (spec.dp, spec.edp) == (16, 2)
+    # the optimizer owns 1/dp of the dense parameters and 1/edp of its E/ep experts
+    moe = QWEN3_30B.moe
+    expert = QWEN3_30B.num_layers * moe.num_experts * moe.expert_numel(QWEN3_30B.hidden) / 8
+    dense = QWEN3_30B.num_params() - QWEN3_30B.num_layers * moe.num_experts * moe.expert_numel(QWEN3_30B.hidden)
+    owned = dense / 16 + expert / 2
+    assert predict_run(spec).optimizer_s == pytest.approx(28 * owned / (H100.hbm_tbps * 1e12 * HBM_SHARE))
+    exposed = predict_run(qwen_run(ep=8, dp_overlap=False)).dp_exposed_s
+    assert exposed > predict_run(qwen_run(ep=16, dp_overlap=False)).dp_exposed_s  # ep 16: experts not sharded
+
+
+def test_run_spec_refuses_what_the_layout_cannot_hold() -> None:
+    with pytest.raises(ValueError, match="experts do not split"):
+        qwen_run(ep=3, num_gpus=24, global_batch=240)
+    with pytest.raises(ValueError, match="needs a model with MoE"):
+        replace(qwen_run(ep=1), model=MODELS["llama-8b"], ep=2)
+    with pytest.raises(ValueError, match="etp"):
+        qwen_run(tp=2, etp=4, num_gpus=16, ep=8)
+    with pytest.raises(ValueError, match="top_k"):
+        MoeShape(num_experts=4, top_k=8, expert_ffn_hidden=64)
+
+
+def test_run_spec_round_trips_its_moe_shape() -> None:
+    spec = qwen_run()
+    assert RunSpec.from_dict(json.loads(json.dumps(spec.to_dict()))) == spec
+
+
+def test_published_moe_rows_cite_their_configuration() -> None:
+    data = json.loads(DATA.read_text())
+    rows = [r for r in data["rows"] if "moe" in data["models"][r["model"]]]
+    assert len(rows) >= 20 and any(r["held_out"] for r in rows) and not all(r["held_out"] for r in rows)
+    for row in rows:
+        assert row["run"]["ep"] > 1 and row["source"] in data["sources"]
+        assert "EP" in row["published"]["where"]
+
+
+def test_plan_on_a_moe_preset_is_fast() -> None:
+    from overlap.tools.plan.models import load_model
+
+    start = time.perf_counter()
+    profile = load_model("deepseek-v3")
+    assert math.isclose(profile.num_params / 1e9, 671, rel_tol=0.01)
+    assert time.perf_counter() - start < 10
