@@ -166,11 +166,17 @@ def main() -> int:
     out["per_group"] = {}
     for label, keep in [
         *((f"gpu {g}", (lambda r, g=g: r["run"]["gpu"] == g)) for g in sorted({r["run"]["gpu"] for r in results})),
-        ("FSDP/ZeRO only", lambda r: all(r["run"].get(k, 1) == 1 for k in ("tp", "pp", "cp"))),
+        ("FSDP/ZeRO only", lambda r: all(r["run"].get(k, 1) == 1 for k in ("tp", "pp", "cp", "ep"))),
         (
             "3-D (TP/PP, no CP)",
-            lambda r: r["run"].get("cp", 1) == 1 and (r["run"].get("tp", 1) > 1 or r["run"].get("pp", 1) > 1),
+            lambda r: (
+                r["run"].get("cp", 1) == 1
+                and r["run"].get("ep", 1) == 1
+                and (r["run"].get("tp", 1) > 1 or r["run"].get("pp", 1) > 1)
+            ),
         ),
+        ("expert parallel (MoE)", lambda r: r["run"].get("ep", 1) > 1),
+        ("expert parallel, held out", lambda r: r["run"].get("ep", 1) > 1 and r["held_out"]),
         ("context parallel", lambda r: r["run"].get("cp", 1) > 1),
     ]:
         errs = [1.0 if r["error"] is None else r["error"] for r in results if keep(r)]
