@@ -33,6 +33,44 @@ group separately with 128-row tiles, so M is paid as ceil(M/128)·128. And an ex
 must be read once per GEMM: below the roofline's ridge point (datasheet FLOPS / HBM bandwidth,
 ~295 FLOP/byte on an H100 SXM) the GEMM streams K·N weights plus M·(K+N) activations at HBM
 bandwidth instead of computing at the tensor-core rate; the larger of the two times is taken.
+
+[Note: MoE host work]
+A dropless MoE layer cannot run ahead of its host. Its expert GEMMs are sized by how many tokens
+each expert got, and the sizes must reach the CPU: Megatron-Core's alltoall dispatcher copies the
+token counts to the host and waits on them before the all-to-all ("A synchronization is needed
+before expert parallel AlltoAll communication to get the `input_splits` and `output_splits` CPU
+values", megatron/core/transformer/moe/token_dispatcher.py, `_maybe_dtoh_and_synchronize`), the
+flex dispatcher's DeepEP dispatch blocks the CPU until the GPU signals the received counts ("the
+CPU will wait for GPU's signal to arrive, so this is not compatible with CUDA graph",
+moe/fused_a2a.py), and Transformer Engine's grouped GEMM takes the splits as host integers
+(`tokens_per_expert.tolist()`, moe/experts.py). So once per MoE layer forward the GPU's queue
+drains, and what follows runs no faster than the CPU issues it: the layer's forward takes
+max(GPU seconds, host seconds). Backward has no such point (its splits are saved), so the CPU
+runs ahead unless its work for the layer exceeds the GPU's; the same max is taken.
+Host seconds per layer: Python-level operators (each an eager PyTorch / Transformer Engine call:
+Python, binding, autograd, dispatcher and launch, 5 to 25 us of CPU work per operator by the
+breakdown in jiahuanglin.xyz's "From PyTorch op to kernel launch": `HOST_OP_S`, the middle of
+that range) and, inside Transformer Engine's grouped GEMM, one C++ launch per local expert per
+GEMM (cuBLAS called in a loop over the group; a driver kernel launch costs 4 to 6 us, measured
+in susun-blog.com's "From Launch Overhead to CUDA Graph": `LAUNCH_S`). Counts follow Megatron-Core's MoE forward with
+router fusion and permute fusion (the recipes set both): `HOST_OPS` per part, backward twice the
+forward's. A part inside a CUDA graph (`cuda_graph_scope`: Transformer Engine's graphs of
+"attn", "moe_router", "moe_preprocess", the scopes the Megatron-Bridge recipes name) is one
+launch. The Megatron-Core MoE guide lists the remedy for this bottleneck ("gaps between GPU
+kernels where CPU cannot launch kernels fast enough": CUDA graphs, "increase micro-batch size"):
+the host work is per micro-batch, so it shows at small micro-batches and many local experts.
+
+[Note: flex dispatch]
+Megatron-Core's alltoall dispatcher sends one copy of a token per routed expert (t·k rows,
+permuted by expert). Its flex dispatcher (`moe_token_dispatcher_type: flex`, backends DeepEP and
+HybridEP) sends a token once per destination rank, and across nodes once per destination node,
+forwarded to that node's ranks over NVLink (DeepSeek-V3 technical report, Section 3.2.2: over
+InfiniBand to the GPU of the same in-node index on each target node, then over NVLink to the
+GPUs holding its experts). With balanced routing, a token's k experts drawn from
+E, a destination holding E/D of them is hit with probability 1 - C(E - E/D, k) / C(E, k).
+DeepSeek-V3 limits each token to `group_topk` of `groups` expert groups (config.json `topk_group`
+4 of `n_group` 8; the report's node limit of 4 per token); where the nodes hold whole
+groups a node is hit with probability 1 - C(G - G/N, g) / C(G, g).
 """
 
 from __future__ import annotations
@@ -61,6 +99,10 @@ class MoeShape:
     """Leading layers with the dense MLP (first_k_dense_replace) instead of experts."""
     every: int = 1
     """A MoE layer every this many layers after the dense ones (Llama 4's interleave step)."""
+    groups: int = 1
+    """Expert groups of the router's group-limited routing (n_group; 1: none)."""
+    group_topk: int = 1
+    """Groups a token's experts may come from (topk_group) when `groups` > 1."""
 
     def __post_init__(self) -> None:
         for name in ("num_experts", "top_k", "expert_ffn_hidden", "every"):
@@ -71,6 +113,8 @@ class MoeShape:
             raise ValueError(f"MoeShape: top_k {self.top_k} > num_experts {self.num_experts}")
         if self.shared_ffn_hidden < 0 or self.dense_layers < 0:
             raise ValueError("MoeShape: shared_ffn_hidden and dense_layers must be >= 0")
+        if self.num_experts % self.groups or not 1 <= self.group_topk <= self.groups:
+            raise ValueError(f"MoeShape: {self.num_experts} experts in {self.groups} groups, top {self.group_topk}")
 
     def is_moe_layer(self, index: int) -> bool:
         return index >= self.dense_layers and (index - self.dense_layers) % self.every == self.every - 1
@@ -97,6 +141,9 @@ class MoeSeconds:
     router_forward_s: float
     dispatch_bytes: float
     """Bytes one rank sends into one all-to-all (dispatch or combine), its own share included."""
+    act_forward_s: float = 0.0
+    """The experts' SwiGLU activation (what Megatron-Core's `moe_act` recompute repeats)."""
+    shared_forward_s: float = 0.0
 
 
 def expert_gemm_seconds(
@@ -158,7 +205,71 @@ def moe_seconds(
         shared_bwd = sum(gemm_backward_seconds(t, k, n, gpu, fp8, fp8_recipe) for k, n in parts)
     forward = router + experts + act + shared
     backward = 2 * (router + experts + act) + shared_bwd
-    return MoeSeconds(forward, backward, experts, router, copies * hidden * ACT_BYTES)
+    return MoeSeconds(forward, backward, experts, router, copies * hidden * ACT_BYTES, act, shared)
+
+
+HOST_OP_S = 10e-6
+"""CPU seconds of one eager operator ([Note: MoE host work])."""
+LAUNCH_S = 5e-6
+"""CPU seconds of one kernel launch from C++ ([Note: MoE host work])."""
+HOST_OPS = {"attn": 12, "moe_router": 6, "moe_preprocess": 10, "dispatch": 8, "experts": 3}
+"""Python-level operators of one MoE layer's forward ([Note: MoE host work]), Megatron-Core with
+router and permute fusion: attention (input norm + QKV, q/k norms, rotary, core attention, output
+projection, bias-dropout-add, pre-MLP norm and their glue), router (gate GEMM, fused top-k
+scores, auxiliary loss and its scaling), preprocessing (token counts, the splits of the EP
+group: their gather, slices and sums, the device-to-host copies), dispatch and combine (permute,
+all-to-all, chunk sort, each way) and the experts' grouped linears and activation."""
+
+
+def moe_host_seconds(moe: MoeShape, ep: int, fp8: bool, graphed: tuple[str, ...] = ()) -> tuple[float, float]:
+    """(forward, backward) CPU seconds of one MoE layer ([Note: MoE host work]): the Python-level
+    operators outside CUDA graphs, a graphed part as one launch, and the grouped GEMMs' launches
+    per local expert (fc1 and fc2; with fp8 each input's cast too; backward twice)."""
+    ops = sum(1 if part in graphed else n for part, n in HOST_OPS.items())
+    per_expert = 4 if fp8 else 2
+    launches = moe.num_experts // ep * per_expert
+    forward = ops * HOST_OP_S + launches * LAUNCH_S
+    return forward, 2 * forward
+
+
+def hit_share(items: int, bins: int, picks: int) -> float:
+    """Probability that `picks` of `items` drawn without replacement hit a given one of `bins`
+    equal bins ([Note: flex dispatch])."""
+    if bins <= 1:
+        return 1.0
+    return 1.0 - math.comb(items - items // bins, picks) / math.comb(items, picks)
+
+
+def flex_copies(moe: MoeShape, ep: int, ranks_per_domain: int) -> tuple[float, float]:
+    """(copies to other ranks of the NVLink domain, copies to other domains) that one token sends
+    under the flex dispatcher ([Note: flex dispatch]): once per destination rank, across domains
+    once per destination domain; balanced routing, group-limited where the domains hold whole
+    expert groups."""
+    local = max(1, min(ep, ranks_per_domain))
+    domains = ep // local
+    ranks_hit = ep * hit_share(moe.num_experts, ep, moe.top_k)
+    if domains == 1:
+        return ranks_hit * (ep - 1) / ep, 0.0
+    if moe.groups > 1 and moe.groups % domains == 0:
+        domain_share = hit_share(moe.groups, domains, moe.group_topk)
+    else:
+        domain_share = hit_share(moe.num_experts, domains, moe.top_k)
+    remote = (domains - 1) * domain_share
+    # the other ranks hit are reached over NVLink: in its own domain directly, in a remote one
+    # from the rank the rail delivered to
+    return max(0.0, ranks_hit * (ep - 1) / ep - remote), remote
+
+
+def flex_all_to_all_s(token_bytes: float, moe: MoeShape, ep: int, ranks_per_domain: int, nvlink: Link,
+                      rail: Link) -> float:  # fmt: skip
+    """One flex dispatch (or combine) of `token_bytes` (the rank's tokens once, t·h bf16):
+    `flex_copies` of them over NVLink and over the rail at the same time."""
+    if ep == 1:
+        return 0.0
+    intra, inter = flex_copies(moe, ep, ranks_per_domain)
+    if inter == 0:
+        return nvlink.alpha_s + nvlink.seconds(intra * token_bytes)
+    return rail.alpha_s + max(nvlink.seconds(intra * token_bytes), rail.seconds(inter * token_bytes))
 
 
 def all_to_all_s(num_bytes: float, ep: int, ranks_per_domain: int, nvlink: Link, rail: Link) -> float:
@@ -176,4 +287,18 @@ def all_to_all_s(num_bytes: float, ep: int, ranks_per_domain: int, nvlink: Link,
     return rail.alpha_s + max(nvlink.seconds(intra), rail.seconds(inter))
 
 
-__all__ = ["MoeSeconds", "MoeShape", "all_to_all_s", "expert_gemm_seconds", "expert_rows", "moe_seconds"]
+__all__ = [
+    "HOST_OPS",
+    "HOST_OP_S",
+    "LAUNCH_S",
+    "MoeSeconds",
+    "MoeShape",
+    "all_to_all_s",
+    "expert_gemm_seconds",
+    "expert_rows",
+    "flex_all_to_all_s",
+    "flex_copies",
+    "hit_share",
+    "moe_host_seconds",
+    "moe_seconds",
+]

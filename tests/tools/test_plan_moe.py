@@ -14,7 +14,17 @@ import pytest
 from overlap.step_model.cost import Link
 from overlap.step_model.hardware import ACCELERATORS, HBM_SHARE
 from overlap.step_model.kernels import TILE, gemm_seconds
-from overlap.step_model.moe import MoeShape, all_to_all_s, expert_gemm_seconds, expert_rows, moe_seconds
+from overlap.step_model.moe import (
+    HOST_OP_S,
+    HOST_OPS,
+    MoeShape,
+    all_to_all_s,
+    expert_gemm_seconds,
+    expert_rows,
+    flex_copies,
+    moe_host_seconds,
+    moe_seconds,
+)
 from overlap.tools.plan.models import MODELS
 from overlap.tools.plan.run_spec import ModelShape, RunSpec
 from overlap.tools.plan.run_step import predict_run
@@ -140,3 +150,76 @@ def test_plan_on_a_moe_preset_is_fast() -> None:
     profile = load_model("deepseek-v3")
     assert math.isclose(profile.num_params / 1e9, 671, rel_tol=0.01)
     assert time.perf_counter() - start < 10
+
+
+def test_moe_layers_wait_on_their_host_work() -> None:
+    """[Note: MoE host work]: a MoE layer at a short micro-batch runs no faster than its host
+    issues it; CUDA graphs of a part make it one launch; the host work grows with local experts."""
+    moe = QWEN3_30B.moe
+    forward, backward = moe_host_seconds(moe, 8, fp8=False)
+    assert backward == 2 * forward and forward > sum(HOST_OPS.values()) * HOST_OP_S
+    assert moe_host_seconds(moe, 1, fp8=False)[0] > forward > moe_host_seconds(moe, 8, fp8=False, graphed=("attn",))[0]
+    assert moe_host_seconds(moe, 8, fp8=True)[0] > forward  # each expert input's cast launched too
+    short = qwen_run(seq_len=128, ep_overlap=True)  # all-to-alls hidden: the host alone sets the pace
+    moe_layers = QWEN3_30B.num_layers
+    assert predict_run(short).compute_s == pytest.approx(
+        short.num_microbatches * (moe_layers * (forward + backward)) + _head_s(short), rel=0.02
+    )
+    graphed = predict_run(replace(short, cuda_graph_scope=("attn", "moe_router", "moe_preprocess")))
+    assert graphed.compute_s < predict_run(short).compute_s
+    # a long micro-batch's GPU work exceeds its host's: no change
+    long = qwen_run(seq_len=8192)
+    assert predict_run(long).compute_s == predict_run(replace(long, cuda_graph_scope=("attn",))).compute_s
+
+
+def _head_s(spec: RunSpec) -> float:
+    from overlap.step_model.kernels import head_seconds
+
+    f, b = head_seconds(spec.micro_batch * spec.seq_len, QWEN3_30B.hidden, QWEN3_30B.vocab_size, H100, 1)
+    return spec.num_microbatches * (f + b)
+
+
+def test_flex_dispatch_sends_a_token_once_per_rank_and_node() -> None:
+    """[Note: flex dispatch]: DeepSeek-V3 at EP 32 over four 8-GPU nodes, group-limited to 4 of
+    its 8 expert groups (two per node): a token crosses the rails to 3 x (1 - C(6,4)/C(8,4))
+    nodes, where the alltoall dispatcher sends 8 x 24/32 = 6 copies."""
+    ds = MODELS["deepseek-v3"].moe
+    intra, inter = flex_copies(ds, 32, 8)
+    assert inter == pytest.approx(3 * (1 - math.comb(6, 4) / math.comb(8, 4)))
+    ungrouped = flex_copies(replace(ds, groups=1, group_topk=1), 32, 8)[1]
+    assert inter < ungrouped < 6
+    # one NVLink domain: once per other rank hit, fewer than k copies
+    intra, inter = flex_copies(QWEN3_30B.moe, 8, 8)
+    assert inter == 0.0 and intra == pytest.approx(7 / 8 * 8 * (1 - math.comb(112, 8) / math.comb(128, 8)))
+    assert intra < 8 * 7 / 8
+    spec = RunSpec(model=ModelShape(**{k: v for k, v in json.loads(DATA.read_text())["models"]["deepseek-v3"].items()
+                                       if k != "source"}), gpu="b200", node="dgx-b200", num_gpus=256, seq_len=4096,
+                   global_batch=4096, micro_batch=1, pp=8, virtual_stages=2, schedule="interleaved", ep=32,
+                   dp_mode="zero1", precision="fp8", stack="megatron-te")  # fmt: skip
+    assert predict_run(replace(spec, dispatcher="flex")).ep_exposed_s < predict_run(spec).ep_exposed_s / 2
+    with pytest.raises(ValueError, match="dispatcher"):
+        replace(spec, dispatcher="deepep")
+
+
+def test_recompute_modules_add_their_forwards_to_the_backward() -> None:
+    """[Note: recomputed modules]: Megatron-Core's per-module recomputation, each priced."""
+    base = predict_run(qwen_run()).compute_s
+    for modules in (("moe_act",), ("layernorm",), ("core_attn",), ("moe",)):
+        assert predict_run(qwen_run(recompute_modules=modules)).compute_s > base, modules
+    assert predict_run(qwen_run(recompute_modules=("mla_up_proj",))).compute_s == base  # no MLA in Qwen3
+    assert predict_run(qwen_run(recompute_modules=("moe",))).ep_exposed_s > predict_run(qwen_run()).ep_exposed_s
+    with pytest.raises(ValueError, match="recompute_modules"):
+        qwen_run(recompute_modules=("attention",))
+
+
+def test_run_spec_round_trips_its_dispatcher_graphs_and_recompute() -> None:
+    spec = qwen_run(dispatcher="flex", cuda_graph_scope=["moe_router"], recompute_modules=["moe_act"])
+    assert spec.cuda_graph_scope == ("moe_router",)
+    assert RunSpec.from_dict(json.loads(json.dumps(spec.to_dict()))) == spec
+
+
+def test_published_moe_rows_carry_their_recipe_at_the_container_release() -> None:
+    rows = [r for r in json.loads(DATA.read_text())["rows"] if r["run"].get("ep", 1) > 1]
+    for row in rows:
+        assert row["run"]["dispatcher"] in ("alltoall", "flex")
+        assert any("Megatron-Bridge v0." in note for note in row["run"]["notes"]), row["id"]

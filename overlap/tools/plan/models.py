@@ -224,7 +224,8 @@ MODELS: dict[str, TransformerShape] = {
     "deepseek-v3": TransformerShape(
         name="deepseek-v3", num_layers=61, hidden=7168, ffn_hidden=18432, num_heads=128, num_kv_heads=128,
         vocab_size=129280, head_dim=128, q_lora_rank=1536, kv_lora_rank=512, rope_head_dim=64, v_head_dim=128,
-        moe=MoeShape(num_experts=256, top_k=8, expert_ffn_hidden=2048, shared_ffn_hidden=2048, dense_layers=3),
+        moe=MoeShape(num_experts=256, top_k=8, expert_ffn_hidden=2048, shared_ffn_hidden=2048, dense_layers=3, groups=8,
+                     group_topk=4),
         seq_len=4096, local_batch=1, ac="full",
         source="deepseek-ai/DeepSeek-V3 config.json (MLA, 256 routed experts top 8, 1 shared, 3 dense layers first)",
     ),

@@ -31,6 +31,10 @@ from overlap.step_model.moe import MoeShape
 DpMode = Literal["ddp", "zero1", "zero2", "zero3", "zero3-keep"]
 DP_MODES: tuple[DpMode, ...] = ("ddp", "zero1", "zero2", "zero3", "zero3-keep")
 Schedule = Literal["1f1b", "interleaved", "gpipe"]
+Dispatcher = Literal["alltoall", "flex"]
+RECOMPUTE_MODULES = ("core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe", "shared_experts")
+"""Megatron-Core's recompute_modules the run model prices (TransformerConfig.recompute_modules)."""
+GRAPH_SCOPES = ("attn", "moe_router", "moe_preprocess")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -161,10 +165,27 @@ class RunSpec:
     capacity_factor: float | None = None
     """Token dropping with each expert padded to capacity_factor x its balanced share; None:
     dropless (what the published MoE benchmarks run)."""
+    dispatcher: Dispatcher = "alltoall"
+    """Megatron-Core's moe_token_dispatcher_type: alltoall (a copy per routed expert) or flex
+    (DeepEP / HybridEP: once per destination rank and node, [Note: flex dispatch] in
+    overlap/step_model/moe.py)."""
+    cuda_graph_scope: tuple[str, ...] = ()
+    """Parts of each layer run as CUDA graphs (Transformer Engine's cuda_graph_scope: attn,
+    moe_router, moe_preprocess); the rest is launched op by op ([Note: MoE host work])."""
+    recompute_modules: tuple[str, ...] = ()
+    """Megatron-Core's selective recompute_modules ([Note: recomputed modules] in run_step.py)."""
     notes: tuple[str, ...] = field(default_factory=tuple)
     """What the configuration does not publish and the row assumes, shown with the prediction."""
 
     def __post_init__(self) -> None:
+        for name in ("cuda_graph_scope", "recompute_modules"):  # lists from JSON
+            object.__setattr__(self, name, tuple(getattr(self, name)))
+        for name, allowed in (("cuda_graph_scope", GRAPH_SCOPES), ("recompute_modules", RECOMPUTE_MODULES)):
+            unknown = set(getattr(self, name)) - set(allowed)
+            if unknown:
+                raise ValueError(f"RunSpec.{name}: unknown {sorted(unknown)}; use of {allowed}")
+        if self.dispatcher not in ("alltoall", "flex"):
+            raise ValueError(f"RunSpec.dispatcher must be alltoall or flex, got {self.dispatcher!r}")
         for name in (
             "num_gpus",
             "seq_len",
@@ -250,7 +271,8 @@ class RunSpec:
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
-        out["notes"] = list(self.notes)
+        for name in ("notes", "cuda_graph_scope", "recompute_modules"):
+            out[name] = list(out[name])
         return out
 
     @classmethod

@@ -51,8 +51,8 @@ from overlap.step_model.calibration import default_calibration
 from overlap.step_model.cost import Link, Topology, UnitCost, ring_time_s
 from overlap.step_model.fitting import solve_increasing
 from overlap.step_model.hardware import HBM_SHARE, NVLINK_SHARE, accelerator, nccl_share, node_spec, ring_link
-from overlap.step_model.kernels import block_seconds, head_seconds, stack
-from overlap.step_model.moe import all_to_all_s, moe_seconds
+from overlap.step_model.kernels import ACT_BYTES, block_seconds, gemm_seconds, head_seconds, stack
+from overlap.step_model.moe import all_to_all_s, flex_all_to_all_s, moe_host_seconds, moe_seconds
 from overlap.tools.plan import ring_attention
 from overlap.tools.plan.fsdp import OPTIMIZER_BYTES_PER_PARAM
 from overlap.tools.plan.run_spec import RunSpec
@@ -130,6 +130,9 @@ def _microbatch_compute(spec: RunSpec) -> tuple[list[tuple[float, float]], tuple
     fp8 = spec.precision == "fp8"
     ring_fwd, ring_bwd = ring_attention.compute_s(spec)
     blocks = []
+    moe_layers = sum(m.is_moe_layer(i) for i in _rank_layers(spec))
+    # one direction's share of a MoE layer's exposed all-to-alls (none when overlapped)
+    a2a_layer = 0.0 if spec.ep_overlap or not moe_layers else _ep_exposed(spec) / moe_layers / 2
     for index in _rank_layers(spec):
         moe_layer = m.is_moe_layer(index)
         b = block_seconds(m.block(moe_layer=moe_layer), tokens, spec.seq_len, gpu, kernels, tp=spec.tp, fp8=fp8,
@@ -138,13 +141,56 @@ def _microbatch_compute(spec: RunSpec) -> tuple[list[tuple[float, float]], tuple
         weights_fwd, weights_bwd = _weight_pass_s(spec, index)
         forward = b.forward_s + weights_fwd + ring_fwd
         backward = b.backward_s + b.recompute_s + weights_bwd + ring_bwd
+        backward += _recomputed_modules_s(spec, index, tokens, b)
         if moe_layer:
             e = _moe_seconds(spec, tokens)
             forward += e.forward_s
             backward += e.backward_s + RECOMPUTED_FORWARDS[spec.ac] * e.forward_s
+            backward += _module_recompute_moe_s(spec, e)
+            # the GPU waits on the host once per MoE layer ([Note: MoE host work]); the host
+            # issues while exposed all-to-alls run too
+            host_forward, host_backward = moe_host_seconds(m.moe, spec.ep, fp8, spec.cuda_graph_scope)
+            forward = max(forward, host_forward - a2a_layer)
+            backward = max(backward, host_backward - a2a_layer)
         blocks.append((forward, backward))
     head = head_seconds(tokens, m.hidden, m.vocab_size, gpu, spec.tp)
     return blocks, head
+
+
+def _recomputed_modules_s(spec: RunSpec, index: int, tokens: float, b) -> float:
+    """[Note: recomputed modules] Seconds the backward of layer `index` spends recomputing the
+    modules in `spec.recompute_modules` outside its MoE part (under full recomputation: none
+    more). Megatron-Core (TransformerConfig.recompute_modules): core_attn recomputes the
+    attention kernel; layernorm the input and pre-MLP norms; mla_up_proj the MLA query and
+    key/value up-projections (and their rotary); mlp the dense MLP of a dense layer; moe_act,
+    moe and shared_experts the MoE parts (`_module_recompute_moe_s`)."""
+    modules = spec.recompute_modules
+    if not modules or spec.ac == "full":
+        return 0.0
+    m, gpu, fp8 = spec.model, accelerator(spec.gpu), spec.precision == "fp8"
+    hbm = gpu.hbm_tbps * 1e12 * HBM_SHARE
+    out = b.attention_forward_s if "core_attn" in modules else 0.0
+    if "layernorm" in modules:
+        out += tokens * 2 * stack(spec.stack).norm_passes * m.hidden * ACT_BYTES / hbm
+    if "mla_up_proj" in modules and m.kv_lora_rank:
+        block = m.block(moe_layer=True)
+        ups = [(k, n) for k, n, _ in block.attention_gemms() if k in (m.q_lora_rank, m.kv_lora_rank)]
+        out += sum(gemm_seconds(tokens, k, n // spec.tp, gpu, fp8, spec.fp8_recipe) for k, n in ups)
+    if "mlp" in modules and not m.is_moe_layer(index):
+        mlp = [(k, n // spec.tp if not row else n) for k, n, row in m.block().mlp_gemms()]
+        out += sum(gemm_seconds(tokens, k, n, gpu, fp8, spec.fp8_recipe) for k, n in mlp)
+    return out
+
+
+def _module_recompute_moe_s(spec: RunSpec, e) -> float:
+    """The MoE parts of [Note: recomputed modules]: the experts' activation (moe_act), the whole
+    layer (moe; its all-to-alls in `_ep_exposed`) or the shared experts (shared_experts)."""
+    modules = spec.recompute_modules
+    if spec.ac == "full":
+        return 0.0
+    if "moe" in modules:
+        return e.forward_s
+    return ("moe_act" in modules) * e.act_forward_s + ("shared_experts" in modules) * e.shared_forward_s
 
 
 def _moe_seconds(spec: RunSpec, tokens: float):
@@ -167,8 +213,14 @@ def _ep_exposed(spec: RunSpec) -> float:
     rail = Link(f"{node.rail_gbit:g}G rail", node.alpha_inter_s, node.rail_gbps(), node.source)
     # the EP group's ranks are consecutive in the expert layout (ETP innermost)
     per_domain = node.nvlink_domain // spec.etp
-    e = _moe_seconds(spec, spec.micro_batch * spec.seq_len / spec.cp)
-    count = moe_layers * (4 + 2 * RECOMPUTED_FORWARDS[spec.ac])
+    tokens = spec.micro_batch * spec.seq_len / spec.cp
+    recomputed = RECOMPUTED_FORWARDS[spec.ac] or float("moe" in spec.recompute_modules)
+    count = moe_layers * (4 + 2 * recomputed)
+    if spec.dispatcher == "flex":  # [Note: flex dispatch]
+        routed = tokens / (spec.tp // spec.etp)
+        return count * flex_all_to_all_s(routed * spec.model.hidden * ACT_BYTES, spec.model.moe, spec.ep,
+                                         per_domain, nvlink, rail)  # fmt: skip
+    e = _moe_seconds(spec, tokens)
     return count * all_to_all_s(e.dispatch_bytes, spec.ep, per_domain, nvlink, rail)
 
 
@@ -280,7 +332,11 @@ def _lacks(spec: RunSpec) -> list[str]:
         )
     if spec.model.moe is not None:
         overlap = "overlapped with another micro-batch" if spec.ep_overlap else "exposed"
-        out.append(f"routing balanced (no load imbalance priced); dispatch and combine all-to-alls {overlap}")
+        graphs = f" (CUDA graphs: {', '.join(spec.cuda_graph_scope)})" if spec.cuda_graph_scope else ""
+        out.append(
+            f"routing balanced (no load imbalance priced); {spec.dispatcher} dispatch and combine {overlap}; "
+            f"host work per MoE layer from eager operator and launch costs{graphs}"
+        )
     if spec.precision == "fp8" and spec.fp8_recipe == "rowwise":
         out.append("rowwise fp8 backward GEMMs at the fast-accumulation rate (torchao's slow accumulation unpriced)")
     return out
