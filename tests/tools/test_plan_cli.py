@@ -281,3 +281,13 @@ def test_bad_input_on_the_command_line_exits_with_the_message(tmp_path):
         main(["plan", "--gpus", "100", "--gpus-per-node", "8"])
     with pytest.raises(SystemExit, match="no such file"):
         main(["plan", "--config", str(tmp_path / "missing.json")])
+
+
+def test_cli_prices_expert_parallelism(capsys):
+    assert main(["plan", "--model", "qwen3-30b-a3b", "--gpus", "16", "--ep", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "ep 8 (etp 1, expert dp 2)" in out and "experts" in out and "tokens/s" in out
+    assert main(["plan", "--model", "qwen3-30b-a3b", "--gpus", "16", "--ep", "16", "--dispatcher", "flex"]) == 0
+    assert "flex dispatch" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="MoE preset"):
+        main(["plan", "--model", "llama-8b", "--gpus", "16", "--ep", "8"])

@@ -8,7 +8,9 @@ per GPU, the best config a small search on the simulator finds, and a scaling cu
 4,096 GPUs (--png draws it). With --gpu-hour-price and --tokens it prices the whole run. --tp and
 --pp plan tensor and pipeline parallelism around the data-parallel FSDP step (layout.py, parallel.py).
 A preset model's blocks are priced by the kernel model (`--stack`; overlap/step_model/kernels.py);
-`--run FILE` predicts any published-style run from a RunSpec JSON (run_spec.py, run_step.py).
+`--run FILE` predicts any published-style run from a RunSpec JSON (run_spec.py, run_step.py);
+`--ep N` does so for a MoE preset with its experts split over N ranks (expert parallelism:
+[Note: expert parallelism] in overlap/step_model/moe.py), ZeRO-3 over the rest.
 
 Every prediction replays the runtime's own `Schedule` on the virtual clock of
 `overlap.step_model.simulate`; the inputs are stated in the output with their sources (model shapes,
@@ -21,7 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from dataclasses import replace
+from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +37,7 @@ from overlap.tools.plan.layout import PP_SCHEDULES, fits_layout
 from overlap.tools.plan.models import AC_POLICIES, DEFAULT_MFU, GPUS, MODELS, gpu_spec, load_model
 from overlap.tools.plan.render import format_report
 from overlap.tools.plan.result import PLAN_DEFAULT_CONFIG, PlanConfig, PlanResult, RunCost
-from overlap.tools.plan.run_spec import RunSpec
+from overlap.tools.plan.run_spec import GRAPH_SCOPES, ModelShape, RunSpec
 from overlap.tools.plan.run_step import format_run, predict_run
 from overlap.tools.plan.scaling import plot_scaling, scaling_curve, scaling_gpu_counts
 from overlap.tools.plan.search import SearchSpace, search
@@ -168,6 +170,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     par.add_argument("--virtual-stages", type=int, default=d.virtual_stages, help="stages per rank, interleaved only")
     par.add_argument("--async-tp", action="store_true", help="tensor-parallel collectives hidden behind the matmuls")
+    moe = parser.add_argument_group("expert parallelism (a MoE preset: priced by the run model, run_step.py)")
+    moe.add_argument("--ep", type=int, default=1, help="expert-parallel degree: each MoE layer's experts over N ranks")
+    moe.add_argument("--dispatcher", choices=("alltoall", "flex"), default="alltoall",
+                     help="token dispatch: a copy per routed expert (alltoall) or per destination rank and node (flex)")  # fmt: skip
+    moe.add_argument("--cuda-graphs", nargs="*", default=[], choices=GRAPH_SCOPES, metavar="SCOPE",
+                     help=f"layer parts run as CUDA graphs ({', '.join(GRAPH_SCOPES)}; default none)")  # fmt: skip
     parser.add_argument(
         "--run",
         type=Path,
@@ -203,6 +211,34 @@ def request_from_args(args: argparse.Namespace) -> PlanConfig:
     return PlanConfig(config=config, search=not args.no_search, **fields)
 
 
+NODE_OF_GPU = {"a100-40gb": "dgx-a100", "a100-80gb": "dgx-a100", "h100-sxm": "dgx-h100", "h100-96gb": "grand-teton",
+               "h200": "dgx-h200", "b200": "dgx-b200", "gb200": "gb200-nvl72"}  # fmt: skip
+"""The node preset (hardware.NODES) `--ep` plans a GPU preset on."""
+ACCELERATOR_OF_GPU = {"h100-96gb": "h100-96gb-500w"}
+
+
+def expert_run_spec(args: argparse.Namespace) -> RunSpec:
+    """The run `--ep` prices: the preset model, ZeRO-3 over dp x cp with its experts over `ep`
+    ranks (expert data parallel the rest), one micro-batch of the preset's (or --local-batch)
+    sequences per step, on the GPU's node preset."""
+    profile = load_model(args.model, args.seq_len, args.local_batch, args.ac)
+    shape = MODELS.get(args.model)
+    if shape is None or shape.moe is None:
+        raise ValueError(f"--ep needs a MoE preset ({', '.join(n for n, m in MODELS.items() if m.moe)})")
+    if args.gpu not in NODE_OF_GPU:
+        raise ValueError(f"unknown GPU {args.gpu!r}; use one of {sorted(NODE_OF_GPU)}")
+    model = ModelShape(**{f.name: getattr(shape, f.name) for f in fields(ModelShape)})
+    batch = profile.local_batch
+    dp = args.gpus // (args.tp * args.pp)
+    ac = {"none": "none", "selective": "selective", "full": "full"}.get(profile.ac, "none")
+    return RunSpec(model=model, gpu=ACCELERATOR_OF_GPU.get(args.gpu, args.gpu), node=NODE_OF_GPU[args.gpu],
+                   num_gpus=args.gpus, seq_len=profile.seq_len, global_batch=batch * max(1, dp), micro_batch=batch,
+                   tp=args.tp, pp=args.pp, ep=args.ep, dp_mode="zero3", ac=ac, stack=args.stack,
+                   async_tp=args.async_tp, dispatcher=args.dispatcher, cuda_graph_scope=tuple(args.cuda_graphs),
+                   schedule="interleaved" if args.virtual_stages > 1 else "1f1b",
+                   virtual_stages=args.virtual_stages)  # fmt: skip
+
+
 def run(args: argparse.Namespace) -> int:
     if args.calibrate is not None:
         return calibrate.run(args)
@@ -212,6 +248,12 @@ def run(args: argparse.Namespace) -> int:
         except (OSError, ValueError, TypeError, KeyError) as e:
             raise SystemExit(f"overlap plan --run {args.run}: {e}") from None
         print(format_run(predict_run(spec)))
+        return 0
+    if args.ep > 1:
+        try:
+            print(format_run(predict_run(expert_run_spec(args))))
+        except ValueError as e:
+            raise SystemExit(f"overlap plan --ep: {e}") from None
         return 0
     try:
         result = plan(request_from_args(args))
