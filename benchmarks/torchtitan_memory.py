@@ -19,8 +19,9 @@ shared-memory transport (transport/shm.py) maps each rank's ring into every rank
 ring is in both ranks' RSS and once in the host's memory. So the ranks are also sampled from here
 every `--sample-ms` (/proc/<pid>/status and smaps_rollup): the peaks of RssAnon (private memory),
 RssShmem (shared memory touched) and PSS (shared pages divided among the processes mapping them;
-at any instant the ranks' PSS adds up to what the host holds for them). Sampled peaks can miss a spike between samples;
-the peak RSS is exact. "own" is overlap's buffers at their high-water (`overlap.memory_stats`).
+at any instant the ranks' PSS adds up to what the host holds for them). Sampled peaks can miss a
+spike between samples; the peak RSS is exact. "own" is overlap's buffers at their high-water
+(`overlap.memory_stats`).
 """
 
 from __future__ import annotations
