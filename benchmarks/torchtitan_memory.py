@@ -19,8 +19,9 @@ shared-memory transport (transport/shm.py) maps each rank's ring into every rank
 ring is in both ranks' RSS and once in the host's memory. So the ranks are also sampled from here
 every `--sample-ms` (/proc/<pid>/status and smaps_rollup): the peaks of RssAnon (private memory),
 RssShmem (shared memory touched) and PSS (shared pages divided among the processes mapping them;
-at any instant the ranks' PSS adds up to what the host holds for them). Sampled peaks can miss a
-spike between samples; the peak RSS is exact. "own" is overlap's buffers at their high-water
+at any instant the ranks' PSS adds up to what the host holds for them: "world PSS", the peak of
+that sum, is the world's cost to the host). Sampled peaks can miss a spike between samples; the
+peak RSS is exact. "own" is overlap's buffers at their high-water
 (`overlap.memory_stats`).
 """
 
@@ -81,9 +82,11 @@ class Sampler(threading.Thread):
         super().__init__(daemon=True)
         self.interval_s, self.stop = interval_s, threading.Event()
         self.peaks: dict[int, dict[str, int]] = {}
+        self.world_pss = 0  # the peak of the ranks' PSS summed at one sample
 
     def run(self) -> None:
         while not self.stop.wait(self.interval_s):
+            pss = 0
             for pid, rank in _ranks_of(os.getpid()).items():
                 try:
                     values = _sample(pid)
@@ -92,6 +95,8 @@ class Sampler(threading.Thread):
                 peak = self.peaks.setdefault(rank, dict.fromkeys(SAMPLED, 0))
                 for key, value in values.items():
                     peak[key] = max(peak[key], value)
+                pss += values.get("Pss", 0)
+            self.world_pss = max(self.world_pss, pss)
 
 
 def measure(impl: str, args: argparse.Namespace) -> list[dict[str, float]]:
@@ -121,6 +126,7 @@ def measure(impl: str, args: argparse.Namespace) -> list[dict[str, float]]:
             "final_loss": r[impl]["steps"][-1]["loss"],
             "own_peak_mib": r[impl].get("overlap_peak_bytes", {}).get("total", 0) / MIB,
             **{f"{k}_peak_mib": v / MIB for k, v in sampler.peaks.get(rank, {}).items()},
+            "world_pss_peak_mib": sampler.world_pss / MIB,
         }
         for rank, r in enumerate(ranks)
     ]
@@ -157,6 +163,7 @@ def main() -> None:
                 f"{impl:8} {rank:>4} {r['peak_mib']:>13.0f} {r['added_mib']:>16.0f} {r['build_added_mib']:>14.0f}"
                 f"{sampled} {r['own_peak_mib']:>8.0f} {r['seconds']:>6.0f} {r['final_loss']:>10.4f}"
             )
+        print(f"{impl:8} world PSS {ranks[0]['world_pss_peak_mib']:.0f} MiB")
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
