@@ -23,7 +23,8 @@ no deadlock while one collective fits in the ring; a larger one takes gloo).
 A post takes the lowest free offset of the ring (first fit), so whenever the ring has drained it
 starts over at the beginning: the pages it writes are mapped already (no page faults after the
 first steps) and often still in cache, where walking the whole ring would touch fresh pages and
-cold lines at every post. Reading a peer's shard straight out of its process instead
+cold lines at every post (1 MiB all-gathers back to back through a 256 MiB ring: 137 page faults
+and 536 us a call walking it, 1 and 86 us first fit). Reading a peer's shard straight out of its process instead
 (process_vm_readv, one copy instead of two) ran at a third to a half of memcpy's bandwidth on a
 2-core AMD EPYC VM (4.7 against 9.8 GB/s at 32 MiB): the ring's two copies are faster.
 
