@@ -84,7 +84,7 @@ MAMF_SHARE = {  # (bf16, fp8) MAMF / datasheet peak, the table above
     "gb200": (0.729, 0.723),
 }  # fmt: skip
 # The 500 W H100 of torchtitan's Grand Teton hosts has its own measurement: FBGEMM's fp8 GEMM
-# benchmark (pytorch/FBGEMM pull 2546, "H100 500W") times cuBLAS bf16 at 585 TFLOPS on an
+# benchmark (https://github.com/pytorch/FBGEMM/pull/2546, "H100 500W") times cuBLAS bf16 at 585 TFLOPS on an
 # 8192^3 GEMM and 575 / 546 on Llama-70B-sized ones (65536 x 8192 x 7168, 65536 x 3584 x 8192),
 # against the power-interpolated peak of 887: 0.62-0.66 where the SXM's MAMF share x the shape
 # mix gives 0.72. The 8192^3 point over its tile efficiency (kernels.py) is taken.

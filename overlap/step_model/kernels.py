@@ -24,12 +24,12 @@ torchao's float8 training recipes (torchao.float8.Float8LinearRecipeName) differ
 scale's granularity. TENSORWISE calls cuBLAS's fp8 kernel with one scale per tensor; the cast of an
 operand and of its transpose share that scale. ROWWISE calls PyTorch's CUTLASS rowwise kernel,
 which runs "most shapes within 90-100% of tensor-wise efficiency, a long tail down to 50%"
-(pytorch/pytorch issue 147971): 0.9 of the fp8 rate is taken. Its backward casts grad_output and
+(https://github.com/pytorch/pytorch/issues/147971): 0.9 of the fp8 rate is taken. Its backward casts grad_output and
 the input again along the other axis (a row scale is not a column scale: one more amax pass and
 cast each), and because the CUTLASS kernel is slow with the precise accumulation the backward
 needs, torchao runs the backward GEMMs on cuBLAS with unit scales and rescales the output
-afterwards (pytorch/ao pull 1325): one more read and write of grad input. The casts weigh most on
-thin GEMMs (torchtitan issue 1207: rowwise made Llama's tensor-parallel wk and wv ~40% slower,
+afterwards (https://github.com/pytorch/ao/pull/1325): one more read and write of grad input. The casts weigh most on
+thin GEMMs (https://github.com/pytorch/torchtitan/issues/1207: rowwise made Llama's tensor-parallel wk and wv ~40% slower,
 flat against bf16 overall), which the per-GEMM casts below price by the GEMM's own K and N.
 """
 

@@ -216,6 +216,7 @@ def _round(phases: _Phases, num_matmuls: int, order: int) -> tuple[dict[str, flo
             times["comm"], cpu_ms = phases.time_comm()
         else:
             times["together"], times["together_compute"] = phases.time_together(num_matmuls)
+    # once per round, after its timed phases: the slowest rank's times (a host read, off the clock)
     t = torch.tensor([times[k] for k in PHASES] + [cpu_ms], dtype=torch.float64, device=phases.device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     values = t.cpu().tolist()
