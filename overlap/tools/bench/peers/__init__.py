@@ -20,6 +20,12 @@ Contenders (same model, data, seed and optimizer for all: `TrainSetup.make_optim
   ddp-powersgd4      DDP + powerSGD_hook, rank 4
   fsdp2-bf16reduce   fsdp2-tuned with MixedPrecisionPolicy(reduce_dtype=torch.bfloat16)
 
+HSDP (`TrainSetup.num_replicas` R > 1): overlap wraps with `group=`, and FSDP2's `fully_shard`
+takes `mesh=`, a (R, world / R) DeviceMesh ("replicate", "shard") made by `data_mesh`:
+both shard inside a group of world / R ranks and all-reduce the reduced shards across the R
+replicas (overlap's hybrid_mode="replicate", FSDP2's HSDP). DDP and its hook peers are the same
+whatever the mesh; DeepSpeed stays ZeRO-3 over every rank.
+
 A peer whose package is missing (`REQUIRES`) is dropped by `available` on the launcher, with one
 line saying so, before any rank starts: a benchmark never crashes on it.
 
@@ -73,6 +79,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 # DDP with torch's communication hooks: overlap/tools/bench/peers/ddp_hooks.py
 from overlap.tools.bench.peers.ddp_hooks import (
@@ -116,6 +123,7 @@ __all__ = [
     "available",
     "bf16_hook",
     "build_trainer",
+    "data_mesh",
     "ddp",
     "ddp_hook_trainer",
     "deepspeed_config",
@@ -249,10 +257,27 @@ def build_trainer(name: str, model: nn.Module, setup: TrainSetup) -> Trainer:
     raise ValueError(f"unknown contender {name!r}: choose from {BASELINES + PEERS} or overlap[...]")
 
 
+def data_mesh(setup: TrainSetup) -> DeviceMesh:
+    """The mesh overlap and FSDP2 shard over: 1-D over every rank, or for HSDP (R =
+    `setup.num_replicas` > 1) the 2-D (R, world / R) mesh ("replicate", "shard"), each shard
+    group world / R consecutive ranks. Collective: every rank of the default group calls it."""
+    world, num_replicas = dist.get_world_size(), setup.num_replicas
+    if num_replicas == 1:
+        return init_device_mesh(setup.device.type, (world,))
+    if world % num_replicas:
+        raise ValueError(
+            f"HSDP: {world} ranks do not split into {num_replicas} replicate groups; pick a number "
+            f"of replicas that divides the world size"
+        )
+    shape = (num_replicas, world // num_replicas)
+    return init_device_mesh(setup.device.type, shape, mesh_dim_names=("replicate", "shard"))
+
+
 def overlap_trainer(name: str, model: nn.Module, setup: TrainSetup, overrides: dict[str, Any]) -> Trainer:
     import overlap
 
-    wrapped = overlap.wrap(model, **overrides)
+    group = data_mesh(setup) if setup.num_replicas > 1 else None  # None: the default group, as before
+    wrapped = overlap.wrap(model, group=group, **overrides)
 
     def residual_bytes() -> int:  # error feedback: (world-1)/world of the gradient, in error_feedback_dtype
         return overlap.memory_stats(wrapped).bytes["residuals"]
@@ -271,13 +296,13 @@ def overlap_trainer(name: str, model: nn.Module, setup: TrainSetup, overrides: d
 def shard_fsdp2(
     model: nn.Module, setup: TrainSetup, prefetch: bool, reduce_dtype: torch.dtype | None = None
 ) -> nn.Module:
-    """`fully_shard` on every unit, then on the root. `prefetch`: FSDP2's implicit prefetch
-    needs CUDA streams; on CPU only explicit next/previous-unit prefetch with async unshard
-    overlaps its all-gathers (its reduce-scatter stays synchronous)."""
-    from torch.distributed.device_mesh import init_device_mesh
+    """`fully_shard` on every unit, then on the root, over `data_mesh(setup)` (HSDP on a 2-D
+    mesh). `prefetch`: FSDP2's implicit prefetch needs CUDA streams; on CPU only explicit
+    next/previous-unit prefetch with async unshard overlaps its all-gathers (its reduce-scatter
+    stays synchronous)."""
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-    mesh = init_device_mesh(setup.device.type, (dist.get_world_size(),))
+    mesh = data_mesh(setup)  # 2-D under HSDP: FSDP2's hybrid sharding
     policy = MixedPrecisionPolicy(reduce_dtype=reduce_dtype)
     units = [fully_shard(u, mesh=mesh, mp_policy=policy) for u in setup.units_of(model)]
     root = fully_shard(model, mesh=mesh, mp_policy=policy)

@@ -32,14 +32,17 @@ class TrainSetup:
     """The model's width: deepspeed-tuned's bucket sizes ([Note: DeepSpeed ZeRO-3 configs])."""
     max_grad_norm: float | None = None
     """Clip gradients by their global norm before each optimizer step (None: no clipping)."""
+    num_replicas: int = 1
+    """HSDP: overlap and the fsdp2 contenders shard over world / num_replicas ranks and replicate
+    over num_replicas (`data_mesh`); the others ignore it. 1: shard over every rank."""
     powersgd_start_iter: int = 2
     """First iteration PowerSGD compresses ([Note: PowerSGD settings]); must be >= 2."""
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     """Where the model lives; "cuda" also selects DeepSpeed's CUDA accelerator."""
 
     def __post_init__(self) -> None:
-        if self.micro_batch < 1 or self.hidden_size < 1:
-            raise ValueError("TrainSetup: micro_batch and hidden_size must be >= 1")
+        if min(self.micro_batch, self.hidden_size, self.num_replicas) < 1:
+            raise ValueError("TrainSetup: micro_batch, hidden_size and num_replicas must be >= 1")
         if self.powersgd_start_iter < 2:
             raise ValueError(
                 f"TrainSetup.powersgd_start_iter={self.powersgd_start_iter}: torch's PowerSGD "

@@ -5,6 +5,7 @@ and the peers a user would pick instead (DeepSpeed ZeRO-3, DDP compression hooks
     overlap bench step --model gpt --layers 4 --dim 256 --heads 4 --nproc 1,2,4
     overlap bench step --overlap-config prefetch_depth=2 --json out/w1.json
     overlap bench step --link 1gbit                        # ranks behind an emulated 1 Gbit/s link
+    overlap bench step --hsdp 2 --nproc 4                  # HSDP 2 x 2: overlap and FSDP2 on a 2-D mesh
     overlap bench step --contenders overlap,ddp,deepspeed,deepspeed-tuned,ddp-bf16 \
         --overlap-config grad_compression=int8,error_feedback=True   # peers beside our codecs
 
@@ -37,6 +38,16 @@ Contenders (the first six are the default; overlap.tools.bench.peers builds all 
   fsdp2-bf16reduce     fsdp2-tuned with MixedPrecisionPolicy(reduce_dtype=torch.bfloat16)
 A peer whose package (deepspeed, numpy) is missing is skipped with one line saying so. Each
 contender steps through its own API (DeepSpeed: engine.backward(loss), engine.step()).
+
+HSDP (`--hsdp R`): overlap and the fsdp2 contenders run on a (R, world / R) DeviceMesh
+("replicate", "shard"; overlap.tools.bench.peers.data_mesh): overlap.wrap(group=mesh) (its
+hybrid_mode "replicate") and fully_shard(mesh=mesh) (FSDP2's HSDP) both shard over world / R
+consecutive ranks and all-reduce the reduced gradient shards across the R replicas. DDP, its hook
+peers and floor-compute are the same whatever the mesh; floor-compute||comm keeps ZeRO-3's
+collectives over every rank and the DeepSpeed peers stay ZeRO-3 over every rank (a WARNING says
+so). Every world size of `--nproc` must divide by R. Each overlap row's "transport" line names
+the strategy that carried its all-gathers, reduce-scatters (the shard group) and all-reduces
+(the replicate group): shared memory (Shm*) or gloo (Gloo*).
 
 [Note: what floor-compute||comm issues, and when]
 Per unit, in the sizes ZeRO-3 would use (the unit's numel padded to a multiple of the world size,
@@ -301,7 +312,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def config_from_args(args: argparse.Namespace) -> StepBenchConfig:
     if args.model == "gpt" and args.ff != StepBenchConfig.ff:
         print(f"WARNING: --ff {args.ff} is ignored for --model gpt (its MLP is 4 x dim)")
-    return from_flags(StepBenchConfig, args)
+    cfg = from_flags(StepBenchConfig, args)
+    flat = [name for name in cfg.contenders if name in ("floor-compute||comm", *peers.DEEPSPEED_PEERS)]
+    if cfg.hsdp > 1 and flat:
+        print(f"WARNING: --hsdp {cfg.hsdp} does not apply to {', '.join(flat)}: ZeRO-3 over every rank")
+    return cfg
 
 
 def run(args: argparse.Namespace) -> int:

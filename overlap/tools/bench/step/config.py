@@ -30,6 +30,10 @@ class StepBenchConfig(Workload):
     """Timed steps per contender per round."""
     nproc: tuple[int, ...] = field(default=(2,), metadata=WORLD_SIZES_FLAG)
     """World sizes, one spawned world each, run in this order (several: a scaling table)."""
+    hsdp: int = field(default=1, metadata=flag(metavar="R"))
+    """HSDP: R replicate groups. overlap and the fsdp2 contenders shard over world / R ranks and
+    replicate over R, on a (R, world / R) DeviceMesh; DDP and floor-compute are the same whatever
+    the mesh; floor-compute||comm and the DeepSpeed peers stay ZeRO-3 over every rank. 1: no HSDP."""
     threads: int = 1
     """Torch threads per rank."""
     keep_freed_memory: bool = True
@@ -55,6 +59,14 @@ class StepBenchConfig(Workload):
             raise ValueError("StepBenchConfig: rounds, steps, memory_repeats and threads must be >= 1")
         if not self.nproc or min(self.nproc) < 1 or len(set(self.nproc)) != len(self.nproc):
             raise ValueError(f"StepBenchConfig.nproc: need distinct world sizes >= 1, got {self.nproc}")
+        if self.hsdp < 1:
+            raise ValueError(f"StepBenchConfig.hsdp: need R >= 1 replicate groups, got {self.hsdp}")
+        uneven = [n for n in self.nproc if n % self.hsdp]
+        if uneven:
+            raise ValueError(
+                f"StepBenchConfig.hsdp: --hsdp {self.hsdp} needs every world size of --nproc divisible "
+                f"by {self.hsdp} (the shard group is world / R ranks); {uneven} is not"
+            )
         for spec in self.overlap_configs:
             parse_overrides(spec)
         if self.link is not None:

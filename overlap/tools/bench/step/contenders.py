@@ -70,6 +70,7 @@ def train_setup(cfg: StepBenchConfig) -> peers.TrainSetup:
         units_of=shard_units,
         micro_batch=cfg.batch,
         hidden_size=cfg.dim,
+        num_replicas=cfg.hsdp,
     )
 
 
@@ -139,7 +140,21 @@ def make_overlap(cfg: StepBenchConfig, batch: Batch, name: str, overrides: dict)
 
     contender.overlap_efficiency = overlap_efficiency
     contender.keep_alive = (trace_dir,)
+    contender.settings = {**(contender.settings or {}), "transport": transport_names(state)}
     return contender
+
+
+def transport_names(state: Any) -> dict[str, str]:
+    """Which strategy carries each of an overlap model's collectives, and over how many ranks
+    (e.g. HSDP on one host: shared memory in the shard group, the replicas' sum on gloo)."""
+    transport, runtime = state.runtime.transport, state.runtime
+    shard = f"{type(transport.all_gather).__name__} x{runtime.world_size}"
+    replicas = "none" if runtime.replicate_group is None else f"x{runtime.num_replicas}"
+    return {
+        "all_gather": shard,
+        "reduce_scatter": f"{type(transport.reduce_scatter).__name__} x{runtime.world_size}",
+        "all_reduce": f"{type(transport.all_reduce).__name__} {replicas}",
+    }
 
 
 def attach_zero3_comm(

@@ -114,9 +114,10 @@ def summarize(cfg: StepBenchConfig, world_size: int, contenders: list[Contender]
 
 def format_report(report: StepReport) -> str:
     cfg, rows, mib = report.config, report.runs, 2**20
+    hsdp = f", HSDP {cfg.hsdp} x {report.world_size // cfg.hsdp}" if cfg.hsdp > 1 else ""
     title = (
         f"\n{describe(cfg)}, B={cfg.batch} T={cfg.seq}, world={report.world_size} x "
-        f"{cfg.threads} thread(s), gloo {report.link}; {cfg.rounds} rounds x {cfg.steps} steps"
+        f"{cfg.threads} thread(s){hsdp}, gloo {report.link}; {cfg.rounds} rounds x {cfg.steps} steps"
     )
     lines = [title]
     w = max(len(row.name) for row in rows)
@@ -161,6 +162,9 @@ def format_report(report: StepReport) -> str:
             if other is not None and other.state_bytes
         ]
         lines.append("  " + "\n  ".join(ratios))
+        carried = (row.settings or {}).get("transport")
+        if carried:
+            lines.append("  transport: " + ", ".join(f"{k.replace('_', '-')} {v}" for k, v in carried.items()))
     return "\n".join(lines)
 
 
