@@ -9,13 +9,19 @@ holding t tokens (its sequence-parallel shard when the attention is tensor paral
 experts are not, Megatron-Core's expert_tensor_parallel_size 1) costs, forward:
     router       a t x h x E GEMM, its softmax / top-k and the permutation that groups the
                  t·k token copies by expert (read and write of t·k·h activations, twice: permute
-                 before the experts, unpermute and weighted sum after)
+                 before the experts, unpermute and weighted sum after); the alltoall dispatcher
+                 sorts the received chunks by local expert after the dispatch and back before the
+                 combine ("Permutation 2: Sort tokens by local expert", `sort_chunks_by_idxs`
+                 when num_local_experts > 1, megatron/core/transformer/moe/token_dispatcher.py):
+                 two more read-and-write passes over the t·k·h copies; the flex dispatcher's
+                 receiving rank permutes what it received straight into expert order (none)
     dispatch     all-to-all of t·k·h activations (bf16) over the EP group: (EP-1)/EP of them
                  leave the rank; the peers inside its NVLink domain are reached over NVLink, the
                  others over the GPU's own rail adapter, both at once ([Note: rails] in
                  hardware.py); `all_to_all_s`
-    experts      three grouped GEMMs (gate, up, down) over the E/EP local experts with
-                 M = t·k·EP/E rows each when routing is balanced; `expert_gemm_seconds`
+    experts      two grouped GEMMs (fc1: gate and up fused, N = 2·f_e; fc2) over the E/EP local
+                 experts with M = t·k·EP/E rows each when routing is balanced;
+                 `expert_gemm_seconds` ([Note: grouped GEMMs at small M])
     combine      the dispatch's all-to-all in reverse
     shared       a dense SwiGLU of the shared experts' width over all t tokens
 Backward is twice the GEMMs and the permutations, and both all-to-alls again. Balanced routing
@@ -27,12 +33,23 @@ to capacity) multiplies the expert rows and the dispatched tokens.
 [Note: grouped GEMMs at small M]
 An expert's GEMM has few rows: Qwen3-30B-A3B at 4,096 tokens, top 8 of 128 experts and EP 8 gives
 M = 2,048 per expert; DeepSeek-V3 at EP 64, micro-batch 1 of 4,096 tokens, M = 8,192 (but 256
-experts, top 8). Two facts set the rate. Each group's rows fill whole output tiles: grouped GEMM
-kernels (CUTLASS grouped GEMM, cuBLASLt grouped / Transformer Engine's) tile each problem of the
-group separately with 128-row tiles, so M is paid as ceil(M/128)·128. And an expert's weights
-must be read once per GEMM: below the roofline's ridge point (datasheet FLOPS / HBM bandwidth,
-~295 FLOP/byte on an H100 SXM) the GEMM streams K·N weights plus M·(K+N) activations at HBM
-bandwidth instead of computing at the tensor-core rate; the larger of the two times is taken.
+experts, top 8). Megatron-Core's grouped MLP runs two grouped GEMMs per expert forward (fc1, gate
+and up fused into one N = 2·f_e weight; fc2) and four backward (data and weight gradient of
+each); Transformer Engine's grouped GEMM issues them as one cuBLAS GEMM per expert on several
+streams (https://github.com/NVIDIA/TransformerEngine/pull/853, "Grouped GEMM via multi-stream
+cuBLAS"). Its benchmark at Qwen3-30B-A3B's shapes on an H100, bf16, TE 2.7
+(https://github.com/NVIDIA/TransformerEngine/pull/2045: (g, m, n, k) = (8, 4096, 768, 2048)
+627.9 TFLOPS, (16, 2048, 768, 2048) 553.9 TFLOPS; the same FLOPs in twice the GEMMs take 22 us
+more) resolves into a rate and a cost per GEMM: 103 GFLOP in 8 GEMMs take 164 us, in 16 GEMMs
+186 us, so each GEMM of the group pays `GROUPED_GEMM_TAIL_S` = 2.75 us (its launch on its
+stream and its last partial wave) and the FLOPs run at 725 TFLOPS, the large-GEMM share of the
+peak (`gemm_share`, 0.72 of 989 TFLOPS: 713) with no further loss to the 768-wide N. So one
+expert's GEMM costs its FLOPs at the peak x `gemm_share` (fp8: x `fp8_gemm_share`) plus the
+tail; the tail does not shrink on a faster GPU, so Blackwell's small experts lose relatively
+more. Each group's rows still fill whole 128-row tiles (M paid as ceil(M/128)·128), an fp8 GEMM
+first casts its input (read 2, write 1 byte per element), and an expert's weights must be read
+once per GEMM: below the roofline's ridge point the GEMM streams K·N weights plus M·(K+N)
+activations at HBM bandwidth; the larger of the FLOP and the stream time is taken.
 
 [Note: MoE host work]
 A dropless MoE layer cannot run ahead of its host. Its expert GEMMs are sized by how many tokens
@@ -47,18 +64,28 @@ moe/fused_a2a.py), and Transformer Engine's grouped GEMM takes the splits as hos
 drains, and what follows runs no faster than the CPU issues it: the layer's forward takes
 max(GPU seconds, host seconds). Backward has no such point (its splits are saved), so the CPU
 runs ahead unless its work for the layer exceeds the GPU's; the same max is taken.
-Host seconds per layer: Python-level operators (each an eager PyTorch / Transformer Engine call:
-Python, binding, autograd, dispatcher and launch, 5 to 25 us of CPU work per operator by the
-breakdown in jiahuanglin.xyz's "From PyTorch op to kernel launch": `HOST_OP_S`, the middle of
-that range) and, inside Transformer Engine's grouped GEMM, one C++ launch per local expert per
-GEMM (cuBLAS called in a loop over the group; a driver kernel launch costs 4 to 6 us, measured
-in susun-blog.com's "From Launch Overhead to CUDA Graph": `LAUNCH_S`). Counts follow Megatron-Core's MoE forward with
-router fusion and permute fusion (the recipes set both): `HOST_OPS` per part, backward twice the
-forward's. A part inside a CUDA graph (`cuda_graph_scope`: Transformer Engine's graphs of
-"attn", "moe_router", "moe_preprocess", the scopes the Megatron-Bridge recipes name) is one
-launch. The Megatron-Core MoE guide lists the remedy for this bottleneck ("gaps between GPU
-kernels where CPU cannot launch kernels fast enough": CUDA graphs, "increase micro-batch size"):
-the host work is per micro-batch, so it shows at small micro-batches and many local experts.
+Host seconds per layer are counted per Python-level call, of two weights. A Transformer Engine
+module (LayerNormLinear, DotProductAttention, Linear, RMSNorm, GroupedLinear) costs what TE's own
+issue measured for one `te.Linear` forward, bf16, 8,192 x 2,048 tokens: 99.66 us of CPU on a
+GB200 (Grace), against 37.08 us for `torch.nn.Linear` on the same host and 13.48 us for
+`torch.nn.Linear` on an x86 DGX H100 (https://github.com/NVIDIA/TransformerEngine/issues/2053);
+the x86 cost of a TE module is taken at the same Grace / x86 ratio (99.66 x 13.48 / 37.08 =
+36.2 us), and under fp8 a TE module costs twice its bf16 cost ("scheduling a te.Linear layer in
+FP8 takes more than 2x more time compared to scheduling the te.Linear layer in BF16",
+https://github.com/NVIDIA/TransformerEngine/issues/761). Any other eager operator (rotary, the
+fused bias-dropout-add, the router's fused top-k and auxiliary loss, the token counts, permute,
+the all-to-all call) costs `torch.nn.Linear`'s CPU time on that host (`TORCH_OP_S`). Inside TE's
+grouped GEMM each local expert's GEMM (and under fp8 each input's cast) is one more C++ launch:
+4 to 6 us on x86 (susun-blog.com, "From Launch Overhead to CUDA Graph": `LAUNCH_S`), scaled by
+the same Grace / x86 ratio on a GB200. GB200 is the one preset whose host is a Grace CPU (the
+GB200 superchip pairs two B200 with one Grace); the DGX nodes are x86. Counts follow
+Megatron-Core's MoE layer with router and permute fusion (the recipes set both): `HOST_OPS` per
+part, backward twice the forward's. A part inside a CUDA graph (`cuda_graph_scope`: Transformer
+Engine's graphs of "attn", "moe_router", "moe_preprocess", the scopes the Megatron-Bridge recipes
+name) is one launch. The Megatron-Core MoE guide lists the remedy for this bottleneck ("gaps
+between GPU kernels where CPU cannot launch kernels fast enough": CUDA graphs, "increase
+micro-batch size"): the host work is per micro-batch, so it shows at small micro-batches and
+many local experts.
 
 [Note: flex dispatch]
 Megatron-Core's alltoall dispatcher sends one copy of a token per routed expert (t·k rows,
@@ -77,10 +104,24 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Literal
 
 from overlap.step_model.cost import Link
 from overlap.step_model.hardware import HBM_SHARE, Accelerator
-from overlap.step_model.kernels import ACT_BYTES, TILE, Fp8Recipe, gemm_backward_seconds, gemm_seconds
+from overlap.step_model.kernels import (
+    ACT_BYTES,
+    ROWWISE_KERNEL_SHARE,
+    TILE,
+    Fp8Recipe,
+    gemm_backward_seconds,
+    gemm_seconds,
+)
+
+HostCpu = Literal["x86", "grace"]
+GRACE_HOSTED = ("gb200",)
+"""Accelerator presets whose host CPU is a Grace ([Note: MoE host work])."""
+GROUPED_GEMM_TAIL_S = 2.75e-6
+"""Seconds each GEMM of a grouped GEMM pays beyond its FLOPs ([Note: grouped GEMMs at small M])."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -149,15 +190,21 @@ class MoeSeconds:
 def expert_gemm_seconds(
     m: float, k: int, n: int, gpu: Accelerator, fp8: bool, recipe: Fp8Recipe = "tensorwise"
 ) -> float:
-    """One expert's forward GEMM of `m` rows through a K x N weight ([Note: grouped GEMMs at
-    small M]): M padded to whole tiles, and no faster than streaming its operands from HBM."""
+    """One expert's forward GEMM of `m` rows through a K x N weight inside a grouped GEMM ([Note:
+    grouped GEMMs at small M]): M padded to whole tiles at the large-GEMM rate, no faster than
+    streaming its operands from HBM, plus the group's per-GEMM tail (and an fp8 input's cast)."""
     if m <= 0:
         return 0.0
+    hbm = gpu.hbm_tbps * 1e12 * HBM_SHARE
     padded = math.ceil(m / TILE) * TILE
-    compute = gemm_seconds(padded, k, n, gpu, fp8, recipe)
-    weight_bytes = 1 if fp8 and gpu.fp8_tflops else ACT_BYTES
-    stream = (k * n * weight_bytes + m * (k + n) * ACT_BYTES) / (gpu.hbm_tbps * 1e12 * HBM_SHARE)
-    return max(compute, stream)
+    if fp8 and gpu.fp8_tflops:
+        rate = gpu.fp8_tflops * gpu.fp8_gemm_share * (ROWWISE_KERNEL_SHARE if recipe == "rowwise" else 1.0)
+        weight_bytes, cast = 1, m * k * 3 / hbm
+    else:
+        rate, weight_bytes, cast = gpu.bf16_tflops * gpu.gemm_share, ACT_BYTES, 0.0
+    compute = 2.0 * padded * k * n / (rate * 1e12)
+    stream = (k * n * weight_bytes + m * (k + n) * ACT_BYTES) / hbm
+    return max(compute, stream) + cast + GROUPED_GEMM_TAIL_S
 
 
 def expert_rows(tokens: float, moe: MoeShape, ep: int, capacity_factor: float | None) -> float:
@@ -180,20 +227,23 @@ def moe_seconds(
     fp8: bool = False,
     fp8_recipe: Fp8Recipe = "tensorwise",
     capacity_factor: float | None = None,
+    dispatcher: str = "alltoall",
 ) -> MoeSeconds:
     """[Note: expert parallelism] for `tokens` tokens routed from this rank; the routed experts
     split over `etp`, the shared experts over `tp` like a dense MLP, run on `shared_tokens`
-    (default `tokens`)."""
+    (default `tokens`); `dispatcher` is Megatron-Core's moe_token_dispatcher_type."""
     if moe.num_experts % ep:
         raise ValueError(f"{moe.num_experts} experts do not split over expert parallel {ep}")
     hbm = gpu.hbm_tbps * 1e12 * HBM_SHARE
     router = gemm_seconds(tokens, hidden, moe.num_experts, gpu, fp8=False)
     copies = tokens * moe.top_k * (capacity_factor or 1.0)
-    # softmax / top-k over E logits (fp32, read and write) and the permute + unpermute copies
-    router += tokens * moe.num_experts * 4 * 2 / hbm + 2 * copies * hidden * ACT_BYTES * 2 / hbm
-    rows, f = expert_rows(tokens, moe, ep, capacity_factor), moe.expert_ffn_hidden // etp
-    shapes = [(hidden, f), (hidden, f), (f, hidden)]  # gate and up split N, down splits K over ETP
     local = moe.num_experts // ep
+    # softmax / top-k over E logits (fp32, read and write) and the permute + unpermute copies;
+    # the alltoall dispatcher's chunk sorts by local expert, there and back
+    permutations = 2 + (2 if dispatcher == "alltoall" and local > 1 else 0)
+    router += tokens * moe.num_experts * 4 * 2 / hbm + permutations * copies * hidden * ACT_BYTES * 2 / hbm
+    rows, f = expert_rows(tokens, moe, ep, capacity_factor), moe.expert_ffn_hidden // etp
+    shapes = [(hidden, 2 * f), (f, hidden)]  # fc1 (gate and up) splits N, fc2 splits K over ETP
     experts = local * sum(expert_gemm_seconds(rows, k, n, gpu, fp8, fp8_recipe) for k, n in shapes)
     # the SwiGLU activation between them: read 2, write 1 of rows x f per expert
     act = local * rows * f * 3 * ACT_BYTES / hbm
@@ -208,27 +258,50 @@ def moe_seconds(
     return MoeSeconds(forward, backward, experts, router, copies * hidden * ACT_BYTES, act, shared)
 
 
-HOST_OP_S = 10e-6
-"""CPU seconds of one eager operator ([Note: MoE host work])."""
-LAUNCH_S = 5e-6
+TORCH_OP_S: dict[HostCpu, float] = {"x86": 13.48e-6, "grace": 37.08e-6}
+"""CPU seconds of one eager PyTorch operator: `torch.nn.Linear`'s forward ([Note: MoE host work])."""
+TE_MODULE_S: dict[HostCpu, float] = {"x86": 99.66e-6 * 13.48 / 37.08, "grace": 99.66e-6}
+"""CPU seconds of one Transformer Engine module's bf16 forward ([Note: MoE host work])."""
+TE_FP8_FACTOR = 2.0
+"""A TE module's CPU cost under fp8 over bf16 ([Note: MoE host work])."""
+LAUNCH_S: dict[HostCpu, float] = {"x86": 5e-6, "grace": 5e-6 * 37.08 / 13.48}
 """CPU seconds of one kernel launch from C++ ([Note: MoE host work])."""
-HOST_OPS = {"attn": 12, "moe_router": 6, "moe_preprocess": 10, "dispatch": 8, "experts": 3}
-"""Python-level operators of one MoE layer's forward ([Note: MoE host work]), Megatron-Core with
-router and permute fusion: attention (input norm + QKV, q/k norms, rotary, core attention, output
-projection, bias-dropout-add, pre-MLP norm and their glue), router (gate GEMM, fused top-k
-scores, auxiliary loss and its scaling), preprocessing (token counts, the splits of the EP
-group: their gather, slices and sums, the device-to-host copies), dispatch and combine (permute,
-all-to-all, chunk sort, each way) and the experts' grouped linears and activation."""
+HOST_OPS: dict[str, tuple[int, int]] = {
+    "attn": (4, 8),
+    "moe_router": (0, 6),
+    "moe_preprocess": (0, 10),
+    "dispatch": (0, 8),
+    "experts": (2, 1),
+}
+"""(Transformer Engine modules, other eager operators) of one MoE layer's forward ([Note: MoE
+host work]), Megatron-Core with router and permute fusion: attention (TE LayerNormLinear for
+QKV, DotProductAttention, the output Linear, the pre-MLP RMSNorm; rotary, bias-dropout-add and
+the glue between), router (gate GEMM, fused top-k scores, auxiliary loss and its scaling),
+preprocessing (token counts, the splits of the EP group: their gather, slices and sums, the
+device-to-host copies), dispatch and combine (permute, all-to-all, chunk sort, each way) and the
+experts (TE GroupedLinear fc1 and fc2; the activation). Shared experts add two TE Linears and
+their activation."""
+SHARED_OPS = (2, 1)
 
 
-def moe_host_seconds(moe: MoeShape, ep: int, fp8: bool, graphed: tuple[str, ...] = ()) -> tuple[float, float]:
-    """(forward, backward) CPU seconds of one MoE layer ([Note: MoE host work]): the Python-level
-    operators outside CUDA graphs, a graphed part as one launch, and the grouped GEMMs' launches
-    per local expert (fc1 and fc2; with fp8 each input's cast too; backward twice)."""
-    ops = sum(1 if part in graphed else n for part, n in HOST_OPS.items())
+def host_cpu(gpu: str) -> HostCpu:
+    """The CPU that issues the kernels of accelerator preset `gpu` ([Note: MoE host work])."""
+    return "grace" if gpu in GRACE_HOSTED else "x86"
+
+
+def moe_host_seconds(moe: MoeShape, ep: int, fp8: bool, graphed: tuple[str, ...] = (), *,
+                     host: HostCpu = "x86") -> tuple[float, float]:  # fmt: skip
+    """(forward, backward) CPU seconds of one MoE layer ([Note: MoE host work]): its TE modules
+    and other eager operators outside CUDA graphs, a graphed part as one launch, and the grouped
+    GEMMs' launches per local expert (fc1 and fc2; with fp8 each input's cast too; backward
+    twice)."""
+    module_s = TE_MODULE_S[host] * (TE_FP8_FACTOR if fp8 else 1.0)
+    parts = dict(HOST_OPS, shared=SHARED_OPS) if moe.shared_ffn_hidden else HOST_OPS
+    forward = 0.0
+    for part, (modules, ops) in parts.items():
+        forward += LAUNCH_S[host] if part in graphed else modules * module_s + ops * TORCH_OP_S[host]
     per_expert = 4 if fp8 else 2
-    launches = moe.num_experts // ep * per_expert
-    forward = ops * HOST_OP_S + launches * LAUNCH_S
+    forward += moe.num_experts // ep * per_expert * LAUNCH_S[host]
     return forward, 2 * forward
 
 
@@ -288,9 +361,11 @@ def all_to_all_s(num_bytes: float, ep: int, ranks_per_domain: int, nvlink: Link,
 
 
 __all__ = [
+    "GROUPED_GEMM_TAIL_S",
     "HOST_OPS",
-    "HOST_OP_S",
     "LAUNCH_S",
+    "TE_MODULE_S",
+    "TORCH_OP_S",
     "MoeSeconds",
     "MoeShape",
     "all_to_all_s",
@@ -299,6 +374,7 @@ __all__ = [
     "flex_all_to_all_s",
     "flex_copies",
     "hit_share",
+    "host_cpu",
     "moe_host_seconds",
     "moe_seconds",
 ]

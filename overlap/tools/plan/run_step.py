@@ -52,7 +52,7 @@ from overlap.step_model.cost import Link, Topology, UnitCost, ring_time_s
 from overlap.step_model.fitting import solve_increasing
 from overlap.step_model.hardware import HBM_SHARE, NVLINK_SHARE, accelerator, nccl_share, node_spec, ring_link
 from overlap.step_model.kernels import ACT_BYTES, block_seconds, gemm_seconds, head_seconds, stack
-from overlap.step_model.moe import all_to_all_s, flex_all_to_all_s, moe_host_seconds, moe_seconds
+from overlap.step_model.moe import all_to_all_s, flex_all_to_all_s, host_cpu, moe_host_seconds, moe_seconds
 from overlap.tools.plan import ring_attention
 from overlap.tools.plan.fsdp import OPTIMIZER_BYTES_PER_PARAM
 from overlap.tools.plan.run_spec import RunSpec
@@ -149,7 +149,8 @@ def _microbatch_compute(spec: RunSpec) -> tuple[list[tuple[float, float]], tuple
             backward += _module_recompute_moe_s(spec, e)
             # the GPU waits on the host once per MoE layer ([Note: MoE host work]); the host
             # issues while exposed all-to-alls run too
-            host_forward, host_backward = moe_host_seconds(m.moe, spec.ep, fp8, spec.cuda_graph_scope)
+            host_forward, host_backward = moe_host_seconds(m.moe, spec.ep, fp8, spec.cuda_graph_scope,
+                                                           host=host_cpu(spec.gpu))  # fmt: skip
             forward = max(forward, host_forward - a2a_layer)
             backward = max(backward, host_backward - a2a_layer)
         blocks.append((forward, backward))
@@ -199,7 +200,8 @@ def _moe_seconds(spec: RunSpec, tokens: float):
     routed = tokens / (spec.tp // spec.etp)
     return moe_seconds(spec.model.moe, spec.model.hidden, routed, accelerator(spec.gpu), ep=spec.ep,
                        tp=spec.tp, etp=spec.etp, shared_tokens=tokens, fp8=spec.precision == "fp8",
-                       fp8_recipe=spec.fp8_recipe, capacity_factor=spec.capacity_factor)  # fmt: skip
+                       fp8_recipe=spec.fp8_recipe, capacity_factor=spec.capacity_factor,
+                       dispatcher=spec.dispatcher)  # fmt: skip
 
 
 def _ep_exposed(spec: RunSpec) -> float:
