@@ -46,10 +46,16 @@ stream and its last partial wave) and the FLOPs run at 725 TFLOPS, the large-GEM
 peak (`gemm_share`, 0.72 of 989 TFLOPS: 713) with no further loss to the 768-wide N. So one
 expert's GEMM costs its FLOPs at the peak x `gemm_share` (fp8: x `fp8_gemm_share`) plus the
 tail; the tail does not shrink on a faster GPU, so Blackwell's small experts lose relatively
-more. Each group's rows still fill whole 128-row tiles (M paid as ceil(M/128)·128), an fp8 GEMM
-first casts its input (read 2, write 1 byte per element), and an expert's weights must be read
-once per GEMM: below the roofline's ridge point the GEMM streams K·N weights plus M·(K+N)
-activations at HBM bandwidth; the larger of the FLOP and the stream time is taken.
+more. On Blackwell the fp8 experts run MXFP8 (the Megatron-Bridge recipes' FP8-MX), whose grouped
+GEMM Megatron-Core's GB200 guide measures at "2,672 TFLOP/s (flush L2) on the shape K=7,168,
+N=2,048" with its multi-stream cuBLAS implementation
+(https://github.com/NVIDIA/Megatron-LM/blob/dev/docs/discussions/deepseek-v3-gb200-optimization/deepseek-v3-gb200-optimization.md,
+section 1, item 3): 0.534 of the 5,000 TFLOPS fp8 peak where the dense MAMF share is 0.72, taken
+for every Blackwell card's fp8 expert GEMMs (`BLACKWELL_FP8_GROUPED_SHARE`). Each group's rows
+still fill whole 128-row tiles (M paid as ceil(M/128)·128), an fp8 GEMM first casts its input
+(read 2, write 1 byte per element), and an expert's weights must be read once per GEMM: below
+the roofline's ridge point the GEMM streams K·N weights plus M·(K+N) activations at HBM
+bandwidth; the larger of the FLOP and the stream time is taken.
 
 [Note: MoE host work]
 A dropless MoE layer cannot run ahead of its host. Its expert GEMMs are sized by how many tokens
@@ -122,6 +128,8 @@ GRACE_HOSTED = ("gb200",)
 """Accelerator presets whose host CPU is a Grace ([Note: MoE host work])."""
 GROUPED_GEMM_TAIL_S = 2.75e-6
 """Seconds each GEMM of a grouped GEMM pays beyond its FLOPs ([Note: grouped GEMMs at small M])."""
+BLACKWELL_FP8_GROUPED_SHARE = 2672.0 / 5000.0
+"""Share of the fp8 peak Blackwell's MXFP8 grouped GEMM sustains ([Note: grouped GEMMs at small M])."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -198,7 +206,8 @@ def expert_gemm_seconds(
     hbm = gpu.hbm_tbps * 1e12 * HBM_SHARE
     padded = math.ceil(m / TILE) * TILE
     if fp8 and gpu.fp8_tflops:
-        rate = gpu.fp8_tflops * gpu.fp8_gemm_share * (ROWWISE_KERNEL_SHARE if recipe == "rowwise" else 1.0)
+        share = BLACKWELL_FP8_GROUPED_SHARE if gpu.generation == "blackwell" else gpu.fp8_gemm_share
+        rate = gpu.fp8_tflops * share * (ROWWISE_KERNEL_SHARE if recipe == "rowwise" else 1.0)
         weight_bytes, cast = 1, m * k * 3 / hbm
     else:
         rate, weight_bytes, cast = gpu.bf16_tflops * gpu.gemm_share, ACT_BYTES, 0.0
@@ -268,7 +277,7 @@ LAUNCH_S: dict[HostCpu, float] = {"x86": 5e-6, "grace": 5e-6 * 37.08 / 13.48}
 """CPU seconds of one kernel launch from C++ ([Note: MoE host work])."""
 HOST_OPS: dict[str, tuple[int, int]] = {
     "attn": (4, 8),
-    "moe_router": (0, 6),
+    "moe_router": (0, 31),
     "moe_preprocess": (0, 10),
     "dispatch": (0, 8),
     "experts": (2, 1),
@@ -279,8 +288,14 @@ QKV, DotProductAttention, the output Linear, the pre-MLP RMSNorm; rotary, bias-d
 the glue between), router (gate GEMM, fused top-k scores, auxiliary loss and its scaling),
 preprocessing (token counts, the splits of the EP group: their gather, slices and sums, the
 device-to-host copies), dispatch and combine (permute, all-to-all, chunk sort, each way) and the
-experts (TE GroupedLinear fc1 and fc2; the activation). Shared experts add two TE Linears and
-their activation."""
+experts (TE GroupedLinear fc1 and fc2; the activation). The router's count is Megatron-Core's
+own: router fusion "reducing the total number of kernels in the router part from 72 to 31"; the
+flex dispatcher's fused preprocessing brings "the router and preprocess parts to 17"
+(deepseek-v3-gb200-optimization.md, sections 2.1.4 and 2.2.1; `FLEX_ROUTER_OPS`, the two parts
+are graphed together or not at all). Shared experts add two TE Linears and their activation,
+inside the router's graph when it has one ("`moe_router`: capture the moe router part. Also
+capture shared experts unless the shared experts overlap is enabled", ibid. section 2.3)."""
+FLEX_ROUTER_OPS = {"moe_router": (0, 12), "moe_preprocess": (0, 5)}
 SHARED_OPS = (2, 1)
 
 
@@ -290,13 +305,15 @@ def host_cpu(gpu: str) -> HostCpu:
 
 
 def moe_host_seconds(moe: MoeShape, ep: int, fp8: bool, graphed: tuple[str, ...] = (), *,
-                     host: HostCpu = "x86") -> tuple[float, float]:  # fmt: skip
+                     host: HostCpu = "x86", dispatcher: str = "alltoall") -> tuple[float, float]:  # fmt: skip
     """(forward, backward) CPU seconds of one MoE layer ([Note: MoE host work]): its TE modules
     and other eager operators outside CUDA graphs, a graphed part as one launch, and the grouped
     GEMMs' launches per local expert (fc1 and fc2; with fp8 each input's cast too; backward
     twice)."""
     module_s = TE_MODULE_S[host] * (TE_FP8_FACTOR if fp8 else 1.0)
-    parts = dict(HOST_OPS, shared=SHARED_OPS) if moe.shared_ffn_hidden else HOST_OPS
+    parts = dict(HOST_OPS, **FLEX_ROUTER_OPS) if dispatcher == "flex" else dict(HOST_OPS)
+    if moe.shared_ffn_hidden and "moe_router" not in graphed:
+        parts["shared"] = SHARED_OPS
     forward = 0.0
     for part, (modules, ops) in parts.items():
         forward += LAUNCH_S[host] if part in graphed else modules * module_s + ops * TORCH_OP_S[host]
@@ -361,6 +378,7 @@ def all_to_all_s(num_bytes: float, ep: int, ranks_per_domain: int, nvlink: Link,
 
 
 __all__ = [
+    "BLACKWELL_FP8_GROUPED_SHARE",
     "GROUPED_GEMM_TAIL_S",
     "HOST_OPS",
     "LAUNCH_S",

@@ -15,6 +15,7 @@ from overlap.step_model.cost import Link
 from overlap.step_model.hardware import ACCELERATORS, HBM_SHARE
 from overlap.step_model.kernels import TILE, gemm_seconds
 from overlap.step_model.moe import (
+    BLACKWELL_FP8_GROUPED_SHARE,
     GROUPED_GEMM_TAIL_S,
     HOST_OPS,
     TE_MODULE_S,
@@ -93,6 +94,25 @@ def test_grouped_gemm_matches_transformer_engines_benchmark(groups: int, rows: i
     tail per GEMM of the group reproduce both points."""
     seconds = groups * expert_gemm_seconds(rows, 2048, 768, H100, False)
     assert groups * 2 * rows * 2048 * 768 / seconds / 1e12 == pytest.approx(tflops, rel=0.03)
+
+
+def test_blackwell_fp8_experts_run_at_the_measured_mxfp8_grouped_rate() -> None:
+    """Megatron-Core's GB200 guide: MXFP8 grouped GEMM at 2,672 TFLOPS on K=7,168, N=2,048."""
+    gb200 = ACCELERATORS["gb200"]
+    rows = 64 * TILE
+    seconds = (
+        expert_gemm_seconds(rows, 7168, 2048, gb200, True)
+        - GROUPED_GEMM_TAIL_S
+        - rows * 7168 * 3 / (gb200.hbm_tbps * 1e12 * HBM_SHARE)
+    )
+    assert 2 * rows * 7168 * 2048 / seconds / 1e12 == pytest.approx(2672, rel=1e-6)
+    assert gb200.fp8_gemm_share > BLACKWELL_FP8_GROUPED_SHARE
+    # Hopper's fp8 experts keep the dense fp8 share
+    hopper = expert_gemm_seconds(rows, 7168, 2048, H100, True) - GROUPED_GEMM_TAIL_S
+    assert hopper == pytest.approx(
+        2 * rows * 7168 * 2048 / (H100.fp8_tflops * 1e12 * H100.fp8_gemm_share)
+        + rows * 7168 * 3 / (H100.hbm_tbps * 1e12 * HBM_SHARE)
+    )
 
 
 def test_alltoall_dispatcher_sorts_chunks_by_local_expert() -> None:
@@ -191,7 +211,16 @@ def test_moe_layers_wait_on_their_host_work() -> None:
     # a Grace host issues the same work ~2.7x slower than an x86 one (TransformerEngine issue 2053)
     assert host_cpu("gb200") == "grace" and host_cpu("b200") == "x86"
     assert moe_host_seconds(moe, 8, fp8=False, host="grace")[0] == pytest.approx(forward * 37.08 / 13.48, rel=0.01)
-    # shared experts are two more TE Linears
+    # the flex dispatcher's fused preprocessing: router and preprocess in 17 kernels, not 31 + 10
+    flex = moe_host_seconds(moe, 8, fp8=False, dispatcher="flex")[0]
+    assert forward - flex == pytest.approx((31 + 10 - 17) * TORCH_OP_S["x86"])
+    graphed = ("moe_router", "moe_preprocess")
+    assert moe_host_seconds(moe, 8, False, graphed)[0] == pytest.approx(
+        moe_host_seconds(moe, 8, False, graphed, dispatcher="flex")[0]
+    )
+    # shared experts are two more TE Linears, inside the router's graph when it has one
+    shared = replace(moe, shared_ffn_hidden=768)
+    assert moe_host_seconds(shared, 8, False, graphed)[0] == moe_host_seconds(moe, 8, False, graphed)[0]
     assert moe_host_seconds(replace(moe, shared_ffn_hidden=768), 8, fp8=False)[0] > forward
     short = qwen_run(seq_len=128, ep_overlap=True)  # all-to-alls hidden: the host alone sets the pace
     moe_layers = QWEN3_30B.num_layers

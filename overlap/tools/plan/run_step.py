@@ -150,7 +150,7 @@ def _microbatch_compute(spec: RunSpec) -> tuple[list[tuple[float, float]], tuple
             # the GPU waits on the host once per MoE layer ([Note: MoE host work]); the host
             # issues while exposed all-to-alls run too
             host_forward, host_backward = moe_host_seconds(m.moe, spec.ep, fp8, spec.cuda_graph_scope,
-                                                           host=host_cpu(spec.gpu))  # fmt: skip
+                                                           host=host_cpu(spec.gpu), dispatcher=spec.dispatcher)  # fmt: skip
             forward = max(forward, host_forward - a2a_layer)
             backward = max(backward, host_backward - a2a_layer)
         blocks.append((forward, backward))
