@@ -13,8 +13,10 @@ experts are not, Megatron-Core's expert_tensor_parallel_size 1) costs, forward:
                  sorts the received chunks by local expert after the dispatch and back before the
                  combine ("Permutation 2: Sort tokens by local expert", `sort_chunks_by_idxs`
                  when num_local_experts > 1, megatron/core/transformer/moe/token_dispatcher.py):
-                 two more read-and-write passes over the t·k·h copies; the flex dispatcher's
-                 receiving rank permutes what it received straight into expert order (none)
+                 two more read-and-write passes over the t·k·h copies under expert parallelism
+                 (without it the permute already leaves one chunk per expert); the flex
+                 dispatcher's receiving rank permutes what it received straight into expert
+                 order (none)
     dispatch     all-to-all of t·k·h activations (bf16) over the EP group: (EP-1)/EP of them
                  leave the rank; the peers inside its NVLink domain are reached over NVLink, the
                  others over the GPU's own rail adapter, both at once ([Note: rails] in
@@ -249,7 +251,7 @@ def moe_seconds(
     local = moe.num_experts // ep
     # softmax / top-k over E logits (fp32, read and write) and the permute + unpermute copies;
     # the alltoall dispatcher's chunk sorts by local expert, there and back
-    permutations = 2 + (2 if dispatcher == "alltoall" and local > 1 else 0)
+    permutations = 2 + (2 if dispatcher == "alltoall" and ep > 1 and local > 1 else 0)
     router += tokens * moe.num_experts * 4 * 2 / hbm + permutations * copies * hidden * ACT_BYTES * 2 / hbm
     rows, f = expert_rows(tokens, moe, ep, capacity_factor), moe.expert_ffn_hidden // etp
     shapes = [(hidden, 2 * f), (f, hidden)]  # fc1 (gate and up) splits N, fc2 splits K over ETP

@@ -121,6 +121,10 @@ def test_alltoall_dispatcher_sorts_chunks_by_local_expert() -> None:
     flex = moe_seconds(moe, 2048, 4096, H100, ep=8, dispatcher="flex")
     copy_pass = 4096 * 8 * 2048 * 2 * 2 / (H100.hbm_tbps * 1e12 * HBM_SHARE)  # read and write t·k·h
     assert alltoall.router_forward_s - flex.router_forward_s == pytest.approx(2 * copy_pass)
+    unsplit = moe_seconds(moe, 2048, 4096, H100, ep=1)  # no expert parallelism: nothing to sort
+    assert unsplit.router_forward_s == pytest.approx(
+        moe_seconds(moe, 2048, 4096, H100, ep=1, dispatcher="flex").router_forward_s
+    )
     one_expert = replace(moe, num_experts=8)  # one local expert per rank: nothing to sort
     assert moe_seconds(one_expert, 2048, 4096, H100, ep=8).router_forward_s == pytest.approx(
         moe_seconds(one_expert, 2048, 4096, H100, ep=8, dispatcher="flex").router_forward_s
