@@ -17,7 +17,8 @@ shared machine falls on all of them alike. Prints the median and the spread (min
 rounds) of each, and the collectives' medians as a share of the copy's; writes JSON.
 
 Where the time goes: `waits excluded` is the same shared-memory calls' bandwidth counting only
-the time outside flag waits (`shm_wait_flag`: the peer had not posted yet), that is the copies,
+the time outside flag waits (the peer had not posted yet: `shm_wait_flag`, and the waits a pull
+clocks itself), that is the copies,
 the sums, posts and bookkeeping, the collective's own work on one rank.
 """
 
@@ -65,6 +66,16 @@ class _WaitClock:
         status = self.ext.shm_wait_flag(*args)
         self.waited_s += time.perf_counter() - t0
         return status
+
+    def shm_pull_gather(self, *args: object) -> list[int]:
+        outcome = self.ext.shm_pull_gather(*args)
+        self.waited_s += outcome[-1] / 1e9  # the pull's own clock around its flag waits
+        return outcome
+
+    def shm_pull_reduce(self, *args: object) -> list[int]:
+        outcome = self.ext.shm_pull_reduce(*args)
+        self.waited_s += outcome[-1] / 1e9
+        return outcome
 
 
 def _round_s(step: Callable[[], float], calls: int, clock: _WaitClock) -> tuple[float, float]:

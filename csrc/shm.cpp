@@ -12,6 +12,10 @@
 //   private buffers alike), in chunks large enough to amortise a task.
 // - post_copy: an all-gather's post: the shard copied into the ring and into this rank's row of
 //   the output in one pass, each block written twice while it is in cache.
+// - post, post_gather: a whole post (descriptor, posted word; an all-gather's copies first), and
+//   pull_gather, pull_reduce: a whole pull (every peer's post waited for, its descriptor checked,
+//   its bytes copied or summed in place, the consumed words raised), each one call from Python:
+//   a call through torch.ops and the Python around it cost more than a 1 MiB copy in cache.
 // The sums are kernels/reduce.py's `sum_rows` (csrc/reduce.cpp), reading the peers' rows in place.
 //
 // [Note: shared-memory waits]
@@ -33,6 +37,8 @@
 // Registered into the same torch.ops.overlap_cpu namespace as quantize.cpp (a fragment).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/ops/from_blob.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -45,6 +51,7 @@
 #include <ctime>
 #include <signal.h>
 #include <thread>
+#include <vector>
 
 #if defined(__linux__)
 #include <linux/futex.h>
@@ -102,10 +109,13 @@ void sleep_on(int64_t* w, int64_t seen, std::chrono::nanoseconds nap) {
 #endif
 }
 
-void post_flag(const at::Tensor& flag, int64_t value, const at::Tensor& sleepers) {
-  int64_t* w = word(flag);
+void post_word(int64_t* w, int64_t value, const int64_t* sleepers) {
   __atomic_store_n(w, value, __ATOMIC_SEQ_CST);
-  if (__atomic_load_n(word(sleepers), __ATOMIC_SEQ_CST) > 0) wake(w);
+  if (__atomic_load_n(sleepers, __ATOMIC_SEQ_CST) > 0) wake(w);
+}
+
+void post_flag(const at::Tensor& flag, int64_t value, const at::Tensor& sleepers) {
+  post_word(word(flag), value, word(sleepers));
 }
 
 int64_t load_flag(const at::Tensor& flag) { return __atomic_load_n(word(flag), __ATOMIC_ACQUIRE); }
@@ -127,12 +137,9 @@ bool alive(int64_t pid) {
 }
 
 // 0: the word reached `target`; 1: the deadline passed; 2: the peer raised its abort word; 3: the
-// peer's process is gone. `sleepers`: the count of peers asleep on the word (or its kind).
-int64_t wait_flag(const at::Tensor& flag, int64_t target, const at::Tensor& abort, int64_t pid, double timeout_s,
-                  const at::Tensor& sleepers, double spin_s, double yield_s) {
-  int64_t* w = word(flag);
-  const int64_t* a = word(abort);
-  int64_t* count = word(sleepers);
+// peer's process is gone. `count`: the peers asleep on the word (or its kind).
+int64_t wait_word(int64_t* w, int64_t target, const int64_t* a, int64_t pid, double timeout_s, int64_t* count,
+                  double spin_s, double yield_s) {
   if (__atomic_load_n(w, __ATOMIC_ACQUIRE) >= target) return 0;
   const auto start = std::chrono::steady_clock::now();
   const auto spin_end = start + std::chrono::duration_cast<std::chrono::steady_clock::duration>(
@@ -169,17 +176,18 @@ int64_t wait_flag(const at::Tensor& flag, int64_t target, const at::Tensor& abor
   }
 }
 
+int64_t wait_flag(const at::Tensor& flag, int64_t target, const at::Tensor& abort, int64_t pid, double timeout_s,
+                  const at::Tensor& sleepers, double spin_s, double yield_s) {
+  return wait_word(word(flag), target, word(abort), pid, timeout_s, word(sleepers), spin_s, yield_s);
+}
+
 void check_bytes(const at::Tensor& t, int64_t nbytes, const char* what) {
   TORCH_CHECK(t.device().is_cpu() && t.is_contiguous() && t.numel() * t.element_size() == nbytes,
               "overlap shm ", what, ": contiguous CPU tensors of one size in bytes");
 }
 
-void copy_bytes(const at::Tensor& dst, const at::Tensor& src) {
-  const int64_t nbytes = src.numel() * src.element_size();
-  check_bytes(src, nbytes, "copy_bytes");
-  check_bytes(dst, nbytes, "copy_bytes");
-  auto* d = static_cast<char*>(dst.data_ptr());
-  const auto* s = static_cast<const char*>(src.data_ptr());
+// A parallel memcpy of `nbytes` from `s` to `d`.
+void copy_raw(char* d, const char* s, int64_t nbytes) {
   const int64_t chunks = (nbytes + kChunkBytes - 1) / kChunkBytes;
   at::parallel_for(0, chunks, 1, [&](int64_t begin, int64_t end) {
     const int64_t from = begin * kChunkBytes;
@@ -188,14 +196,8 @@ void copy_bytes(const at::Tensor& dst, const at::Tensor& src) {
   });
 }
 
-void post_copy(const at::Tensor& ring, const at::Tensor& row, const at::Tensor& src) {
-  const int64_t nbytes = src.numel() * src.element_size();
-  check_bytes(src, nbytes, "post_copy");
-  check_bytes(ring, nbytes, "post_copy");
-  check_bytes(row, nbytes, "post_copy");
-  auto* r = static_cast<char*>(ring.data_ptr());
-  auto* o = static_cast<char*>(row.data_ptr());
-  const auto* s = static_cast<const char*>(src.data_ptr());
+// `s` copied into both `r` and `o`, each block written twice while it is in cache.
+void copy_twice_raw(char* r, char* o, const char* s, int64_t nbytes) {
   const int64_t blocks = (nbytes + kBlockBytes - 1) / kBlockBytes;
   at::parallel_for(0, blocks, kChunkBytes / kBlockBytes, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b) {
@@ -205,6 +207,174 @@ void post_copy(const at::Tensor& ring, const at::Tensor& row, const at::Tensor& 
       std::memcpy(o + from, s + from, len);
     }
   });
+}
+
+void copy_bytes(const at::Tensor& dst, const at::Tensor& src) {
+  const int64_t nbytes = src.numel() * src.element_size();
+  check_bytes(src, nbytes, "copy_bytes");
+  check_bytes(dst, nbytes, "copy_bytes");
+  copy_raw(static_cast<char*>(dst.data_ptr()), static_cast<const char*>(src.data_ptr()), nbytes);
+}
+
+void post_copy(const at::Tensor& ring, const at::Tensor& row, const at::Tensor& src) {
+  const int64_t nbytes = src.numel() * src.element_size();
+  check_bytes(src, nbytes, "post_copy");
+  check_bytes(ring, nbytes, "post_copy");
+  check_bytes(row, nbytes, "post_copy");
+  copy_twice_raw(static_cast<char*>(ring.data_ptr()), static_cast<char*>(row.data_ptr()),
+                 static_cast<const char*>(src.data_ptr()), nbytes);
+}
+
+// ---------------------------------------------------------------- whole posts and pulls
+// A segment is one uint8 tensor over its mapping: the header's int64 words, then the ring. The
+// word offsets are shm.py's (_POSTED, _ABORT, ...; `shm_header_layout` lets it check them).
+constexpr int64_t kPosted = 0, kAbort = 8, kConsumed = 16, kDesc = 128;
+constexpr int64_t kSleepersPosted = 1, kSleepersOther = 2;
+constexpr int64_t kNumDescriptors = 256, kHeaderBytes = 8192;
+
+struct Segment {
+  int64_t* words;
+  char* ring;
+  int64_t ring_bytes;
+};
+
+Segment segment(const at::Tensor& t) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kByte && t.is_contiguous() && t.numel() > kHeaderBytes,
+              "overlap shm: a segment is a contiguous CPU uint8 tensor past its header");
+  auto* base = static_cast<char*>(t.data_ptr());
+  return {reinterpret_cast<int64_t*>(base), base + kHeaderBytes, t.numel() - kHeaderBytes};
+}
+
+char* bytes_of(const at::Tensor& t, int64_t nbytes, const char* what) {
+  TORCH_CHECK(t.device().is_cpu() && t.is_contiguous() && t.numel() * t.element_size() >= nbytes, "overlap shm ",
+              what, ": a contiguous CPU tensor of at least ", nbytes, " bytes");
+  return static_cast<char*>(t.data_ptr());
+}
+
+// The descriptor of collective `seq` (number, ring offset, bytes), then the posted word raised.
+void publish(const Segment& mine, int64_t seq, int64_t start, int64_t nbytes) {
+  TORCH_CHECK(0 <= start && start + nbytes <= mine.ring_bytes, "overlap shm: a post past the ring's end");
+  int64_t* d = mine.words + kDesc + 3 * (seq % kNumDescriptors);
+  d[0] = seq, d[1] = start, d[2] = nbytes;  // visible before the posted word (its store is seq_cst)
+  post_word(mine.words + kPosted, seq, mine.words + kSleepersPosted);
+}
+
+void post(const at::Tensor& seg, int64_t seq, int64_t start, int64_t nbytes) {
+  publish(segment(seg), seq, start, nbytes);
+}
+
+// An all-gather's post: `src` into the ring at `start` and into row `rank` of `out`, then published.
+void post_gather(const at::Tensor& seg, int64_t seq, int64_t start, const at::Tensor& out, int64_t rank,
+                 const at::Tensor& src) {
+  const Segment mine = segment(seg);
+  const int64_t nbytes = src.numel() * src.element_size();
+  check_bytes(src, nbytes, "post_gather");
+  char* row = bytes_of(out, (rank + 1) * nbytes, "post_gather") + rank * nbytes;
+  TORCH_CHECK(0 <= start && start + nbytes <= mine.ring_bytes, "overlap shm: a post past the ring's end");
+  copy_twice_raw(mine.ring + start, row, static_cast<const char*>(src.data_ptr()), nbytes);
+  publish(mine, seq, start, nbytes);
+}
+
+// How a pull ended: {0} done; {1|2|3, peer} wait_word's status waiting for `peer`; {4, peer, seq,
+// nbytes} the peer's descriptor is another collective's. The last element: nanoseconds in waits.
+using Outcome = std::vector<int64_t>;
+
+struct Pull {
+  std::vector<Segment> segs;
+  int64_t rank, seq, nbytes;
+  at::IntArrayRef pids;
+  double timeout_s, spin_s, yield_s;
+  int64_t waited_ns = 0;
+
+  // Wait for `peer`'s post of `seq` and check its descriptor; its bytes, or nullptr with `why` set.
+  const char* region(int64_t peer, Outcome& why) {
+    const Segment& s = segs[peer];
+    if (peer != rank) {
+      const auto t0 = std::chrono::steady_clock::now();
+      const int64_t status = wait_word(s.words + kPosted, seq, s.words + kAbort, pids[peer], timeout_s,
+                                       s.words + kSleepersPosted, spin_s, yield_s);
+      waited_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count();
+      if (status != 0) {
+        why = {status, peer, 0, 0};
+        return nullptr;
+      }
+    }
+    const int64_t* d = s.words + kDesc + 3 * (seq % kNumDescriptors);
+    const int64_t seen = __atomic_load_n(d, __ATOMIC_ACQUIRE), start = d[1], size = d[2];
+    if (seen != seq || size != nbytes || start < 0 || start + size > s.ring_bytes) {
+      why = {4, peer, seen, size};
+      return nullptr;
+    }
+    return s.ring + start;
+  }
+
+  // Every peer's post consumed: raised in this rank's header.
+  Outcome consumed() {
+    const Segment& mine = segs[rank];
+    for (int64_t p = 0; p < static_cast<int64_t>(segs.size()); ++p)
+      if (p != rank) post_word(mine.words + kConsumed + p, seq, mine.words + kSleepersOther);
+    return {0, waited_ns};
+  }
+
+  Outcome failed(Outcome why) {
+    why.push_back(waited_ns);
+    return why;
+  }
+};
+
+Pull make_pull(at::TensorList segs, int64_t rank, int64_t seq, int64_t nbytes, at::IntArrayRef pids,
+               double timeout_s, double spin_s, double yield_s) {
+  TORCH_CHECK(0 <= rank && rank < static_cast<int64_t>(segs.size()) && pids.size() == segs.size(),
+              "overlap shm: one segment and one pid per rank");
+  Pull pull{{}, rank, seq, nbytes, pids, timeout_s, spin_s, yield_s};
+  for (const auto& t : segs) pull.segs.push_back(segment(t));
+  return pull;
+}
+
+// An all-gather's wait: every peer's shard copied from its ring into its row of `out`, peer by
+// peer as each posts (this rank's row was written at the post).
+Outcome pull_gather(at::TensorList segs, int64_t rank, int64_t seq, const at::Tensor& out, at::IntArrayRef pids,
+                    double timeout_s, double spin_s, double yield_s) {
+  const auto world = static_cast<int64_t>(segs.size());
+  const int64_t nbytes = out.numel() * out.element_size() / std::max<int64_t>(world, 1);
+  char* rows = bytes_of(out, world * nbytes, "pull_gather");
+  Pull pull = make_pull(segs, rank, seq, nbytes, pids, timeout_s, spin_s, yield_s);
+  Outcome why;
+  for (int64_t p = 0; p < world; ++p) {
+    if (p == rank) continue;
+    const char* region = pull.region(p, why);
+    if (region == nullptr) return pull.failed(why);
+    copy_raw(rows + p * nbytes, region, nbytes);
+  }
+  return pull.consumed();
+}
+
+// A reduce-scatter's wait: row `rank` of every rank's post of `nbytes` (own included), summed in
+// rank order into `out` with its first `divide_numel` elements divided by `divisor` (the
+// overlap_cpu::sum_rows kernel, csrc/reduce.cpp: bitwise gloo's sum).
+Outcome pull_reduce(at::TensorList segs, int64_t rank, int64_t seq, int64_t nbytes, const at::Tensor& out,
+                    at::IntArrayRef pids, double timeout_s, double spin_s, double yield_s, int64_t divide_numel,
+                    double divisor) {
+  const auto world = static_cast<int64_t>(segs.size());
+  const int64_t row_bytes = out.numel() * out.element_size();
+  TORCH_CHECK(out.is_contiguous() && world * row_bytes == nbytes, "overlap shm pull_reduce: out is one row of the post");
+  Pull pull = make_pull(segs, rank, seq, nbytes, pids, timeout_s, spin_s, yield_s);
+  std::vector<at::Tensor> rows;
+  Outcome why;
+  for (int64_t p = 0; p < world; ++p) {
+    const char* region = pull.region(p, why);
+    if (region == nullptr) return pull.failed(why);
+    rows.push_back(at::from_blob(const_cast<char*>(region) + rank * row_bytes, {out.numel()}, out.options()));
+  }
+  static const auto sum_rows = c10::Dispatcher::singleton()
+                                   .findSchemaOrThrow("overlap_cpu::sum_rows", "")
+                                   .typed<void(at::TensorList, const at::Tensor&, int64_t, double)>();
+  sum_rows.call(rows, out, divide_numel, divisor);
+  return pull.consumed();
+}
+
+std::vector<int64_t> header_layout() {
+  return {kPosted, kAbort, kConsumed, kDesc, kSleepersPosted, kSleepersOther, kNumDescriptors, kHeaderBytes};
 }
 
 }  // namespace
@@ -217,4 +387,14 @@ TORCH_LIBRARY_FRAGMENT(overlap_cpu, m) {
         &wait_flag);
   m.def("shm_copy_bytes(Tensor(a!) dst, Tensor src) -> ()", &copy_bytes);
   m.def("shm_post_copy(Tensor(a!) ring, Tensor(a!) row, Tensor src) -> ()", &post_copy);
+  m.def("shm_post(Tensor(a!) segment, int seq, int start, int nbytes) -> ()", &post);
+  m.def("shm_post_gather(Tensor(a!) segment, int seq, int start, Tensor(a!) out, int rank, Tensor src) -> ()",
+        &post_gather);
+  m.def("shm_pull_gather(Tensor(a!)[] segments, int rank, int seq, Tensor(a!) out, int[] pids, float timeout_s, "
+        "float spin_s, float yield_s) -> int[]",
+        &pull_gather);
+  m.def("shm_pull_reduce(Tensor(a!)[] segments, int rank, int seq, int nbytes, Tensor(a!) out, int[] pids, "
+        "float timeout_s, float spin_s, float yield_s, int divide_numel, float divisor) -> int[]",
+        &pull_reduce);
+  m.def("shm_header_layout() -> int[]", &header_layout);
 }

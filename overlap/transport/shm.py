@@ -54,7 +54,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from overlap import kernels
 from overlap.kernels import cpu
 from overlap.transport import collectives as comm
 from overlap.transport.strategy import AllGather, ReduceScatter, Strategy, Wire
@@ -98,17 +97,38 @@ def usable(group: dist.ProcessGroup, device: torch.device, setting: str) -> bool
 
 
 class ShmWork:
-    """A posted collective until its pull is done; used as a `dist.Work` is here."""
+    """A posted collective until its pull is done; used as a `dist.Work` is here. `out`: an
+    all-gather's output (its peers' rows are pulled into it); None: a reduce-scatter's, whose sum
+    of `cols` elements of `dtype` the pull allocates (`reduced`), `divide` then applied; `pull`
+    instead: any other collective's, handed every rank's bytes in place (`ShmSegments.publish`)."""
+
+    __slots__ = ("cols", "divide", "done", "dtype", "nbytes", "out", "pull", "reduced", "segments", "seq")
 
     def __init__(
-        self, segments: ShmSegments, seq: int, nbytes: int, pull: Callable[[list[torch.Tensor]], None]
+        self,
+        segments: ShmSegments,
+        seq: int,
+        nbytes: int,
+        out: torch.Tensor | None,
+        cols: int = 0,
+        dtype: torch.dtype | None = None,
+        divide: comm.Divide | None = None,
+        pull: Callable[[list[torch.Tensor]], None] | None = None,
     ) -> None:
-        self.segments, self.seq, self.nbytes, self.pull = segments, seq, nbytes, pull
+        self.segments, self.seq, self.nbytes, self.out, self.pull = segments, seq, nbytes, out, pull
+        self.cols, self.dtype, self.divide = cols, dtype, divide
+        self.reduced: torch.Tensor | None = None
         self.done = False
 
     def wait(self, timeout: timedelta | None = None) -> bool:
-        self.segments.complete_through(self)
+        if not self.done:
+            self.segments.complete_through(self)
         return True
+
+    def result(self, _: torch.Tensor) -> torch.Tensor:
+        """A reduce-scatter's sum, once waited on (`CommResult.finish`)."""
+        assert self.reduced is not None, f"rank {self.segments.rank}: collective {self.seq} read before its wait"
+        return self.reduced
 
     def get_future(self) -> Any:
         raise RuntimeError("getFuture not implemented: a shared-memory exchange has no future")
@@ -121,6 +141,8 @@ class ShmSegments:
     def __init__(self, group: dist.ProcessGroup, ring_bytes: int, timeout: timedelta | None) -> None:
         self.ext = cpu.load_extension()
         assert self.ext is not None, "the shared-memory transport needs the compiled kernels"
+        layout = [_POSTED, _ABORT, _CONSUMED, _DESC, _SLEEPERS_POSTED, _SLEEPERS_OTHER, NUM_DESCRIPTORS, HEADER_BYTES]
+        assert list(self.ext.shm_header_layout()) == layout, "csrc/shm.cpp reads another header layout"
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
         self.ring_bytes = ring_bytes
         self.timeout_s = (timeout or DEFAULT_TIMEOUT).total_seconds()
@@ -128,7 +150,10 @@ class ShmSegments:
         self.maps, self.words, flags = self._map(group, HEADER_BYTES + ring_bytes)
         # one-element views of every header word before the descriptors: what the C++ side reads and writes
         self.flag_words = [[f[i : i + 1] for i in range(_DESC)] for f in flags]
-        self.rings = [torch.frombuffer(m, dtype=torch.uint8)[HEADER_BYTES:] for m in self.maps]
+        # every segment whole (header, then ring): what a whole post or pull in C++ takes
+        self.whole = [torch.frombuffer(m, dtype=torch.uint8) for m in self.maps]
+        self.mine = self.whole[self.rank]
+        self.rings = [w[HEADER_BYTES:] for w in self.whole]
         self.seq = 0  # the last collective this rank posted
         self.pulled = 0  # the last collective this rank pulled
         self.posts: deque[tuple[int, int, int]] = deque()  # (seq, start, end) not consumed by every peer
@@ -177,6 +202,12 @@ class ShmSegments:
 
     def reserve(self, nbytes: int) -> torch.Tensor:
         """Room for this rank's next post, once every peer consumed what was there."""
+        start = self._room(nbytes)
+        self.reserved = (start, start + _aligned(nbytes))
+        return self.rings[self.rank][start : start + nbytes]
+
+    def _room(self, nbytes: int) -> int:
+        """The offset of room for this rank's next post, making room if the ring is full."""
         assert self.reserved is None, f"rank {self.rank}: two shared-memory posts reserved at once"
         self._raise_if_failed()
         size = _aligned(nbytes)
@@ -184,8 +215,7 @@ class ShmSegments:
         while start is None or len(self.posts) >= NUM_DESCRIPTORS:
             self._make_room()
             start = self._first_fit(size)
-        self.reserved = (start, start + size)
-        return self.rings[self.rank][start : start + nbytes]
+        return start
 
     def holds(self, tensor: torch.Tensor) -> bool:
         """Whether `tensor` is the reserved room."""
@@ -196,14 +226,15 @@ class ShmSegments:
     def publish(self, nbytes: int, pull: Callable[[list[torch.Tensor]], None]) -> ShmWork:
         """Post the reserved room's `nbytes` as the next collective; `pull` reads every rank's."""
         assert self.reserved is not None, f"rank {self.rank}: a shared-memory post without room"
-        (start, end), self.reserved = self.reserved, None
+        (start, _), self.reserved = self.reserved, None
         seq = self.seq + 1
-        words, d = self.words[self.rank], _DESC + 3 * (seq % NUM_DESCRIPTORS)
-        words[d], words[d + 1], words[d + 2] = seq, start, nbytes
-        self._post(_POSTED, seq)
-        self.seq = seq
-        self.posts.append((seq, start, end))
-        work = ShmWork(self, seq, nbytes, pull)
+        self.ext.shm_post(self.mine, seq, start, nbytes)
+        return self._posted(start, ShmWork(self, seq, nbytes, None, pull=pull))
+
+    def _posted(self, start: int, work: ShmWork) -> ShmWork:
+        """Book `work`, just posted at `start` (csrc/shm.cpp wrote its descriptor and raised the word)."""
+        self.seq = work.seq
+        self.posts.append((work.seq, start, start + _aligned(work.nbytes)))
         self.pending.append(work)
         return work
 
@@ -248,6 +279,25 @@ class ShmSegments:
             done.done, self.pulled = True, done.seq
 
     def _pull(self, work: ShmWork) -> None:
+        """Wait for every peer's post of `work`, read it in place, and mark it consumed: one call
+        into csrc/shm.cpp, which answers how it ended and how long it waited for the peers."""
+        if work.pull is not None:
+            self._pull_regions(work, work.pull)
+            return
+        args = (self.whole, self.rank, work.seq)
+        wait = (self.pids, self.timeout_s, self.spin_s, self.yield_s)
+        if work.out is not None:
+            outcome = self.ext.shm_pull_gather(*args, work.out, *wait)
+        else:
+            work.reduced = torch.empty(work.cols, dtype=work.dtype)
+            divide = work.divide
+            numel, divisor = (0, 1) if divide is None or divide.divisor == 1 else divide
+            outcome = self.ext.shm_pull_reduce(*args, work.nbytes, work.reduced, *wait, numel, float(divisor))
+        if outcome[0]:
+            self._fail(_pull_failure(outcome, work), outcome[-1] / 1e9)
+
+    def _pull_regions(self, work: ShmWork, pull: Callable[[list[torch.Tensor]], None]) -> None:
+        """`_pull` of a collective posted with `publish`: every rank's bytes handed to `pull`."""
         regions = []
         for p in range(self.world_size):
             if p != self.rank:
@@ -255,12 +305,9 @@ class ShmSegments:
             words, d = self.words[p], _DESC + 3 * (work.seq % NUM_DESCRIPTORS)
             seq, start, nbytes = words[d], words[d + 1], words[d + 2]
             if seq != work.seq or nbytes != work.nbytes:
-                self._fail(
-                    f"rank {p} of the group posted another collective as number {work.seq} "
-                    f"({nbytes} bytes against this rank's {work.nbytes}): the ranks issue different collectives"
-                )
+                self._fail(_pull_failure([4, p, seq, nbytes], work))
             regions.append(self.rings[p][start : start + nbytes])
-        work.pull(regions)
+        pull(regions)
         del regions
         for p in range(self.world_size):
             if p != self.rank:
@@ -287,18 +334,20 @@ class ShmSegments:
         )
         if status:
             why = _STATUS[status].format(what=what, t=f"{self.timeout_s:g}s")
-            self._fail(f"rank {peer} of the group {why} (waiting for it to {what} collective {target})", start)
+            self._fail(
+                f"rank {peer} of the group {why} (waiting for it to {what} collective {target})",
+                time.monotonic() - start,
+            )
 
-    def _fail(self, message: str, start: float | None = None) -> None:
+    def _fail(self, message: str, waited_s: float = 0.0) -> None:
         """Raise, after raising this rank's abort word: every peer's wait on it ends at once."""
         self.failed = message
         self._post(_ABORT, 1)
-        self._raise_if_failed(start)
+        self._raise_if_failed(waited_s)
 
-    def _raise_if_failed(self, start: float | None = None) -> None:
+    def _raise_if_failed(self, waited: float = 0.0) -> None:
         """The error every collective raises once one failed: in the shape of `comm.wait`'s."""
         if self.failed is not None:
-            waited = 0.0 if start is None else time.monotonic() - start
             raise comm.CollectiveError(
                 f"failed after {waited:.1f}s ({self.limit}): a peer rank "
                 f"died, is stuck or issued a different collective; shared-memory exchange: {self.failed}"
@@ -311,16 +360,11 @@ class ShmSegments:
     def all_gather(self, send: torch.Tensor, out: torch.Tensor) -> comm.CommResult:
         """Post `send`, written into this rank's row of `out` in the same pass; the wait copies
         every peer's into its row (`comm.all_gather_flat` with `via`)."""
+        send = send.contiguous()
         nbytes = send.numel() * send.element_size()
-        rows = _bytes(out).view(self.world_size, nbytes)
-        self.ext.shm_post_copy(self.reserve(nbytes), rows[self.rank], _bytes(send))
-
-        def pull(regions: list[torch.Tensor]) -> None:
-            for p, (row, region) in enumerate(zip(rows, regions)):
-                if p != self.rank:
-                    self.copy(row, region)
-
-        return comm.CommResult(out, self.publish(nbytes, pull), (send,))
+        start, seq = self._room(nbytes), self.seq + 1
+        self.ext.shm_post_gather(self.mine, seq, start, out, self.rank, send)
+        return comm.CommResult(out, self._posted(start, ShmWork(self, seq, nbytes, out)), (send,))
 
     def reduce_scatter(self, full: torch.Tensor, divide: comm.Divide | None) -> comm.CommResult:
         """Post the rank-major `full` (in the reserved room, or copied there); the wait sums this
@@ -328,22 +372,28 @@ class ShmSegments:
         nbytes = full.numel() * full.element_size()
         if not self.holds(full):
             self.copy(self.reserve(nbytes), _bytes(full))
-        cols, dtype, rank = full.numel() // self.world_size, full.dtype, self.rank
-        reduced: list[torch.Tensor] = []
-
-        def pull(regions: list[torch.Tensor]) -> None:
-            rows = [region.view(dtype)[rank * cols : (rank + 1) * cols] for region in regions]
-            if divide is None:
-                reduced.append(kernels.sum_rows(rows))
-            else:
-                reduced.append(kernels.sum_rows(rows, divide.numel, divide.divisor))
-
-        work = self.publish(nbytes, pull)
-        return comm.CommResult(full, work, (full,), lambda _: reduced[0], nbytes=nbytes + cols * full.element_size())
+        assert self.reserved is not None
+        (start, _), self.reserved = self.reserved, None
+        seq, cols = self.seq + 1, full.numel() // self.world_size
+        self.ext.shm_post(self.mine, seq, start, nbytes)
+        work = self._posted(start, ShmWork(self, seq, nbytes, None, cols, full.dtype, divide))
+        return comm.CommResult(full, work, (full,), work.result, nbytes=nbytes + cols * full.element_size())
 
     def cancel(self) -> None:
         """Give back the reserved room unposted."""
         self.reserved = None
+
+
+def _pull_failure(outcome: list[int], work: ShmWork) -> str:
+    """What a failed pull's outcome (csrc/shm.cpp: status, peer, then its descriptor) says."""
+    status, peer = outcome[0], outcome[1]
+    if status == 4:
+        return (
+            f"rank {peer} of the group posted another collective as number {work.seq} "
+            f"({outcome[3]} bytes against this rank's {work.nbytes}): the ranks issue different collectives"
+        )
+    t = f"{work.segments.timeout_s:g}s"
+    return f"rank {peer} of the group {_STATUS[status].format(what='post', t=t)} (waiting for it to post collective {work.seq})"
 
 
 def _sleepers(offset: int) -> int:
