@@ -74,7 +74,7 @@ max(GPU seconds, host seconds). Backward has no such point (its splits are saved
 runs ahead unless its work for the layer exceeds the GPU's; the same max is taken.
 Host seconds per layer are counted per Python-level call, of two weights. A Transformer Engine
 module (LayerNormLinear, DotProductAttention, Linear, RMSNorm, GroupedLinear) costs what TE's own
-issue measured for one `te.Linear` forward, bf16, 8,192 x 2,048 tokens: 99.66 us of CPU on a
+issue measured for one `te.Linear` forward (bf16, 8,192 tokens of hidden 2,048): 99.66 us of CPU on a
 GB200 (Grace), against 37.08 us for `torch.nn.Linear` on the same host and 13.48 us for
 `torch.nn.Linear` on an x86 DGX H100 (https://github.com/NVIDIA/TransformerEngine/issues/2053);
 the x86 cost of a TE module is taken at the same Grace / x86 ratio (99.66 x 13.48 / 37.08 =
