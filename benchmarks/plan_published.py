@@ -162,6 +162,15 @@ def main() -> int:
             print(
                 f"  {source:26} {len(errs):3} rows  {100 * statistics.fmean(errs):+6.1f}%  {100 * statistics.fmean(map(abs, errs)):5.1f}%"
             )
+    moe_models = {name for name, fields in data["models"].items() if fields.get("moe")}
+    dense_sources = [(f"{source} (dense)", lambda r, s=source: r["source"] == s and r["model"] not in moe_models)
+                     for source in data["sources"]]  # fmt: skip
+    for label, keep in dense_sources:
+        errs = [1.0 if r["error"] is None else r["error"] for r in results if keep(r)]
+        if errs and len(errs) < len([r for r in results if r["source"] == label.split()[0]]):
+            print(
+                f"  {label:26} {len(errs):3} rows  {100 * statistics.fmean(errs):+6.1f}%  {100 * statistics.fmean(map(abs, errs)):5.1f}%"
+            )
     print("by GPU and by parallelism (all rows):")
     out["per_group"] = {}
     for label, keep in [
@@ -175,6 +184,8 @@ def main() -> int:
                 and (r["run"].get("tp", 1) > 1 or r["run"].get("pp", 1) > 1)
             ),
         ),
+        ("dense (no experts)", lambda r: r["model"] not in moe_models),
+        ("dense, held out", lambda r: r["model"] not in moe_models and r["held_out"]),
         ("expert parallel (MoE)", lambda r: r["run"].get("ep", 1) > 1),
         ("expert parallel, held out", lambda r: r["run"].get("ep", 1) > 1 and r["held_out"]),
         ("context parallel", lambda r: r["run"].get("cp", 1) > 1),

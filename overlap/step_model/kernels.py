@@ -31,6 +31,16 @@ needs, torchao runs the backward GEMMs on cuBLAS with unit scales and rescales t
 afterwards (https://github.com/pytorch/ao/pull/1325): one more read and write of grad input. The casts weigh most on
 thin GEMMs (https://github.com/pytorch/torchtitan/issues/1207: rowwise made Llama's tensor-parallel wk and wv ~40% slower,
 flat against bf16 overall), which the per-GEMM casts below price by the GEMM's own K and N.
+TENSORWISE in torchao (torchtitan's stacks, `Fp8Casts`) scales dynamically: the amax of the
+tensor first, then the cast. Per linear it casts the input forward and, backward, the output
+gradient for both backward GEMMs and the input again for grad_weight (torchao's training
+workflow: grad_input = to_fp8(grad_output) @ to_fp8(weight), grad_weight = to_fp8(input.t()) @
+to_fp8(grad_output), https://docs.pytorch.org/ao/stable/workflows/training.html). These bytes
+reproduce torchao's own Float8Linear microbenchmark on H100 (torchao/float8/README.md,
+"Performance": 1.39x over bf16 at M, K, N = 4096, 8192, 16384; 0.80x at 1024, 2048, 1024) within
+3%, where a single 3-byte input cast per GEMM gives 1.50x and 0.85x. Linears that read the same
+input (q, k and v; the gate and up projections) share its cast under torch.compile; with float8
+tensor parallelism it runs on the sequence shard before the fp8 all-gather (`fp8_cast_seconds`).
 """
 
 from __future__ import annotations
@@ -55,6 +65,20 @@ Fp8Recipe = Literal["tensorwise", "rowwise"]
 FP8_RECIPES: tuple[Fp8Recipe, ...] = ("tensorwise", "rowwise")
 ROWWISE_KERNEL_SHARE = 0.9
 """Rowwise-scaled fp8 GEMM rate / tensorwise ([Note: float8 recipes])."""
+INPUT_CAST_BYTES = 3
+"""HBM bytes per input element of a GEMM's fp8 cast (read bf16, write fp8) where the stack does
+not say more (`KernelStack.fp8_casts`); the backward pays it twice."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Fp8Casts:
+    """HBM bytes per element of the activation-sized casts around one tensorwise fp8 GEMM
+    ([Note: float8 recipes]): its input (tokens x K) forward, its output gradient (tokens x N)
+    and its input again backward."""
+
+    forward_input: float
+    backward_grad: float
+    backward_input: float
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -87,6 +111,20 @@ class KernelStack:
     userbuffers overlap dgrad and wgrad); PyTorch's async TP fuses the forward's all-gather +
     matmul and matmul + reduce-scatter only (its announcement measured ~29% on the forward and
     ~8% end to end on Llama 3 8B/70B)."""
+    fp8_casts: Fp8Casts | None = None
+    """The casts its tensorwise fp8 linears run ([Note: float8 recipes]); None: the input's,
+    `INPUT_CAST_BYTES`, once forward and twice backward."""
+    optimizer_bytes_per_param: float | None = None
+    """HBM bytes per owned parameter of the optimizer step and gradient clipping; None: a fused
+    AdamW step (overlap/tools/plan/fsdp.py's OPTIMIZER_BYTES_PER_PARAM)."""
+    float8_tp_all_gather: bool = False
+    """Tensor parallelism under tensorwise float8 gathers in fp8: torchtitan applies torchao's
+    PrepareFloat8ModuleInput / Float8ColwiseParallel / Float8RowwiseParallel, which cast a block
+    input before its all-gather and the output gradient before the backward's all-gather
+    (https://github.com/pytorch/ao/blob/main/torchao/float8/float8_tensor_parallel.py: "the
+    float8 cast happens before the all-gather";
+    torchtitan's llama parallelize applies them only for the tensorwise recipe); the
+    reduce-scatters stay bf16."""
     torch_ring: bool = False
     """Context parallelism runs PyTorch's ring attention as torchtitan calls it (K/V heads
     repeated, fp32 merges and gradient ring: [Note: ring attention] in
@@ -102,6 +140,19 @@ class KernelStack:
 # assumption: the papers' causal curves sit close to the non-causal ones at long sequences).
 _FA2 = {"ampere": 0.60, "hopper": 0.34, "blackwell": 0.34}
 _FA3 = {"ampere": 0.60, "hopper": 0.50, "blackwell": 0.50}
+# torchao's tensorwise Float8Linear ([Note: float8 recipes]): dynamic scaling takes the tensor's
+# amax (one read) before the cast (read 2, write 1): 5 bytes for the input forward; backward the
+# output gradient is scaled once and cast for both GEMMs, grad_input's row-major and grad_weight's
+# transposed operand (2 + 3 + 3), and the input is cast again transposed for grad_weight with the
+# amax the forward kept (torchtitan's per-op checkpointing saves abs and max outputs): 3.
+# torchtitan builds AdamW with foreach=True (fused=False, its default: torchtitan/optimizer.py,
+# https://github.com/pytorch/torchtitan/blob/9dec370ad26b5f8e9a7333a0e36165018262644b/torchtitan/optimizer.py)
+# and clips with clip_grad_norm_(foreach=True): torch's _multi_tensor_adam runs weight decay (read and write 4
+# bytes), lerp of exp_avg (12), mul and addcmul of exp_avg_sq (8 + 12), sqrt, div and add eps into
+# a temporary (8 + 8 + 8) and addcdiv into the parameter (16): 80 bytes per parameter; the
+# clipping's _foreach_norm reads the gradient (4) and _foreach_mul_ rescales it (8).
+FOREACH_ADAMW_CLIP_BYTES = 80 + 12
+TORCHAO_TENSORWISE_CASTS = Fp8Casts(forward_input=5, backward_grad=8, backward_input=3)
 # FlashAttention in Triton (the kernel MPT's attn_impl "triton" runs): FlashAttention-2 is "around
 # 1.3-1.5x faster than FlashAttention in Triton in the forward pass and around 2x faster in the
 # backward pass" (FA2 paper, Section 4.1). With the backward 2.5 forwards of work, forward and
@@ -115,12 +166,15 @@ STACKS: dict[str, KernelStack] = {
     # mul: 5 passes over f; residual adds (3 passes each) and the q/k/v/output transposes: 10.
     "torch-eager": KernelStack(name="PyTorch eager, SDPA flash (FA2)", attention_share=_FA2, norm_passes=12,
                                rope_passes=8, act_passes=5, residual_passes=10, gather_copy_out=True, torch_ring=True,
+                               fp8_casts=TORCHAO_TENSORWISE_CASTS, float8_tp_all_gather=True,
+                               optimizer_bytes_per_param=FOREACH_ADAMW_CLIP_BYTES,
                                source="torchtitan's Llama modules run eagerly; SDPA's flash backend is FA2"),
     # torch.compile: Inductor fuses each norm, the rotary embedding and the activation into one
     # read and one write, residual adds into their neighbours.
     "torch-compile": KernelStack(name="PyTorch + torch.compile, SDPA flash (FA2)", attention_share=_FA2,
                                  norm_passes=2, rope_passes=2, act_passes=3, residual_passes=4, gather_copy_out=True,
-                                 torch_ring=True,
+                                 torch_ring=True, fp8_casts=TORCHAO_TENSORWISE_CASTS, float8_tp_all_gather=True,
+                                 optimizer_bytes_per_param=FOREACH_ADAMW_CLIP_BYTES,
                                  source="torch.compile (Inductor) fusion of point-wise chains"),
     # Megatron-Core / NeMo with Transformer Engine: fused LayerNorm+GEMM, fused rotary, fused bias
     # + activation, cuDNN / FA3-class attention.
@@ -226,25 +280,25 @@ def tile_efficiency(k: int, n: int) -> float:
     return d / (d + TILE)
 
 
-def gemm_seconds(tokens: float, k: int, n: int, gpu: Accelerator, fp8: bool, recipe: Fp8Recipe = "tensorwise") -> float:
-    """One forward GEMM of `tokens` rows through a K x N weight ([Note: block compute])."""
+def gemm_seconds(tokens: float, k: int, n: int, gpu: Accelerator, fp8: bool, recipe: Fp8Recipe = "tensorwise",
+                 cast_bytes: float = INPUT_CAST_BYTES) -> float:  # fmt: skip
+    """One forward GEMM of `tokens` rows through a K x N weight ([Note: block compute]); with fp8,
+    `cast_bytes` per input element for its cast, at HBM bandwidth."""
     flops = 2.0 * tokens * k * n
     if fp8 and gpu.fp8_tflops:
         rate = gpu.fp8_tflops * gpu.fp8_gemm_share * (ROWWISE_KERNEL_SHARE if recipe == "rowwise" else 1.0)
-        # the fp8 recipe casts the input (and its amax) before each GEMM: one read, one write of
-        # the bf16 input in fp8, priced at HBM bandwidth
-        cast = tokens * k * 3 / (gpu.hbm_tbps * 1e12 * HBM_SHARE)
+        cast = tokens * k * cast_bytes / (gpu.hbm_tbps * 1e12 * HBM_SHARE)
     else:
         rate, cast = gpu.bf16_tflops * gpu.gemm_share, 0.0
     return flops / (rate * 1e12 * tile_efficiency(k, n)) + cast
 
 
 def gemm_backward_seconds(tokens: float, k: int, n: int, gpu: Accelerator, fp8: bool,
-                          recipe: Fp8Recipe = "tensorwise") -> float:  # fmt: skip
+                          recipe: Fp8Recipe = "tensorwise", cast_bytes: float = INPUT_CAST_BYTES) -> float:  # fmt: skip
     """The two backward GEMMs (grad input, grad weight) of one forward GEMM ([Note: float8
     recipes]): twice the forward's work, and under rowwise scaling the casts along the other axis
     and the rescale of grad input."""
-    base = 2 * gemm_seconds(tokens, k, n, gpu, fp8, "tensorwise")
+    base = 2 * gemm_seconds(tokens, k, n, gpu, fp8, "tensorwise", cast_bytes)
     if not (fp8 and gpu.fp8_tflops) or recipe == "tensorwise":
         return base
     hbm = gpu.hbm_tbps * 1e12 * HBM_SHARE
@@ -270,8 +324,14 @@ def block_seconds(
     """[Note: block compute] for `tokens` tokens on this rank attending over `context` tokens
     (causally; with a sliding `window`, to at most that many before each)."""
     shards = [_shard(k, n, tp, row) for k, n, row in shape.attention_gemms() + shape.mlp_gemms()]
-    gemm = sum(gemm_seconds(tokens, k, n, gpu, fp8, fp8_recipe) for k, n in shards)
-    gemm_backward = sum(gemm_backward_seconds(tokens, k, n, gpu, fp8, fp8_recipe) for k, n in shards)
+    casts = stack.fp8_casts if fp8 and gpu.fp8_tflops and fp8_recipe == "tensorwise" else None
+    cast_bytes = INPUT_CAST_BYTES if casts is None else 0.0
+    gemm = sum(gemm_seconds(tokens, k, n, gpu, fp8, fp8_recipe, cast_bytes) for k, n in shards)
+    gemm_backward = sum(gemm_backward_seconds(tokens, k, n, gpu, fp8, fp8_recipe, cast_bytes) for k, n in shards)
+    if casts is not None:
+        cast_forward, cast_backward = fp8_cast_seconds(shape, tokens, gpu, casts, tp, stack.float8_tp_all_gather)
+        gemm += cast_forward
+        gemm_backward += cast_backward
     heads_dim = shape.attention_width / tp
     if stack.score_passes:
         head_dim = shape.qk_head_dim
@@ -304,6 +364,34 @@ def block_seconds(
         "layer2": 0.5 * forward,
     }[recompute]
     return BlockSeconds(forward, backward, recompute_s, gemm, attention, elementwise)
+
+
+def fp8_cast_seconds(shape: BlockShape, tokens: float, gpu: Accelerator, casts: Fp8Casts, tp: int,
+                     float8_tp: bool) -> tuple[float, float]:  # fmt: skip
+    """(forward, backward) seconds of one block's activation casts under tensorwise fp8
+    ([Note: float8 recipes]). Column-parallel GEMMs that read the same input (q, k, v; the MLP's
+    gate and up) cast it once (torch.compile merges the identical casts); with float8 tensor
+    parallelism that cast runs on the rank's sequence shard before the fp8 all-gather, and the
+    row-parallel GEMMs' output gradients are scaled and cast on the shard before theirs, the
+    gathered fp8 tensors transposed (read and write 1 byte) for grad_weight."""
+    hbm = gpu.hbm_tbps * 1e12 * HBM_SHARE
+    shard = tokens / tp if float8_tp and tp > 1 else tokens
+    forward = backward = 0.0
+    for gemms in (shape.attention_gemms(), shape.mlp_gemms()):
+        inputs = {k for k, _, row in gemms if not row}  # one input per width of column GEMMs
+        forward += sum(shard * k * casts.forward_input for k in inputs)
+        backward += sum(tokens * k * (2 if shard < tokens else casts.backward_input) for k in inputs)
+        for k, n, row in gemms:
+            if not row:
+                backward += tokens * (n / tp) * casts.backward_grad
+                continue
+            forward += tokens * (k / tp) * casts.forward_input
+            backward += tokens * (k / tp) * casts.backward_input
+            grad_scaled = casts.forward_input  # amax and the first cast, on the shard
+            backward += shard * n * grad_scaled + tokens * n * (
+                2 if shard < tokens else casts.backward_grad - grad_scaled
+            )
+    return forward / hbm, backward / hbm
 
 
 def _shard(k: int, n: int, tp: int, row_parallel: bool) -> tuple[int, int]:

@@ -33,11 +33,14 @@ Some work scales with the weights, not the tokens, and runs on the compute strea
 parameters under autocast are cast to bf16 at each forward use (read 4, write 2 bytes; again for
 a recomputed forward), their bf16 weight gradients cast back (6 bytes) and, with a bf16
 reduction, cast down again (6); FSDP2 copies every all-gather's output into the parameters (read
-and write the gathered bytes). Per micro-batch, at HBM bandwidth. Large micro-batches hide it;
-small ones do not.
+and write the gathered bytes) and every gradient into its reduce-scatter input, cast to the
+reduce dtype (`foreach_reduce_scatter_copy_in`, https://github.com/pytorch/pytorch/blob/main/
+torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py; on the reduce-scatter stream, but on
+the same HBM). Per micro-batch, at HBM bandwidth. Large micro-batches hide it; small ones do not.
 
 Every collective's ring runs on the link `ring_link` gives its group ([Note: rails] in
-hardware.py). The optimizer streams 28 bytes per parameter it owns through HBM.
+hardware.py). The optimizer streams the bytes per parameter it owns that the stack's optimizer
+step and clipping move through HBM (28 for a fused AdamW; `KernelStack.optimizer_bytes_per_param`).
 """
 
 from __future__ import annotations
@@ -118,6 +121,9 @@ def _weight_pass_s(spec: RunSpec, index: int) -> tuple[float, float]:
         gather = 1 if spec.fp8_all_gather else spec.param_bytes
         forward += 2 * gather
         backward += 2 * gather if spec.dp_mode == "zero3" else 0
+        # FSDP2's foreach_reduce copies the bf16 gradients into the reduce-scatter input in the
+        # reduce dtype (_chunk_cat: read 2, write reduce_bytes)
+        backward += 2 + spec.reduce_bytes if spec.dp_mode in ("zero3", "zero2") else 0
     rate = gpu.hbm_tbps * 1e12 * HBM_SHARE
     return numel * forward / rate, numel * backward / rate
 
@@ -241,7 +247,9 @@ def _expert_group(spec: RunSpec) -> tuple[int, Link]:
 
 def _tp_exposed(spec: RunSpec) -> float:
     """Exposed seconds of one micro-batch's tensor-parallel collectives: all of them, or with
-    async TP those the stack does not overlap (`KernelStack.tp_overlap_backward`)."""
+    async TP those the stack does not overlap (`KernelStack.tp_overlap_backward`). Half of them
+    are all-gathers (the forward's of the block inputs, the backward's of the output gradients),
+    which float8 tensor parallelism runs in fp8 (`KernelStack.float8_tp_all_gather`)."""
     if spec.tp == 1:
         return 0.0
     size = spec.micro_batch * spec.seq_len / spec.cp * spec.model.hidden * 2
@@ -250,6 +258,8 @@ def _tp_exposed(spec: RunSpec) -> float:
     count = spec.layers_per_rank * TP_COLLECTIVES[spec.ac] + 4
     if spec.async_tp:
         count = 0 if stack(spec.stack).tp_overlap_backward else spec.layers_per_rank * 4 + 2
+    if spec.precision == "fp8" and spec.fp8_recipe == "tensorwise" and stack(spec.stack).float8_tp_all_gather:
+        return count / 2 * (ring_time_s("all_gather", size, topo) + ring_time_s("all_gather", size / 2, topo))
     return count * ring_time_s("all_gather", size, topo)
 
 
@@ -365,7 +375,8 @@ def predict_run(spec: RunSpec, *, compute_scale: float = 1.0) -> RunPrediction:
             spec.dp * spec.cp // (spec.replicas if spec.dp_mode in ("zero3", "zero3-keep") else 1)
         )
         owned += expert / spec.edp
-    optimizer_s = OPTIMIZER_BYTES_PER_PARAM * owned / (gpu.hbm_tbps * 1e12 * HBM_SHARE)
+    optimizer_bytes = stack(spec.stack).optimizer_bytes_per_param or OPTIMIZER_BYTES_PER_PARAM
+    optimizer_s = optimizer_bytes * owned / (gpu.hbm_tbps * 1e12 * HBM_SHARE)
     tp_mb = _tp_exposed(spec)
     ep_mb = _ep_exposed(spec)
     if spec.ep_overlap:  # hidden behind the other micro-batch, taking NCCL's SMs from it
