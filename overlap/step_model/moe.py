@@ -105,7 +105,9 @@ GPUs holding its experts). With balanced routing, a token's k experts drawn from
 E, a destination holding E/D of them is hit with probability 1 - C(E - E/D, k) / C(E, k).
 DeepSeek-V3 limits each token to `group_topk` of `groups` expert groups (config.json `topk_group`
 4 of `n_group` 8; the report's node limit of 4 per token); where the nodes hold whole
-groups a node is hit with probability 1 - C(G - G/N, g) / C(G, g).
+groups a node is hit with probability 1 - C(G - G/N, g) / C(G, g). These counts are priced at the
+bandwidths the flex kernels' authors publish ([Note: flex kernels' achieved bandwidth] in
+moe_flex.py), not at the links' line rates.
 """
 
 from __future__ import annotations
@@ -352,18 +354,6 @@ def flex_copies(moe: MoeShape, ep: int, ranks_per_domain: int) -> tuple[float, f
     return max(0.0, ranks_hit * (ep - 1) / ep - remote), remote
 
 
-def flex_all_to_all_s(token_bytes: float, moe: MoeShape, ep: int, ranks_per_domain: int, nvlink: Link,
-                      rail: Link) -> float:  # fmt: skip
-    """One flex dispatch (or combine) of `token_bytes` (the rank's tokens once, t·h bf16):
-    `flex_copies` of them over NVLink and over the rail at the same time."""
-    if ep == 1:
-        return 0.0
-    intra, inter = flex_copies(moe, ep, ranks_per_domain)
-    if inter == 0:
-        return nvlink.alpha_s + nvlink.seconds(intra * token_bytes)
-    return rail.alpha_s + max(nvlink.seconds(intra * token_bytes), rail.seconds(inter * token_bytes))
-
-
 def all_to_all_s(num_bytes: float, ep: int, ranks_per_domain: int, nvlink: Link, rail: Link) -> float:
     """One all-to-all in which every rank of an `ep`-rank group holds `num_bytes` and sends an
     equal share to every rank ([Note: expert parallelism]): the `ranks_per_domain` - 1 peers in
@@ -391,7 +381,6 @@ __all__ = [
     "all_to_all_s",
     "expert_gemm_seconds",
     "expert_rows",
-    "flex_all_to_all_s",
     "flex_copies",
     "hit_share",
     "host_cpu",

@@ -29,6 +29,7 @@ from overlap.step_model.moe import (
     moe_host_seconds,
     moe_seconds,
 )
+from overlap.step_model.moe_flex import flex_call_s
 from overlap.tools.plan.models import MODELS
 from overlap.tools.plan.run_spec import ModelShape, RunSpec
 from overlap.tools.plan.run_step import predict_run
@@ -289,3 +290,31 @@ def test_published_moe_rows_carry_their_recipe_at_the_container_release() -> Non
     for row in rows:
         assert row["run"]["dispatcher"] in ("alltoall", "flex")
         assert any("Megatron-Bridge v0." in note for note in row["run"]["notes"]), row["id"]
+
+
+def test_flex_calls_run_at_the_bandwidths_their_kernels_publish() -> None:
+    """[Note: flex kernels' achieved bandwidth]: HybridEP on one GB200 NVLink domain receives a
+    copy per destination rank (its own included) at its published 472.84 / 474.48 GB/s for 16
+    ranks; across DGX nodes the inter-node copies go at the published InfiniBand rate."""
+    nvlink = Link("nvlink", 0.0, 720.0, "")
+    rail = Link("rail", 0.0, 45.0, "")
+    token_bytes = 4096 * 2048 * 2.0
+    moe = QWEN3_30B.moe
+    dispatch, combine = flex_call_s(token_bytes, moe, 16, 72, backend="hybridep", gpu="gb200", nvlink_max_gbps=900.0,
+                                    rail_gbit=400.0, nvlink=nvlink, rail=rail)  # fmt: skip
+    received = 16 * (1 - math.comb(120, 8) / math.comb(128, 8)) * token_bytes
+    assert dispatch == pytest.approx(received / 472.84e9) and combine == pytest.approx(received / 474.48e9)
+    # a group larger than the table's largest takes the largest's figure
+    assert flex_call_s(token_bytes, moe, 64, 72, backend="hybridep", gpu="gb200", nvlink_max_gbps=900.0,
+                       rail_gbit=400.0, nvlink=nvlink, rail=rail)[0] > 0  # fmt: skip
+    inter = flex_copies(moe, 16, 8)[1]
+    dispatch, combine = flex_call_s(token_bytes, moe, 16, 8, backend="deepep", gpu="h100-sxm", nvlink_max_gbps=450.0,
+                                    rail_gbit=400.0, nvlink=nvlink, rail=rail)  # fmt: skip
+    assert dispatch == pytest.approx(inter * token_bytes / 43e9)
+    # no published figure for H100's NVLink under HybridEP: the link model
+    intra = flex_copies(moe, 8, 8)[0]
+    dispatch, _ = flex_call_s(token_bytes, moe, 8, 8, backend="hybridep", gpu="h100-sxm", nvlink_max_gbps=450.0,
+                              rail_gbit=400.0, nvlink=nvlink, rail=rail)  # fmt: skip
+    assert dispatch == pytest.approx(intra * token_bytes / 720e9)
+    with pytest.raises(ValueError, match="flex_backend"):
+        qwen_run(dispatcher="flex", flex_backend="nccl")

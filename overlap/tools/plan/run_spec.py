@@ -27,6 +27,7 @@ from typing import Any, Literal
 from overlap.step_model.hardware import ACCELERATORS, NODES
 from overlap.step_model.kernels import FP8_RECIPES, STACKS, BlockShape, Fp8Recipe, Mlp, Recompute
 from overlap.step_model.moe import MoeShape
+from overlap.step_model.moe_flex import FLEX_BACKENDS, FlexBackend
 
 DpMode = Literal["ddp", "zero1", "zero2", "zero3", "zero3-keep"]
 DP_MODES: tuple[DpMode, ...] = ("ddp", "zero1", "zero2", "zero3", "zero3-keep")
@@ -169,6 +170,10 @@ class RunSpec:
     """Megatron-Core's moe_token_dispatcher_type: alltoall (a copy per routed expert) or flex
     (DeepEP / HybridEP: once per destination rank and node, [Note: flex dispatch] in
     overlap/step_model/moe.py)."""
+    flex_backend: FlexBackend = "deepep"
+    """The flex dispatcher's kernels (Megatron-Core's moe_flex_dispatcher_backend, default deepep):
+    hybridep or deepep, each priced at the bandwidths its authors publish ([Note: flex kernels'
+    achieved bandwidth] in overlap/step_model/moe_flex.py); ignored with the alltoall dispatcher."""
     cuda_graph_scope: tuple[str, ...] = ()
     """Parts of each layer run as CUDA graphs (Transformer Engine's cuda_graph_scope: attn,
     moe_router, moe_preprocess); the rest is launched op by op ([Note: MoE host work])."""
@@ -186,6 +191,8 @@ class RunSpec:
                 raise ValueError(f"RunSpec.{name}: unknown {sorted(unknown)}; use of {allowed}")
         if self.dispatcher not in ("alltoall", "flex"):
             raise ValueError(f"RunSpec.dispatcher must be alltoall or flex, got {self.dispatcher!r}")
+        if self.flex_backend not in FLEX_BACKENDS:
+            raise ValueError(f"RunSpec.flex_backend must be one of {FLEX_BACKENDS}, got {self.flex_backend!r}")
         for name in (
             "num_gpus",
             "seq_len",

@@ -55,7 +55,8 @@ from overlap.step_model.cost import Link, Topology, UnitCost, ring_time_s
 from overlap.step_model.fitting import solve_increasing
 from overlap.step_model.hardware import HBM_SHARE, NVLINK_SHARE, accelerator, nccl_share, node_spec, ring_link
 from overlap.step_model.kernels import ACT_BYTES, block_seconds, gemm_seconds, head_seconds, stack
-from overlap.step_model.moe import all_to_all_s, flex_all_to_all_s, host_cpu, moe_host_seconds, moe_seconds
+from overlap.step_model.moe import all_to_all_s, host_cpu, moe_host_seconds, moe_seconds
+from overlap.step_model.moe_flex import flex_call_s
 from overlap.tools.plan import ring_attention
 from overlap.tools.plan.fsdp import OPTIMIZER_BYTES_PER_PARAM
 from overlap.tools.plan.run_spec import RunSpec
@@ -224,10 +225,12 @@ def _ep_exposed(spec: RunSpec) -> float:
     tokens = spec.micro_batch * spec.seq_len / spec.cp
     recomputed = RECOMPUTED_FORWARDS[spec.ac] or float("moe" in spec.recompute_modules)
     count = moe_layers * (4 + 2 * recomputed)
-    if spec.dispatcher == "flex":  # [Note: flex dispatch]
+    if spec.dispatcher == "flex":  # [Note: flex kernels' achieved bandwidth] in moe_flex.py
         routed = tokens / (spec.tp // spec.etp)
-        return count * flex_all_to_all_s(routed * spec.model.hidden * ACT_BYTES, spec.model.moe, spec.ep,
-                                         per_domain, nvlink, rail)  # fmt: skip
+        dispatch, combine = flex_call_s(routed * spec.model.hidden * ACT_BYTES, spec.model.moe, spec.ep, per_domain,
+                                        backend=spec.flex_backend, gpu=spec.gpu, nvlink_max_gbps=gpu.nvlink_gbps,
+                                        rail_gbit=node.rail_gbit, nvlink=nvlink, rail=rail)  # fmt: skip
+        return count * (dispatch + combine) / 2
     e = _moe_seconds(spec, tokens)
     return count * all_to_all_s(e.dispatch_bytes, spec.ep, per_domain, nvlink, rail)
 
