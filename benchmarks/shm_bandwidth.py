@@ -4,10 +4,13 @@
 
 Each size S is what one collective delivers to a rank: an all-gather's output (S / nproc sent by
 each rank) and a reduce-scatter's input (S summed into S / nproc). Bandwidth = S / the time of
-one collective (issue, then wait) on the slowest rank. The all-gathers write into one output
-buffer kept across calls, and a reduce-scatter's input is written (the copy-in every transport
-has) before its clock starts, as the training step does; the sum's output is allocated by the
-collective, with the engine's allocator settings (`keep_freed_cpu_memory`).
+one collective (issue, then wait) on the slowest rank. Each collective's buffers are where the
+engine's strategies put them: a shared-memory all-gather's output is allocated by the strategy
+(`ShmAllGather.allocate`: in the rank's ring, where peers read its row in place) inside the
+clock and dropped after the wait, as the runtime drops it after copy-out; gloo's all-gathers write
+into one output buffer kept across calls. A reduce-scatter's input is written (the copy-in every
+transport has) before its clock starts, as the training step does; the sum's output is allocated
+by the collective, with the engine's allocator settings (`keep_freed_cpu_memory`).
 
 The floor, `copy`, is one memcpy of S bytes (`csrc/shm.cpp`'s) between two private buffers kept
 across calls, run by every rank at once: the same number of processes on the same cores as the
@@ -105,6 +108,11 @@ def _contenders(seg: shm.ShmSegments, nbytes: int, nproc: int) -> dict[str, Call
     part, out = torch.randn(numel), torch.zeros(nproc * numel)
     full = torch.randn(nproc, numel)
 
+    def shm_all_gather() -> None:
+        ring_out = seg.output(nproc * numel, torch.float32)  # ShmAllGather.allocate
+        via_out = out if ring_out is None else ring_out
+        comm.wait(comm.all_gather_flat(part, group, nproc, torch.float32, out=via_out, via=seg))
+
     def shm_reduce_scatter() -> float:
         buf = seg.reserve(nbytes).view(torch.float32).view(nproc, numel)
         buf.copy_(full)  # the copy-in (the engine's, through `ShmReduceScatter.allocate`)
@@ -121,9 +129,7 @@ def _contenders(seg: shm.ShmSegments, nbytes: int, nproc: int) -> dict[str, Call
 
     return {
         "copy": _clocked(lambda: ext.shm_copy_bytes(dst, src)),
-        "shm all-gather": _clocked(
-            lambda: comm.wait(comm.all_gather_flat(part, group, nproc, torch.float32, out=out, via=seg))
-        ),
+        "shm all-gather": _clocked(shm_all_gather),
         "shm reduce-scatter": shm_reduce_scatter,
         "gloo all-gather": _clocked(
             lambda: comm.wait(comm.all_gather_flat(part, group, nproc, torch.float32, out=out))

@@ -271,7 +271,12 @@ void post_gather(const at::Tensor& seg, int64_t seq, int64_t start, const at::Te
   check_bytes(src, nbytes, "post_gather");
   char* row = bytes_of(out, (rank + 1) * nbytes, "post_gather") + rank * nbytes;
   TORCH_CHECK(0 <= start && start + nbytes <= mine.ring_bytes, "overlap shm: a post past the ring's end");
-  copy_twice_raw(mine.ring + start, row, static_cast<const char*>(src.data_ptr()), nbytes);
+  const auto* from = static_cast<const char*>(src.data_ptr());
+  if (row == mine.ring + start) {  // the output lives in the ring (`output`): its row is the post
+    copy_raw(row, from, nbytes);
+  } else {
+    copy_twice_raw(mine.ring + start, row, from, nbytes);
+  }
   publish(mine, seq, start, nbytes);
 }
 
@@ -373,6 +378,22 @@ Outcome pull_reduce(at::TensorList segs, int64_t rank, int64_t seq, int64_t nbyt
   return pull.consumed();
 }
 
+// `numel` elements of `dtype` at `start` of this rank's ring: an all-gather's output that peers
+// read their rows of in place. `live[slot]` is 1 until the tensor's storage is freed, so the ring
+// reuses the bytes only once the caller dropped every view of them; the deleter holds the
+// segment (its mapping) and `live` until then.
+at::Tensor output(const at::Tensor& seg, int64_t start, int64_t numel, at::ScalarType dtype, const at::Tensor& live,
+                  int64_t slot) {
+  const Segment mine = segment(seg);
+  const int64_t nbytes = numel * static_cast<int64_t>(c10::elementSize(dtype));
+  TORCH_CHECK(0 <= start && start + nbytes <= mine.ring_bytes, "overlap shm: an output past the ring's end");
+  TORCH_CHECK(0 <= slot && slot < live.numel(), "overlap shm: no such output slot");
+  int64_t* flag = word(live) + slot;
+  __atomic_store_n(flag, 1, __ATOMIC_RELEASE);
+  auto deleter = [seg, live, flag](void*) { __atomic_store_n(flag, 0, __ATOMIC_RELEASE); };
+  return at::from_blob(mine.ring + start, {numel}, deleter, at::TensorOptions().dtype(dtype));
+}
+
 std::vector<int64_t> header_layout() {
   return {kPosted, kAbort, kConsumed, kDesc, kSleepersPosted, kSleepersOther, kNumDescriptors, kHeaderBytes};
 }
@@ -396,5 +417,7 @@ TORCH_LIBRARY_FRAGMENT(overlap_cpu, m) {
   m.def("shm_pull_reduce(Tensor(a!)[] segments, int rank, int seq, int nbytes, Tensor(a!) out, int[] pids, "
         "float timeout_s, float spin_s, float yield_s, int divide_numel, float divisor) -> int[]",
         &pull_reduce);
+  m.def("shm_output(Tensor segment, int start, int numel, ScalarType dtype, Tensor(a!) live, int slot) -> Tensor",
+        &output);
   m.def("shm_header_layout() -> int[]", &header_layout);
 }

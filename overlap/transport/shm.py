@@ -63,6 +63,7 @@ _SLEEPERS_POSTED, _SLEEPERS_OTHER = 1, 2  # how many peers sleep on the posted w
 MAX_RANKS = _DESC - _CONSUMED  # ranks of one host in a group
 NUM_DESCRIPTORS = 256  # a rank posts at most this many collectives ahead of the slowest peer
 HEADER_BYTES = 8192  # (_DESC + 3 * NUM_DESCRIPTORS) int64 words, rounded up to pages
+MAX_OUTPUTS = 1024  # all-gather outputs in the ring at once (then they are allocated privately)
 ALIGN = 64
 MIN_RING_BYTES, MAX_RING_BYTES = 32 << 20, 1 << 30
 # a wait spins, then yields its core, then sleeps ([Note: shared-memory waits] in csrc/shm.cpp)
@@ -159,6 +160,16 @@ class ShmSegments:
         self.posts: deque[tuple[int, int, int]] = deque()  # (seq, start, end) not consumed by every peer
         self.pending: deque[ShmWork] = deque()  # posted, not pulled: in issue order
         self.reserved: tuple[int, int] | None = None
+        self.ring_ptr = self.rings[self.rank].data_ptr()
+        self.peers = [p for p in range(self.world_size) if p != self.rank]
+        # posts take the ring's lower half, all-gather outputs its upper half ([Note: all-gather
+        # output in the ring]): a post never waits for an output its user still holds
+        self.half = ring_bytes // 2 // ALIGN * ALIGN
+        # [start, end, seq (0: not posted yet), slot]: outputs not yet dropped or not yet consumed
+        self.outputs: list[list[int]] = []
+        live = bytearray(8 * MAX_OUTPUTS)  # live[slot]: 1 until the output's storage is freed
+        self.live, self.live_words = torch.frombuffer(live, dtype=torch.int64), memoryview(live).cast("q")
+        self.free_slots = list(range(MAX_OUTPUTS))
         self.failed: str | None = None
         self.spin_s, self.yield_s = SPIN_S, YIELD_S
 
@@ -198,7 +209,7 @@ class ShmSegments:
     # ------------------------------------------------------------------ posting
     def fits(self, nbytes: int) -> bool:
         """Whether one collective of `nbytes` per rank goes through the ring (the same on every rank)."""
-        return _aligned(nbytes) <= self.ring_bytes // 2
+        return _aligned(nbytes) <= self.half
 
     def reserve(self, nbytes: int) -> torch.Tensor:
         """Room for this rank's next post, once every peer consumed what was there."""
@@ -207,12 +218,13 @@ class ShmSegments:
         return self.rings[self.rank][start : start + nbytes]
 
     def _room(self, nbytes: int) -> int:
-        """The offset of room for this rank's next post, making room if the ring is full."""
+        """The offset of room for this rank's next post in the ring's lower half, making room
+        if it is full or every descriptor is in use."""
         assert self.reserved is None, f"rank {self.rank}: two shared-memory posts reserved at once"
         self._raise_if_failed()
         size = _aligned(nbytes)
         start = self._first_fit(size)
-        while start is None or len(self.posts) >= NUM_DESCRIPTORS:
+        while start is None or self.seq - self._consumed() >= NUM_DESCRIPTORS:
             self._make_room()
             start = self._first_fit(size)
         return start
@@ -221,7 +233,22 @@ class ShmSegments:
         """Whether `tensor` is the reserved room."""
         if self.reserved is None:
             return False
-        return tensor.data_ptr() == self.rings[self.rank].data_ptr() + self.reserved[0]
+        return tensor.data_ptr() == self.ring_ptr + self.reserved[0]
+
+    def output(self, numel: int, dtype: torch.dtype) -> torch.Tensor | None:
+        """An all-gather's output in the ring's upper half, where peers read this rank's row in
+        place ([Note: all-gather output in the ring]); None where it has no room now."""
+        size = _aligned(numel * dtype.itemsize)
+        if size > self.ring_bytes - self.half or not self.free_slots:
+            return None
+        self._release_consumed()
+        start = _fit([(s, e) for s, e, _, _ in self.outputs], size, self.half, self.ring_bytes)
+        if start is None:
+            return None
+        slot = self.free_slots.pop()
+        out = self.ext.shm_output(self.mine, start, numel, dtype, self.live, slot)
+        self.outputs.append([start, start + size, 0, slot])
+        return out
 
     def publish(self, nbytes: int, pull: Callable[[list[torch.Tensor]], None]) -> ShmWork:
         """Post the reserved room's `nbytes` as the next collective; `pull` reads every rank's."""
@@ -233,41 +260,46 @@ class ShmSegments:
 
     def _posted(self, start: int, work: ShmWork) -> ShmWork:
         """Book `work`, just posted at `start` (csrc/shm.cpp wrote its descriptor and raised the word)."""
-        self.seq = work.seq
         self.posts.append((work.seq, start, start + _aligned(work.nbytes)))
+        return self._issued(work)
+
+    def _issued(self, work: ShmWork) -> ShmWork:
+        self.seq = work.seq
         self.pending.append(work)
         return work
 
     def _first_fit(self, size: int) -> int | None:
-        """The lowest free offset with `size` bytes of room: the ring's start whenever it is empty,
-        so the same pages come back warm in cache and already mapped ([Note: shared-memory exchange])."""
+        """The lowest free offset of the lower half with `size` bytes of room: the ring's start
+        whenever it is empty, so the same pages come back warm in cache and already mapped
+        ([Note: shared-memory exchange])."""
         self._release_consumed()
-        start = 0
-        for _, s, e in sorted(self.posts, key=lambda post: post[1]):
-            if start + size <= s:
-                break
-            start = max(start, e)
-        return start if start + size <= self.ring_bytes else None
+        return _fit([(s, e) for _, s, e in self.posts], size, 0, self.half)
+
+    def _consumed(self) -> int:
+        """The last collective of this rank's that every peer consumed and this rank pulled (its
+        own row of a reduce-scatter is read from its ring)."""
+        return min(min(self.words[p][_CONSUMED + self.rank] for p in self.peers), self.pulled)
 
     def _release_consumed(self) -> None:
-        if not self.posts:
+        if not self.posts and not self.outputs:
             return
-        # every peer consumed it, and this rank too (its own row is read from its ring)
-        consumed = min(self.words[p][_CONSUMED + self.rank] for p in range(self.world_size) if p != self.rank)
-        consumed = min(consumed, self.pulled)
+        consumed = self._consumed()
         while self.posts and self.posts[0][0] <= consumed:
             self.posts.popleft()
+        live = self.live_words
+        for entry in [o for o in self.outputs if o[2] <= consumed and live[o[3]] == 0]:
+            self.outputs.remove(entry)  # dropped by its user, read by every peer (or never posted)
+            self.free_slots.append(entry[3])
 
     def _make_room(self) -> None:
         """Complete this rank's oldest pending collective, or wait for the slowest peer to
-        consume this rank's oldest post."""
+        consume this rank's oldest collective it has not."""
         if self.pending:
             self.complete_through(self.pending[0])
             return
-        oldest = self.posts[0][0]
-        for p in range(self.world_size):
-            if p != self.rank:
-                self._wait(p, _CONSUMED + self.rank, oldest, "consume")
+        oldest = self._consumed() + 1
+        for p in self.peers:
+            self._wait(p, _CONSUMED + self.rank, oldest, "consume")
 
     # ------------------------------------------------------------------ pulling
     def complete_through(self, work: ShmWork) -> None:
@@ -362,9 +394,27 @@ class ShmSegments:
         every peer's into its row (`comm.all_gather_flat` with `via`)."""
         send = send.contiguous()
         nbytes = send.numel() * send.element_size()
-        start, seq = self._room(nbytes), self.seq + 1
+        entry = self._output_of(out)
+        if entry is None:
+            start = self._room(nbytes)
+        else:  # its row of the output is the post
+            while self.seq - self._consumed() >= NUM_DESCRIPTORS:
+                self._make_room()
+            start = entry[0] + self.rank * nbytes
+        seq = self.seq + 1
         self.ext.shm_post_gather(self.mine, seq, start, out, self.rank, send)
-        return comm.CommResult(out, self._posted(start, ShmWork(self, seq, nbytes, out)), (send,))
+        work = ShmWork(self, seq, nbytes, out)
+        if entry is None:
+            return comm.CommResult(out, self._posted(start, work), (send,))
+        entry[2] = seq
+        return comm.CommResult(out, self._issued(work), (send,))
+
+    def _output_of(self, out: torch.Tensor) -> list[int] | None:
+        """The booking of `out` if it is an unposted `output()`."""
+        if not self.outputs:
+            return None
+        ptr = out.data_ptr() - self.ring_ptr
+        return next((o for o in self.outputs if o[0] == ptr and o[2] == 0), None)
 
     def reduce_scatter(self, full: torch.Tensor, divide: comm.Divide | None) -> comm.CommResult:
         """Post the rank-major `full` (in the reserved room, or copied there); the wait sums this
@@ -401,6 +451,16 @@ def _sleepers(offset: int) -> int:
     return _SLEEPERS_POSTED if offset == _POSTED else _SLEEPERS_OTHER
 
 
+def _fit(taken: list[tuple[int, int]], size: int, lo: int, hi: int) -> int | None:
+    """The lowest offset in [lo, hi) with `size` bytes free of every (start, end) in `taken`."""
+    start = lo
+    for s, e in sorted(taken):
+        if start + size <= s:
+            break
+        start = max(start, e)
+    return start if start + size <= hi else None
+
+
 def _aligned(nbytes: int) -> int:
     return -(-nbytes // ALIGN) * ALIGN
 
@@ -410,9 +470,10 @@ def _bytes(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def ring_bytes_for(wire: Wire) -> int:
-    """Room for several of the largest posts (a shard, or a unit's rank-major gradients)."""
+    """Room for several of the largest posts (a unit's rank-major gradients) and all-gather
+    outputs (a unit's shards, every rank's), each kind in its half of the ring."""
     largest = max(
-        (max(u.gather_numel * u.gather_itemsize, wire.world_size * u.reduce_row_bytes) for u in wire.units), default=0
+        (wire.world_size * max(u.gather_numel * u.gather_itemsize, u.reduce_row_bytes) for u in wire.units), default=0
     )
     return min(max(8 * _aligned(largest), MIN_RING_BYTES), MAX_RING_BYTES)
 
@@ -449,7 +510,13 @@ class _OnSegments(Strategy):
 
 
 class ShmAllGather(_OnSegments, AllGather):
-    """All-gathers through shared memory; gloo's for what the ring cannot hold."""
+    """All-gathers through shared memory; gloo's for what the ring cannot hold. The output is
+    allocated in this rank's ring where it has room ([Note: all-gather output in the ring])."""
+
+    def allocate(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        seg = self.segments
+        out = seg.output(numel, dtype) if seg is not None and device.type == "cpu" else None
+        return super().allocate(numel, dtype, device) if out is None else out
 
     def __call__(
         self,
