@@ -5,6 +5,7 @@
   inside each shard group); `shared_memory="off"`, or a rank elsewhere, keeps gloo's strategies;
 - the ring wraps around and makes room by completing earlier collectives, never deadlocking; once
   drained, posts start over at its beginning (first fit);
+- an all-gather's output lives in the ring while it has room and is never reused while held;
 - a wait that outlasts its spin and yield stages sleeps, and returns with the bytes once the peer posts;
 - ranks that issue different collectives raise on every rank, naming it;
 - a peer killed or stopped mid-exchange makes the survivor raise (at once, or after the
@@ -114,6 +115,32 @@ def many_in_flight(rank: int, world: int, ring_bytes: int) -> dict:
     return {"wrong": wrong, "seq": plan.segments.seq, "left": _segments_left(plan.segments), "start": drained_start}
 
 
+def held_outputs(rank: int, world: int) -> dict:
+    """All-gathers into outputs the strategy allocates in the ring, every output held: the
+    ring's upper half fills, later outputs are private, and none is overwritten while held;
+    once dropped and read by every peer, the ring hands out its upper half from the start."""
+    group = dist.group.WORLD
+    plan = shm.ShmPlan(timedelta(seconds=60))
+    plan.segments = seg = shm.ShmSegments(group, 1 << 20, plan.timeout)
+    gather = shm.ShmAllGather(plan, shm.AllGather())
+    gather.plan(_wire(group))
+    numel = 16 << 10  # 64 KiB a rank: four outputs of two ranks fill the 512 KiB upper half
+    held = []
+    for k in range(12):
+        result = gather(0, torch.full((numel,), float(100 * k + rank)), torch.float32, None, None, False)
+        held.append((k, comm.wait(result)))
+    in_ring = [k for k, out in held if seg.ring_ptr <= out.data_ptr() < seg.ring_ptr + seg.ring_bytes]
+    wrong = [k for k, out in held if not torch.equal(out, _rows(numel, world, k))]
+    del held, result
+    dist.barrier()  # every peer read every row
+    again = gather.allocate(world * numel, torch.float32, torch.device("cpu"))
+    return {"in_ring": in_ring, "wrong": wrong, "again": again.data_ptr() - seg.ring_ptr, "half": seg.half}
+
+
+def _rows(numel: int, world: int, k: int) -> torch.Tensor:
+    return torch.cat([torch.full((numel,), float(100 * k + r)) for r in range(world)])
+
+
 def late_peer(rank: int, world: int, late_s: float) -> dict:
     """Rank 1 posts `late_s` after rank 0 starts waiting: past the spin and yield stages, rank 0
     sleeps on the futex and the post wakes it; the gathered bytes are rank 1's."""
@@ -182,6 +209,12 @@ def test_ring_wraps_and_makes_room(world2):
     for rank, r in enumerate(world2.run(many_in_flight, ring_bytes=6 << 20, timeout_s=300)):
         assert r["wrong"] == [] and r["seq"] == 40 and r["left"] == [], (rank, r)
         assert r["start"] == 0, (rank, r["start"])  # first fit: a drained ring starts over
+
+
+def test_gather_outputs_held_in_the_ring(world2):
+    for rank, r in enumerate(world2.run(held_outputs, timeout_s=120)):
+        assert r["in_ring"] == list(range(4)) and r["wrong"] == [], (rank, r)
+        assert r["again"] == r["half"], (rank, r)  # first fit again once every output was dropped
 
 
 def test_sleeping_wait_returns_after_the_post(world2):
