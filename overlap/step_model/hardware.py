@@ -8,7 +8,9 @@ square-ish shapes; smaller shapes lose more, see kernels.py), flash attention re
 its kernel library reports (`KernelStack` in kernels.py), and element-wise work is paid in HBM
 bytes at `hbm_tbps · HBM_SHARE`. A power-capped card (torchtitan's 500 W H100s) runs its tensor
 cores at lower clocks: its peak is interpolated between the datasheets of the same chip at two
-power limits (H100 NVL at 400 W, H100 SXM at 700 W), as torchtitan's footnote places it.
+power limits (H100 NVL at 400 W, H100 SXM at 700 W), as torchtitan's footnote places it; its
+GEMMs and attention kernels run at the rates measured on it, which fall further below the SXM's
+(`H100_500W_TENSOR_CLOCK`).
 
 [Note: rails]
 A DGX-style node has one network adapter per GPU ("rail"). NCCL builds one ring (channel) per
@@ -60,7 +62,14 @@ class Accelerator:
     """Share of the bf16 peak a large bf16 GEMM sustains (cuBLAS, clocks under load)."""
     fp8_gemm_share: float = 0.0
     """Share of the fp8 peak a large fp8 GEMM sustains."""
+    attention_tflops: float = 0.0
+    """The bf16 peak the attention kernels' shares apply to; 0: `bf16_tflops`. A power-capped
+    card's tensor cores run at the clock its measured GEMM shows ([Note: accelerator rates])."""
     source: str = ""
+
+    @property
+    def attention_peak_tflops(self) -> float:
+        return self.attention_tflops or self.bf16_tflops
 
 
 # Datasheets: NVIDIA A100 Tensor Core GPU (SXM4: BF16 312 TFLOPS dense, 1,555 GB/s (40 GB) and
@@ -93,6 +102,12 @@ MAMF_SHARE = {  # (bf16, fp8) MAMF / datasheet peak, the table above
 # 1125.5 TFLOPS at 8192^3, 1.92x the bf16 GEMM; the fp8 share (the SXM's fp8 MAMF x the mix, on
 # the interpolated fp8 peak) x ROWWISE_KERNEL_SHARE over this bf16 share gives 1.90x (without
 # the mix on bf16: 1.74x, the fp8 speed-up a fifth short of the measured one).
+# The kernel libraries' attention shares are measured on the 700 W SXM. On the 500 W card the same
+# tensor cores run at the clock its GEMM shows against the SXM's at the same shape: 585.2 TFLOPS
+# (FBGEMM, above) against 797.5 on an H100 SXM at 8192^3 (torch 2.7 cuBLAS,
+# https://github.com/zzc0721/torch-performance-test-data/issues/79): 0.734 of the SXM, where the
+# datasheet interpolation above gives 0.897. Attention is taken to lose what the GEMM loses.
+H100_500W_TENSOR_CLOCK = 585.2 / 797.5
 H100_500W_GEMM_SHARE = (585.2 / (835.5 + (989.4 - 835.5) * (500 - 400) / (700 - 400)) / (8192 / (8192 + 128))
                         * GEMM_SHAPE_MIX)  # fmt: skip
 # fmt: off
@@ -116,7 +131,8 @@ ACCELERATORS: dict[str, Accelerator] = {
         fp8_tflops=1670.5 + (1979.0 - 1670.5) * (500 - 400) / (700 - 400), hbm_gib=96, hbm_tbps=2.4, power_w=500,
         source="torchtitan benchmarks (Grand Teton hosts: 96 GB HBM2e, 2.4 TB/s, 500 W; peak 'between SXM "
         "and NVL'): peak interpolated by power between the H100 NVL (400 W) and SXM (700 W) datasheets; "
-        "bf16 GEMM share measured on this card (FBGEMM)", **{**_HOPPER, "gemm_share": H100_500W_GEMM_SHARE}),
+        "bf16 GEMM share measured on this card (FBGEMM); attention at the clock that GEMM shows",
+        attention_tflops=989.4 * H100_500W_TENSOR_CLOCK, **{**_HOPPER, "gemm_share": H100_500W_GEMM_SHARE}),
     "h200": Accelerator(name="H200 SXM 141GB", bf16_tflops=989.4, fp8_tflops=1979.0, hbm_gib=141, hbm_tbps=4.8,
                         power_w=700, source="NVIDIA H200 datasheet; fp8 GEMM share: H200 SXM MAMF",
                         **{**_HOPPER, "fp8_gemm_share": MAMF_SHARE["h200"][1] * GEMM_SHAPE_MIX}),

@@ -345,7 +345,7 @@ def block_seconds(
         # a causal token attends to context / 2 positions on average, to w - w^2 / 2s in a window w
         attended = context / 2 if span == context else span - span * span / (2 * context)
         attn_share = stack.attention_share[gpu.generation] * span / (span + ATTENTION_SEQ_HALF)
-        attention = 4.0 * tokens * attended * heads_dim / (gpu.bf16_tflops * 1e12 * attn_share)
+        attention = 4.0 * tokens * attended * heads_dim / (gpu.attention_peak_tflops * 1e12 * attn_share)
     h, kv, f = shape.hidden / tp, shape.kv_dim / tp, shape.ffn_hidden / tp
     passes = (
         2 * stack.norm_passes * shape.hidden

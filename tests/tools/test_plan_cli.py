@@ -228,8 +228,8 @@ def test_eight_gpu_point_against_torchtitan():
     """torchtitan's Llama 3.1 8B FSDP2 figures (8 x H100 96 GB at 500 W, local batch 2, seq 8192,
     selective AC): 5,762 tokens/s/GPU eager, 6,667 compiled. The kernel model's inputs are
     datasheets and microbenchmarks (overlap/step_model/hardware.py, kernels.py); it predicts
-    ~+14% here (benchmarks/plan_published.py: torchtitan's 8B FSDP rows run ~11-16% below it).
-    This guards that stated error against drifting, and the compiled/eager ratio."""
+    ~+3% here (benchmarks/plan_published.py: torchtitan's 8B bf16 FSDP rows within -3% to +6% of
+    it). This guards that stated error against drifting, and the compiled/eager ratio."""
     point = dict(model="llama-8b", num_gpus=8, gpus_per_node=8, link="nvlink4", gpu="h100-96gb", local_batch=2,
                  seq_len=8192, ac="selective", search=False, scaling_gpus=())  # fmt: skip
 
@@ -237,7 +237,7 @@ def test_eight_gpu_point_against_torchtitan():
         return plan(**point, stack=stack).estimate.tokens_per_s_per_gpu
 
     eager, compiled = tokens("torch-eager"), tokens("torch-compile")
-    assert 0.05 < eager / TORCHTITAN_8B_TOKENS_PER_S_PER_GPU - 1 < 0.20
+    assert -0.05 < eager / TORCHTITAN_8B_TOKENS_PER_S_PER_GPU - 1 < 0.10
     assert compiled / eager == pytest.approx(6667 / 5762, abs=0.05)
     rate = plan(**point, mfu=0.40)
     assert rate.cluster.kernels is None  # a given rate replaces the kernel model

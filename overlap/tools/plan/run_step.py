@@ -63,9 +63,13 @@ from overlap.tools.plan.run_spec import RunSpec
 
 RECOMPUTED_FORWARDS = {"none": 0.0, "selective": 0.0, "attention": 0.0, "full": 1.0, "layer2": 0.5}
 """Forwards of a block's weights that recomputation repeats, per micro-batch."""
-TP_COLLECTIVES = {"none": 8, "selective": 8, "attention": 8, "full": 12, "layer2": 10}
+TP_COLLECTIVES = {"none": 8, "selective": 10, "attention": 8, "full": 12, "layer2": 10}
 """Per block and micro-batch: 2 all-gathers + 2 reduce-scatters forward, the same backward, and
-the forward's again when the whole block is recomputed."""
+the forward's again when the whole block is recomputed. torchtitan's per-op policy ("selective")
+saves reduce_scatter_tensor outputs but not all-gathers (its `_save_list`,
+https://github.com/pytorch/torchtitan/blob/820504e20d1149fbf0b98c567af24c4b0433b22d/torchtitan/models/llama3/parallelize_llama.py):
+the backward re-gathers the two block inputs its weight gradients need (as layout.py's
+RECOMPUTED_TP_COLLECTIVES)."""
 
 
 @dataclass(frozen=True)
