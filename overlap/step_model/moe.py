@@ -95,6 +95,20 @@ between GPU kernels where CPU cannot launch kernels fast enough": CUDA graphs, "
 micro-batch size"): the host work is per micro-batch, so it shows at small micro-batches and
 many local experts.
 
+[Note: the dispatcher's sync]
+The host wait of [Note: MoE host work] sits in the middle of the layer: the host issues the
+attention, the router and the preprocessing (H1), waits until the GPU has run them (G1) and the
+token counts have come back, then issues the dispatch, the experts, the combine and what follows
+(H2) while the GPU runs them (G2, and the all-to-alls A). Until the host reaches the sync again,
+its queue holds nothing the GPU could run ahead: after the sync the GPU runs no faster than the
+host issues, and the host cannot issue past the next sync before the GPU gets there. So a layer's
+forward takes max(H1 + H2, G1 + launch + max(G2 + A, H2)) with its all-to-alls, where the launch
+is the first kernel after the sync reaching an idle GPU (`LAUNCH_S`): no longer max(G1 + G2 + A,
+H1 + H2), since the GPU cannot use the host's lead over the pre-sync part to cover the post-sync
+part's issue. A layer with few tokens per expert and many local experts (a long H2 of per-expert
+launches beside a short G2) pays the difference; a capacity factor (experts padded to a size
+known in advance) needs no sync and keeps the plain max.
+
 [Note: flex dispatch]
 Megatron-Core's alltoall dispatcher sends one copy of a token per routed expert (t·k rows,
 permuted by expert). Its flex dispatcher (`moe_token_dispatcher_type: flex`, backends DeepEP and
@@ -308,22 +322,50 @@ def host_cpu(gpu: str) -> HostCpu:
     return "grace" if gpu in GRACE_HOSTED else "x86"
 
 
-def moe_host_seconds(moe: MoeShape, ep: int, fp8: bool, graphed: tuple[str, ...] = (), *,
-                     host: HostCpu = "x86", dispatcher: str = "alltoall") -> tuple[float, float]:  # fmt: skip
-    """(forward, backward) CPU seconds of one MoE layer ([Note: MoE host work]): its TE modules
-    and other eager operators outside CUDA graphs, a graphed part as one launch, and the grouped
-    GEMMs' launches per local expert (fc1 and fc2; with fp8 each input's cast too; backward
-    twice)."""
+def moe_host_split(moe: MoeShape, ep: int, fp8: bool, graphed: tuple[str, ...] = (), *,
+                   host: HostCpu = "x86", dispatcher: str = "alltoall") -> tuple[float, float]:  # fmt: skip
+    """(before the token-count sync, after it) CPU seconds of one MoE layer's forward ([Note: MoE
+    host work]): its TE modules and other eager operators outside CUDA graphs, a graphed part as
+    one launch, and the grouped GEMMs' launches per local expert (fc1 and fc2; with fp8 each
+    input's cast too). Before the sync: the attention, router and preprocessing (and the shared
+    experts inside the router's graph); after it: the dispatch, the experts, the combine and
+    ungraphed shared experts ([Note: the dispatcher's sync])."""
     module_s = TE_MODULE_S[host] * (TE_FP8_FACTOR if fp8 else 1.0)
     parts = dict(HOST_OPS, **FLEX_ROUTER_OPS) if dispatcher == "flex" else dict(HOST_OPS)
     if moe.shared_ffn_hidden and "moe_router" not in graphed:
         parts["shared"] = SHARED_OPS
-    forward = 0.0
+    pre = post = 0.0
     for part, (modules, ops) in parts.items():
-        forward += LAUNCH_S[host] if part in graphed else modules * module_s + ops * TORCH_OP_S[host]
+        seconds = LAUNCH_S[host] if part in graphed else modules * module_s + ops * TORCH_OP_S[host]
+        if part in PRE_SYNC_PARTS:
+            pre += seconds
+        else:
+            post += seconds
     per_expert = 4 if fp8 else 2
-    forward += moe.num_experts // ep * per_expert * LAUNCH_S[host]
+    return pre, post + moe.num_experts // ep * per_expert * LAUNCH_S[host]
+
+
+def moe_host_seconds(moe: MoeShape, ep: int, fp8: bool, graphed: tuple[str, ...] = (), *,
+                     host: HostCpu = "x86", dispatcher: str = "alltoall") -> tuple[float, float]:  # fmt: skip
+    """(forward, backward) CPU seconds of one MoE layer ([Note: MoE host work]): `moe_host_split`'s
+    two parts, backward twice the forward."""
+    forward = sum(moe_host_split(moe, ep, fp8, graphed, host=host, dispatcher=dispatcher))
     return forward, 2 * forward
+
+
+PRE_SYNC_PARTS = ("attn", "moe_router", "moe_preprocess")
+"""Parts of a MoE layer's forward the host issues before its token-count sync."""
+
+
+def synced_forward_s(gpu_pre_s: float, gpu_post_s: float, host_pre_s: float, host_post_s: float,
+                     a2a_s: float, host: HostCpu) -> float:  # fmt: skip
+    """Seconds of one dropless MoE layer's forward on the compute stream, its exposed dispatch
+    and combine (`a2a_s`) excluded ([Note: the dispatcher's sync]): the host issuing the whole
+    layer, or the GPU's work before the sync, one launch, then its work after the sync or the
+    host issuing it, whichever is longer."""
+    host_bound = host_pre_s + host_post_s - a2a_s
+    gpu_bound = gpu_pre_s + LAUNCH_S[host] + max(gpu_post_s, host_post_s - a2a_s)
+    return max(host_bound, gpu_bound)
 
 
 def hit_share(items: int, bins: int, picks: int) -> float:
@@ -385,5 +427,7 @@ __all__ = [
     "hit_share",
     "host_cpu",
     "moe_host_seconds",
+    "moe_host_split",
     "moe_seconds",
+    "synced_forward_s",
 ]

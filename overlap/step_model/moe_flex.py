@@ -34,7 +34,12 @@ NVLink and RDMA forwarding", H800 with "~160 GB/s NVLink maximum bandwidth" and 
 intranode EP 8 153 / 158 GB/s over NVLink, i.e. 0.956 / 0.988 of the NVLink maximum (taken as a
 share of any GPU's NVLink); internode EP 16 43 / 43, EP 32 58 / 57, EP 64 51 / 50 GB/s over RDMA.
 Its NVLink figure counts the same received bytes, its RDMA figure the same node-deduplicated
-sends.
+sends. On Blackwell, HybridEP's page measures DeepEP beside it (Torch API, BF16, the same
+received bytes) at 16 and 24 SMs: B200 8 ranks 348 / 302 and 494 / 420 GB/s; GB200 8 ranks
+362.01 / 310.21 and 512.72 / 425.95, 16 ranks 328.80 / 278.34 and 442.47 / 378.32, 24 ranks
+324.64 / 126.53 and 450.22 / 163.62. Megatron-Core gives DeepEP 20 SMs (`moe_deepep_num_sms`,
+"historical default 20"), halfway between the two measured counts: the mean of the two rows
+(`DEEPEP_NVLINK_GBPS`); the H800 share prices DeepEP on Hopper's NVLink.
 """
 
 from __future__ import annotations
@@ -61,6 +66,16 @@ HYBRIDEP_NVLINK_GBPS: dict[str, dict[int, tuple[float, float]]] = {
 achieved bandwidth])."""
 HYBRIDEP_IB_GBPS: dict[int, tuple[float, float]] = {16: (54.47, 53.35), 32: (47.36, 52.53), 64: (41.24, 46.57)}
 """(dispatch, combine) GB/s HybridEP sends to other nodes over one 400 Gb/s ConnectX-7, by ranks."""
+DEEPEP_NVLINK_GBPS: dict[str, dict[int, tuple[float, float]]] = {
+    "gb200": {
+        8: ((362.01 + 512.72) / 2, (310.21 + 425.95) / 2),
+        16: ((328.80 + 442.47) / 2, (278.34 + 378.32) / 2),
+        24: ((324.64 + 450.22) / 2, (126.53 + 163.62) / 2),
+    },
+    "b200": {8: ((348.0 + 494.0) / 2, (302.0 + 420.0) / 2)},
+}
+"""(dispatch, combine) GB/s DeepEP reaches over Blackwell's NVLink at 20 SMs, by GPU and ranks
+([Note: flex kernels' achieved bandwidth])."""
 DEEPEP_NVLINK_SHARE = (153.0 / 160.0, 158.0 / 160.0)
 """(dispatch, combine) share of the NVLink maximum DeepEP's normal kernels reach intranode."""
 DEEPEP_RDMA_GBPS: dict[int, tuple[float, float]] = {16: (43.0, 43.0), 32: (58.0, 57.0), 64: (51.0, 50.0)}
@@ -77,10 +92,12 @@ def _measured(table: dict[int, tuple[float, float]], ranks: int) -> tuple[float,
 
 
 def _nvlink_gbps(backend: FlexBackend, gpu: str, ranks: int, nvlink_max_gbps: float) -> tuple[float, float] | None:
-    if backend == "hybridep":
-        table = HYBRIDEP_NVLINK_GBPS.get(gpu)
-        return None if table is None else _measured(table, ranks)
-    return (nvlink_max_gbps * DEEPEP_NVLINK_SHARE[0], nvlink_max_gbps * DEEPEP_NVLINK_SHARE[1])
+    table = (HYBRIDEP_NVLINK_GBPS if backend == "hybridep" else DEEPEP_NVLINK_GBPS).get(gpu)
+    if table is not None:
+        return _measured(table, ranks)
+    if backend == "deepep":
+        return (nvlink_max_gbps * DEEPEP_NVLINK_SHARE[0], nvlink_max_gbps * DEEPEP_NVLINK_SHARE[1])
+    return None
 
 
 def flex_call_s(token_bytes: float, moe: MoeShape, ep: int, ranks_per_domain: int, *, backend: FlexBackend,
@@ -112,6 +129,7 @@ def flex_call_s(token_bytes: float, moe: MoeShape, ep: int, ranks_per_domain: in
 
 
 __all__ = [
+    "DEEPEP_NVLINK_GBPS",
     "DEEPEP_NVLINK_SHARE",
     "DEEPEP_RDMA_GBPS",
     "FLEX_BACKENDS",

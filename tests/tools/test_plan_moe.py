@@ -18,6 +18,7 @@ from overlap.step_model.moe import (
     BLACKWELL_FP8_GROUPED_SHARE,
     GROUPED_GEMM_TAIL_S,
     HOST_OPS,
+    LAUNCH_S,
     TE_MODULE_S,
     TORCH_OP_S,
     MoeShape,
@@ -27,7 +28,9 @@ from overlap.step_model.moe import (
     flex_copies,
     host_cpu,
     moe_host_seconds,
+    moe_host_split,
     moe_seconds,
+    synced_forward_s,
 )
 from overlap.step_model.moe_flex import flex_call_s
 from overlap.tools.plan.models import MODELS
@@ -318,3 +321,44 @@ def test_flex_calls_run_at_the_bandwidths_their_kernels_publish() -> None:
     assert dispatch == pytest.approx(intra * token_bytes / 720e9)
     with pytest.raises(ValueError, match="flex_backend"):
         qwen_run(dispatcher="flex", flex_backend="nccl")
+
+
+def test_rows_the_source_documents_as_regressions_say_so_first() -> None:
+    """The three MoE rows Megatron-Bridge documents as regressions stay counted; their first note
+    (what plan_published.py prints) quotes the source."""
+    rows = {r["id"]: r for r in json.loads(DATA.read_text())["rows"]}
+    for row_id, url in (("mbridge-25.11-b200-qwen3-30b-a3b-8", "issues/1998"),
+                        ("mbridge-25.11-h100-qwen3-30b-a3b-16", "issues/1998"),
+                        ("mbridge-25.11-b200-qwen3-235b-a22b-64", "pull/1760")):  # fmt: skip
+        first = rows[row_id]["run"]["notes"][0]
+        assert first.startswith("regression documented by the source") and url in first, row_id
+
+
+def test_the_dispatchers_sync_splits_the_layer_at_the_token_counts() -> None:
+    """[Note: the dispatcher's sync]: after the sync the GPU runs no faster than the host issues,
+    so a host-bound post-sync part is not covered by a GPU-bound pre-sync part."""
+    launch = LAUNCH_S["x86"]
+    # GPU-bound on both sides: the GPU's work plus the launch after the drained queue
+    assert synced_forward_s(1e-3, 1e-3, 1e-4, 1e-4, 0.0, "x86") == pytest.approx(2e-3 + launch)
+    # host-bound after the sync: the plain max would give 1.5 ms
+    assert synced_forward_s(1e-3, 0.2e-3, 0.1e-3, 0.5e-3, 0.0, "x86") == pytest.approx(1.5e-3 + launch)
+    # the host issues while exposed all-to-alls run
+    assert synced_forward_s(1e-3, 0.2e-3, 0.1e-3, 0.5e-3, 0.4e-3, "x86") == pytest.approx(1.2e-3 + launch)
+    pre, post = moe_host_split(QWEN3_30B.moe, 8, fp8=False)
+    assert pre + post == pytest.approx(moe_host_seconds(QWEN3_30B.moe, 8, fp8=False)[0])
+    assert moe_host_split(QWEN3_30B.moe, 1, fp8=False)[1] > post  # more local experts, more launches after
+    assert moe_host_split(QWEN3_30B.moe, 1, fp8=False)[0] == pre
+    # dropless pays the launch after the sync; padded to a capacity factor it does not sync
+    dropless, padded = predict_run(qwen_run()), predict_run(qwen_run(capacity_factor=1.0))
+    assert dropless.compute_s > padded.compute_s
+
+
+def test_deepep_on_blackwell_runs_at_its_measured_bandwidth_at_megatrons_sm_count() -> None:
+    """DeepEP on one B200 node at Megatron-Core's 20 SMs: halfway between HybridEP's page's 16-
+    and 24-SM measurements of it (348 / 302 and 494 / 420 GB/s)."""
+    nvlink = Link("nvlink", 0.0, 720.0, "")
+    token_bytes = 4096 * 2048 * 2.0
+    received = 8 * (1 - math.comb(112, 8) / math.comb(128, 8)) * token_bytes
+    dispatch, combine = flex_call_s(token_bytes, QWEN3_30B.moe, 8, 8, backend="deepep", gpu="b200",
+                                    nvlink_max_gbps=900.0, rail_gbit=400.0, nvlink=nvlink, rail=nvlink)  # fmt: skip
+    assert dispatch == pytest.approx(received / 421e9) and combine == pytest.approx(received / 361e9)

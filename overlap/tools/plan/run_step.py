@@ -55,7 +55,7 @@ from overlap.step_model.cost import Link, Topology, UnitCost, ring_time_s
 from overlap.step_model.fitting import solve_increasing
 from overlap.step_model.hardware import HBM_SHARE, NVLINK_SHARE, accelerator, nccl_share, node_spec, ring_link
 from overlap.step_model.kernels import ACT_BYTES, block_seconds, gemm_seconds, head_seconds, stack
-from overlap.step_model.moe import all_to_all_s, host_cpu, moe_host_seconds, moe_seconds
+from overlap.step_model.moe import all_to_all_s, host_cpu, moe_host_split, moe_seconds, synced_forward_s
 from overlap.step_model.moe_flex import flex_call_s
 from overlap.tools.plan import ring_attention
 from overlap.tools.plan.fsdp import OPTIMIZER_BYTES_PER_PARAM
@@ -158,12 +158,18 @@ def _microbatch_compute(spec: RunSpec) -> tuple[list[tuple[float, float]], tuple
             forward += e.forward_s
             backward += e.backward_s + RECOMPUTED_FORWARDS[spec.ac] * e.forward_s
             backward += _module_recompute_moe_s(spec, e)
-            # the GPU waits on the host once per MoE layer ([Note: MoE host work]); the host
-            # issues while exposed all-to-alls run too
-            host_forward, host_backward = moe_host_seconds(m.moe, spec.ep, fp8, spec.cuda_graph_scope,
-                                                           host=host_cpu(spec.gpu), dispatcher=spec.dispatcher)  # fmt: skip
-            forward = max(forward, host_forward - a2a_layer)
-            backward = max(backward, host_backward - a2a_layer)
+            # the GPU waits on the host once per MoE layer ([Note: MoE host work], [Note: the
+            # dispatcher's sync]); the host issues while exposed all-to-alls run too
+            cpu = host_cpu(spec.gpu)
+            host_pre, host_post = moe_host_split(m.moe, spec.ep, fp8, spec.cuda_graph_scope, host=cpu,
+                                                 dispatcher=spec.dispatcher)  # fmt: skip
+            if spec.capacity_factor is None:
+                post = e.expert_forward_s + e.act_forward_s
+                post += e.shared_forward_s if "moe_router" not in spec.cuda_graph_scope else 0.0
+                forward = synced_forward_s(forward - post, post, host_pre, host_post, a2a_layer, cpu)
+            else:
+                forward = max(forward, host_pre + host_post - a2a_layer)
+            backward = max(backward, 2 * (host_pre + host_post) - a2a_layer)
         blocks.append((forward, backward))
     head = head_seconds(tokens, m.hidden, m.vocab_size, gpu, spec.tp)
     return blocks, head
