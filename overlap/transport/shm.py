@@ -5,10 +5,10 @@ collective strategies ([Note: the seam] in strategy.py), gloo's strategies for t
 Each rank maps one segment of its own and every peer's (`ShmSegments`): a header of sequence
 words and descriptors, then a ring of bytes. A collective is numbered (every rank issues the
 same ones in the same order, [Note: collective order] in engine/schedule.py) and *posted* at
-issue: the rank writes its bytes into its ring (an all-gather its shard, written into its own
-row of the output in the same pass; a reduce-scatter writes nothing more: its rank-major input
-was allocated there, `ShmReduceScatter.allocate`), writes a descriptor (number, offset, size)
-and raises its posted word (csrc/shm.cpp). The wait *pulls*: for every peer, wait for its posted
+issue: the rank writes its bytes into its ring (an all-gather its shard into its own row of the
+output, allocated in the ring: [Note: all-gather output in the ring]; a reduce-scatter writes
+nothing more: its rank-major input was allocated there, `ShmReduceScatter.allocate`), writes a
+descriptor (number, offset, size) and raises its posted word (csrc/shm.cpp). The wait *pulls*: for every peer, wait for its posted
 word ([Note: shared-memory waits] in csrc/shm.cpp), check its descriptor (another size or number
 is another collective: an error, not wrong bytes), and read its bytes in place: copy its shard
 into its row of the output, or sum the rows for this rank in rank order (kernels.sum_rows, as
@@ -18,15 +18,32 @@ what every peer consumed and it pulled itself (a reduce-scatter reads its own ro
 ring). Works complete in issue order: a wait first completes every earlier collective, so
 consumption is first-in first-out, and a rank short of ring space completes its own pending
 collectives until the space frees (peers post at issue, so some collective can always complete:
-no deadlock while one collective fits in the ring; a larger one takes gloo).
+no deadlock while one collective fits in the ring; a larger one takes gloo). A post and a pull
+are one call into csrc/shm.cpp each (`shm_post_gather`/`shm_post`, `shm_pull_gather`/
+`shm_pull_reduce`): the descriptor, the flags, the copies or the sum and the consumed words
+behind one torch.ops dispatch, where the same steps as Python calls cost more than copying a
+1 MiB all-gather in cache.
 
-A post takes the lowest free offset of the ring (first fit), so whenever the ring has drained it
+A post takes the lowest free offset of the ring's lower half (first fit), so whenever the ring has drained it
 starts over at the beginning: the pages it writes are mapped already (no page faults after the
 first steps) and often still in cache, where walking the whole ring would touch fresh pages and
 cold lines at every post (1 MiB all-gathers back to back through a 256 MiB ring: 137 page faults
 and 536 us a call walking it, 1 and 86 us first fit). Reading a peer's shard straight out of its process instead
 (process_vm_readv, one copy instead of two) ran at a third to a half of memcpy's bandwidth on a
-2-core AMD EPYC VM (4.7 against 9.8 GB/s at 32 MiB): the ring's two copies are faster.
+2-core AMD EPYC VM (4.7 against 9.8 GB/s at 32 MiB): the ring's copies are faster.
+
+[Note: all-gather output in the ring]
+`ShmAllGather.allocate` hands out the output in the rank's ring (its upper half; posts keep the
+lower half, so a post never waits for an output its user holds): the post copies the shard once,
+into its own row, and the descriptor points peers at that row, so each peer's row is copied once
+(from the peer's output into this rank's), the same bytes moved as one memcpy of the output,
+where a private output took the shard written twice (ring and row). The runtime reads the output
+after the wait (copy-out, the tag check, hpZ's part) and then drops it ([Note: buffer lifetime] in engine/runtime.py),
+but nothing relies on that: the tensor is made over the ring with a deleter (csrc/shm.cpp
+`shm_output`) that clears its live word when the last view of its storage is freed, and the ring
+reuses those bytes only once that word is clear and every peer consumed the post. Where the
+upper half has no room (outputs still held) the output is a private tensor and the post writes
+the shard twice, as before.
 
 No segment outlives the job: each is unlinked from /dev/shm as soon as every rank has mapped it
 (the mapping stays valid), so a rank killed at any later point leaves nothing behind. A wait never
