@@ -362,3 +362,9 @@ def test_deepep_on_blackwell_runs_at_its_measured_bandwidth_at_megatrons_sm_coun
     dispatch, combine = flex_call_s(token_bytes, QWEN3_30B.moe, 8, 8, backend="deepep", gpu="b200",
                                     nvlink_max_gbps=900.0, rail_gbit=400.0, nvlink=nvlink, rail=nvlink)  # fmt: skip
     assert dispatch == pytest.approx(received / 421e9) and combine == pytest.approx(received / 361e9)
+
+
+def test_a_flex_run_names_its_backend() -> None:
+    lacks = " ".join(predict_run(qwen_run(dispatcher="flex", flex_backend="hybridep")).lacks)
+    assert "flex dispatch and combine (hybridep at its published bandwidths)" in lacks
+    assert "alltoall dispatch and combine" in " ".join(predict_run(qwen_run()).lacks)

@@ -358,8 +358,9 @@ def _lacks(spec: RunSpec) -> list[str]:
     if spec.model.moe is not None:
         overlap = "overlapped with another micro-batch" if spec.ep_overlap else "exposed"
         graphs = f" (CUDA graphs: {', '.join(spec.cuda_graph_scope)})" if spec.cuda_graph_scope else ""
+        kernels = f" ({spec.flex_backend} at its published bandwidths)" if spec.dispatcher == "flex" else ""
         out.append(
-            f"routing balanced (no load imbalance priced); {spec.dispatcher} dispatch and combine {overlap}; "
+            f"routing balanced (no load imbalance priced); {spec.dispatcher} dispatch and combine{kernels} {overlap}; "
             f"host work per MoE layer from eager operator and launch costs{graphs}"
         )
     if spec.precision == "fp8" and spec.fp8_recipe == "rowwise":
