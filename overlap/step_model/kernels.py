@@ -143,8 +143,8 @@ _FA3 = {"ampere": 0.60, "hopper": 0.50, "blackwell": 0.50}
 # torchao's tensorwise Float8Linear ([Note: float8 recipes]): dynamic scaling takes the tensor's
 # amax (one read) before the cast (read 2, write 1): 5 bytes for the input forward; backward the
 # output gradient is scaled once and cast for both GEMMs, grad_input's row-major and grad_weight's
-# transposed operand (2 + 3 + 3), and the input is cast again transposed for grad_weight with the
-# amax the forward kept (torchtitan's per-op checkpointing saves abs and max outputs): 3.
+# transposed operand (2 + 3 + 3), and the input is cast again transposed for grad_weight at the
+# scale it had forward (its amax kept; torchtitan's per-op checkpointing also saves max outputs): 3.
 # torchtitan builds AdamW with foreach=True (fused=False, its default: torchtitan/optimizer.py,
 # https://github.com/pytorch/torchtitan/blob/9dec370ad26b5f8e9a7333a0e36165018262644b/torchtitan/optimizer.py)
 # and clips with clip_grad_norm_(foreach=True): torch's _multi_tensor_adam runs weight decay (read and write 4
