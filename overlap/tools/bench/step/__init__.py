@@ -123,6 +123,7 @@ from overlap.tools.bench.step.contenders import (
     standard,
     train_setup,
     trainer_step,
+    transport_names,
 )
 from overlap.tools.bench.step.protocol import (
     PARITY_RTOL,
@@ -213,6 +214,7 @@ __all__ = [
     "train_setup",
     "train_step",
     "trainer_step",
+    "transport_names",
     "warm_up_and_account",
     "write_json",
 ]

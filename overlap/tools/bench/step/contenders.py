@@ -148,12 +148,13 @@ def transport_names(state: Any) -> dict[str, str]:
     """Which strategy carries each of an overlap model's collectives, and over how many ranks
     (e.g. HSDP on one host: shared memory in the shard group, the replicas' sum on gloo)."""
     transport, runtime = state.runtime.transport, state.runtime
-    shard = f"{type(transport.all_gather).__name__} x{runtime.world_size}"
-    replicas = "none" if runtime.replicate_group is None else f"x{runtime.num_replicas}"
+    summed = "n/a (no replicas)"
+    if runtime.replicate_group is not None:
+        summed = f"{type(transport.all_reduce).__name__} x{runtime.num_replicas}"
     return {
-        "all_gather": shard,
+        "all_gather": f"{type(transport.all_gather).__name__} x{runtime.world_size}",
         "reduce_scatter": f"{type(transport.reduce_scatter).__name__} x{runtime.world_size}",
-        "all_reduce": f"{type(transport.all_reduce).__name__} {replicas}",
+        "all_reduce": summed,
     }
 
 
