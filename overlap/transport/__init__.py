@@ -5,10 +5,11 @@ executor and collective strategies ([Note: the seam] in strategy.py).
 them (pure functions), on gloo through `pairwise` (an all-to-all as point-to-point messages,
 receives first), and `coded` those that go through a codec; `fingerprint` is the tag every
 all-gather carries and its check. `strategy` holds the strategy interfaces and the backend's
-native collectives, `gloo` gloo's own mechanisms as strategies; `executor` is where the work
-after a collective runs, `streams` (CUDA) and `host` (CPU) its two kinds; `base` is the
-`Transport` the runtime drives, one chosen at wrap by `make_transport`. The engine imports this
-package, never the reverse.
+native collectives, `gloo` gloo's own mechanisms as strategies, `shm` the all-gather and
+reduce-scatter of ranks on one host through shared memory, `shm_all_reduce` HSDP's sums across
+replicas on one host the same way; `executor` is where the work after a collective runs,
+`streams` (CUDA) and `host` (CPU) its two kinds; `base` is the `Transport` the runtime drives,
+one chosen at wrap by `make_transport`. The engine imports this package, never the reverse.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from overlap.transport.base import Transport, honoured_timeout, make_wire
 from overlap.transport.executor import Executor
 from overlap.transport.gloo import gloo_strategies
 from overlap.transport.host import HostExecutor
+from overlap.transport.shm_all_reduce import ShmAllReduce
 from overlap.transport.strategy import AllGather, AllReduce, GatherResult, ReduceScatter, UnitWire, native_strategies
 from overlap.transport.streams import StreamExecutor
 from overlap.transport.streams import check_settings as _check_stream_settings
@@ -66,7 +68,9 @@ def make_transport(
     else:
         if symmetric_memory is not None:
             warnings.warn("overlap.wrap: symmetric_memory=True applies to CUDA tensors only; ignored", stacklevel=2)
-        strategies = cpu_strategies(group, device, executor.timeout, shared_memory, gather_impl, reduce_impl)
+        strategies = cpu_strategies(
+            group, device, executor.timeout, shared_memory, gather_impl, reduce_impl, replicate_group
+        )
     wire = make_wire(group, device, semantics, reduce_impl, gather_impl, secondary_group)
     return Transport(executor, *strategies, wire)
 
@@ -78,17 +82,25 @@ def cpu_strategies(
     shared_memory: str,
     gather_impl: str = "auto",
     reduce_impl: str = "auto",
+    replicate_group: dist.ProcessGroup | None = None,
 ) -> tuple[AllGather, ReduceScatter, AllReduce]:
     """Shared memory for ranks on one host, gloo's mechanisms for the rest and across hosts. An
     all_gather_impl or reduce_scatter_impl set to other than "auto" names the backend's
-    collective: that one stays on gloo."""
+    collective: that one stays on gloo. HSDP: the sums across replicas go through shared memory
+    where every rank of `replicate_group` is on this host ([Note: shared-memory all-reduce] in
+    shm_all_reduce.py), whatever the shard group does. Collective over both groups."""
     gloo = gloo_strategies()
+    gather, reduce, all_reduce = gloo
+    if replicate_group is not None and shm.usable(replicate_group, device, shared_memory):
+        all_reduce = ShmAllReduce(replicate_group, timeout, gloo[2])
     if "auto" not in (gather_impl, reduce_impl) or not shm.usable(group, device, shared_memory):
-        return gloo
+        return gather, reduce, all_reduce
     plan = shm.ShmPlan(timeout)
-    gather = shm.ShmAllGather(plan, gloo[0]) if gather_impl == "auto" else gloo[0]
-    reduce = shm.ShmReduceScatter(plan, gloo[1]) if reduce_impl == "auto" else gloo[1]
-    return gather, reduce, gloo[2]
+    if gather_impl == "auto":
+        gather = shm.ShmAllGather(plan, gloo[0])
+    if reduce_impl == "auto":
+        reduce = shm.ShmReduceScatter(plan, gloo[1])
+    return gather, reduce, all_reduce
 
 
 def check_settings(group: dist.ProcessGroup, device: torch.device, gather_impl: str) -> None:
@@ -105,6 +117,7 @@ __all__ = [
     "GatherResult",
     "HostExecutor",
     "ReduceScatter",
+    "ShmAllReduce",
     "StreamExecutor",
     "SymmMemAllGather",
     "Transport",

@@ -325,9 +325,14 @@ def reduce_scatter_and_gather(
     return reduce, CommResult(received, work, (rows,), gathered)
 
 
-def all_reduce_flat(tensor: torch.Tensor, group: dist.ProcessGroup, average: bool = False) -> CommResult:
+def all_reduce_flat(
+    tensor: torch.Tensor, group: dist.ProcessGroup, average: bool = False, via: Any = None
+) -> CommResult:
     """Sum (`average`: the backend's mean, NCCL only) `tensor` in place over `group` (HSDP: a
-    reduced gradient shard across replicas)."""
+    reduced gradient shard across replicas). `via`: an exchange of a strategy's own
+    (`via.all_reduce(tensor)`: transport/shm_all_reduce.py)."""
+    if via is not None:
+        return via.all_reduce(tensor)
     op = dist.ReduceOp.AVG if average else dist.ReduceOp.SUM
     work = dist.all_reduce(tensor, op=op, group=group, async_op=True)
     return CommResult(tensor, work, (tensor,))
