@@ -8,14 +8,24 @@ its version, the flags and the sources' bytes) and lands in its own folder under
 `$TORCH_EXTENSIONS_DIR` (default `~/.cache/torch_extensions`), so two environments or two
 checkouts never rebuild each other's build: each finds its own, or an identical one. A folder that
 already holds the module is loaded directly (no ninja run); otherwise cpp_extension compiles it
-under its file lock, so concurrent ranks build once, and the wait is announced on stderr with its
-reason and then its duration. Any failure - no compiler, no ninja, a compile error - makes
+under a lock that a killed build cannot leave held ([Note: a build killed midway]), so concurrent
+ranks build once, and the wait is announced on stderr with its reason and then its duration. Any failure - no compiler, no ninja, a compile error - makes
 `load_extension()` return None with one warning, and the torch reference runs instead.
 `OVERLAP_NO_EXT=1` skips the build.
+
+[Note: a build killed midway]
+cpp_extension serializes builders with a lock *file* in the build folder (its `FileBaton`): a
+build killed midway (Ctrl-C, a job's time limit, a rank taken down with its world) leaves that
+file behind, and every later build waits on it forever. So the compile runs under an `flock` of
+`overlap.flock` in the same folder, which the kernel releases when its holder exits, however it
+exits: whoever holds it is the only overlap process building there, so a `lock` file it finds is
+stale and is removed before cpp_extension runs. Ranks that start together still build once: the
+others wait on the flock (announced on stderr) and then find `built.ok`.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
 import platform
@@ -24,6 +34,7 @@ import sys
 import threading
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -113,25 +124,29 @@ def _build() -> Any | None:
         name = module_name()
         build_dir = _build_root() / name
         built, done = build_dir / f"{name}.so", build_dir / _DONE
-        if done.is_file() and built.is_file():  # keyed by sources and toolchain: nothing to check
-            torch.ops.load_library(str(built))
-        else:
+        compiled = False
+        if not (done.is_file() and built.is_file()):  # keyed by sources and toolchain: nothing to check
             if not cpp_extension.is_ninja_available():
                 raise RuntimeError("ninja is not installed (`pip install ninja`)")
-            _say(
-                f"overlap: compiling the C++ CPU kernels for torch {torch.__version__} into "
-                f"{build_dir} (once per torch, compiler and source version; 20-60 s)…"
-            )
-            cpp_extension.load(
-                name=name,
-                sources=[str(src) for src in sources],
-                extra_cflags=_CFLAGS,
-                build_directory=str(_mkdir(build_dir)),
-                is_python_module=False,  # registers torch.ops.overlap_cpu.* (TORCH_LIBRARY)
-                verbose=False,
-            )
-            done.write_text(f"{time.time()}\n")  # after the link: a reader never sees half a .so
-            _say(f"overlap: C++ CPU kernels ready ({time.perf_counter() - start:.0f} s)")
+
+            def compile_module() -> None:
+                _say(
+                    f"overlap: compiling the C++ CPU kernels for torch {torch.__version__} into "
+                    f"{build_dir} (once per torch, compiler and source version; 20-60 s)…"
+                )
+                cpp_extension.load(
+                    name=name,
+                    sources=[str(src) for src in sources],
+                    extra_cflags=_CFLAGS,
+                    build_directory=str(build_dir),
+                    is_python_module=False,  # registers torch.ops.overlap_cpu.* (TORCH_LIBRARY)
+                    verbose=False,
+                )
+                _say(f"overlap: C++ CPU kernels ready ({time.perf_counter() - start:.0f} s)")
+
+            compiled = build_once(_mkdir(build_dir), done, compile_module)
+        if not compiled:  # cpp_extension.load loads what it compiled; a cached or another rank's build is loaded here
+            torch.ops.load_library(str(built))
         build_seconds = time.perf_counter() - start
         return torch.ops.overlap_cpu
     except Exception as exc:  # any build/load failure: fall back, never break
@@ -142,6 +157,29 @@ def _build() -> Any | None:
             stacklevel=3,
         )
         return None
+
+
+def build_once(build_dir: Path, done: Path, compile_module: Callable[[], None]) -> bool:
+    """Run `compile_module` unless `done` exists, holding an exclusive `flock` on
+    `build_dir / "overlap.flock"` ([Note: a build killed midway]); write `done` after it. True if
+    this process compiled."""
+    with open(build_dir / "overlap.flock", "a") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            waited = time.perf_counter()
+            _say(f"overlap: waiting for another process building the C++ CPU kernels in {build_dir}…")
+            fcntl.flock(handle, fcntl.LOCK_EX)
+            _say(f"overlap: waited {time.perf_counter() - waited:.0f} s for the C++ CPU kernels' build")
+        try:
+            if done.is_file():  # built while this process waited
+                return False
+            (build_dir / "lock").unlink(missing_ok=True)  # cpp_extension's baton, left by a killed build
+            compile_module()
+            done.write_text(f"{time.time()}\n")  # after the link: a reader never sees half a .so
+            return True
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def _build_root() -> Path:
