@@ -121,8 +121,9 @@ class OverlapConfig:
     """How ranks of the shard group that share one host exchange CPU tensors: "auto" (through
     shared-memory segments when every rank of the group is on this host, found at wrap: the
     all-gathers and reduce-scatters never leave the machine's memory), or "off" (through the
-    process group's backend, gloo). HSDP's sums across replicas and codecs' exchanges stay on the
-    backend. See [Note: shared-memory exchange] in transport/shm.py."""
+    process group's backend, gloo). HSDP's sums across replicas go through shared memory too where
+    every rank of the replicate group is on this host (transport/shm_all_reduce.py); codecs'
+    exchanges stay on the backend. See [Note: shared-memory exchange] in transport/shm.py."""
     symmetric_memory: bool = False
     """CUDA over NCCL: allocate every all-gather's output in torch's symmetric memory, so that
     NCCL runs its symmetric or copy-engine all-gather (one-shot copies that leave the SMs to
