@@ -37,7 +37,10 @@ and 536 us a call walking it, 1 and 86 us first fit). Reading a peer's shard str
 lower half, so a post never waits for an output its user holds): the post copies the shard once,
 into its own row, and the descriptor points peers at that row, so each peer's row is copied once
 (from the peer's output into this rank's), the same bytes moved as one memcpy of the output,
-where a private output took the shard written twice (ring and row). The runtime reads the output
+where a private output took the shard written twice (ring and row). What a post writes where
+peers read it is written with streaming stores: a slot reused right after a peer read it would
+otherwise cost an invalidation a line ([Note: streaming posts] in csrc/shm.cpp: 205 against 21 us
+to post a 512 KiB row on a 2-core VM). The runtime reads the output
 after the wait (copy-out, the tag check, hpZ's part) and then drops it ([Note: buffer lifetime] in engine/runtime.py),
 but nothing relies on that: the tensor is made over the ring with a deleter (csrc/shm.cpp
 `shm_output`) that clears its live word when the last view of its storage is freed, and the ring
