@@ -46,7 +46,11 @@
 // it was most of a 1 MiB all-gather's own work (280 us a call, the post 220 of it). Streaming
 // (non-temporal) stores write whole lines without reading them: 23 us either way. Their bytes
 // leave the writer's cache (a peer reads them from memory: 42 against 32 us for 512 KiB) and they
-// are weakly ordered: a fence orders them before the posted word's store.
+// are weakly ordered: a fence orders them before the posted word's store. How much the ordinary
+// store pays depends on where the host places the two cores and changes over time: 1 MiB
+// all-gathers back to back went from 260 to 66 us a call where it paid 230 us for 512 KiB, and
+// from 68 to 91 us where it paid 50 us (the peer's read from memory then costs more than the
+// post saves).
 //
 // Registered into the same torch.ops.overlap_cpu namespace as quantize.cpp (a fragment).
 #include <ATen/Parallel.h>
