@@ -94,8 +94,8 @@ def test_grouped_gemm_pads_rows_to_tiles_and_streams_weights() -> None:
 @pytest.mark.parametrize(("groups", "rows", "tflops"), [(8, 4096, 627.903), (16, 2048, 553.945)])
 def test_grouped_gemm_matches_transformer_engines_benchmark(groups: int, rows: int, tflops: float) -> None:
     """[Note: grouped GEMMs at small M]: TE 2.7's multi-stream grouped GEMM at Qwen3-30B-A3B's
-    shapes on an H100 (TransformerEngine PR 2045), bf16: the FLOPs at the large-GEMM rate plus a
-    tail per GEMM of the group reproduce both points."""
+    shapes on an H100 (https://github.com/NVIDIA/TransformerEngine/pull/2045), bf16: the FLOPs at
+    the large-GEMM rate plus a tail per GEMM of the group reproduce both points."""
     seconds = groups * expert_gemm_seconds(rows, 2048, 768, H100, False)
     assert groups * 2 * rows * 2048 * 768 / seconds / 1e12 == pytest.approx(tflops, rel=0.03)
 
@@ -216,7 +216,8 @@ def test_moe_layers_wait_on_their_host_work() -> None:
     assert forward > modules * TE_MODULE_S["x86"] + ops * TORCH_OP_S["x86"]
     assert moe_host_seconds(moe, 1, fp8=False)[0] > forward > moe_host_seconds(moe, 8, fp8=False, graphed=("attn",))[0]
     assert moe_host_seconds(moe, 8, fp8=True)[0] > forward  # TE modules and each expert input's cast
-    # a Grace host issues the same work ~2.7x slower than an x86 one (TransformerEngine issue 2053)
+    # a Grace host issues the same work ~2.7x slower than an x86 one
+    # (https://github.com/NVIDIA/TransformerEngine/issues/2053)
     assert host_cpu("gb200") == "grace" and host_cpu("b200") == "x86"
     assert moe_host_seconds(moe, 8, fp8=False, host="grace")[0] == pytest.approx(forward * 37.08 / 13.48, rel=0.01)
     # the flex dispatcher's fused preprocessing: router and preprocess in 17 kernels, not 31 + 10
