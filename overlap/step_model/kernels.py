@@ -41,6 +41,31 @@ reproduce torchao's own Float8Linear microbenchmark on H100 (torchao/float8/READ
 3%, where a single 3-byte input cast per GEMM gives 1.50x and 0.85x. Linears that read the same
 input (q, k and v; the gate and up projections) share its cast under torch.compile; with float8
 tensor parallelism it runs on the sequence shard before the fp8 all-gather (`fp8_cast_seconds`).
+
+[Note: attention at narrow heads]
+A flash kernel does the same softmax work per score whatever the head width, so at head dim 64
+each score carries half the matmul FLOPs of head dim 128 and the kernel reaches less of the peak.
+FlashAttention-3 measures it for the kernels it compares (Shah et al. 2024, arXiv:2407.08608,
+Figure 5, BF16 forward on an H100 SXM5, https://arxiv.org/abs/2407.08608): at sequence 16k cuDNN
+runs 413 TFLOPS at head dim 64 against 595 at head dim 128 (0.694; 408 / 609 at 4k), FA3 497
+against 648, FlashAttention-2 324 against 370. A stack's `narrow_head_share` is its kernel's
+ratio; between 64 and 128 it is interpolated linearly in the head dim, wider heads keep the
+long-sequence share (the stacks' shares are measured at 128), narrower ones keep the ratio at 64.
+On Blackwell the softmax's exponentials bound the forward already at head dim 128 (the
+special-function units did not grow with the tensor cores: "the main performance bottleneck
+lies ... in the SFU units for softmax exponential during the FWD computation",
+https://www.together.ai/blog/flashattention-4), so the Hopper ratio is a floor there.
+
+[Note: unfused rotary embedding]
+Transformer Engine's fused rotary kernel reads q and k once and writes them once (2 passes).
+Megatron-Bridge turns it off for any position embedding other than plain RoPE
+(`validate_rope_fusion_compatibility` in src/megatron/bridge/utils/fusions.py: "apply_rope_fusion
+is only compatible with RoPE position embeddings", so GPT-OSS's YaRN runs unfused), and
+Megatron-Core then applies `_apply_rotary_pos_emb_bshd`
+(https://github.com/NVIDIA/Megatron-LM/blob/main/megatron/core/models/common/embeddings/rope_utils.py):
+_rotate_half's negation of one half and its cat (1 + 2 passes over q or k), t * cos and
+rotated * sin (2 + 2), their sum (3) and the closing cat with the unrotated part (2): 12 passes,
+`unfused_rope_passes`; backward, as the other element-wise work, twice the forward's.
 """
 
 from __future__ import annotations
@@ -60,6 +85,13 @@ ATTENTION_BACKWARD = 2.5
 ACT_BYTES = 2
 
 Mlp = Literal["swiglu", "gelu"]
+PositionEmbedding = Literal["rope", "yarn", "alibi"]
+CUDNN_HD64_SHARE = 413.0 / 595.0
+"""cuDNN's BF16 attention rate at head dim 64 over head dim 128 ([Note: attention at narrow heads])."""
+FA2_HD64_SHARE = 324.0 / 370.0
+"""FlashAttention-2's, on the same figure."""
+UNFUSED_ROPE_PASSES = 12
+"""Passes over q and k of Megatron-Core's unfused rotary embedding ([Note: unfused rotary embedding])."""
 Recompute = Literal["none", "selective", "full", "attention", "layer2"]
 Fp8Recipe = Literal["tensorwise", "rowwise"]
 FP8_RECIPES: tuple[Fp8Recipe, ...] = ("tensorwise", "rowwise")
@@ -117,6 +149,12 @@ class KernelStack:
     optimizer_bytes_per_param: float | None = None
     """HBM bytes per owned parameter of the optimizer step and gradient clipping; None: a fused
     AdamW step (overlap/tools/plan/fsdp.py's OPTIMIZER_BYTES_PER_PARAM)."""
+    narrow_head_share: float = 1.0
+    """The attention kernel's rate at head dim 64 over its rate at head dim 128 ([Note: attention
+    at narrow heads]); 1: no measurement at other head dims, taken as equal."""
+    unfused_rope_passes: float | None = None
+    """`rope_passes` where the stack's fused rotary kernel does not apply to the model's position
+    embedding ([Note: unfused rotary embedding]); None: the fused passes for every embedding."""
     float8_tp_all_gather: bool = False
     """Tensor parallelism under tensorwise float8 gathers in fp8: torchtitan applies torchao's
     PrepareFloat8ModuleInput / Float8ColwiseParallel / Float8RowwiseParallel, which cast a block
@@ -166,6 +204,7 @@ STACKS: dict[str, KernelStack] = {
     # mul: 5 passes over f; residual adds (3 passes each) and the q/k/v/output transposes: 10.
     "torch-eager": KernelStack(name="PyTorch eager, SDPA flash (FA2)", attention_share=_FA2, norm_passes=12,
                                rope_passes=8, act_passes=5, residual_passes=10, gather_copy_out=True, torch_ring=True,
+                               narrow_head_share=FA2_HD64_SHARE,
                                fp8_casts=TORCHAO_TENSORWISE_CASTS, float8_tp_all_gather=True,
                                optimizer_bytes_per_param=FOREACH_ADAMW_CLIP_BYTES,
                                source="torchtitan's Llama modules run eagerly; SDPA's flash backend is FA2"),
@@ -173,13 +212,14 @@ STACKS: dict[str, KernelStack] = {
     # read and one write, residual adds into their neighbours.
     "torch-compile": KernelStack(name="PyTorch + torch.compile, SDPA flash (FA2)", attention_share=_FA2,
                                  norm_passes=2, rope_passes=2, act_passes=3, residual_passes=4, gather_copy_out=True,
-                                 torch_ring=True, fp8_casts=TORCHAO_TENSORWISE_CASTS, float8_tp_all_gather=True,
+                                 torch_ring=True, narrow_head_share=FA2_HD64_SHARE, fp8_casts=TORCHAO_TENSORWISE_CASTS, float8_tp_all_gather=True,
                                  optimizer_bytes_per_param=FOREACH_ADAMW_CLIP_BYTES,
                                  source="torch.compile (Inductor) fusion of point-wise chains"),
     # Megatron-Core / NeMo with Transformer Engine: fused LayerNorm+GEMM, fused rotary, fused bias
     # + activation, cuDNN / FA3-class attention.
     "megatron-te": KernelStack(name="Megatron-Core + Transformer Engine", attention_share=_FA3, norm_passes=2,
                                rope_passes=2, act_passes=3, residual_passes=4, tp_overlap_backward=True,
+                               narrow_head_share=CUDNN_HD64_SHARE, unfused_rope_passes=UNFUSED_ROPE_PASSES,
                                source="Transformer Engine fused kernels; cuDNN fused attention"),
     # Megatron-LM 2021 (A100): fused bias-GeLU and fused LayerNorm kernels, softmax fused,
     # attention not flash (scores materialized): modelled as FA2-rate attention on Ampere.
@@ -220,6 +260,7 @@ class BlockShape:
     kv_lora_rank: int = 0
     rope_head_dim: int = 0
     v_head_dim: int = 0
+    position_embedding: PositionEmbedding = "rope"
 
     @property
     def qk_head_dim(self) -> int:
@@ -273,6 +314,13 @@ class BlockSeconds:
     gemm_forward_s: float
     attention_forward_s: float
     elementwise_forward_s: float
+
+
+def narrow_head_factor(head_dim: int, stack: KernelStack) -> float:
+    """The attention rate at `head_dim` over its rate at 128 ([Note: attention at narrow heads])."""
+    if head_dim >= 128:
+        return 1.0
+    return stack.narrow_head_share + (1.0 - stack.narrow_head_share) * max(0, head_dim - 64) / 64
 
 
 def tile_efficiency(k: int, n: int) -> float:
@@ -345,11 +393,17 @@ def block_seconds(
         # a causal token attends to context / 2 positions on average, to w - w^2 / 2s in a window w
         attended = context / 2 if span == context else span - span * span / (2 * context)
         attn_share = stack.attention_share[gpu.generation] * span / (span + ATTENTION_SEQ_HALF)
+        attn_share *= narrow_head_factor(shape.qk_head_dim, stack)
         attention = 4.0 * tokens * attended * heads_dim / (gpu.attention_peak_tflops * 1e12 * attn_share)
     h, kv, f = shape.hidden / tp, shape.kv_dim / tp, shape.ffn_hidden / tp
+    rope_passes = stack.rope_passes
+    if shape.position_embedding != "rope" and stack.unfused_rope_passes is not None:
+        rope_passes = stack.unfused_rope_passes
+    # the rotary embedding acts on the query heads (their width need not be the hidden size)
+    q = h if shape.kv_lora_rank else shape.num_heads * shape.qk_head_dim / tp
     passes = (
         2 * stack.norm_passes * shape.hidden
-        + stack.rope_passes * (h + kv)
+        + rope_passes * (q + kv)
         + stack.act_passes * f
         + stack.residual_passes * shape.hidden
     )  # norms and residuals act on the full (SP-gathered) width

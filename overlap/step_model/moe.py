@@ -59,6 +59,17 @@ still fill whole 128-row tiles (M paid as ceil(M/128)·128), an fp8 GEMM first c
 the roofline's ridge point the GEMM streams K·N weights plus M·(K+N) activations at HBM
 bandwidth; the larger of the FLOP and the stream time is taken.
 
+[Note: clamped expert activation]
+GPT-OSS clamps the GLU's inputs (gate at most 7, linear part within +-7) before its activation.
+Megatron-Core's fused weighted quick-GeGLU (`weighted_bias_quick_geglu_impl`,
+https://github.com/NVIDIA/Megatron-LM/blob/main/megatron/core/fusions/fused_bias_geglu.py) does
+the clamp outside the fused function, eagerly: `input.chunk(2, -1)`, a clamp of each half (read
+and write rows x f each) and `torch.cat` of the two (read and write rows x 2f): 8 passes over
+rows x f forward, where the fused activation itself makes 3. Backward, autograd runs the clamps'
+masked gradients (read the gradient and the input, write: 3 passes of each half) and the chunk's
+concatenation of the two halves' gradients (4): 10 passes. A recomputed activation (moe_act)
+repeats the forward's.
+
 [Note: MoE host work]
 A dropless MoE layer cannot run ahead of its host. Its expert GEMMs are sized by how many tokens
 each expert got, and the sizes must reach the CPU: Megatron-Core's alltoall dispatcher copies the
@@ -170,6 +181,10 @@ class MoeShape:
     """Expert groups of the router's group-limited routing (n_group; 1: none)."""
     group_topk: int = 1
     """Groups a token's experts may come from (topk_group) when `groups` > 1."""
+    activation_clamp: bool = False
+    """The experts' GLU inputs are clamped before the activation (GPT-OSS's swiglu_limit;
+    Megatron-Core's activation_func_clamp_value), outside the fused activation kernel ([Note:
+    clamped expert activation])."""
 
     def __post_init__(self) -> None:
         for name in ("num_experts", "top_k", "expert_ffn_hidden", "every"):
@@ -273,7 +288,11 @@ def moe_seconds(
     shapes = [(hidden, 2 * f), (f, hidden)]  # fc1 (gate and up) splits N, fc2 splits K over ETP
     experts = local * sum(expert_gemm_seconds(rows, k, n, gpu, fp8, fp8_recipe) for k, n in shapes)
     # the SwiGLU activation between them: read 2, write 1 of rows x f per expert
-    act = local * rows * f * 3 * ACT_BYTES / hbm
+    act = act_backward = local * rows * f * 3 * ACT_BYTES / hbm
+    act_backward *= 2
+    if moe.activation_clamp:  # [Note: clamped expert activation]
+        act += local * rows * f * CLAMP_PASSES[0] * ACT_BYTES / hbm
+        act_backward += local * rows * f * CLAMP_PASSES[1] * ACT_BYTES / hbm
     shared = shared_bwd = 0.0
     if moe.shared_ffn_hidden:
         s, t = moe.shared_ffn_hidden // tp, tokens if shared_tokens is None else shared_tokens
@@ -281,10 +300,13 @@ def moe_seconds(
         shared = sum(gemm_seconds(t, k, n, gpu, fp8, fp8_recipe) for k, n in parts)
         shared_bwd = sum(gemm_backward_seconds(t, k, n, gpu, fp8, fp8_recipe) for k, n in parts)
     forward = router + experts + act + shared
-    backward = 2 * (router + experts + act) + shared_bwd
+    backward = 2 * (router + experts) + act_backward + shared_bwd
     return MoeSeconds(forward, backward, experts, router, copies * hidden * ACT_BYTES, act, shared)
 
 
+CLAMP_PASSES = (8, 10)
+"""(forward, backward) passes over rows x f of the clamp outside the fused activation ([Note:
+clamped expert activation])."""
 TORCH_OP_S: dict[HostCpu, float] = {"x86": 13.48e-6, "grace": 37.08e-6}
 """CPU seconds of one eager PyTorch operator: `torch.nn.Linear`'s forward ([Note: MoE host work])."""
 TE_MODULE_S: dict[HostCpu, float] = {"x86": 99.66e-6 * 13.48 / 37.08, "grace": 99.66e-6}

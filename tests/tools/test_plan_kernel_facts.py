@@ -19,6 +19,7 @@ from overlap.step_model.kernels import (
     fp8_cast_seconds,
     gemm_backward_seconds,
     gemm_seconds,
+    narrow_head_factor,
 )
 from overlap.tools.plan import ring_attention
 from overlap.tools.plan.run_spec import ModelShape, RunSpec
@@ -184,3 +185,33 @@ def test_gemm_shares_follow_each_cards_measured_mamf(name: str, bf16_mamf: float
     assert 2 * 8192**3 / fp8_gemm_s / 1e12 == pytest.approx(0.9 * fp8_mamf * tile, rel=2e-3)
     if gpu.generation == "blackwell":  # Blackwell reaches a smaller share of its peak than Hopper
         assert gpu.gemm_share < ACCELERATORS["h100-sxm"].gemm_share
+
+
+def test_narrow_heads_run_at_the_rate_flashattention3_measures_for_cudnn() -> None:
+    # FA3 paper, Figure 5 (H100, BF16 forward, 16k): cuDNN 413 TFLOPS at head dim 64, 595 at 128
+    gpu, te = ACCELERATORS["h100-sxm"], STACKS["megatron-te"]
+    wide = BlockShape(hidden=4096, ffn_hidden=0, num_heads=32, num_kv_heads=8, head_dim=128)
+    narrow = replace(wide, num_heads=64, head_dim=64)  # the same FLOPs per token in half-wide heads
+    ratio = (block_seconds(wide, 8192, 8192, gpu, te).attention_forward_s
+             / block_seconds(narrow, 8192, 8192, gpu, te).attention_forward_s)  # fmt: skip
+    assert ratio == pytest.approx(413 / 595, rel=1e-9)
+    # between 64 and 128 the ratio is interpolated; wider heads keep the measured share
+    assert narrow_head_factor(96, te) == pytest.approx((1 + 413 / 595) / 2)
+    assert narrow_head_factor(192, te) == narrow_head_factor(128, te) == 1.0
+
+
+def test_yarn_runs_megatron_cores_unfused_rotary_embedding() -> None:
+    # Megatron-Bridge fuses RoPE only for position_embedding_type "rope"; the unfused path makes
+    # 12 passes over q and k where TE's fused kernel makes 2
+    gpu, te = ACCELERATORS["h100-sxm"], STACKS["megatron-te"]
+    rope = BlockShape(hidden=2880, ffn_hidden=0, num_heads=64, num_kv_heads=8, head_dim=64)
+    yarn = replace(rope, position_embedding="yarn")
+    tokens = 4096
+    extra = block_seconds(yarn, tokens, 4096, gpu, te).elementwise_forward_s - block_seconds(
+        rope, tokens, 4096, gpu, te).elementwise_forward_s  # fmt: skip
+    width = 64 * 64 + 8 * 64  # q heads and k heads, not the hidden size
+    assert extra == pytest.approx(tokens * (12 - 2) * width * 2 / (gpu.hbm_tbps * 1e12 * 0.85), rel=1e-9)
+    # a stack without a measured unfused path (torch.compile fuses whatever the embedding) pays the same
+    compiled = STACKS["torch-compile"]
+    assert block_seconds(yarn, tokens, 4096, gpu, compiled).elementwise_forward_s == pytest.approx(
+        block_seconds(rope, tokens, 4096, gpu, compiled).elementwise_forward_s)  # fmt: skip

@@ -369,3 +369,16 @@ def test_a_flex_run_names_its_backend() -> None:
     lacks = " ".join(predict_run(qwen_run(dispatcher="flex", flex_backend="hybridep")).lacks)
     assert "flex dispatch and combine (hybridep at its published bandwidths)" in lacks
     assert "alltoall dispatch and combine" in " ".join(predict_run(qwen_run()).lacks)
+
+
+def test_clamped_expert_activation_pays_megatron_cores_eager_clamp_and_cat() -> None:
+    # weighted_bias_quick_geglu_impl clamps each half of the GLU input and concatenates them
+    # outside the fused kernel: 8 passes over rows x f forward, 10 backward
+    gpu = ACCELERATORS["h100-sxm"]
+    plain = MoeShape(num_experts=128, top_k=4, expert_ffn_hidden=2880)
+    clamped = replace(plain, activation_clamp=True)
+    a, b = (moe_seconds(m, 2880, 8192, gpu, ep=8) for m in (plain, clamped))
+    rows_f = 16 * expert_rows(8192, plain, 8, None) * 2880  # local experts x rows x f
+    hbm = gpu.hbm_tbps * 1e12 * HBM_SHARE
+    assert b.act_forward_s - a.act_forward_s == pytest.approx(rows_f * 8 * 2 / hbm, rel=1e-9)
+    assert b.backward_s - a.backward_s == pytest.approx(rows_f * 10 * 2 / hbm, rel=1e-9)

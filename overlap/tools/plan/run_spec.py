@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
 from overlap.step_model.hardware import ACCELERATORS, NODES
-from overlap.step_model.kernels import FP8_RECIPES, STACKS, BlockShape, Fp8Recipe, Mlp, Recompute
+from overlap.step_model.kernels import FP8_RECIPES, STACKS, BlockShape, Fp8Recipe, Mlp, PositionEmbedding, Recompute
 from overlap.step_model.moe import MoeShape
 from overlap.step_model.moe_flex import FLEX_BACKENDS, FlexBackend
 
@@ -62,6 +62,8 @@ class ModelShape:
     """Tokens a sliding-window layer attends to (0: every layer attends to the whole context)."""
     sliding_layers: int = 0
     """How many of the layers use the sliding window, spread evenly (GPT-OSS: every second)."""
+    position_embedding: PositionEmbedding = "rope"
+    """rope, yarn (GPT-OSS: rotary with YaRN scaling, which Megatron-Bridge does not fuse) or alibi."""
     moe: MoeShape | None = None
 
     def __post_init__(self) -> None:
@@ -75,7 +77,8 @@ class ModelShape:
         return BlockShape(hidden=self.hidden, ffn_hidden=0 if moe_layer else self.ffn_hidden,
                           num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, mlp=self.mlp,
                           head_dim=self.head_dim, q_lora_rank=self.q_lora_rank, kv_lora_rank=self.kv_lora_rank,
-                          rope_head_dim=self.rope_head_dim, v_head_dim=self.v_head_dim)  # fmt: skip
+                          rope_head_dim=self.rope_head_dim, v_head_dim=self.v_head_dim,
+                          position_embedding=self.position_embedding)  # fmt: skip
 
     def is_moe_layer(self, index: int) -> bool:
         return self.moe is not None and self.moe.is_moe_layer(index)
