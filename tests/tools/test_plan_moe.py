@@ -382,3 +382,12 @@ def test_clamped_expert_activation_pays_megatron_cores_eager_clamp_and_cat() -> 
     hbm = gpu.hbm_tbps * 1e12 * HBM_SHARE
     assert b.act_forward_s - a.act_forward_s == pytest.approx(rows_f * 8 * 2 / hbm, rel=1e-9)
     assert b.backward_s - a.backward_s == pytest.approx(rows_f * 10 * 2 / hbm, rel=1e-9)
+
+
+def test_all_to_all_overlap_hides_nothing_behind_a_grace_host() -> None:
+    # Megatron-Core's GB200 guide: the 1F1B all-to-all overlap's stage syncs aggravate the host
+    # overhead, "so the overall benefit is negative on the GB200"
+    x86 = [predict_run(qwen_run(ep=8, gpu="b200", node="dgx-b200", ep_overlap=o)) for o in (False, True)]
+    grace = [predict_run(qwen_run(ep=8, gpu="gb200", node="gb200-nvl72", ep_overlap=o)) for o in (False, True)]
+    assert x86[1].ep_exposed_s < x86[0].ep_exposed_s
+    assert grace[1].step_s == grace[0].step_s

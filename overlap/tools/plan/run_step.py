@@ -143,7 +143,7 @@ def _microbatch_compute(spec: RunSpec) -> tuple[list[tuple[float, float]], tuple
     blocks = []
     moe_layers = sum(m.is_moe_layer(i) for i in _rank_layers(spec))
     # one direction's share of a MoE layer's exposed all-to-alls (none when overlapped)
-    a2a_layer = 0.0 if spec.ep_overlap or not moe_layers else _ep_exposed(spec) / moe_layers / 2
+    a2a_layer = 0.0 if _ep_overlap_hides(spec) or not moe_layers else _ep_exposed(spec) / moe_layers / 2
     for index in _rank_layers(spec):
         moe_layer = m.is_moe_layer(index)
         b = block_seconds(m.block(moe_layer=moe_layer), tokens, spec.seq_len, gpu, kernels, tp=spec.tp, fp8=fp8,
@@ -243,6 +243,20 @@ def _ep_exposed(spec: RunSpec) -> float:
         return count * (dispatch + combine) / 2
     e = _moe_seconds(spec, tokens)
     return count * all_to_all_s(e.dispatch_bytes, spec.ep, per_domain, nvlink, rail)
+
+
+def _ep_overlap_hides(spec: RunSpec) -> bool:
+    """[Note: overlap on GB200] Megatron-Core's 1F1B all-to-all overlap hides the dispatch and
+    combine behind the other micro-batch's compute, except where the host issues too slowly for it.
+
+    The overlap splits each layer's forward and backward into stages it schedules against the
+    other micro-batch's, "and there is some synchronization between different stages, which
+    aggravates the CPU overhead, so the overall benefit is negative on the GB200" (Megatron-Core's
+    DeepSeek-V3 GB200 guide, section 3.2,
+    https://github.com/NVIDIA/Megatron-LM/blob/dev/docs/discussions/deepseek-v3-gb200-optimization/deepseek-v3-gb200-optimization.md).
+    On a Grace-hosted card the overlap is priced as hiding nothing: the all-to-alls
+    stay exposed (the measured net loss beyond that is not priced)."""
+    return spec.ep_overlap and host_cpu(spec.gpu) != "grace"
 
 
 def _stage_numel(spec: RunSpec) -> tuple[float, float, float]:
@@ -356,7 +370,9 @@ def _lacks(spec: RunSpec) -> list[str]:
             + ("" if stack(spec.stack).torch_ring else "; its merges as fused into the kernels")
         )
     if spec.model.moe is not None:
-        overlap = "overlapped with another micro-batch" if spec.ep_overlap else "exposed"
+        overlap = "overlapped with another micro-batch" if _ep_overlap_hides(spec) else "exposed"
+        if spec.ep_overlap and not _ep_overlap_hides(spec):
+            overlap += " (the 1F1B all-to-all overlap hides nothing behind a Grace host: [Note: overlap on GB200])"
         graphs = f" (CUDA graphs: {', '.join(spec.cuda_graph_scope)})" if spec.cuda_graph_scope else ""
         kernels = f" ({spec.flex_backend} at its published bandwidths)" if spec.dispatcher == "flex" else ""
         out.append(
@@ -393,7 +409,7 @@ def predict_run(spec: RunSpec, *, compute_scale: float = 1.0) -> RunPrediction:
     optimizer_s = optimizer_bytes * owned / (gpu.hbm_tbps * 1e12 * HBM_SHARE)
     tp_mb = _tp_exposed(spec)
     ep_mb = _ep_exposed(spec)
-    if spec.ep_overlap:  # hidden behind the other micro-batch, taking NCCL's SMs from it
+    if _ep_overlap_hides(spec):  # hidden behind the other micro-batch, taking NCCL's SMs from it
         compute = mb_forward + mb_backward
         ep_mb = max(0.0, ep_mb - compute) + min(ep_mb, compute) * nccl_share(gpu)
     cp_mb = ring_attention.exposed_s(spec, attention_s)
