@@ -236,6 +236,15 @@ STACKS: dict[str, KernelStack] = {
     "llm-foundry": KernelStack(name="llm-foundry MPT (eager, Triton flash attention)", attention_share=_FA_TRITON,
                                norm_passes=2, rope_passes=0, act_passes=2, residual_passes=10,
                                source="llm-foundry MPT blocks: low-precision LayerNorm, FlashAttention in Triton, GELU"),
+    # llm-foundry's large-scale H100 sweep (scripts/train/benchmarking/sweep.py, added with the
+    # "H100 80GB BF16 (Large Scale)" table, https://github.com/mosaicml/llm-foundry/blob/
+    # 5e85bd62d4ec9e13353ca95877477602ab538e5b/scripts/train/benchmarking/sweep.py) runs the 1b, 3b,
+    # 7b and 70b models with `--attn_impl flash` and installs flash-attn 2.4.2 (`.[gpu-flash2]`),
+    # whose kernel takes ALiBi slopes: FlashAttention-2, the rest of the block as above.
+    "llm-foundry-flash2": KernelStack(name="llm-foundry MPT (eager, FlashAttention-2)", attention_share=_FA2,
+                                      norm_passes=2, rope_passes=0, act_passes=2, residual_passes=10,
+                                      narrow_head_share=FA2_HD64_SHARE,
+                                      source="llm-foundry MPT blocks with attn_impl flash (flash-attn 2.4.2)"),
 }
 # fmt: on
 

@@ -170,6 +170,15 @@ def test_mpt_benchmarks_run_flash_attention_in_triton_at_fa2s_documented_distanc
     assert mpt.attention_forward_s / fa2.attention_forward_s == pytest.approx((1.4 + 2.5 * 2) / 3.5)
 
 
+def test_mpt_large_scale_sweep_runs_flash_attention_2_where_it_says_attn_impl_flash() -> None:
+    # llm-foundry's sweep.py: 1b, 3b, 7b and 70b with --attn_impl flash (flash-attn 2.4.2); the
+    # rest of the MPT block is the same eager code
+    flash2, triton = STACKS["llm-foundry-flash2"], STACKS["llm-foundry"]
+    assert flash2.attention_share == STACKS["torch-compile"].attention_share
+    assert (flash2.norm_passes, flash2.act_passes, flash2.residual_passes, flash2.rope_passes) == (
+        triton.norm_passes, triton.act_passes, triton.residual_passes, triton.rope_passes)  # fmt: skip
+
+
 @pytest.mark.parametrize(
     ("name", "bf16_mamf", "fp8_mamf"),
     [("b200", 1745.0, 3432.5), ("gb200", 1822.0, 3615.6), ("h100-sxm", 792.1, 1402.6)],
