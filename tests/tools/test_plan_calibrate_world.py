@@ -1,23 +1,36 @@
 """`overlap plan --calibrate`'s measurements for real: one round in a 2-rank gloo world on
-loopback (about 30 s on 2 busy cores). Timing is not asserted (a loaded machine moves it);
-what every rank must agree on and what the model needs is."""
+loopback, on a W1 of 8 narrow layers (the full W1's compute takes a minute on 2 busy cores; these
+checks are about what is measured, not how long it takes: about 5 s). Timing is not asserted (a
+loaded machine moves it); what every rank must agree on and what the model needs is."""
 
 from __future__ import annotations
 
 import pytest
 
 from overlap import OverlapConfig
-from overlap.step_model.calibration import Calibration, predict_measured
-from overlap.tools.plan.calibrate import CODEC_OVERRIDES, CalibrateConfig, World, calibrate_rank
+from overlap.step_model.calibration import Calibration, median_calibration, predict_measured
+from overlap.tools.plan.calibrate import CODEC_OVERRIDES, CalibrateConfig, Rig, World, calibrate_round, set_up_rank, w1
 from overlap.tools.plan.measure import LINK_SIZES_BYTES
 from overlap.tools.worlds.launch import run_local_world
 
 pytestmark = pytest.mark.slow  # spawns worlds or runs a command end to end: `-m 'not slow'` leaves it out
 
+NARROW_W1 = {"dim": 64, "ff": 256, "heads": 4, "batch": 2, "seq": 32}
+"""W1's 8 layers, each 1/64 of the full W1's size: every measurement runs, each in milliseconds."""
+
+
+def calibrate_narrow_rank(rank: int, world_size: int, cfg: CalibrateConfig) -> Calibration | None:
+    """`calibrate_rank` on the narrow W1 (`Rig.build`'s `bench`, as benchmarks/plan_validate.py
+    passes its own)."""
+    set_up_rank()
+    rig = Rig.build(cfg.world, bench=w1(**NARROW_W1))
+    cals = [calibrate_round(rig, cfg.profile_steps) for _ in range(cfg.rounds)]
+    return median_calibration(cals) if rank == 0 else None
+
 
 def test_one_calibration_round_measures_every_term():
     cfg = CalibrateConfig(world=World.parse("loopback"), rounds=1, profile_steps=1)
-    cal, other = run_local_world(calibrate_rank, 2, cfg, threads_per_rank=1, timeout_s=300, deadline_s=600)
+    cal, other = run_local_world(calibrate_narrow_rank, 2, cfg, threads_per_rank=1, timeout_s=300, deadline_s=600)
     assert other is None and isinstance(cal, Calibration)
     assert cal.num_ranks == 2 and cal.backend == "gloo" and cal.level == "intra"
     for link in (cal.gather_link, cal.reduce_link):
