@@ -145,27 +145,38 @@ def test_exchanges_go_receive_first_on_gloo(world2):
         }, (rank, r)
 
 
-def silent_peer(rank: int, world: int) -> float:
-    """Rank 1 never posts its side; rank 0's wait must end at its timeout, not hang."""
+def silent_peer(rank: int, world: int, done: str) -> float:
+    """Rank 1 never posts its side and stays alive (an exit would close the socket) until rank 0
+    has written `done`; rank 0's wait must end at its own timeout, not hang."""
+    import os
     import time
     from datetime import timedelta
 
     from overlap.transport import pairwise
 
-    if rank == 1:  # alive and silent past rank 0's timeout (an exit would close the socket)
-        time.sleep(10)
+    if rank == 1:
+        deadline = time.monotonic() + 120  # a bound in case rank 0 never writes `done`
+        while not os.path.exists(done) and time.monotonic() < deadline:
+            time.sleep(0.05)
         return 0.0
     receives, sends = [None, torch.empty(1 << 20)], [None, torch.ones(1 << 20)]
     work = pairwise.exchange(dist.group.WORLD, receives, sends)
     t0 = time.monotonic()
-    with pytest.raises(RuntimeError):
-        work.wait(timedelta(seconds=2))
-    return time.monotonic() - t0
+    try:
+        with pytest.raises(RuntimeError):
+            work.wait(timedelta(seconds=2))
+        return time.monotonic() - t0
+    finally:
+        open(done, "w").close()
 
 
-def test_exchange_wait_ends_at_its_timeout():
-    waited = run_local_world(silent_peer, 2, timeout_s=60, deadline_s=180)
-    assert 1.5 <= waited[0] < 8, waited  # its own 2 s, not the peer's exit at 10 s
+def test_exchange_wait_ends_at_its_timeout(tmp_path):
+    world = World(2)  # its own: the failed exchange leaves the pair mid-message
+    try:
+        waited = world.run(silent_peer, timeout_s=180, done=str(tmp_path / "done"))
+    finally:
+        world.close()
+    assert 1.5 <= waited[0] < 8, waited  # its own 2 s: the peer was alive and silent throughout
 
 
 def test_exchange_refuses_unequal_peer_lists():
