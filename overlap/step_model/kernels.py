@@ -138,6 +138,13 @@ class KernelStack:
     """The data-parallel wrapper copies each all-gather's output into the parameters on the
     compute stream (FSDP2's copy-out: one read and one write of the gathered bytes); FSDP1's flat
     parameters and Megatron's buffers gather in place."""
+    flat_param_reduce: bool = False
+    """The data-parallel wrapper is FSDP1 (FlatParameter): before each reduce-scatter it casts
+    the unsharded gradient to the reduce dtype where that differs from the compute dtype and
+    divides it in place by the pre-divide factor (`_post_backward_hook` and `_reduce_grad`,
+    https://github.com/pytorch/pytorch/blob/v2.1.0/torch/distributed/fsdp/_runtime_utils.py):
+    passes over every gathered parameter's gradient, each micro-batch. FSDP2 averages inside the
+    reduce-scatter instead."""
     tp_overlap_backward: bool = False
     """Overlapped tensor parallelism hides the backward's collectives too (Transformer Engine's
     userbuffers overlap dgrad and wgrad); PyTorch's async TP fuses the forward's all-gather +
@@ -234,7 +241,7 @@ STACKS: dict[str, KernelStack] = {
     # torch 1.13.1 image): FlashAttention in Triton; torch layer_norm (one kernel: 2 passes),
     # torch GELU (one kernel), ALiBi (no rotary), eager residual adds and transposes.
     "llm-foundry": KernelStack(name="llm-foundry MPT (eager, Triton flash attention)", attention_share=_FA_TRITON,
-                               norm_passes=2, rope_passes=0, act_passes=2, residual_passes=10,
+                               norm_passes=2, rope_passes=0, act_passes=2, residual_passes=10, flat_param_reduce=True,
                                source="llm-foundry MPT blocks: low-precision LayerNorm, FlashAttention in Triton, GELU"),
     # llm-foundry's large-scale H100 sweep (scripts/train/benchmarking/sweep.py, added with the
     # "H100 80GB BF16 (Large Scale)" table, https://github.com/mosaicml/llm-foundry/blob/
@@ -243,7 +250,7 @@ STACKS: dict[str, KernelStack] = {
     # whose kernel takes ALiBi slopes: FlashAttention-2, the rest of the block as above.
     "llm-foundry-flash2": KernelStack(name="llm-foundry MPT (eager, FlashAttention-2)", attention_share=_FA2,
                                       norm_passes=2, rope_passes=0, act_passes=2, residual_passes=10,
-                                      narrow_head_share=FA2_HD64_SHARE,
+                                      narrow_head_share=FA2_HD64_SHARE, flat_param_reduce=True,
                                       source="llm-foundry MPT blocks with attn_impl flash (flash-attn 2.4.2)"),
 }
 # fmt: on

@@ -36,7 +36,9 @@ reduction, cast down again (6); FSDP2 copies every all-gather's output into the 
 and write the gathered bytes) and every gradient into its reduce-scatter input, cast to the
 reduce dtype (`foreach_reduce_scatter_copy_in`, https://github.com/pytorch/pytorch/blob/main/
 torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py; on the reduce-scatter stream, but on
-the same HBM). Per micro-batch, at HBM bandwidth. Large micro-batches hide it; small ones do not.
+the same HBM); FSDP1 casts each unsharded gradient to the reduce dtype and pre-divides it in
+place before its reduce-scatter (`KernelStack.flat_param_reduce`). Per micro-batch, at HBM
+bandwidth. Large micro-batches hide it; small ones do not.
 
 Every collective's ring runs on the link `ring_link` gives its group ([Note: rails] in
 hardware.py). The optimizer streams the bytes per parameter it owns that the stack's optimizer
@@ -129,6 +131,10 @@ def _weight_pass_s(spec: RunSpec, index: int) -> tuple[float, float]:
         # FSDP2's foreach_reduce copies the bf16 gradients into the reduce-scatter input in the
         # reduce dtype (_chunk_cat: read 2, write reduce_bytes)
         backward += 2 + spec.reduce_bytes if spec.dp_mode in ("zero3", "zero2") else 0
+    if kernels.flat_param_reduce and spec.dp_mode in ("zero3", "zero2") and spec.dp * spec.cp > 1:
+        # FSDP1 casts the bf16 gradient to the reduce dtype (read 2, write reduce_bytes) where
+        # they differ, then pre-divides it in place (read and write reduce_bytes)
+        backward += (2 + spec.reduce_bytes if spec.reduce_bytes != 2 else 0) + 2 * spec.reduce_bytes
     rate = gpu.hbm_tbps * 1e12 * HBM_SHARE
     return numel * forward / rate, numel * backward / rate
 
