@@ -33,10 +33,15 @@ def sum_rows_ref(rows: Sequence[torch.Tensor], divide_numel: int = 0, divisor: i
 
 
 def sum_rows(
-    rows: Sequence[torch.Tensor], divide_numel: int = 0, divisor: int = 1, backend: Backend = "auto"
+    rows: Sequence[torch.Tensor],
+    divide_numel: int = 0,
+    divisor: int = 1,
+    backend: Backend = "auto",
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`sum_rows_ref`, through the C++ extension where it applies (CPU, two or more contiguous
-    rows of one dtype it compiles)."""
+    rows of one dtype it compiles). `out`: written instead of a new tensor (a contiguous tensor
+    of the rows' shape and dtype that is none of them), and returned."""
     if len(rows) < 1 or any(r.shape != rows[0].shape or r.dtype != rows[0].dtype for r in rows):
         raise ValueError("overlap.kernels.sum_rows: rows must be one or more tensors of one shape and dtype")
     if not 0 <= divide_numel <= rows[0].numel():
@@ -52,8 +57,14 @@ def sum_rows(
     ext = cpu.load_extension() if compiled and backend != "ref" else None
     if backend == "cpp" and ext is None:
         raise RuntimeError("overlap.kernels: backend='cpp' requested but the extension is not built")
+    if out is not None:
+        if out.shape != rows[0].shape or out.dtype != rows[0].dtype or not out.is_contiguous():
+            raise ValueError("overlap.kernels.sum_rows: out must be contiguous, of the rows' shape and dtype")
+        if any(r.untyped_storage().data_ptr() == out.untyped_storage().data_ptr() for r in rows):
+            raise ValueError("overlap.kernels.sum_rows: out must not share storage with a row")
     if ext is None:
-        return sum_rows_ref(rows, divide_numel, divisor)
-    out = torch.empty_like(rows[0])
+        total = sum_rows_ref(rows, divide_numel, divisor)
+        return total if out is None else out.copy_(total)
+    out = torch.empty_like(rows[0]) if out is None else out
     ext.sum_rows(list(rows), out, divide_numel if divisor != 1 else 0, float(divisor))
     return out

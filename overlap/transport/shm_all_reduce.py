@@ -7,7 +7,7 @@ shard group's), so its collectives are numbered apart from the shard group's: ea
 ranks issue theirs in one order ([Note: collective order] in engine/schedule.py), and a wait
 completes the earlier ones of its own group only. A sum is *posted* at issue (the rank copies its
 tensor into its ring) and *pulled* at the wait: every rank sums all the replicas' tensors in rank
-order straight out of the rings, then writes the sum into its tensor. The same additions in the
+order straight out of the rings into its tensor, in one pass. The same additions in the
 same order on every rank: the replicas stay bitwise equal (gloo's ring all-reduce sums in an
 order of its own, the same for two ranks). What the ring cannot hold, a mean (ReduceOp.AVG,
 NCCL only), and a sum over any other group (tensor parallelism's Partial() gradients) take gloo.
@@ -62,6 +62,6 @@ class ShmAllReduce(AllReduce):
         seg.copy(seg.reserve(nbytes), flat.view(torch.uint8))
 
         def pull(regions: list[torch.Tensor]) -> None:
-            flat.copy_(kernels.sum_rows([region.view(tensor.dtype) for region in regions]))
+            kernels.sum_rows([region.view(tensor.dtype) for region in regions], out=flat)  # one pass
 
         return comm.CommResult(tensor, seg.publish(nbytes, pull), (tensor,))

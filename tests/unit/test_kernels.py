@@ -844,6 +844,26 @@ def test_sum_rows_matches_add_then_divide(dtype):
         sum_rows([torch.zeros(3), torch.zeros(4)])
 
 
+def test_sum_rows_into_out():
+    """`out=`: the same sum written into the caller's tensor (returned), by either backend; an
+    `out` of another shape or dtype, or one that shares a row's storage, is refused."""
+    from overlap.kernels import sum_rows
+
+    _cpp_or_skip()
+    gen = torch.Generator().manual_seed(4)
+    rows = [torch.randn(70_001, generator=gen) for _ in range(3)]
+    expected = sum_rows(rows, 35_000, 3)
+    for backend in ("cpp", "ref"):
+        out = torch.full_like(rows[0], float("nan"))
+        assert sum_rows(rows, 35_000, 3, backend=backend, out=out) is out
+        assert torch.equal(out, expected), backend
+    for bad in (torch.empty(70_000), torch.empty(70_001, dtype=torch.float64)):
+        with pytest.raises(ValueError, match="out must be contiguous"):
+            sum_rows(rows, out=bad)
+    with pytest.raises(ValueError, match="share storage"):
+        sum_rows(rows, out=rows[1])
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_triton_gpu_launches_do_not_sync():
