@@ -45,6 +45,7 @@ import torch.multiprocessing as mp
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from overlap.kernels import cpu
+from overlap.tools.bench import comm as bench_comm
 from overlap.transport import collectives as comm
 from overlap.transport import shm
 from overlap.transport.host import keep_freed_cpu_memory
@@ -108,16 +109,10 @@ def _contenders(seg: shm.ShmSegments, nbytes: int, nproc: int) -> dict[str, Call
     part, out = torch.randn(numel), torch.zeros(nproc * numel)
     full = torch.randn(nproc, numel)
 
-    def shm_all_gather() -> None:
-        ring_out = seg.output(nproc * numel, torch.float32)  # ShmAllGather.allocate
-        via_out = out if ring_out is None else ring_out
-        comm.wait(comm.all_gather_flat(part, group, nproc, torch.float32, out=via_out, via=seg))
-
     def shm_reduce_scatter() -> float:
-        buf = seg.reserve(nbytes).view(torch.float32).view(nproc, numel)
-        buf.copy_(full)  # the copy-in (the engine's, through `ShmReduceScatter.allocate`)
+        room = bench_comm.shm_stage(seg, full)  # the copy-in, outside the clock
         t0 = time.perf_counter()
-        comm.wait(comm.reduce_scatter_flat(buf.view(-1), group, nproc, via=seg))
+        bench_comm.shm_reduce_scatter(seg, room)
         return time.perf_counter() - t0
 
     def gloo_reduce_scatter() -> float:
@@ -129,7 +124,7 @@ def _contenders(seg: shm.ShmSegments, nbytes: int, nproc: int) -> dict[str, Call
 
     return {
         "copy": _clocked(lambda: ext.shm_copy_bytes(dst, src)),
-        "shm all-gather": _clocked(shm_all_gather),
+        "shm all-gather": _clocked(lambda: bench_comm.shm_all_gather(seg, part, out)),
         "shm reduce-scatter": shm_reduce_scatter,
         "gloo all-gather": _clocked(
             lambda: comm.wait(comm.all_gather_flat(part, group, nproc, torch.float32, out=out))
