@@ -44,10 +44,12 @@ host are refused. The ranks' allocator keeps freed blocks for reuse, as `wrap` s
 Beside each case every rank copies the same bytes at once between two private buffers (one
 memcpy, csrc/shm.cpp's): the reference for the memory traffic. An all-gather copies each row of
 its output once (S bytes read and written, as the memcpy does); a reduce-scatter reads S and
-writes S/n. `% copy` is the collective's algbw as a share of the copy's: an all-gather's gap to
-100% is its flag waits (a peer not yet posted, or not running), posts and bookkeeping. The copy
-runs on the same processes and cores, right after its case, so load on a shared machine falls on
-both alike. `benchmarks/shm_bandwidth.py` interleaves the same calls with gloo's over rounds and
+writes S/n. `% copy` is the collective's algbw as a share of the copy's, a reference rather
+than a bound: flag waits (a peer not yet posted, or not running), posts and bookkeeping pull it
+down; a reduce-scatter's smaller writes, and the streaming stores of the posts ([Note: streaming
+posts] in csrc/shm.cpp) on buffers larger than the cache, can lift it past 100%. The copy runs on
+the same processes and cores, right after its case, so load on a shared machine falls on both
+alike. `benchmarks/shm_bandwidth.py` interleaves the same calls with gloo's over rounds and
 reports median and spread.
 """
 
