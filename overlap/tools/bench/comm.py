@@ -381,6 +381,7 @@ def measure(
     rank. See [Note: comm bench timing]. With `segments`: through shared memory, beside the copy
     floor ([Note: comm bench over shared memory])."""
     n = dist.get_world_size()
+    assert segments is None or (op in SHM_OPS and not inplace), f"rank {dist.get_rank()}: {op} through shm"
     element_size = torch.empty((), dtype=dtype).element_size()
     count = count_for(op, num_bytes, element_size, n)
     if count == 0:
