@@ -138,7 +138,8 @@ def ring_time_s(op: str, total_bytes: float, topo: Topology) -> float:
 
 def calibrate_from_bench(path: str | Path, op: str = "all_gather") -> Link:
     """A Link fitted to `overlap bench comm --json` rows: α from the smallest size, busbw from
-    the median of the largest quarter."""
+    the median of the largest quarter. A sweep over the shared-memory transport
+    (`--transport shm`) fits the link between ranks of one host, and is named so."""
     rows = [r for r in json.loads(Path(path).read_text())["rows"] if r["op"] == op]
     if not rows:
         raise ValueError(f"{path}: no {op} rows")
@@ -148,7 +149,8 @@ def calibrate_from_bench(path: str | Path, op: str = "all_gather") -> Link:
     data = json.loads(Path(path).read_text())
     n = data["world_size"]
     alpha = rows[0]["time_us"] * 1e-6 / max(n - 1, 1)
-    return Link(f"measured:{Path(path).name}", alpha, busbw, f"fitted to {path}")
+    via = " (shared memory between ranks of one host)" if data.get("transport") == "shm" else ""
+    return Link(f"measured:{Path(path).name}", alpha, busbw, f"fitted to {path}{via}")
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 
 from overlap import OverlapConfig
-from overlap.step_model.cost import LINKS, Topology, UnitCost, ring_time_s
+from overlap.step_model.cost import LINKS, Topology, UnitCost, calibrate_from_bench, ring_time_s
 from overlap.step_model.simulate import simulate
 from overlap.tools.cli import main
 from overlap.tools.plan.command import PLAN_DEFAULT_CONFIG, PlanConfig, RunCost, _token_count, plan
@@ -91,6 +91,24 @@ def test_gpu_and_link_presets_cite_sources():
 
 
 # ------------------------------------------------------------------ the CLI, in-process
+@pytest.mark.parametrize("transport", [None, "backend", "shm"])
+def test_link_fitted_to_a_bench_comm_sweep(tmp_path, transport):
+    """`--link FILE.json` from `overlap bench comm --json`: alpha from the smallest size over the
+    n-1 steps of a ring, busbw the median of the largest quarter; a sweep over the shared-memory
+    transport says it fitted the link between ranks of one host."""
+    rows = [
+        {"op": "all_gather", "bytes": 8 << k, "time_us": 10.0 * (k + 1), "busbw_gbps": float(k + 1)} for k in range(8)
+    ]
+    rows.append({"op": "reduce_scatter", "bytes": 8, "time_us": 1.0, "busbw_gbps": 99.0})
+    doc = {"world_size": 4, "rows": rows} | ({} if transport is None else {"transport": transport})
+    path = tmp_path / "comm.json"
+    path.write_text(json.dumps(doc))
+    link = calibrate_from_bench(path)
+    assert link.alpha_s == pytest.approx(10e-6 / 3)
+    assert link.busbw_gbps == 8.0  # the largest quarter is 7.0 and 8.0: the upper median
+    assert ("shared memory" in link.source) == (transport == "shm")
+
+
 def test_cli_end_to_end_prints_every_field(tmp_path, capsys):
     png, out_json = tmp_path / "scaling.png", tmp_path / "plan.json"
     cfg = tmp_path / "cfg.json"
