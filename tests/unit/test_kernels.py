@@ -272,16 +272,26 @@ def test_triton_interpreter_matches_reference():
     checked on a GPU only: the interpreter's fp32 -> fp8 cast is wrong), and repeated launches
     build and upload no host data ([Note: copy tables] in triton_copy.py).
 
-    Runs in a fresh interpreter: triton decides interpreter-or-GPU when `triton` is first
-    imported, and other tests in this process may have imported it already."""
+    Runs in fresh interpreters: triton decides interpreter-or-GPU when `triton` is first
+    imported, and other tests in this process may have imported it already. The script's two
+    halves (the kernels alone, the runtime's copies) run at once, one process each: on two cores, in the time of one."""
     triton_or_skip()
     script = Path(__file__).resolve().parent / "triton_interpreter_check.py"
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": _pythonpath()}
-    result = subprocess.run(
-        [sys.executable, str(script)], check=False, env=env, capture_output=True, text=True, timeout=600
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert "checked" in result.stdout
+    procs = {
+        part: subprocess.Popen(
+            [sys.executable, str(script), part], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        for part in ("kernels", "runtime")
+    }
+    try:
+        outputs = {part: proc.communicate(timeout=600) for part, proc in procs.items()}
+    finally:
+        for proc in procs.values():
+            proc.kill()
+    for part, (stdout, stderr) in outputs.items():
+        assert procs[part].returncode == 0, f"{part}:\n{stdout[-3000:]}{stderr[-3000:]}"
+        assert f"checked {part}: " in stdout, stdout
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
