@@ -44,12 +44,12 @@ def run_python(*argv: str, tmpdir: Path | None = None) -> str:
     return proc.stdout
 
 
-def check_report(path: Path, world_size: int, memory: bool) -> dict:
+def check_report(path: Path, world_size: int, memory: bool, contenders: tuple[str, ...] = DEFAULT_CONTENDERS) -> dict:
     data = json.loads(path.read_text())
     assert {"world_size", "link", "runs"} <= data.keys()
     assert data["world_size"] == world_size
     assert data["link"] == "loopback"
-    assert [r["name"] for r in data["runs"]] == list(DEFAULT_CONTENDERS)
+    assert [r["name"] for r in data["runs"]] == list(contenders)
     for run in data["runs"]:
         assert run.keys() >= RUN_KEYS, run
         assert run["median_step_ms"] > 0 and run["tokens_per_s"] > 0
@@ -96,16 +96,19 @@ def test_bench_step_scaling_run(model: str, tmp_path: Path) -> None:
 
 
 def test_step_w1_script(tmp_path: Path) -> None:
+    """The script with the memory pass: a fresh world per contender, so three contenders (each
+    library's sharding and DDP's replicas; every default contender runs in the tests above)."""
     out = tmp_path / "w1.json"
     scratch = tmp_path / "tmp"
     scratch.mkdir()
+    contenders = ("overlap", "fsdp2", "ddp")
     stdout = run_python(
         "benchmarks/step_w1.py", *TINY, "--ff", "64", *TINY_RUN, "--world-size", "2",
-        "--json", str(out), tmpdir=scratch,
+        "--contenders", ",".join(contenders), "--json", str(out), tmpdir=scratch,
     )  # fmt: skip
     # overlap's trace folders (one per rank and world) are removed when the ranks exit
     assert not list(scratch.glob("overlap-bench-trace-*")), list(scratch.iterdir())
-    check_report(out, 2, memory=True)  # a single world size: PATH itself
+    check_report(out, 2, memory=True, contenders=contenders)  # a single world size: PATH itself
     assert "peak RSS = the OS's high-water mark (VmHWM) of a fresh world running only that contender" in stdout
     assert "W1 step: 1 x TransformerEncoderLayer(d=32, ff=64)" in stdout
     assert "overlap/fsdp2 = " in stdout
