@@ -1,6 +1,6 @@
 """`overlap bench memory`: tiny real runs through the CLI (every contender in its own world of
-2 fresh processes; the default contenders, then DeepSpeed ZeRO-3 and PowerSGD beside DDP),
-checked for exit code, table and JSON; and config validation."""
+2 fresh processes; the default contenders, DeepSpeed ZeRO-3 and PowerSGD in one run), checked
+for exit code, table and JSON; and config validation."""
 
 from __future__ import annotations
 
@@ -19,28 +19,38 @@ from overlap.tools.worlds.launch import run_local_world
 
 pytestmark = pytest.mark.slow  # spawns worlds or runs a command end to end: `-m 'not slow'` leaves it out
 
-RUN_TIMEOUT_S = 240  # three spawned worlds of 2 ranks on a loaded 2-core machine
+RUN_TIMEOUT_S = 360  # five spawned worlds of 2 ranks on a loaded 2-core machine
 REPO = Path(__file__).resolve().parents[2]
 TINY = ("--layers", "2", "--d-model", "32", "--ff", "64", "--heads", "2", "--seq", "8", "--batch", "2")
+DEFAULTS = ["overlap", "fsdp2", "ddp"]
+PEERS = ["deepspeed-tuned", "ddp-powersgd1"]
 
 
-def run_memory(out: Path, *argv: str) -> dict:
+@pytest.fixture(scope="module")
+def memory_run(tmp_path_factory: pytest.TempPathFactory, deepspeed_op: float) -> dict:
+    """One `overlap bench memory` run of the default contenders and the peers, 3 steps (PowerSGD
+    allocates its error feedback at step 2); the tests below read it."""
+    out = tmp_path_factory.mktemp("memory") / "memory.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "overlap", "bench", "memory", *TINY, "--nproc", "2",
-         "--device", "cpu", "--json", str(out), *argv],
+        [sys.executable, "-m", "overlap", "bench", "memory", *TINY, "--nproc", "2", "--device", "cpu",
+         "--steps", "3", "--contenders", ",".join(DEFAULTS + PEERS), "--json", str(out)],
         cwd=REPO, check=False, capture_output=True, text=True, timeout=RUN_TIMEOUT_S,
     )  # fmt: skip
     assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr}"
     assert "each contender ran in its own fresh processes" in proc.stdout
-    return json.loads(out.read_text())
+    data = json.loads(out.read_text())
+    assert [r["name"] for r in data["runs"]] == DEFAULTS + PEERS
+    assert len({r["pid"] for run in data["runs"] for r in run["ranks"]}) == 10  # every world fresh
+    return data
 
 
-def test_bench_memory_run(tmp_path: Path) -> None:
-    data = run_memory(tmp_path / "memory.json", "--steps", "2")
+@pytest.mark.timeout(DEEPSPEED_BUILD_S + RUN_TIMEOUT_S)
+def test_bench_memory_run(memory_run: dict) -> None:
+    data = memory_run
     params = data["params"]
     assert params == num_params(MemoryBenchConfig(layers=2, d_model=32, ff=64, heads=2))
-    runs = {r["name"]: r for r in data["runs"]}
-    assert list(runs) == ["overlap", "fsdp2", "ddp"]
+    runs = {r["name"]: r for r in data["runs"] if r["name"] in DEFAULTS}
+    assert list(runs) == DEFAULTS
     pids = set()
     for name, run in runs.items():
         assert run["world_size"] == 2 and run["device"] == "cpu"
@@ -60,12 +70,12 @@ def test_bench_memory_run(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(DEEPSPEED_BUILD_S + RUN_TIMEOUT_S)
-def test_bench_memory_peers(tmp_path: Path, deepspeed_op: float) -> None:
+def test_bench_memory_peers(memory_run: dict) -> None:
     """DeepSpeed ZeRO-3 partitions its state (tuned: even the small parameters) but keeps an fp32
     copy of its partition; PowerSGD adds its error feedback (allocated at step 2) to DDP's."""
-    data = run_memory(tmp_path / "memory.json", "--steps", "3", "--contenders", "deepspeed-tuned,ddp-powersgd1")
-    runs = {r["name"]: r for r in data["runs"]}
-    assert list(runs) == ["deepspeed-tuned", "ddp-powersgd1"]
+    data = memory_run
+    runs = {r["name"]: r for r in data["runs"] if r["name"] in PEERS}
+    assert list(runs) == PEERS
     ddp = BYTES_PER_PARAM_ZERO3 * data["params"]  # DDP's, within 1% (test_bench_memory_run)
     # partitions, fp32 copy, gradient partitions: 4 + 4 + 4 bytes per element / 2, AdamW 8 / 2
     assert 0.55 * ddp < runs["deepspeed-tuned"]["state_bytes"] < 0.75 * ddp
