@@ -212,9 +212,12 @@ def load_convergence_script():
 
 
 @pytest.mark.timeout(DEEPSPEED_BUILD_S + 300)
-def test_convergence_script(tmp_path: Path, deepspeed_op: float) -> None:
+def test_convergence_script(
+    tmp_path: Path, deepspeed_op: float, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     """A 3-step run of DDP and DeepSpeed (schedule, clipping, validation through the engine),
-    then the report joined with a step benchmark's JSON: table and frontier picture."""
+    then the report joined with a step benchmark's JSON: table and frontier picture (the
+    script's `main` in this process: it trains nothing, a fresh interpreter would only import)."""
     tiny = ("--layers", "1", "--dim", "32", "--heads", "2", "--batch-size", "2",
             "--block-size", "16", "--eval-batches", "1")  # fmt: skip
     runs_json = tmp_path / "convergence.json"
@@ -239,16 +242,17 @@ def test_convergence_script(tmp_path: Path, deepspeed_op: float) -> None:
          "peak_mem_bytes": 2**20, "state_bytes": 100},  # not in this convergence run
     ]}))  # fmt: skip
     png = tmp_path / "frontier.png"
-    proc = subprocess.run(
-        [sys.executable, "benchmarks/convergence.py", "--from-json", str(runs_json), "--from-json", str(runs_json),
-         "--step-json", str(step_json), "--frontier-png", str(png)],  # the same seed twice: its gaps
-        cwd=REPO, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
-    assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr}"
-    table = proc.stdout[proc.stdout.index("1gbit: step time") :].splitlines()
+    seeds = ["--from-json", str(runs_json)] * 2  # the same seed twice: its gaps
+    monkeypatch.setattr(
+        sys, "argv", ["convergence.py", *seeds, "--step-json", str(step_json), "--frontier-png", str(png)]
+    )
+    capsys.readouterr()
+    load_convergence_script().main()
+    stdout = capsys.readouterr().out
+    table = stdout[stdout.index("1gbit: step time") :].splitlines()
     assert table[3].split()[0] == "ddp" and table[3].split()[-1] == "yes"  # fastest: frontier
     assert table[4].split()[0] == "deepspeed-tuned"
-    assert "ddp-bf16" not in proc.stdout
+    assert "ddp-bf16" not in stdout
     assert png.stat().st_size > 0
 
 
