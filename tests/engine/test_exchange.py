@@ -106,11 +106,15 @@ def test_receive_slack_turns_an_abort_into_wrong_bytes():
     """With room for the larger message, the mismatch completes (the bytes are wrong, which the
     gathers' tags or the next collective's timeout report); without it gloo aborts the process
     from its own thread, which no Python code can catch."""
-    sums = run_local_world(mismatched_pair, 2, 16 * 4, timeout_s=30, deadline_s=120)
+    world = World(2)  # its own: the pair's messages do not match
+    try:
+        sums = world.run(mismatched_pair, timeout_s=120, slack_bytes=16 * 4)
+    finally:
+        world.close()
     assert len(sums[0]) == 8 and len(sums[1]) == 16
     assert sums[0] == [3.0] * 8  # its 8 expected elements arrived from rank 1 (of 16 sent)
     with pytest.raises(RuntimeError, match=r"SIGABRT|signal 6|exit code -6"):
-        run_local_world(mismatched_pair, 2, 0, timeout_s=30, deadline_s=120)
+        run_local_world(mismatched_pair, 2, 0, timeout_s=30, deadline_s=120)  # ends at the first exit
 
 
 def receive_first(rank: int, world: int) -> dict:
