@@ -11,7 +11,6 @@ from overlap import OverlapConfig
 from overlap.step_model.calibration import Calibration, median_calibration, predict_measured
 from overlap.tools.plan.calibrate import CODEC_OVERRIDES, CalibrateConfig, Rig, World, calibrate_round, set_up_rank, w1
 from overlap.tools.plan.measure import LINK_SIZES_BYTES
-from overlap.tools.worlds.launch import run_local_world
 
 pytestmark = pytest.mark.slow  # spawns worlds or runs a command end to end: `-m 'not slow'` leaves it out
 
@@ -28,9 +27,9 @@ def calibrate_narrow_rank(rank: int, world_size: int, cfg: CalibrateConfig) -> C
     return median_calibration(cals) if rank == 0 else None
 
 
-def test_one_calibration_round_measures_every_term():
+def test_one_calibration_round_measures_every_term(world2):
     cfg = CalibrateConfig(world=World.parse("loopback"), rounds=1, profile_steps=1)
-    cal, other = run_local_world(calibrate_narrow_rank, 2, cfg, threads_per_rank=1, timeout_s=300, deadline_s=600)
+    cal, other = world2.run(calibrate_narrow_rank, timeout_s=600, cfg=cfg)  # 2 gloo ranks, a thread each
     assert other is None and isinstance(cal, Calibration)
     assert cal.num_ranks == 2 and cal.backend == "gloo" and cal.level == "intra"
     for link in (cal.gather_link, cal.reduce_link):
