@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The test command (README "Tests"; .ci/run calls exactly this): installs what the suite needs on
 # a clean machine, then runs it. CPU only; the whole suite is kept under 15 minutes on an idle
-# 2-core machine (12-14 measured, installs included) and passes beside a CPU-bound process.
+# 2-core machine (12 measured, installs included) and passes beside a CPU-bound process.
 #   bash tests/run.sh              # everything
 #   bash tests/run.sh -k parity    # extra arguments go to pytest
 set -euo pipefail
