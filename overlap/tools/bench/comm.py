@@ -397,6 +397,7 @@ def measure(
         wrong = 0.0 if _is_correct(case, device, via.call) else 1.0
         case.inp.zero_()
         sums = [_shm_calls_us(via, iters, warmup), wrong, _copy_floor_us(segments, size, iters, warmup)]
+    # once per case, after its timed loop (outside any clock): the ranks' times summed and read back
     totals = torch.tensor(sums, dtype=torch.float64, device=device)
     dist.all_reduce(totals)
     time_us = totals[0].item() / n
