@@ -93,6 +93,7 @@ __all__ = [
     "ShmWork",
     "host_identity",
     "ring_bytes_for",
+    "ring_bytes_for_collective",
     "usable",
 ]
 
@@ -128,7 +129,13 @@ def ring_bytes_for(wire: Wire) -> int:
     largest = max(
         (wire.world_size * max(u.gather_numel * u.gather_itemsize, u.reduce_row_bytes) for u in wire.units), default=0
     )
-    return min(max(8 * _aligned(largest), MIN_RING_BYTES), MAX_RING_BYTES)
+    return ring_bytes_for_collective(largest)
+
+
+def ring_bytes_for_collective(nbytes: int) -> int:
+    """The ring for collectives whose all-gather output or reduce-scatter input is at most
+    `nbytes` (every rank's part): room for several in each half (`ring_bytes_for`)."""
+    return min(max(8 * _aligned(nbytes), MIN_RING_BYTES), MAX_RING_BYTES)
 
 
 class ShmPlan:

@@ -30,7 +30,7 @@ input aliases the output; torch does not promise that aliasing works).
 `--transport shm` measures what the engine moves between ranks on one host when
 `OverlapConfig.shared_memory` is on (transport/shm.py): all_gather and reduce_scatter through a
 `ShmSegments` over the default group, its ring sized as the engine sizes it for a unit of the
-largest case (`shm.ring_bytes_for`), called as the strategies call it. An all-gather's output is
+largest case (`shm.ring_bytes_for_collective`), called as the strategies call it. An all-gather's output is
 allocated in the ring (`ShmSegments.output`; a private tensor where it has no room), and dropped
 after the wait as the runtime drops it. A reduce-scatter's input is written into the room reserved
 for the post (`ShmSegments.reserve`) before the clock starts: the copy-in every transport has,
@@ -74,10 +74,8 @@ from overlap.tools.worlds.link import LinkSpec, active_link
 from overlap.tools.worlds.runner import run_bench
 from overlap.transport import collectives as comm
 from overlap.transport import shm
-from overlap.transport.backend import semantics
 from overlap.transport.host import keep_freed_cpu_memory
 from overlap.transport.shm_segments import MAX_RANKS, MAX_RING_BYTES, ShmSegments
-from overlap.transport.strategy import UnitWire, Wire
 
 Op = Literal["all_gather", "reduce_scatter", "all_reduce", "all_to_all"]
 OPS: tuple[Op, ...] = get_args(Op)
@@ -491,16 +489,6 @@ def _copy_floor_us(segments: ShmSegments, num_bytes: int, iters: int, warmup: in
     return _loop_us(lambda: segments.copy(dst, src), iters, max(warmup, 1), torch.device("cpu"))
 
 
-def shm_ring_bytes(group: dist.ProcessGroup, device: torch.device, max_bytes: int) -> int:
-    """The ring the engine plans (`shm.ring_bytes_for`) for a unit whose all-gather output and
-    reduce-scatter input are `max_bytes` per rank."""
-    n = dist.get_world_size(group)
-    part = -(-max_bytes // n)
-    unit = UnitWire(gather_numel=part, gather_itemsize=1, reduce_row_bytes=part, same_dtype=True)
-    wire = Wire(group, dist.get_rank(group), n, device, semantics(group, device), "native", "native", None, (unit,))
-    return shm.ring_bytes_for(wire)
-
-
 def open_segments(max_bytes: int, device: torch.device) -> ShmSegments:
     """The default group's segments, with a ring for collectives of up to `max_bytes` (collective
     over the group); ValueError on every rank where the ranks cannot share memory."""
@@ -519,7 +507,7 @@ def open_segments(max_bytes: int, device: torch.device) -> ShmSegments:
         )
         raise ValueError(f"overlap bench comm --transport shm: shared memory is not usable: {why}")
     keep_freed_cpu_memory()  # as `wrap` sets it: a reduce-scatter's sum reuses freed blocks
-    ring_bytes = shm_ring_bytes(group, device, max_bytes)
+    ring_bytes = shm.ring_bytes_for_collective(max_bytes)  # as the engine sizes it for such a unit
     return ShmSegments(group, ring_bytes, timedelta(seconds=DEFAULT_TIMEOUT_S))
 
 
