@@ -55,8 +55,9 @@ from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn as nn
-from torch._dynamo.eval_frame import OptimizedModule
 from torch.utils.weak import WeakIdKeyDictionary
+
+from overlap.engine.lazy_torch import is_compiled_module
 
 ParamInitFn = Callable[[nn.Module], None]
 
@@ -74,7 +75,7 @@ def _init_module(module: nn.Module, param_init_fn: ParamInitFn | None, done: Wea
     their `id`, which must not make it look initialized. `torch.compile(module)`'s wrapper is
     skipped: the module it wraps is its child, initialized in the walk, and the wrapper's
     attributes lead there, so its `reset_parameters` would draw a second time."""
-    if isinstance(module, OptimizedModule):
+    if is_compiled_module(module):
         return
     shared = {name: p for name, p in module._parameters.items() if p is not None and p in done}
     for name, p in shared.items():

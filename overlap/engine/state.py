@@ -26,7 +26,6 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.autograd import Variable
 from torch.autograd.graph import register_multi_grad_hook
-from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_flatten, tree_map
 
 from overlap.compression import make_grad_codec, make_param_codec
@@ -36,6 +35,7 @@ from overlap.engine import torch_compat
 from overlap.engine.autograd_hooks import BackwardCounts, GradReady, report_input_grads
 from overlap.engine.autotune import AutoTuner
 from overlap.engine.groups import Groups
+from overlap.engine.lazy_torch import compile_disabled, is_dtensor
 from overlap.engine.replicated import ReplicatedParams  # ecosystem: scalar parameters
 from overlap.engine.runtime import Runtime
 from overlap.engine.schedule import Action, Phase, Schedule, ScheduleConfig, UnitState
@@ -266,10 +266,12 @@ class OverlapState:
     # (unit_policy naming the inner class), has its forward hooks called from a frame that
     # dynamo traces. Traced, the schedule's Python state (unit states, cursors) becomes guards
     # that change every call: a recompile per unit and step until dynamo's recompile limit.
-    # The forward hooks are therefore `torch.compiler.disable`d: dynamo breaks the graph around
-    # them and they run eagerly; the block's own forward is still compiled, once for all units.
+    # The forward hooks are therefore `torch.compiler.disable`d (by `compile_disabled`, which
+    # imports dynamo only once it is loaded: [Note: import cost] in lazy_torch.py): dynamo breaks
+    # the graph around them and they run eagerly; the block's own forward is still compiled, once
+    # for all units.
 
-    @torch.compiler.disable
+    @compile_disabled
     def _root_pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         if self.autotuner is not None:  # a trial step left unfinished: [Note: out of memory in a trial]
             self.autotuner.before_forward(self)
@@ -289,13 +291,13 @@ class OverlapState:
             return None
 
         def cast(x: Any) -> Any:
-            if isinstance(x, torch.Tensor) and x.is_floating_point() and not isinstance(x, DTensor):
+            if isinstance(x, torch.Tensor) and x.is_floating_point() and not is_dtensor(x):
                 return x.to(dtype)
             return x
 
         return tree_map(cast, args), tree_map(cast, kwargs)
 
-    @torch.compiler.disable  # [Note: hooks under torch.compile]
+    @compile_disabled  # [Note: hooks under torch.compile]
     def _root_post_forward(self, module: nn.Module, args: tuple, output: Any) -> None:
         if self.schedule.phase is Phase.BACKWARD:
             return
@@ -311,7 +313,7 @@ class OverlapState:
         if not grad_enabled:
             self._finish_step()
 
-    @torch.compiler.disable  # [Note: hooks under torch.compile]
+    @compile_disabled  # [Note: hooks under torch.compile]
     def _unit_pre_forward(self, indices: tuple[int, ...], first: bool, module: nn.Module, args: tuple) -> Any:
         if self.schedule.phase is Phase.BACKWARD:
             for index in indices:
@@ -325,7 +327,7 @@ class OverlapState:
             return report_input_grads(self, self._counts, args, indices)
         return None
 
-    @torch.compiler.disable  # [Note: hooks under torch.compile]
+    @compile_disabled  # [Note: hooks under torch.compile]
     def _unit_post_forward(
         self, indices: tuple[int, ...], last: bool, module: nn.Module, args: tuple, output: Any
     ) -> None:
