@@ -46,8 +46,8 @@ from collections import defaultdict
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 
+from overlap.engine.lazy_torch import is_dtensor
 from overlap.engine.state import state_of
 from overlap.engine.verdict import job_groups
 
@@ -112,7 +112,7 @@ class ShardedGradScaler(torch.amp.GradScaler):
                     grad = param.grad
                     if grad is None:
                         continue
-                    if isinstance(grad, DTensor):
+                    if is_dtensor(grad):
                         grad = grad.to_local()  # this rank's shard, unscaled in place
                     if grad.is_sparse:
                         if grad.dtype is torch.float16:

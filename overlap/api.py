@@ -9,9 +9,9 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.tensor import DTensor
 
 from overlap.config import OverlapConfig
+from overlap.engine.lazy_torch import is_dtensor
 from overlap.engine.state import OverlapState, state_of
 from overlap.observe.memory import MemoryStats
 from overlap.observe.stats import StepStats
@@ -20,7 +20,7 @@ from overlap.state_dict import load_full_state_dict as load_full_state_dict
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
+    return t.to_local() if is_dtensor(t) else t
 
 
 def _counted_here(state: OverlapState, param: torch.Tensor) -> bool:
@@ -28,7 +28,7 @@ def _counted_here(state: OverlapState, param: torch.Tensor) -> bool:
     exactly one rank of the shard group and, with tensor parallelism, of the tp group."""
     if state.tensor_group is not None and dist.get_rank(state.tensor_group) != 0:
         # a parameter replicated over tp (a plain one, or Replicate() there) counts on tp rank 0
-        over_tp = isinstance(param, DTensor) and param.device_mesh.ndim > state.mesh.ndim
+        over_tp = is_dtensor(param) and param.device_mesh.ndim > state.mesh.ndim
         if not (over_tp and param.placements[-1].is_shard()):
             return False
     # [Note: replicated parameters]: whole on every rank of the group, so counted on one

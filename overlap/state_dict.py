@@ -15,11 +15,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.tensor import DTensor
 
 from overlap import kernels
 from overlap.engine.init import ScratchBuffer
 from overlap.engine.late_checks import check_deferred
+from overlap.engine.lazy_torch import is_dtensor
 from overlap.engine.source_values import (
     SourcePlan,
     broadcast_tensors,
@@ -52,7 +52,7 @@ def full_state_dict(model: nn.Module, rank0_only: bool = True) -> dict[str, torc
         keeps = not rank0_only or _is_tp_source(state)
         full = {}
         for name, value in own.items():
-            whole = value.full_tensor() if isinstance(value, DTensor) else value  # collective: every rank
+            whole = value.full_tensor() if is_dtensor(value) else value  # collective: every rank
             if keeps:
                 full[name] = _host_copy(whole, value)
             del whole  # one full tensor at a time on the ranks that keep nothing
@@ -71,9 +71,7 @@ def full_state_dict(model: nn.Module, rank0_only: bool = True) -> dict[str, torc
                 gathered[name] = tensor.clone()
     if not plan.is_source:
         return {}
-    return {
-        name: gathered[name] if isinstance(value, DTensor) else _host_copy(value, value) for name, value in own.items()
-    }
+    return {name: gathered[name] if is_dtensor(value) else _host_copy(value, value) for name, value in own.items()}
 
 
 def _host_copy(tensor: torch.Tensor, owned: torch.Tensor) -> torch.Tensor:
@@ -82,7 +80,7 @@ def _host_copy(tensor: torch.Tensor, owned: torch.Tensor) -> torch.Tensor:
     on the CPU, or a `full_tensor()` that had nothing to gather); never both. Export only (a
     state dict, a checkpoint), once per tensor on the writing rank: never in the training step."""
     host = tensor.detach().cpu()  # a blocking device-to-host copy, outside the hot path
-    local = owned.to_local() if isinstance(owned, DTensor) else owned
+    local = owned.to_local() if is_dtensor(owned) else owned
     if host.untyped_storage().data_ptr() == local.untyped_storage().data_ptr():
         host = host.clone()
     return host
@@ -126,7 +124,7 @@ def load_full_state_dict(
         names = [next((n for n in _names(slot) if n in keys), None) for slot in unit.layout.slots]
         if any(names):
             _scatter_unit(plan, unit, names, state_dict, scratch)
-    buffers = [name for name in present if not isinstance(own[name], DTensor)]
+    buffers = [name for name in present if not is_dtensor(own[name])]
     if plan.is_source:
         assert state_dict is not None
         for name in buffers:
@@ -225,7 +223,7 @@ def _load_own_rows(state: OverlapState, own: dict[str, Any], state_dict: Mapping
         raise ValueError(f"load_full_state_dict: {error}")
     for name in present:
         target, source = own[name], state_dict[name]
-        if isinstance(target, DTensor):
+        if is_dtensor(target):
             local = target.to_local()
             rows = math.ceil(target.shape[0] / state.world_size)  # the shard dim of the mesh
             start = state.rank * rows
@@ -311,7 +309,7 @@ def _load_tensor_parallel(
             value = torch.empty(target.shape, dtype=target.dtype, device=target.device)
         if rank0_only:
             _from_tp_source(state, value)
-        if isinstance(target, DTensor):
+        if is_dtensor(target):
             local = distribute_tensor(value, target.device_mesh, target.placements, src_data_rank=None)
             target.to_local().copy_(local.to_local())
         else:

@@ -45,13 +45,14 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from overlap.engine import torch_compat
 from overlap.engine.actions import order_hash
+from overlap.engine.lazy_torch import is_dtensor
 from overlap.transport import collectives as comm
 
-if TYPE_CHECKING:  # at run time through torch_compat: [Note: private torch APIs] there
+if TYPE_CHECKING:  # DTensorSpec at run time through torch_compat: [Note: private torch APIs] there
+    from torch.distributed.tensor import DTensor
     from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
 
@@ -103,7 +104,7 @@ def grad_data(
     out: list[torch.Tensor | None] = []
     partial: dict[tuple[DeviceMesh, tuple[int, ...], torch.dtype], list[int]] = {}
     for i, (param, grad) in enumerate(zip(params, grads)):
-        if not isinstance(grad, DTensor):
+        if not is_dtensor(grad):
             out.append(grad)
             continue
         placements = param.placements  # type: ignore[attr-defined]
@@ -158,7 +159,7 @@ def data_parallel_mesh(
 
 
 def _dtensor_params(model: nn.Module) -> list[tuple[str, DTensor]]:
-    return [(n, p) for n, p in model.named_parameters() if isinstance(p, DTensor)]
+    return [(n, p) for n, p in model.named_parameters() if is_dtensor(p)]
 
 
 def _describe(param: DTensor) -> str:
@@ -280,6 +281,8 @@ def is_compiled(module: nn.Module) -> bool:
 
 
 def _param_refusal(param: DTensor, dp_mesh: DeviceMesh) -> str | None:
+    from torch.distributed.tensor import Replicate, Shard  # loaded: `param` is a DTensor
+
     mesh, placements = param.device_mesh, param.placements
     if mesh.mesh_dim_names is None or dp_mesh.mesh_dim_names is None:
         return (
@@ -332,8 +335,10 @@ class Composer:
         self._meshes: dict[DeviceMesh, DeviceMesh] = {}  # tp mesh (by value) -> the (dp, tp) mesh
 
     def __call__(self, param: torch.Tensor) -> TensorParallel | None:
-        if not isinstance(param, DTensor):
+        if not is_dtensor(param):
             return None
+        from torch.distributed.tensor import Replicate, Shard  # [Note: import cost] in lazy_torch.py
+
         spec = param._spec
         spmd_mesh = self._meshes.get(spec.mesh)
         if spmd_mesh is None:

@@ -54,15 +54,19 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
 
 from overlap.config import OverlapConfig
 from overlap.engine import torch_compat
 from overlap.engine.compose import compiled_refusal, names_experts
+from overlap.engine.lazy_torch import is_dtensor
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 RECIPE = (
     "wrap(model, group=mesh) with the whole data-parallel mesh, e.g. mesh = "
@@ -95,7 +99,7 @@ def _group_dims(param: object, group: DeviceMesh) -> tuple[str, ...]:
     """The dimensions of `group` that `param`'s mesh is on: by their names, or, for a 1-D mesh
     flattened from one of them under another name (torchtitan's
     `mesh["dp_shard_in_ep"]._flatten("ep")`), by its ranks; () for anything else."""
-    if not isinstance(param, DTensor):
+    if not is_dtensor(param):
         return ()
     dims, names = param.device_mesh.mesh_dim_names or (), group.mesh_dim_names or ()
     if dims and set(dims) <= set(names):
@@ -111,7 +115,7 @@ def is_expert(param: object, group: DeviceMesh) -> bool:
     dimensions of `group`, one of them named as experts' ("ep", "dp_shard_in_ep", ...). A
     tensor-parallel dimension of the whole mesh ("tp") is the other case."""
     dims = _group_dims(param, group)
-    own = param.device_mesh.mesh_dim_names or () if isinstance(param, DTensor) else ()
+    own = param.device_mesh.mesh_dim_names or () if is_dtensor(param) else ()
     return any(names_experts(n) for n in (*dims, *own)) if dims else False
 
 
@@ -157,6 +161,8 @@ def _mesh_refusal(group: DeviceMesh, ep_dims: tuple[str, ...]) -> str | None:
 
 
 def _params_refusal(experts: list[tuple[str, DTensor]], group: DeviceMesh) -> str | None:
+    from torch.distributed.tensor import Shard  # loaded: `experts` are DTensors
+
     ep_dims = _group_dims(experts[0][1], group)
     for fqn, param in experts:
         mesh = param.device_mesh
@@ -190,9 +196,7 @@ def _modules_refusal(model: nn.Module, experts: list[tuple[str, DTensor]]) -> st
         nested = next((o for o in owners if o != owner and o.startswith(owner + ".")), None)
         if nested is not None:
             return f"expert modules {owner!r} and {nested!r} nest; hold the expert weights in sibling modules"
-    plain = next(
-        ((n, p) for n, p in model.named_parameters() if isinstance(p, DTensor) and id(p) not in expert_ids), None
-    )
+    plain = next(((n, p) for n, p in model.named_parameters() if is_dtensor(p) and id(p) not in expert_ids), None)
     if plain is not None:
         return (
             f"parameter {plain[0]!r} is a DTensor on mesh dims {plain[1].device_mesh.mesh_dim_names}, "

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Placement, Replicate, Shard
 
 from overlap.engine import torch_compat
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import Placement
 
 
 class Groups(NamedTuple):
@@ -93,4 +95,6 @@ def _mesh_of_all(mesh: DeviceMesh, ranks: list[int]) -> DeviceMesh:
 
 def shard_placements(mesh: DeviceMesh) -> list[Placement]:
     """DTensor placements of a sharded parameter (and its gradient) on `mesh`."""
+    from torch.distributed.tensor import Replicate, Shard  # [Note: import cost] in lazy_torch.py
+
     return [Replicate()] * (mesh.ndim - 1) + [Shard(0)]

@@ -35,11 +35,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
 from overlap.engine import process_hooks
+from overlap.engine.lazy_torch import is_dtensor
 
 LOCAL_STEP_OPTIMIZERS = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
 """Optimizers whose step is elementwise per parameter: stepping the local shards is exact."""
@@ -60,7 +60,7 @@ def register_sharded(params: Iterable[torch.Tensor]) -> None:
     """Record `wrap`'s sharded parameters that live on the CPU; installs the global hooks once
     (unless disabled: "local_step" in [Note: process-wide hooks] in process_hooks.py)."""
     for param in params:
-        if param.device.type == "cpu" and isinstance(param, DTensor):
+        if param.device.type == "cpu" and is_dtensor(param):
             _ours[param] = True
     process_hooks.install("local_step", __name__, _install_hooks)
 
@@ -130,9 +130,7 @@ def _swap(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
             state = optimizer.state.pop(param, None)
             saved.append(state)
             if state:
-                optimizer.state[tensor] = {
-                    k: v._local_tensor if isinstance(v, DTensor) else v for k, v in state.items()
-                }
+                optimizer.state[tensor] = {k: v._local_tensor if is_dtensor(v) else v for k, v in state.items()}
         group["params"] = local
         swaps.append(_GroupSwap(group, params, local, saved))
     if swaps:
@@ -160,6 +158,8 @@ def restore(optimizer: torch.optim.Optimizer) -> None:
 
 def _restored(param: torch.Tensor, local: torch.Tensor, key: str, value: Any, before: dict[str, Any] | None) -> Any:
     """One state entry after the step, as the DTensor step would have left it."""
+    from torch.distributed.tensor import DTensor  # loaded: `param` is a DTensor
+
     old = None if before is None else before.get(key)
     per_element = isinstance(value, torch.Tensor) and not isinstance(value, DTensor) and value.shape == local.shape
     if not per_element or not (old is None or isinstance(old, DTensor)):

@@ -42,8 +42,8 @@ from typing import Any, NoReturn
 
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import DTensor
 
+from overlap.engine.lazy_torch import is_dtensor
 from overlap.engine.schedule import Phase, Schedule
 from overlap.engine.state import state_of
 
@@ -122,7 +122,7 @@ class OverlapModule:
         `"cpu:0"` included, `.float()` of an fp32 model) is a no-op whose copies are dropped, and
         any other raises, naming the fix."""
         changed = []
-        tensors = [(n, p.to_local() if isinstance(p, DTensor) else p) for n, p in self.named_parameters()]  # type: ignore[attr-defined]
+        tensors = [(n, p.to_local() if is_dtensor(p) else p) for n, p in self.named_parameters()]  # type: ignore[attr-defined]
         for name, tensor in tensors + list(self.named_buffers()):  # type: ignore[attr-defined]
             if not _same_place(fn(tensor), tensor):
                 changed.append(name)

@@ -16,7 +16,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 from overlap import kernels
 from overlap.compression.feedback import FeedbackResidual, make_residual_format
@@ -443,6 +442,8 @@ class Reductions:
         """Add the bucket's reduced gradients (`grads`, the units' shards in order) into the
         sharded parameters' `.grad`, for the parameters of a nonzero `num_users` (one per
         trainable parameter of the bucket, in order)."""
+        from torch.distributed.tensor import DTensor  # loaded: the parameters are DTensors
+
         offset, first = grads.storage_offset(), 0
         for unit in units:
             for k, (param, grad_offset, shape, stride) in enumerate(unit.grad_locals):

@@ -9,12 +9,12 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
 
 from overlap.config import OverlapConfig
 from overlap.engine.compose import TensorParallel
 from overlap.engine.groups import shard_placements
 from overlap.engine.init import ScratchBuffer
+from overlap.engine.lazy_torch import is_dtensor
 from overlap.engine.replicated import is_replicated
 from overlap.engine.source_values import SourcePlan, pack_rank_major, scatter_shard
 from overlap.engine.unit_tensors import UnitTensors
@@ -156,6 +156,8 @@ def shard_unit(
     fill on the shard ([Note: deferred init with tensor parallelism] in init.py). `modules` maps
     every module FQN (duplicates kept) to its module; `packing` holds the source's rank-major
     copy (see ScratchBuffer in init.py)."""
+    from torch.distributed.tensor import DTensor  # [Note: import cost] in lazy_torch.py
+
     owners, full, dtype = _unit_params(modules, layout)
     world_size = layout.world_size
     if shard is None:
@@ -203,7 +205,7 @@ def shard_unit(
 def _data(param: torch.Tensor) -> torch.Tensor:
     """A parameter's values as wrap lays them out: a DTensor's local tensor ([Note:
     tensor-parallel parameters] in compose.py), a plain tensor itself."""
-    return param._local_tensor if isinstance(param, DTensor) else param
+    return param._local_tensor if is_dtensor(param) else param
 
 
 def _own_storage(view: torch.Tensor) -> torch.Tensor:
