@@ -391,3 +391,45 @@ def test_all_to_all_overlap_hides_nothing_behind_a_grace_host() -> None:
     grace = [predict_run(qwen_run(ep=8, gpu="gb200", node="gb200-nvl72", ep_overlap=o)) for o in (False, True)]
     assert x86[1].ep_exposed_s < x86[0].ep_exposed_s
     assert grace[1].step_s == grace[0].step_s
+
+
+DEEPSEEK_V3 = ModelShape(
+    **{k: v for k, v in json.loads(DATA.read_text())["models"]["deepseek-v3"].items() if k != "source"}
+)
+
+
+def test_multi_token_prediction_runs_a_last_layer_and_an_output_layer_more_on_the_loss_rank() -> None:
+    from overlap.tools.plan.run_step import _microbatch_compute, _predict_rank, _rank_layers, _stage_numel
+
+    spec = RunSpec(model=DEEPSEEK_V3, gpu="b200", node="dgx-b200", num_gpus=256, seq_len=4096, global_batch=2048,
+                   micro_batch=1, pp=16, ep=8, dp_mode="zero1", stack="megatron-te", precision="fp8",
+                   pipeline_layout=(4,) * 15 + (1,), mtp_layers=1)  # fmt: skip
+    without = replace(spec, mtp_layers=0)
+    first, last = spec.rank_shares()[1], spec.rank_shares()[-1]
+    assert last.head and _rank_layers(spec, last) == (60, 60) and _rank_layers(without, last) == (60,)
+    blocks, head = _microbatch_compute(spec, last)
+    blocks0, head0 = _microbatch_compute(without, last)
+    assert blocks == blocks0 + blocks0[-1:]  # the depth's transformer layer is the decoder's last (MoE) layer
+    gpu, h, vocab, tokens = ACCELERATORS["b200"], DEEPSEEK_V3.hidden, DEEPSEEK_V3.vocab_size, 4096
+    # a second pass through the shared output layer (bf16) and eh_proj (2h -> h, fp8), forward
+    floor = 2 * tokens * h * vocab / (gpu.bf16_tflops * 1e12) + 2 * tokens * 2 * h * h / (gpu.fp8_tflops * 1e12)
+    assert head[0] - head0[0] > floor and head[1] - head0[1] > 2 * floor
+    assert head[0] - head0[0] < 1.5 * head0[0] + 2 * floor
+    # eh_proj, three norms and the copy of the embedding the loss rank builds
+    assert _stage_numel(spec, last)[2] - _stage_numel(without, last)[2] == 2 * h * h + 3 * h + vocab * h
+    # the other ranks do not see it
+    assert _predict_rank(spec, first, 1.0).step_s == _predict_rank(without, first, 1.0).step_s
+    assert _predict_rank(spec, last, 1.0).step_s > _predict_rank(without, last, 1.0).step_s
+    assert predict_run(spec).step_s == max(_predict_rank(spec, s, 1.0).step_s for s in spec.rank_shares())
+
+
+def test_deepseek_rows_price_multi_token_prediction_as_their_table_names_it() -> None:
+    rows = [r for r in json.loads(DATA.read_text())["rows"] if r["model"] == "deepseek-v3" and "mbridge" in r["id"]]
+    assert rows
+    for row in rows:
+        where, run = row["published"]["where"], row["run"]
+        if "w/o MTP" in where:
+            assert run.get("mtp_layers", 0) == 0, row["id"]
+        else:  # "w/ MTP", or the recipe's mtp_num_layers = 1 where the table does not say
+            assert run["mtp_layers"] == 1, row["id"]
+        assert not any("not priced" in n and "multi-token" in n for n in run["notes"]), row["id"]

@@ -173,3 +173,25 @@ def test_megatron_2021_rows_carry_the_papers_own_launch_script() -> None:
     assert specs["meg21-530b"].virtual_stages == 3 and not specs["meg21-530b"].dp_overlap  # --DDP-impl local
     one_f_one_b = predict_run(replace(specs["meg21-310b"], schedule="1f1b", virtual_stages=1))
     assert predict_run(specs["meg21-310b"]).pp_bubble_s < 0.6 * one_f_one_b.pp_bubble_s
+
+
+def test_a_published_pipeline_layout_plans_every_rank_and_the_slowest_paces_the_step() -> None:
+    from overlap.tools.plan.run_step import _predict_rank
+
+    base = RunSpec(model=LLAMA_8B, gpu="h100-sxm", node="dgx-h100", num_gpus=64, seq_len=8192, global_batch=64,
+                   micro_batch=1, pp=4, schedule="interleaved", virtual_stages=2, dp_mode="zero1",
+                   stack="megatron-te")  # fmt: skip
+    (share,) = base.rank_shares()  # no layout: the bottleneck rank, the last layers, embedding and loss
+    assert share.layers == tuple(range(24, 32)) and share.embedding and share.head
+    spec = replace(base, pipeline_layout=(3, 4, 4, 4, 4, 4, 4, 5))
+    shares = spec.rank_shares()
+    assert [s.layers for s in shares] == [(0, 1, 2, 15, 16, 17, 18), (3, 4, 5, 6, 19, 20, 21, 22),
+                                          (7, 8, 9, 10, 23, 24, 25, 26), (11, 12, 13, 14, 27, 28, 29, 30, 31)]  # fmt: skip
+    assert [(s.embedding, s.head) for s in shares] == [(True, False), (False, False), (False, False), (False, True)]
+    steps = [_predict_rank(spec, s, 1.0).step_s for s in shares]
+    assert steps[-1] == max(steps) and predict_run(spec).step_s == steps[-1]
+    assert steps[1] < predict_run(base).step_s  # eight layers without the root: less than the bound
+    with pytest.raises(ValueError, match="pipeline_layout"):
+        replace(base, pipeline_layout=(4,) * 7)
+    with pytest.raises(ValueError, match="pipeline_layout"):
+        replace(base, pipeline_layout=(4,) * 7 + (5,))

@@ -16,6 +16,15 @@ the published runs as rows of this shape.
     zero3-keep  ZeRO-3 whose gathered parameters stay for the step's remaining micro-batches
                 (torchtitan under pipeline parallelism: gathered once per step, reduced once)
 HSDP is zero3 over a shard group with an all-reduce across replicas (`replicas`).
+
+[Note: pipeline ranks]
+A pipeline's step is paced by its slowest rank. Without a published layout every virtual stage
+holds ceil(layers / (pp x v)) layers and one rank is planned, holding the last layers, the
+embedding and the loss (an upper bound). With one (`pipeline_layout`, as Megatron-Bridge's
+DeepSeek-V3 recipes set pipeline_model_parallel_layout, e.g. "Et*4|(t*4|)*14tmL": four decoder
+layers per stage, the last stage one layer, the MTP depth and the loss) each rank holds its
+stages' layers, the first the embedding, the last the output layer, its loss and the MTP depths,
+and every rank is planned: the slowest sets the step.
 """
 
 from __future__ import annotations
@@ -112,6 +121,18 @@ class ModelShape:
 
 
 @dataclass(frozen=True, kw_only=True)
+class RankShare:
+    """What one pipeline rank holds ([Note: pipeline ranks])."""
+
+    layers: tuple[int, ...]
+    """Indices of its decoder layers."""
+    embedding: bool
+    """The input embedding sits on it (the first rank)."""
+    head: bool
+    """The output layer, the loss and the multi-token-prediction depths sit on it (the last rank)."""
+
+
+@dataclass(frozen=True, kw_only=True)
 class RunSpec:
     """One training run, every input from its published configuration or a datasheet."""
 
@@ -182,11 +203,20 @@ class RunSpec:
     moe_router, moe_preprocess); the rest is launched op by op ([Note: MoE host work])."""
     recompute_modules: tuple[str, ...] = ()
     """Megatron-Core's selective recompute_modules ([Note: recomputed modules] in run_step.py)."""
+    mtp_layers: int = 0
+    """Multi-token-prediction depths (Megatron-Core's mtp_num_layers), on the rank that holds the
+    loss ([Note: multi-token prediction] in run_step.py)."""
+    pipeline_layout: tuple[int, ...] = ()
+    """Decoder layers of each virtual pipeline stage in order (Megatron-Core's
+    pipeline_model_parallel_layout; the embedding on the first, the loss and the MTP depths on
+    the last, rank r holding stages r, r + pp, ...). Empty: ceil(layers / (pp x v)) per stage and
+    the bottleneck rank holding the last layers, the embedding and the loss ([Note: pipeline
+    ranks])."""
     notes: tuple[str, ...] = field(default_factory=tuple)
     """What the configuration does not publish and the row assumes, shown with the prediction."""
 
     def __post_init__(self) -> None:
-        for name in ("cuda_graph_scope", "recompute_modules"):  # lists from JSON
+        for name in ("cuda_graph_scope", "recompute_modules", "pipeline_layout"):  # lists from JSON
             object.__setattr__(self, name, tuple(getattr(self, name)))
         for name, allowed in (("cuda_graph_scope", GRAPH_SCOPES), ("recompute_modules", RECOMPUTE_MODULES)):
             unknown = set(getattr(self, name)) - set(allowed)
@@ -230,6 +260,7 @@ class RunSpec:
             raise ValueError(f"RunSpec: global batch {self.global_batch} does not split into {self.dp} data-parallel "
                              f"ranks of micro-batches of {self.micro_batch}")  # fmt: skip
         self._check_experts()
+        self._check_layout()
         if self.schedule == "interleaved" and self.virtual_stages < 2:
             raise ValueError("RunSpec: the interleaved schedule needs virtual_stages >= 2")
         if self.pp * self.virtual_stages > self.model.num_layers:
@@ -252,6 +283,31 @@ class RunSpec:
                              f"span (dp x cp{' x tp' if self.etp == 1 else ''})")  # fmt: skip
         if self.capacity_factor is not None and not self.capacity_factor > 0:
             raise ValueError(f"RunSpec.capacity_factor must be > 0 or None, got {self.capacity_factor!r}")
+
+    def _check_layout(self) -> None:
+        if not isinstance(self.mtp_layers, int) or isinstance(self.mtp_layers, bool) or self.mtp_layers < 0:
+            raise ValueError(f"RunSpec.mtp_layers must be an int >= 0, got {self.mtp_layers!r}")
+        layout = self.pipeline_layout
+        if not layout:
+            return
+        stages = self.pp * self.virtual_stages
+        if len(layout) != stages or sum(layout) != self.model.num_layers or min(layout) < 0:
+            raise ValueError(f"RunSpec.pipeline_layout {list(layout)} must give each of the {stages} virtual stages "
+                             f"(pp x virtual_stages) its decoder layers, {self.model.num_layers} in all")  # fmt: skip
+
+    def rank_shares(self) -> tuple[RankShare, ...]:
+        """What each pipeline rank holds ([Note: pipeline ranks]); without a layout, only the
+        bottleneck rank's share."""
+        n = self.model.num_layers
+        if not self.pipeline_layout:
+            return (RankShare(layers=tuple(range(max(0, n - self.layers_per_rank), n)), embedding=True, head=True),)
+        starts = [sum(self.pipeline_layout[:i]) for i in range(len(self.pipeline_layout))]
+        shares = []
+        for rank in range(self.pp):
+            stages = range(rank, self.pp * self.virtual_stages, self.pp)
+            layers = [i for s in stages for i in range(starts[s], starts[s] + self.pipeline_layout[s])]
+            shares.append(RankShare(layers=tuple(layers), embedding=rank == 0, head=rank == self.pp - 1))
+        return tuple(shares)
 
     @property
     def expert_ranks(self) -> int:
@@ -281,7 +337,7 @@ class RunSpec:
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
-        for name in ("notes", "cuda_graph_scope", "recompute_modules"):
+        for name in ("notes", "cuda_graph_scope", "recompute_modules", "pipeline_layout"):
             out[name] = list(out[name])
         return out
 

@@ -28,6 +28,18 @@ the sequence), the head and loss, recomputation by the checkpointing policy. Com
                     in overlap/step_model/moe.py)
 The bottleneck rank of a pipeline holds the model's last layers (with dense layers first, the
 MoE layers; with sliding-window layers, its share of them).
+[Note: multi-token prediction]
+Megatron-Core's MTP (mtp_num_layers, https://github.com/NVIDIA/Megatron-LM/blob/main/megatron/core/
+transformer/multi_token_prediction.py and docs/user-guide/features/multi_token_prediction.md) runs,
+per depth and on the pipeline stage that holds the loss (its default placement, "all MTP layers
+sit on the last pipeline stage"): the shared embedding of the tokens shifted by the depth
+(GPTModel builds a copy of the embedding on that stage, `mtp_process`), enorm and hnorm, the
+concatenation through eh_proj (2h -> h, a column-parallel linear), one transformer layer built
+from the decoder's last layer spec (`get_gpt_mtp_block_spec`: a MoE layer for DeepSeek-V3, with
+its dispatch, combine and host work), its final_layernorm, the shared output layer and a loss.
+Priced as one more layer of the decoder's last kind, the projection's GEMMs, three norms' passes
+and one more output layer and loss, forward and backward; its parameters (the layer, eh_proj,
+the norms and the embedding copy) are reduced and stepped with the stage's.
 [Note: weight passes]
 Some work scales with the weights, not the tokens, and runs on the compute stream: fp32
 parameters under autocast are cast to bf16 at each forward use (read 4, write 2 bytes; again for
@@ -56,13 +68,22 @@ from overlap.step_model.calibration import default_calibration
 from overlap.step_model.cost import Link, Topology, UnitCost, ring_time_s
 from overlap.step_model.fitting import solve_increasing
 from overlap.step_model.hardware import HBM_SHARE, NVLINK_SHARE, accelerator, nccl_share, node_spec, ring_link
-from overlap.step_model.kernels import ACT_BYTES, block_seconds, gemm_seconds, head_seconds, stack
+from overlap.step_model.kernels import (
+    ACT_BYTES,
+    block_seconds,
+    gemm_backward_seconds,
+    gemm_seconds,
+    head_seconds,
+    stack,
+)
 from overlap.step_model.moe import all_to_all_s, host_cpu, moe_host_split, moe_seconds, synced_forward_s
 from overlap.step_model.moe_flex import flex_call_s
 from overlap.tools.plan import ring_attention
 from overlap.tools.plan.fsdp import OPTIMIZER_BYTES_PER_PARAM
-from overlap.tools.plan.run_spec import RunSpec
+from overlap.tools.plan.run_spec import RankShare, RunSpec
 
+MTP_NORMS = 3
+"""Norms of one multi-token-prediction depth: enorm, hnorm and its final_layernorm."""
 RECOMPUTED_FORWARDS = {"none": 0.0, "selective": 0.0, "attention": 0.0, "full": 1.0, "layer2": 0.5}
 """Forwards of a block's weights that recomputation repeats, per micro-batch."""
 TP_COLLECTIVES = {"none": 8, "selective": 10, "attention": 8, "full": 12, "layer2": 10}
@@ -101,10 +122,45 @@ def _group_link(spec: RunSpec, size: int, ranks_per_node: int) -> Link:
     return ring_link(accelerator(spec.gpu), node_spec(spec.node), size, max(1, min(size, ranks_per_node)))
 
 
-def _rank_layers(spec: RunSpec) -> range:
-    """Indices of the layers on the bottleneck rank ([Note: a run's step])."""
+def _rank_layers(spec: RunSpec, share: RankShare) -> tuple[int, ...]:
+    """Indices of the transformer layers a rank runs ([Note: pipeline ranks] in run_spec.py):
+    its decoder layers, and on the rank of the loss one per multi-token-prediction depth, built
+    as the last decoder layer is ([Note: multi-token prediction])."""
+    mtp = (spec.model.num_layers - 1,) * spec.mtp_layers if share.head else ()
+    return share.layers + mtp
+
+
+def _head_seconds(spec: RunSpec, share: RankShare, tokens: float) -> tuple[float, float]:
+    """(forward, backward) seconds of the output layer and its loss on the rank that holds them,
+    and of each multi-token-prediction depth's projection, norms and second pass through the
+    shared output layer and a loss ([Note: multi-token prediction])."""
+    if not share.head:
+        return 0.0, 0.0
+    m, gpu, fp8 = spec.model, accelerator(spec.gpu), spec.precision == "fp8"
+    forward, backward = head_seconds(tokens, m.hidden, m.vocab_size, gpu, spec.tp)
+    if not spec.mtp_layers:
+        return forward, backward
+    h = m.hidden
+    proj_fwd = gemm_seconds(tokens, 2 * h, h // spec.tp, gpu, fp8, spec.fp8_recipe)
+    proj_bwd = gemm_backward_seconds(tokens, 2 * h, h // spec.tp, gpu, fp8, spec.fp8_recipe)
+    norms = tokens * MTP_NORMS * stack(spec.stack).norm_passes * h * ACT_BYTES / (gpu.hbm_tbps * 1e12 * HBM_SHARE)
+    depth = spec.mtp_layers
+    return forward * (1 + depth) + depth * (proj_fwd + norms), backward * (1 + depth) + depth * (proj_bwd + 2 * norms)
+
+
+def _root_numel(spec: RunSpec, share: RankShare) -> float:
+    """Parameters outside the transformer layers on a rank, 1/T of them: the embedding, the
+    output layer and final norm, and per MTP depth its projection and three norms, with a copy of
+    the embedding where the first rank's is not ([Note: multi-token prediction])."""
     m = spec.model
-    return range(max(0, m.num_layers - spec.layers_per_rank), m.num_layers)
+    table = m.vocab_size * m.hidden
+    if share.embedding and share.head:
+        out = float(m.root_numel())
+    else:
+        out = float(share.embedding * table + share.head * (table + m.hidden))
+    if share.head and spec.mtp_layers:
+        out += spec.mtp_layers * (2 * m.hidden * m.hidden + MTP_NORMS * m.hidden) + (0 if share.embedding else table)
+    return out / spec.tp
 
 
 def _layer_numel(spec: RunSpec, index: int) -> tuple[float, float]:
@@ -139,18 +195,18 @@ def _weight_pass_s(spec: RunSpec, index: int) -> tuple[float, float]:
     return numel * forward / rate, numel * backward / rate
 
 
-def _microbatch_compute(spec: RunSpec) -> tuple[list[tuple[float, float]], tuple[float, float]]:
-    """(forward, backward + recompute) seconds of each block on the bottleneck rank, and of the
+def _microbatch_compute(spec: RunSpec, share: RankShare) -> tuple[list[tuple[float, float]], tuple[float, float]]:
+    """(forward, backward + recompute) seconds of each block on a pipeline rank, and of the
     head and loss, for one micro-batch."""
     gpu, kernels, m = accelerator(spec.gpu), stack(spec.stack), spec.model
     tokens = spec.micro_batch * spec.seq_len / spec.cp
     fp8 = spec.precision == "fp8"
     ring_fwd, ring_bwd = ring_attention.compute_s(spec)
     blocks = []
-    moe_layers = sum(m.is_moe_layer(i) for i in _rank_layers(spec))
+    moe_layers = sum(m.is_moe_layer(i) for i in _rank_layers(spec, share))
     # one direction's share of a MoE layer's exposed all-to-alls (none when overlapped)
-    a2a_layer = 0.0 if _ep_overlap_hides(spec) or not moe_layers else _ep_exposed(spec) / moe_layers / 2
-    for index in _rank_layers(spec):
+    a2a_layer = 0.0 if _ep_overlap_hides(spec) or not moe_layers else _ep_exposed(spec, share) / moe_layers / 2
+    for index in _rank_layers(spec, share):
         moe_layer = m.is_moe_layer(index)
         b = block_seconds(m.block(moe_layer=moe_layer), tokens, spec.seq_len, gpu, kernels, tp=spec.tp, fp8=fp8,
                           fp8_recipe=spec.fp8_recipe, recompute=spec.ac,
@@ -177,8 +233,7 @@ def _microbatch_compute(spec: RunSpec) -> tuple[list[tuple[float, float]], tuple
                 forward = max(forward, host_pre + host_post - a2a_layer)
             backward = max(backward, 2 * (host_pre + host_post) - a2a_layer)
         blocks.append((forward, backward))
-    head = head_seconds(tokens, m.hidden, m.vocab_size, gpu, spec.tp)
-    return blocks, head
+    return blocks, _head_seconds(spec, share, tokens)
 
 
 def _recomputed_modules_s(spec: RunSpec, index: int, tokens: float, b) -> float:
@@ -227,10 +282,10 @@ def _moe_seconds(spec: RunSpec, tokens: float):
                        dispatcher=spec.dispatcher)  # fmt: skip
 
 
-def _ep_exposed(spec: RunSpec) -> float:
+def _ep_exposed(spec: RunSpec, share: RankShare) -> float:
     """Exposed seconds of one micro-batch's dispatch and combine all-to-alls ([Note: expert
     parallelism]): two forward, two backward and two per recomputed forward, per MoE layer."""
-    moe_layers = sum(spec.model.is_moe_layer(i) for i in _rank_layers(spec))
+    moe_layers = sum(spec.model.is_moe_layer(i) for i in _rank_layers(spec, share))
     if spec.ep == 1 or not moe_layers:
         return 0.0
     gpu, node = accelerator(spec.gpu), node_spec(spec.node)
@@ -265,11 +320,11 @@ def _ep_overlap_hides(spec: RunSpec) -> bool:
     return spec.ep_overlap and host_cpu(spec.gpu) != "grace"
 
 
-def _stage_numel(spec: RunSpec) -> tuple[float, float, float]:
-    """(dense block, routed-expert, root) parameters on the bottleneck rank ([Note: a run's
-    step]): 1/T of the dense ones, the rank's experts."""
-    layers = [_layer_numel(spec, i) for i in _rank_layers(spec)]
-    return sum(d for d, _ in layers), sum(e for _, e in layers), spec.model.root_numel() / spec.tp
+def _stage_numel(spec: RunSpec, share: RankShare) -> tuple[float, float, float]:
+    """(dense block, routed-expert, root) parameters on a pipeline rank ([Note: a run's step]):
+    1/T of the dense ones, the rank's experts."""
+    layers = [_layer_numel(spec, i) for i in _rank_layers(spec, share)]
+    return sum(d for d, _ in layers), sum(e for _, e in layers), _root_numel(spec, share)
 
 
 def _expert_group(spec: RunSpec) -> tuple[int, Link]:
@@ -278,7 +333,7 @@ def _expert_group(spec: RunSpec) -> tuple[int, Link]:
     return spec.edp, _group_link(spec, spec.edp, per_node)
 
 
-def _tp_exposed(spec: RunSpec) -> float:
+def _tp_exposed(spec: RunSpec, share: RankShare) -> float:
     """Exposed seconds of one micro-batch's tensor-parallel collectives: all of them, or with
     async TP those the stack does not overlap (`KernelStack.tp_overlap_backward`). Half of them
     are all-gathers (the forward's of the block inputs, the backward's of the output gradients),
@@ -288,9 +343,10 @@ def _tp_exposed(spec: RunSpec) -> float:
     size = spec.micro_batch * spec.seq_len / spec.cp * spec.model.hidden * 2
     link = _group_link(spec, spec.tp, spec.tp)
     topo = Topology(spec.tp, spec.tp, link, link)
-    count = spec.layers_per_rank * TP_COLLECTIVES[spec.ac] + 4
+    layers = len(_rank_layers(spec, share))
+    count = layers * TP_COLLECTIVES[spec.ac] + 4
     if spec.async_tp:
-        count = 0 if stack(spec.stack).tp_overlap_backward else spec.layers_per_rank * 4 + 2
+        count = 0 if stack(spec.stack).tp_overlap_backward else layers * 4 + 2
     if spec.precision == "fp8" and spec.fp8_recipe == "tensorwise" and stack(spec.stack).float8_tp_all_gather:
         return count / 2 * (ring_time_s("all_gather", size, topo) + ring_time_s("all_gather", size / 2, topo))
     return count * ring_time_s("all_gather", size, topo)
@@ -304,19 +360,19 @@ def _dp_group(spec: RunSpec) -> tuple[int, Link]:
     return size, _group_link(spec, size, per_node)
 
 
-def _simulated_fsdp(spec: RunSpec, blocks: list[tuple[float, float]], head: tuple[float, float], *,
-                    reduce: bool = True) -> tuple[float, float]:  # fmt: skip
+def _simulated_fsdp(spec: RunSpec, share: RankShare, blocks: list[tuple[float, float]], head: tuple[float, float],
+                    *, reduce: bool = True) -> tuple[float, float]:  # fmt: skip
     """(seconds, of which exposed) of one micro-batch replayed on the simulator with the
     runtime's Schedule: gathers, and with `reduce` the gradients' reduce-scatter."""
     size, link = _dp_group(spec)
-    root_numel = _stage_numel(spec)[2]
+    root_numel = _stage_numel(spec, share)[2]
     gather_bytes = 1 if spec.fp8_all_gather else spec.param_bytes
     cal = replace(default_calibration("nccl", size, link), compute_share_lost=nccl_share(accelerator(spec.gpu)))
     grad_bytes = spec.reduce_bytes if reduce else 0
     wire = _expert_wire_share(spec, size, link)
     units: list[UnitCost] = [cal.unit("root", int(root_numel * spec.param_bytes), int(root_numel * grad_bytes), *head,
                                       gather_wire_bytes=int(root_numel * spec.param_bytes))]  # fmt: skip
-    for i, ((f, b), index) in enumerate(zip(blocks, _rank_layers(spec), strict=True)):
+    for i, ((f, b), index) in enumerate(zip(blocks, _rank_layers(spec, share), strict=True)):
         dense, expert = _layer_numel(spec, index)
         numel = int(dense + expert)
         units.append(cal.unit(f"blocks.{i}", numel * spec.param_bytes, numel * grad_bytes, f, b,
@@ -340,11 +396,11 @@ def _expert_wire_share(spec: RunSpec, size: int, link: Link) -> float:
     return ((edp - 1) / edp / elink.busbw_gbps) / ((size - 1) / size / link.busbw_gbps)
 
 
-def _once_per_step(spec: RunSpec, mb_forward_s: float, mb_backward_s: float) -> float:
+def _once_per_step(spec: RunSpec, share: RankShare, mb_forward_s: float, mb_backward_s: float) -> float:
     """Exposed seconds of a data-parallel exchange that happens once per step ([Note: a run's
     step]): the stage's reduction behind one micro-batch's backward, ZeRO-1's and a kept ZeRO-3's
     gather behind one micro-batch's forward."""
-    dense, expert, root = _stage_numel(spec)
+    dense, expert, root = _stage_numel(spec, share)
     reduce_op = "all_reduce" if spec.dp_mode == "ddp" else "reduce_scatter"
     gather_bytes = 1 if spec.fp8_all_gather else spec.param_bytes
     reduce_s = gather_s = 0.0
@@ -391,11 +447,17 @@ def _lacks(spec: RunSpec) -> list[str]:
 
 
 def predict_run(spec: RunSpec, *, compute_scale: float = 1.0) -> RunPrediction:
-    """[Note: a run's step] for `spec`; `compute_scale` multiplies every kernel's seconds (what
+    """[Note: a run's step] for `spec`, paced by its slowest pipeline rank ([Note: pipeline
+    ranks] in run_spec.py); `compute_scale` multiplies every kernel's seconds (what
     `calibrate_compute` finds from one measured run; 1: the kernel model's defaults)."""
     if not compute_scale > 0:
         raise ValueError(f"compute_scale must be > 0, got {compute_scale!r}")
-    blocks, head = _microbatch_compute(spec)
+    return max((_predict_rank(spec, share, compute_scale) for share in spec.rank_shares()), key=lambda p: p.step_s)
+
+
+def _predict_rank(spec: RunSpec, share: RankShare, compute_scale: float) -> RunPrediction:
+    """[Note: a run's step] with the pipeline paced by the rank that holds `share`."""
+    blocks, head = _microbatch_compute(spec, share)
     blocks = [(f * compute_scale, b * compute_scale) for f, b in blocks]
     head = (head[0] * compute_scale, head[1] * compute_scale)
     gpu = accelerator(spec.gpu)
@@ -404,7 +466,7 @@ def predict_run(spec: RunSpec, *, compute_scale: float = 1.0) -> RunPrediction:
     mb_forward = sum(f for f, _ in blocks) + head[0]
     mb_backward = sum(b for _, b in blocks) + head[1]
     m, p, v = spec.num_microbatches, spec.pp, spec.virtual_stages
-    dense, expert, root = _stage_numel(spec)
+    dense, expert, root = _stage_numel(spec, share)
     owned = dense + root + expert
     if spec.dp_mode != "ddp":
         owned = (dense + root) / (
@@ -413,8 +475,8 @@ def predict_run(spec: RunSpec, *, compute_scale: float = 1.0) -> RunPrediction:
         owned += expert / spec.edp
     optimizer_bytes = stack(spec.stack).optimizer_bytes_per_param or OPTIMIZER_BYTES_PER_PARAM
     optimizer_s = optimizer_bytes * owned / (gpu.hbm_tbps * 1e12 * HBM_SHARE)
-    tp_mb = _tp_exposed(spec)
-    ep_mb = _ep_exposed(spec)
+    tp_mb = _tp_exposed(spec, share)
+    ep_mb = _ep_exposed(spec, share)
     if _ep_overlap_hides(spec):  # hidden behind the other micro-batch, taking NCCL's SMs from it
         compute = mb_forward + mb_backward
         ep_mb = max(0.0, ep_mb - compute) + min(ep_mb, compute) * nccl_share(gpu)
@@ -426,7 +488,7 @@ def predict_run(spec: RunSpec, *, compute_scale: float = 1.0) -> RunPrediction:
         p2p_mb = 2 * v * (link.alpha_s + link.seconds(size))
     compute_mb = mb_forward + mb_backward
     if p == 1 and spec.dp_mode in ("zero3", "zero2"):
-        mb_s, mb_exposed = _simulated_fsdp(spec, blocks, head)
+        mb_s, mb_exposed = _simulated_fsdp(spec, share, blocks, head)
         step = m * (mb_s + tp_mb + cp_mb + ep_mb) + optimizer_s
         bubble, dp_exposed = 0.0, m * mb_exposed
     else:
@@ -435,11 +497,11 @@ def predict_run(spec: RunSpec, *, compute_scale: float = 1.0) -> RunPrediction:
         # their reduction (and every other mode's exchange) is once per step
         gathers_mb = 0.0
         if spec.dp_mode in ("zero3", "zero2"):
-            gathers_mb = max(0.0, _simulated_fsdp(spec, blocks, head, reduce=False)[0] - compute_mb)
+            gathers_mb = max(0.0, _simulated_fsdp(spec, share, blocks, head, reduce=False)[0] - compute_mb)
         slot = compute_mb + gathers_mb + tp_mb + cp_mb + ep_mb + p2p_mb
         fill = (p - 1) / v
         bubble = fill * slot
-        dp_exposed = m * gathers_mb + _once_per_step(spec, mb_forward, mb_backward)
+        dp_exposed = m * gathers_mb + _once_per_step(spec, share, mb_forward, mb_backward)
         step = (m + fill) * slot + (dp_exposed - m * gathers_mb) + optimizer_s
     return RunPrediction(spec=spec, step_s=step, compute_s=m * compute_mb, dp_exposed_s=dp_exposed,
                          tp_exposed_s=m * tp_mb, cp_exposed_s=m * cp_mb, pp_bubble_s=bubble, p2p_s=m * p2p_mb,
