@@ -1,4 +1,5 @@
-"""The C++ CPU extension (`csrc/quantize.cpp`, `csrc/copy.cpp`, `csrc/reduce.cpp`, `csrc/shm.cpp`), built just in time at first use and cached.
+"""The C++ CPU extension (`csrc/quantize.cpp`, `csrc/copy.cpp`, `csrc/reduce.cpp`, `csrc/shm.cpp`,
+`csrc/pool.cpp`), built just in time at first use and cached.
 
 [Note: just-in-time C++ build]
 `setup.py` never imports torch (pip's build isolation would need a second torch), so the
@@ -55,7 +56,7 @@ build_seconds: float | None = None
 
 def source_paths() -> list[Path]:
     """The extension's sources: one module, ops registered under torch.ops.overlap_cpu."""
-    return [_CSRC / "quantize.cpp", _CSRC / "copy.cpp", _CSRC / "reduce.cpp", _CSRC / "shm.cpp"]
+    return [_CSRC / name for name in ("quantize.cpp", "copy.cpp", "reduce.cpp", "shm.cpp", "pool.cpp")]
 
 
 def load_extension() -> Any | None:

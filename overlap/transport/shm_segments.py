@@ -31,6 +31,9 @@ MIN_RING_BYTES, MAX_RING_BYTES = 32 << 20, 1 << 30
 # a wait spins, then yields its core, then sleeps ([Note: shared-memory waits] in csrc/shm.cpp)
 SPIN_S, YIELD_S = 20e-6, 1e-3
 DEFAULT_TIMEOUT = timedelta(minutes=30)  # gloo's default process-group timeout
+# a reduce-scatter output this large comes from csrc/pool.cpp: glibc maps blocks of 32 MiB and up
+# afresh at every allocation, whatever its thresholds ([Note: recycled outputs] in csrc/pool.cpp)
+RECYCLED_BYTES = (32 << 20) - 4096
 _STATUS = {1: "did not {what} within {t}", 2: "failed and aborted its exchanges", 3: "is gone (its process exited)"}
 
 
@@ -258,12 +261,20 @@ class ShmSegments:
         if work.out is not None:
             outcome = self.ext.shm_pull_gather(*args, work.out, *wait)
         else:
-            work.reduced = torch.empty(work.cols, dtype=work.dtype)
+            work.reduced = self._sum_output(work.cols, work.dtype)
             divide = work.divide
             numel, divisor = (0, 1) if divide is None or divide.divisor == 1 else divide
             outcome = self.ext.shm_pull_reduce(*args, work.nbytes, work.reduced, *wait, numel, float(divisor))
         if outcome[0]:
             self._fail(_pull_failure(outcome, work), outcome[-1] / 1e9)
+
+    def _sum_output(self, numel: int, dtype: torch.dtype | None) -> torch.Tensor:
+        """A reduce-scatter's output: recycled from csrc/pool.cpp from `RECYCLED_BYTES` up
+        ([Note: recycled outputs] there), where glibc would map fresh pages at every call."""
+        assert dtype is not None
+        if numel * dtype.itemsize >= RECYCLED_BYTES:
+            return self.ext.pool_empty(numel, dtype)
+        return torch.empty(numel, dtype=dtype)
 
     def _pull_regions(self, work: ShmWork, pull: Callable[[list[torch.Tensor]], None]) -> None:
         """`_pull` of a collective posted with `publish`: every rank's bytes handed to `pull`."""

@@ -7,6 +7,8 @@
   drained, posts start over at its beginning (first fit);
 - an all-gather's output lives in the ring while it has room and is never reused while held;
 - a wait that outlasts its spin and yield stages sleeps, and returns with the bytes once the peer posts;
+- a large reduce-scatter's output is recycled once every view of it is dropped, never while one is
+  held, and the pool of recycled buffers never holds more than was once lent at a time;
 - ranks that issue different collectives raise on every rank, naming it;
 - a peer killed or stopped mid-exchange makes the survivor raise (at once, or after the
   timeout), and no segment is left in /dev/shm at any point after wrap.
@@ -49,6 +51,17 @@ def train_against_ddp(rank: int, world: int, config: dict, hsdp: bool = False) -
     group = init_device_mesh("cpu", (2, world // 2)) if hsdp else None
     r = _parity(rank, 3, setup, layers=6, group=group, **config)
     return {"diff": r["diff"], **r["seen"]}
+
+
+def train_on_recycled_sums(rank: int, world: int) -> dict:
+    """`train_against_ddp` with every reduce-scatter output from the pool: `.grad` shards live
+    in recycled buffers across optimizer steps and `zero_grad`."""
+    from overlap.kernels import cpu
+    from overlap.transport import shm_segments
+
+    shm_segments.RECYCLED_BYTES = 1
+    r = train_against_ddp(rank, world, {})
+    return {**r, "pool": cpu.load_extension().pool_stats()}
 
 
 def identity_differs_on_rank1(rank: int, world: int) -> list[str]:
@@ -161,6 +174,42 @@ def late_peer(rank: int, world: int, late_s: float) -> dict:
     return {"exact": all(ok for ok, _ in results), "waited_s": [w for _, w in results]}
 
 
+def recycled_sums(rank: int, world: int) -> dict:
+    """Reduce-scatters whose outputs come from the pool (its threshold lowered to 64 KiB here):
+    exact sums; an output dropped before the next call gives its buffer to it, a held one (as a
+    view) does not."""
+    from overlap.transport import shm_segments
+
+    shm_segments.RECYCLED_BYTES = 64 << 10
+    group = dist.group.WORLD
+    plan = shm.ShmPlan(timedelta(seconds=60))
+    plan.segments = shm.ShmSegments(group, 4 << 20, plan.timeout)
+    reduce = shm.ShmReduceScatter(plan, shm.ReduceScatter())
+    reduce.plan(_wire(group))
+    numel = 64 << 10  # 256 KiB of fp32 summed into this rank's 128 KiB
+    pointers, wrong, held = [], [], []
+    for k in range(6):
+        full = reduce.allocate(world, numel // world, torch.float32, torch.device("cpu"))
+        full.copy_(torch.arange(numel, dtype=torch.float32).view(world, -1) * (rank + 1) + k)
+        got = comm.wait(reduce(full, None))
+        rows = torch.arange(numel, dtype=torch.float32).view(world, -1)[rank]
+        if not torch.equal(got, sum(rows * (r + 1) + k for r in range(world))):
+            wrong.append(k)
+        pointers.append(got.data_ptr())
+        if k == 3:
+            held.append(got[1:])  # a view keeps the buffer out of the pool
+        del got
+    idle, lent, peak = plan.segments.ext.pool_stats()
+    return {
+        "wrong": wrong,
+        "pointers": pointers,
+        "held_is_live": held[0].data_ptr() == pointers[3] + 4,
+        "idle": idle,
+        "lent": lent,
+        "peak": peak,
+    }
+
+
 def different_sizes(rank: int, world: int) -> str:
     group = dist.group.WORLD
     plan = shm.ShmPlan(timedelta(seconds=60))
@@ -223,6 +272,43 @@ def test_sleeping_wait_returns_after_the_post(world2):
     assert r0["exact"] and r1["exact"], (r0, r1)
     # rank 0 slept through rank 1's delay and returned after the post, long before any deadline
     assert all(late_s * 0.9 < w < late_s + 5.0 for w in r0["waited_s"]), r0["waited_s"]
+
+
+def test_large_sums_are_recycled(world2):
+    for rank, r in enumerate(world2.run(recycled_sums, timeout_s=120)):
+        p = r["pointers"]
+        assert r["wrong"] == [], (rank, r)
+        assert p[1] == p[0] and p[2] == p[0] and p[3] == p[0], (rank, p)  # dropped: the same buffer again
+        assert p[4] != p[3] and p[5] == p[4], (rank, p)  # held as a view: a new one, then that one again
+        assert r["held_is_live"] and r["lent"] == 128 << 10 and r["idle"] == 128 << 10, (rank, r)
+        assert r["idle"] + r["lent"] <= r["peak"], (rank, r)
+
+
+def test_training_on_recycled_sums_is_ddps(world2):
+    for rank, r in enumerate(world2.run(train_on_recycled_sums, timeout_s=300)):
+        assert r["kinds"] == ["ShmAllGather", "ShmReduceScatter"] and r["diff"] == 0.0, (rank, r)
+        assert r["pool"][2] > 0, (rank, r["pool"])  # the sums came from the pool
+
+
+def test_pool_never_holds_more_than_was_lent_at_once():
+    from overlap.kernels import cpu
+
+    ext = cpu.load_extension()
+    assert ext is not None, "the pool is part of the compiled kernels"
+    ext.pool_release()  # idle buffers freed, the high-water mark down to what is lent now
+    lent0 = ext.pool_stats()[1]
+    a, b = ext.pool_empty(1 << 20, torch.float32), ext.pool_empty(1 << 20, torch.float32)  # 4 MiB each
+    both = {a.data_ptr(), b.data_ptr()}
+    del a, b
+    assert ext.pool_stats()[0] == 8 << 20  # both kept: 8 MiB were lent at once
+    c = ext.pool_empty(1 << 20, torch.float32)
+    assert c.data_ptr() in both and c.data_ptr() % 4096 == 0
+    del c
+    big = ext.pool_empty(3 << 20, torch.float32)  # 12 MiB lent: the idle 8 MiB would exceed the mark
+    idle, lent, peak = ext.pool_stats()
+    assert lent - lent0 == 12 << 20 and idle + lent <= peak, (idle, lent, peak)
+    del big
+    assert ext.pool_release() == 12 << 20 and ext.pool_stats()[0] == 0
 
 
 def test_different_collectives_raise_on_every_rank(world2):
