@@ -1,14 +1,17 @@
-"""Checks against torch's heavy subsystems that do not import them.
+"""Checks against torch's heavy subsystems that do not import them, and a decorator that imports
+dynamo late.
 
 [Note: import cost]
 `import overlap` costs about what `import torch` does: torch.distributed.tensor (DTensor, ~0.8 s:
 its op tables, sympy), torch._dynamo (~0.6 s) and torch.distributed.checkpoint load on first use,
 not at import (tests/unit/test_import_cost.py checks that they stay out). Every torchrun rank and
-every `overlap` command pays the import; only a rank that wraps a model needs DTensor, only one
-that compiles needs dynamo, only one that checkpoints needs DCP. So the engine imports them inside
-the functions that build DTensors or save, and asks the questions below instead of importing:
-no DTensor can exist before torch.distributed.tensor is imported, and nothing is compiled before
-torch._dynamo is. tests/helpers/harness.py preloads them in the ranks' forkserver.
+every `overlap` command pays the import, and a tool that wraps no model (`overlap --help`, `plan`,
+`report`) needs none of them. A rank that wraps loads DTensor and, through it, dynamo
+(`DTensor.from_local` is itself `torch.compiler.disable`d); only one that checkpoints loads DCP.
+So the engine imports them inside the functions that build DTensors, register the hooks or save,
+and asks the questions below instead of importing: no DTensor can exist before
+torch.distributed.tensor is imported, and nothing is compiled before torch._dynamo is.
+tests/helpers/harness.py preloads them in the ranks' forkserver.
 """
 
 from __future__ import annotations
@@ -38,23 +41,23 @@ def is_compiled_module(module: object) -> bool:
     return isinstance(module, OptimizedModule)
 
 
+class _CompileDisabled:
+    """A method that is `torch.compiler.disable`d when first looked up (see compile_disabled)."""
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        self.fn = fn
+        self.disabled: Callable[..., Any] | None = None
+        functools.update_wrapper(self, fn)
+
+    def __get__(self, obj: object, objtype: type | None = None) -> Any:
+        if self.disabled is None:
+            self.disabled = torch.compiler.disable(self.fn)
+        return self.disabled.__get__(obj, objtype)  # type: ignore[attr-defined]
+
+
 def compile_disabled(fn: F) -> F:
-    """`torch.compiler.disable(fn)`, with torch._dynamo imported only once something compiles.
-
-    Until torch._dynamo is imported nothing can trace `fn`, which then runs as it is. Afterwards
-    it runs as `torch.compiler.disable(fn)` (made on first need), and the wrapper carries the
-    marker that keeps dynamo from inlining it, as `disable`'s own wrapper does: a traced caller
-    breaks its graph here and `fn` runs eagerly, with compilation off inside it."""
-    disabled: Callable[..., Any] | None = None
-
-    @functools.wraps(fn)
-    def call(*args: Any, **kwargs: Any) -> Any:
-        nonlocal disabled
-        if "torch._dynamo" not in sys.modules:
-            return fn(*args, **kwargs)
-        if disabled is None:
-            disabled = torch.compiler.disable(fn)
-        return disabled(*args, **kwargs)
-
-    call._torchdynamo_disable = True  # type: ignore[attr-defined]  # dynamo's marker of a disabled function
-    return call  # type: ignore[return-value]
+    """A method decorator: `torch.compiler.disable(fn)`, made when the method is first looked up
+    (when `wrap` registers it as a hook) instead of when its class is defined, which would import
+    torch._dynamo with the module. What the lookup returns is the same bound method as under
+    `@torch.compiler.disable`."""
+    return _CompileDisabled(fn)  # type: ignore[return-value]

@@ -266,10 +266,10 @@ class OverlapState:
     # (unit_policy naming the inner class), has its forward hooks called from a frame that
     # dynamo traces. Traced, the schedule's Python state (unit states, cursors) becomes guards
     # that change every call: a recompile per unit and step until dynamo's recompile limit.
-    # The forward hooks are therefore `torch.compiler.disable`d (by `compile_disabled`, which
-    # imports dynamo only once it is loaded: [Note: import cost] in lazy_torch.py): dynamo breaks
-    # the graph around them and they run eagerly; the block's own forward is still compiled, once
-    # for all units.
+    # The forward hooks are therefore `torch.compiler.disable`d (`compile_disabled`: when wrap
+    # registers them, not at import, [Note: import cost] in lazy_torch.py): dynamo breaks the
+    # graph around them and they run eagerly; the block's own forward is still compiled, once for
+    # all units.
 
     @compile_disabled
     def _root_pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:

@@ -32,7 +32,17 @@ DEEPSPEED_BUILD_S = 600
 """DeepSpeed JIT-builds a small CPU op the first time it starts on a machine (~40 s idle, over
 100 s measured on a loaded 2-core machine); cached under TORCH_EXTENSIONS_DIR afterwards. Tests
 that use the `deepspeed_op` fixture (conftest.py) allow this much more."""
-PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "overlap", "models"]
+PRELOAD = [
+    "torch",
+    "torch.distributed",
+    "overlap",
+    # loaded on first use, not by `import overlap` ([Note: import cost] in overlap/engine/lazy_torch.py):
+    # wrap builds DTensors, tests compile blocks and save checkpoints
+    "torch.distributed.tensor",
+    "torch._dynamo",
+    "torch.distributed.checkpoint",
+    "models",
+]
 
 _CTX = mp.get_context("forkserver")
 _CTX.set_forkserver_preload(PRELOAD)
