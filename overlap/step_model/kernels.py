@@ -42,6 +42,26 @@ reproduce torchao's own Float8Linear microbenchmark on H100 (torchao/float8/READ
 input (q, k and v; the gate and up projections) share its cast under torch.compile; with float8
 tensor parallelism it runs on the sequence shard before the fp8 all-gather (`fp8_cast_seconds`).
 
+[Note: MXFP8]
+Transformer Engine's MXFP8BlockScaling (Megatron-Bridge's FP8-MX / MXFP8 on Blackwell) scales
+every 32 consecutive elements by one E8M0 byte. "Rowwise and columnwise quantizations are
+different ... one cannot derive one from the other. Both must be quantized independently from
+the full-precision data" (https://github.com/NVIDIA/TransformerEngine/blob/
+d0067d0da6cb01811b8072a7d304f0e00344ce2b/docs/features/low_precision_training/mxfp8/mxfp8.rst):
+the forward GEMM reads its input in 1x32 blocks along K, the weight-gradient GEMM in 32x1 blocks
+along the tokens, and likewise the output gradient for the data- and weight-gradient GEMMs. A
+tensorwise-scaled tensor on Blackwell serves both usages from one copy ("the rowwise and
+columnwise tensors share the same physical memory layout", fp8_current_scaling.rst there). So
+per GEMM, beyond the tensorwise cast the model prices (`INPUT_CAST_BYTES`), MXFP8 writes a second
+fp8 copy of its input forward and of its output gradient backward, each with its scales (1 byte
+per 32 elements per copy): `MXFP8_EXTRA_BYTES` per element, at HBM bandwidth. The block amax is
+taken in the quantizing kernel's one read (no separate amax pass). The scales' swizzle into the
+layout cuBLAS reads "can be fused with quantization" when no communication sits between them;
+the rows it applies to quantize after their collectives (TP 1; experts' tokens arrive in bf16),
+so no separate pass is priced. Weights are quantized once per step (Megatron-Core passes
+is_first_microbatch to Transformer Engine, which caches the fp8 weights across micro-batches)
+and are not priced, as under tensorwise scaling.
+
 [Note: attention at narrow heads]
 A flash kernel does the same softmax work per score whatever the head width, so at head dim 64
 each score carries half the matmul FLOPs of head dim 128 and the kernel reaches less of the peak.
@@ -93,13 +113,18 @@ FA2_HD64_SHARE = 324.0 / 370.0
 UNFUSED_ROPE_PASSES = 12
 """Passes over q and k of Megatron-Core's unfused rotary embedding ([Note: unfused rotary embedding])."""
 Recompute = Literal["none", "selective", "full", "attention", "layer2"]
-Fp8Recipe = Literal["tensorwise", "rowwise"]
-FP8_RECIPES: tuple[Fp8Recipe, ...] = ("tensorwise", "rowwise")
+Fp8Recipe = Literal["tensorwise", "rowwise", "mxfp8"]
+FP8_RECIPES: tuple[Fp8Recipe, ...] = ("tensorwise", "rowwise", "mxfp8")
 ROWWISE_KERNEL_SHARE = 0.9
 """Rowwise-scaled fp8 GEMM rate / tensorwise ([Note: float8 recipes])."""
 INPUT_CAST_BYTES = 3
 """HBM bytes per input element of a GEMM's fp8 cast (read bf16, write fp8) where the stack does
 not say more (`KernelStack.fp8_casts`); the backward pays it twice."""
+MXFP8_BLOCK = 32
+"""Elements sharing one E8M0 (1-byte) scale under MXFP8 ([Note: MXFP8])."""
+MXFP8_EXTRA_BYTES = 1 + 2 / MXFP8_BLOCK
+"""HBM bytes per element of a quantized activation that MXFP8 writes beyond a tensorwise cast:
+its second (columnwise) fp8 copy and both copies' E8M0 scales ([Note: MXFP8])."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -352,19 +377,28 @@ def gemm_seconds(tokens: float, k: int, n: int, gpu: Accelerator, fp8: bool, rec
     if fp8 and gpu.fp8_tflops:
         rate = gpu.fp8_tflops * gpu.fp8_gemm_share * (ROWWISE_KERNEL_SHARE if recipe == "rowwise" else 1.0)
         cast = tokens * k * cast_bytes / (gpu.hbm_tbps * 1e12 * HBM_SHARE)
+        cast += mxfp8_extra_s(tokens * k, gpu) if recipe == "mxfp8" else 0.0
     else:
         rate, cast = gpu.bf16_tflops * gpu.gemm_share, 0.0
     return flops / (rate * 1e12 * tile_efficiency(k, n)) + cast
 
 
+def mxfp8_extra_s(elements: float, gpu: Accelerator) -> float:
+    """Seconds MXFP8 adds to the quantization of `elements` activation elements over a tensorwise
+    cast ([Note: MXFP8])."""
+    return elements * MXFP8_EXTRA_BYTES / (gpu.hbm_tbps * 1e12 * HBM_SHARE)
+
+
 def gemm_backward_seconds(tokens: float, k: int, n: int, gpu: Accelerator, fp8: bool,
                           recipe: Fp8Recipe = "tensorwise", cast_bytes: float = INPUT_CAST_BYTES) -> float:  # fmt: skip
     """The two backward GEMMs (grad input, grad weight) of one forward GEMM ([Note: float8
-    recipes]): twice the forward's work, and under rowwise scaling the casts along the other axis
-    and the rescale of grad input."""
+    recipes]): twice the forward's work, under rowwise scaling the casts along the other axis
+    and the rescale of grad input, under MXFP8 the output gradient's second copy ([Note: MXFP8])."""
     base = 2 * gemm_seconds(tokens, k, n, gpu, fp8, "tensorwise", cast_bytes)
     if not (fp8 and gpu.fp8_tflops) or recipe == "tensorwise":
         return base
+    if recipe == "mxfp8":
+        return base + mxfp8_extra_s(tokens * n, gpu)
     hbm = gpu.hbm_tbps * 1e12 * HBM_SHARE
     # grad_output (tokens x N) and the input (tokens x K) cast once more along their other axis:
     # a column amax (one read) and the cast (read 2, write 1 bytes); grad input rescaled (read and

@@ -150,6 +150,7 @@ from overlap.step_model.kernels import (
     Fp8Recipe,
     gemm_backward_seconds,
     gemm_seconds,
+    mxfp8_extra_s,
 )
 
 HostCpu = Literal["x86", "grace"]
@@ -241,7 +242,7 @@ def expert_gemm_seconds(
     if fp8 and gpu.fp8_tflops:
         share = BLACKWELL_FP8_GROUPED_SHARE if gpu.generation == "blackwell" else gpu.fp8_gemm_share
         rate = gpu.fp8_tflops * share * (ROWWISE_KERNEL_SHARE if recipe == "rowwise" else 1.0)
-        weight_bytes, cast = 1, m * k * 3 / hbm
+        weight_bytes, cast = 1, m * k * 3 / hbm + (mxfp8_extra_s(m * k, gpu) if recipe == "mxfp8" else 0.0)
     else:
         rate, weight_bytes, cast = gpu.bf16_tflops * gpu.gemm_share, ACT_BYTES, 0.0
     compute = 2.0 * padded * k * n / (rate * 1e12)
@@ -287,6 +288,12 @@ def moe_seconds(
     rows, f = expert_rows(tokens, moe, ep, capacity_factor), moe.expert_ffn_hidden // etp
     shapes = [(hidden, 2 * f), (f, hidden)]  # fc1 (gate and up) splits N, fc2 splits K over ETP
     experts = local * sum(expert_gemm_seconds(rows, k, n, gpu, fp8, fp8_recipe) for k, n in shapes)
+    # backward: twice the forward's GEMMs and casts, under MXFP8 with the output gradients' second
+    # copies ([Note: MXFP8] in kernels.py) in place of the inputs'
+    experts_backward = 2 * experts
+    if fp8 and gpu.fp8_tflops and fp8_recipe == "mxfp8":
+        experts_backward = 2 * local * sum(expert_gemm_seconds(rows, k, n, gpu, fp8) for k, n in shapes)
+        experts_backward += local * sum(mxfp8_extra_s(rows * n, gpu) for _, n in shapes)
     # the SwiGLU activation between them: read 2, write 1 of rows x f per expert
     act = act_backward = local * rows * f * 3 * ACT_BYTES / hbm
     act_backward *= 2
@@ -300,7 +307,7 @@ def moe_seconds(
         shared = sum(gemm_seconds(t, k, n, gpu, fp8, fp8_recipe) for k, n in parts)
         shared_bwd = sum(gemm_backward_seconds(t, k, n, gpu, fp8, fp8_recipe) for k, n in parts)
     forward = router + experts + act + shared
-    backward = 2 * (router + experts) + act_backward + shared_bwd
+    backward = 2 * router + experts_backward + act_backward + shared_bwd
     return MoeSeconds(forward, backward, experts, router, copies * hidden * ACT_BYTES, act, shared)
 
 

@@ -9,9 +9,10 @@ from dataclasses import replace
 
 import pytest
 
-from overlap.step_model.hardware import ACCELERATORS, GEMM_SHAPE_MIX
+from overlap.step_model.hardware import ACCELERATORS, GEMM_SHAPE_MIX, HBM_SHARE
 from overlap.step_model.kernels import (
     FOREACH_ADAMW_CLIP_BYTES,
+    MXFP8_EXTRA_BYTES,
     ROWWISE_KERNEL_SHARE,
     STACKS,
     BlockShape,
@@ -21,6 +22,7 @@ from overlap.step_model.kernels import (
     gemm_seconds,
     narrow_head_factor,
 )
+from overlap.step_model.moe import MoeShape, expert_rows, moe_seconds
 from overlap.tools.plan import ring_attention
 from overlap.tools.plan.run_spec import ModelShape, RunSpec
 from overlap.tools.plan.run_step import _layer_numel, _tp_exposed, _weight_pass_s, predict_run
@@ -241,3 +243,25 @@ def test_yarn_runs_megatron_cores_unfused_rotary_embedding() -> None:
     compiled = STACKS["torch-compile"]
     assert block_seconds(yarn, tokens, 4096, gpu, compiled).elementwise_forward_s == pytest.approx(
         block_seconds(rope, tokens, 4096, gpu, compiled).elementwise_forward_s)  # fmt: skip
+
+
+def test_mxfp8_writes_each_quantized_activation_row_and_columnwise_with_its_scales() -> None:
+    gpu, t, k, n = ACCELERATORS["b200"], 4096, 7168, 2048
+    hbm = gpu.hbm_tbps * 1e12 * HBM_SHARE
+    assert MXFP8_EXTRA_BYTES == 1 + 2 / 32  # a second fp8 copy, one E8M0 byte per 32 elements per copy
+    # forward: the input's columnwise copy; backward: the output gradient's
+    mx_fwd, tw_fwd = gemm_seconds(t, k, n, gpu, True, "mxfp8"), gemm_seconds(t, k, n, gpu, True)
+    assert mx_fwd - tw_fwd == pytest.approx(t * k * MXFP8_EXTRA_BYTES / hbm)
+    mx_bwd, tw_bwd = gemm_backward_seconds(t, k, n, gpu, True, "mxfp8"), gemm_backward_seconds(t, k, n, gpu, True)
+    assert mx_bwd - tw_bwd == pytest.approx(t * n * MXFP8_EXTRA_BYTES / hbm)
+    assert gemm_seconds(t, k, n, gpu, False, "mxfp8") == gemm_seconds(t, k, n, gpu, False)  # bf16 untouched
+    # the experts' grouped GEMMs: fc1 (h -> 2f) and fc2 (f -> h) of each local expert
+    moe = MoeShape(num_experts=128, top_k=8, expert_ffn_hidden=768)
+    mx = moe_seconds(moe, 2048, t, gpu, ep=8, fp8=True, fp8_recipe="mxfp8")
+    tw = moe_seconds(moe, 2048, t, gpu, ep=8, fp8=True)
+    rows, local = expert_rows(t, moe, 8, None), 128 // 8
+    assert mx.forward_s - tw.forward_s == pytest.approx(local * rows * (2048 + 768) * MXFP8_EXTRA_BYTES / hbm)
+    assert mx.backward_s - tw.backward_s == pytest.approx(local * rows * (2 * 768 + 2048) * MXFP8_EXTRA_BYTES / hbm)
+    with pytest.raises(ValueError, match="mxfp8"):
+        RunSpec(model=LLAMA_8B, gpu="h100-sxm", node="dgx-h100", num_gpus=8, seq_len=8192, global_batch=8,
+                micro_batch=1, precision="fp8", fp8_recipe="mxfp8")  # fmt: skip

@@ -35,7 +35,7 @@ from overlap.step_model.moe import (
 from overlap.step_model.moe_flex import flex_call_s
 from overlap.tools.plan.models import MODELS
 from overlap.tools.plan.run_spec import ModelShape, RunSpec
-from overlap.tools.plan.run_step import predict_run
+from overlap.tools.plan.run_step import _microbatch_compute, _predict_rank, _rank_layers, _stage_numel, predict_run
 
 H100 = ACCELERATORS["h100-sxm"]
 DATA = Path(__file__).resolve().parents[2] / "benchmarks" / "published_runs.json"
@@ -399,8 +399,6 @@ DEEPSEEK_V3 = ModelShape(
 
 
 def test_multi_token_prediction_runs_a_last_layer_and_an_output_layer_more_on_the_loss_rank() -> None:
-    from overlap.tools.plan.run_step import _microbatch_compute, _predict_rank, _rank_layers, _stage_numel
-
     spec = RunSpec(model=DEEPSEEK_V3, gpu="b200", node="dgx-b200", num_gpus=256, seq_len=4096, global_batch=2048,
                    micro_batch=1, pp=16, ep=8, dp_mode="zero1", stack="megatron-te", precision="fp8",
                    pipeline_layout=(4,) * 15 + (1,), mtp_layers=1)  # fmt: skip

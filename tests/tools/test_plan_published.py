@@ -13,7 +13,7 @@ import pytest
 from overlap.step_model.hardware import ACCELERATORS, NODES, ring_link
 from overlap.step_model.kernels import STACKS, BlockShape, block_seconds
 from overlap.tools.plan.run_spec import ModelShape, RunSpec
-from overlap.tools.plan.run_step import predict_run
+from overlap.tools.plan.run_step import _predict_rank, predict_run
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import plan_published as pp
@@ -176,8 +176,6 @@ def test_megatron_2021_rows_carry_the_papers_own_launch_script() -> None:
 
 
 def test_a_published_pipeline_layout_plans_every_rank_and_the_slowest_paces_the_step() -> None:
-    from overlap.tools.plan.run_step import _predict_rank
-
     base = RunSpec(model=LLAMA_8B, gpu="h100-sxm", node="dgx-h100", num_gpus=64, seq_len=8192, global_batch=64,
                    micro_batch=1, pp=4, schedule="interleaved", virtual_stages=2, dp_mode="zero1",
                    stack="megatron-te")  # fmt: skip
