@@ -210,6 +210,20 @@ class KernelStack:
 # assumption: the papers' causal curves sit close to the non-causal ones at long sequences).
 _FA2 = {"ampere": 0.60, "hopper": 0.34, "blackwell": 0.34}
 _FA3 = {"ampere": 0.60, "hopper": 0.50, "blackwell": 0.50}
+# cuDNN's fused attention on Blackwell, measured by NVIDIA's cudnn-frontend SDPA training benchmark
+# on a GB200 with cuDNN 9.18.1 (benchmark/sdpa_benchmark_training/results/gb200_918_only_cudnn/
+# llama3.1_20260126_110503.csv, https://github.com/NVIDIA/cudnn-frontend/blob/
+# 9072c4e78eaba9e5af685c4d5de69d18d94a1a29/benchmark/sdpa_benchmark_training/results/gb200_918_only_cudnn/
+# llama3.1_20260126_110503.csv): causal, BF16, 64 query / 8 key-value heads of 128, sequence 4096:
+# forward 1,297 and backward 1,105 TFLOPS (backward counted as 2.5 forwards, our convention), so
+# forward+backward 3.5 / (1 / 1297 + 2.5 / 1105) = 1,154 TFLOPS, 0.462 of the 2,500 TFLOPS peak;
+# through the model's sequence factor 4096 / (4096 + ATTENTION_SEQ_HALF) that is a long-sequence
+# share of 0.52 (the 8192 point, 1,563 / 1,279, gives 0.57: the model's curve is FlashAttention-2's
+# and rises more slowly than cuDNN's on Blackwell, so 8192-token runs are priced a little slow).
+# 4096 is the sequence of most published Blackwell runs this stack prices (16 of 24); DeepSeek-V3's
+# 192/128 MLA heads measure the same there (dsv3_20260126_110621.csv: 1,324 / 1,083, 0.51). Taken for every Blackwell card as a share of its own peak.
+CUDNN_BLACKWELL_SHARE = round(3.5 / (1 / 1297 + 2.5 / 1105) / 2500 / (4096 / (4096 + ATTENTION_SEQ_HALF)), 3)
+_CUDNN = {**_FA3, "blackwell": CUDNN_BLACKWELL_SHARE}
 # torchao's tensorwise Float8Linear ([Note: float8 recipes]): dynamic scaling takes the tensor's
 # amax (one read) before the cast (read 2, write 1): 5 bytes for the input forward; backward the
 # output gradient is scaled once and cast for both GEMMs, grad_input's row-major and grad_weight's
@@ -249,7 +263,7 @@ STACKS: dict[str, KernelStack] = {
                                  source="torch.compile (Inductor) fusion of point-wise chains"),
     # Megatron-Core / NeMo with Transformer Engine: fused LayerNorm+GEMM, fused rotary, fused bias
     # + activation, cuDNN / FA3-class attention.
-    "megatron-te": KernelStack(name="Megatron-Core + Transformer Engine", attention_share=_FA3, norm_passes=2,
+    "megatron-te": KernelStack(name="Megatron-Core + Transformer Engine", attention_share=_CUDNN, norm_passes=2,
                                rope_passes=2, act_passes=3, residual_passes=4, tp_overlap_backward=True,
                                narrow_head_share=CUDNN_HD64_SHARE, unfused_rope_passes=UNFUSED_ROPE_PASSES,
                                source="Transformer Engine fused kernels; cuDNN fused attention"),

@@ -265,3 +265,14 @@ def test_mxfp8_writes_each_quantized_activation_row_and_columnwise_with_its_scal
     with pytest.raises(ValueError, match="mxfp8"):
         RunSpec(model=LLAMA_8B, gpu="h100-sxm", node="dgx-h100", num_gpus=8, seq_len=8192, global_batch=8,
                 micro_batch=1, precision="fp8", fp8_recipe="mxfp8")  # fmt: skip
+
+
+def test_blackwell_attention_runs_at_cudnns_measured_gb200_rate() -> None:
+    gpu, te = ACCELERATORS["gb200"], STACKS["megatron-te"]
+    shape = BlockShape(hidden=8192, ffn_hidden=0, num_heads=64, num_kv_heads=8)  # heads of 128
+    b = block_seconds(shape, 4096, 4096, gpu, te)
+    flops = 4 * 4096 * 2048 * 8192  # causal forward: 2 x heads x s^2 x head_dim
+    # cudnn-frontend's GB200 run (cuDNN 9.18.1), forward 1,297 and backward 1,105 TFLOPS at 4096
+    measured_s = flops / 1297e12 + 2.5 * flops / 1105e12
+    assert b.attention_forward_s * 3.5 == pytest.approx(measured_s, rel=0.01)
+    assert te.attention_share["hopper"] == 0.50  # Hopper keeps the FA3-class share
