@@ -62,6 +62,27 @@ so no separate pass is priced. Weights are quantized once per step (Megatron-Cor
 is_first_microbatch to Transformer Engine, which caches the fp8 weights across micro-batches)
 and are not priced, as under tensorwise scaling.
 
+[Note: FP8 current scaling]
+Transformer Engine's Float8CurrentScaling (Megatron-Core's fp8_recipe "tensorwise", which
+megatron/core/fp8_utils.py maps to it; Megatron-Bridge's FP8-CS) scales each tensor by the amax of
+the data being cast: "Quantization is a memory-bound operation that requires reading the tensor
+twice: First read: compute amax across all elements. Second read: apply the scaling factor and
+cast to FP8" (https://github.com/NVIDIA/TransformerEngine/blob/
+d0067d0da6cb01811b8072a7d304f0e00344ce2b/docs/features/low_precision_training/fp8_current_scaling/
+fp8_current_scaling.rst). `Float8CurrentScalingQuantizer::quantize` runs nvte_compute_amax (a
+read of the bf16 tensor), the scale, then the cast (transformer_engine/pytorch/csrc/quantizer.cpp
+there), so beyond the cast the model prices (`INPUT_CAST_BYTES`) each quantized activation costs
+`CURRENT_AMAX_BYTES` per element, at HBM bandwidth. Transformer Engine fuses the amax into the
+kernel that produces the tensor in two places (extensions/normalization.cpp's FUSED_NORM_AMAX_FP8
+and extensions/activation.cpp's FUSED_ACTIVATION_AMAX_FP8: the norm or activation writes its bf16
+output and its amax, then `quantize_with_amax` casts): a LayerNormLinear's input, i.e. Megatron-
+Core's linear_qkv and a dense MLP's linear_fc1 (and MLA's up-projections behind their q/kv norms),
+pays no amax pass. Everything else does: the attention output into linear_proj; linear_fc2's input,
+which Megatron-Core's own fused bias-SwiGLU writes in bf16 (use_te_activation_func is off by
+default, so TE's fused activation + amax does not run); MLA's down-projections, which read a
+standalone TENorm's output; and every output gradient backward (TE's grad_output_preprocess calls
+the quantizer on it; under sequence parallelism on the rank's shard, before the fp8 all-gather).
+
 [Note: attention at narrow heads]
 A flash kernel does the same softmax work per score whatever the head width, so at head dim 64
 each score carries half the matmul FLOPs of head dim 128 and the kernel reaches less of the peak.
@@ -113,8 +134,8 @@ FA2_HD64_SHARE = 324.0 / 370.0
 UNFUSED_ROPE_PASSES = 12
 """Passes over q and k of Megatron-Core's unfused rotary embedding ([Note: unfused rotary embedding])."""
 Recompute = Literal["none", "selective", "full", "attention", "layer2"]
-Fp8Recipe = Literal["tensorwise", "rowwise", "mxfp8"]
-FP8_RECIPES: tuple[Fp8Recipe, ...] = ("tensorwise", "rowwise", "mxfp8")
+Fp8Recipe = Literal["tensorwise", "rowwise", "mxfp8", "current"]
+FP8_RECIPES: tuple[Fp8Recipe, ...] = ("tensorwise", "rowwise", "mxfp8", "current")
 ROWWISE_KERNEL_SHARE = 0.9
 """Rowwise-scaled fp8 GEMM rate / tensorwise ([Note: float8 recipes])."""
 INPUT_CAST_BYTES = 3
@@ -125,6 +146,9 @@ MXFP8_BLOCK = 32
 MXFP8_EXTRA_BYTES = 1 + 2 / MXFP8_BLOCK
 """HBM bytes per element of a quantized activation that MXFP8 writes beyond a tensorwise cast:
 its second (columnwise) fp8 copy and both copies' E8M0 scales ([Note: MXFP8])."""
+CURRENT_AMAX_BYTES = ACT_BYTES
+"""HBM bytes per element of current scaling's amax pass: one read of the bf16 tensor before its
+cast ([Note: FP8 current scaling])."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -354,6 +378,16 @@ class BlockShape:
             return []
         return [(h, f, False), (h, f, False), (f, h, True)] if self.mlp == "swiglu" else [(h, f, False), (f, h, True)]
 
+    def norm_fused_input(self, k: int, row_parallel: bool) -> bool:
+        """Whether the attention or MLP GEMM of input width `k` reads its input from a norm fused
+        into the linear (Transformer Engine's LayerNormLinear, which takes current scaling's amax
+        as it normalizes: [Note: FP8 current scaling]): Megatron-Core's linear_qkv and dense
+        linear_fc1, and MLA's q/kv up-projections; not the row-parallel GEMMs, nor MLA's
+        down-projections (a standalone norm's output)."""
+        if row_parallel:
+            return False
+        return not (self.kv_lora_rank and k == self.hidden)
+
     def gemms(self) -> list[tuple[int, int]]:
         """(K, N) of each weight matrix of the block, unsharded."""
         return [(k, n) for k, n, _ in self.attention_gemms() + self.mlp_gemms()]
@@ -384,14 +418,17 @@ def tile_efficiency(k: int, n: int) -> float:
 
 
 def gemm_seconds(tokens: float, k: int, n: int, gpu: Accelerator, fp8: bool, recipe: Fp8Recipe = "tensorwise",
-                 cast_bytes: float = INPUT_CAST_BYTES) -> float:  # fmt: skip
+                 cast_bytes: float = INPUT_CAST_BYTES, amax_fused: bool = False) -> float:  # fmt: skip
     """One forward GEMM of `tokens` rows through a K x N weight ([Note: block compute]); with fp8,
-    `cast_bytes` per input element for its cast, at HBM bandwidth."""
+    `cast_bytes` per input element for its cast, at HBM bandwidth, and under current scaling the
+    input's amax pass unless the kernel that wrote the input took it (`amax_fused`, [Note: FP8
+    current scaling])."""
     flops = 2.0 * tokens * k * n
     if fp8 and gpu.fp8_tflops:
         rate = gpu.fp8_tflops * gpu.fp8_gemm_share * (ROWWISE_KERNEL_SHARE if recipe == "rowwise" else 1.0)
         cast = tokens * k * cast_bytes / (gpu.hbm_tbps * 1e12 * HBM_SHARE)
         cast += mxfp8_extra_s(tokens * k, gpu) if recipe == "mxfp8" else 0.0
+        cast += current_amax_s(tokens * k, gpu) if recipe == "current" and not amax_fused else 0.0
     else:
         rate, cast = gpu.bf16_tflops * gpu.gemm_share, 0.0
     return flops / (rate * 1e12 * tile_efficiency(k, n)) + cast
@@ -403,16 +440,27 @@ def mxfp8_extra_s(elements: float, gpu: Accelerator) -> float:
     return elements * MXFP8_EXTRA_BYTES / (gpu.hbm_tbps * 1e12 * HBM_SHARE)
 
 
+def current_amax_s(elements: float, gpu: Accelerator) -> float:
+    """Seconds of current scaling's amax pass over `elements` bf16 elements ([Note: FP8 current
+    scaling])."""
+    return elements * CURRENT_AMAX_BYTES / (gpu.hbm_tbps * 1e12 * HBM_SHARE)
+
+
 def gemm_backward_seconds(tokens: float, k: int, n: int, gpu: Accelerator, fp8: bool,
-                          recipe: Fp8Recipe = "tensorwise", cast_bytes: float = INPUT_CAST_BYTES) -> float:  # fmt: skip
+                          recipe: Fp8Recipe = "tensorwise", cast_bytes: float = INPUT_CAST_BYTES,
+                          grad_rows: float | None = None) -> float:  # fmt: skip
     """The two backward GEMMs (grad input, grad weight) of one forward GEMM ([Note: float8
     recipes]): twice the forward's work, under rowwise scaling the casts along the other axis
-    and the rescale of grad input, under MXFP8 the output gradient's second copy ([Note: MXFP8])."""
+    and the rescale of grad input, under MXFP8 the output gradient's second copy ([Note: MXFP8]),
+    under current scaling the output gradient's amax pass over its `grad_rows` rows (default
+    `tokens`; the sequence shard where it is quantized before an all-gather)."""
     base = 2 * gemm_seconds(tokens, k, n, gpu, fp8, "tensorwise", cast_bytes)
     if not (fp8 and gpu.fp8_tflops) or recipe == "tensorwise":
         return base
     if recipe == "mxfp8":
         return base + mxfp8_extra_s(tokens * n, gpu)
+    if recipe == "current":
+        return base + current_amax_s((tokens if grad_rows is None else grad_rows) * n, gpu)
     hbm = gpu.hbm_tbps * 1e12 * HBM_SHARE
     # grad_output (tokens x N) and the input (tokens x K) cast once more along their other axis:
     # a column amax (one read) and the cast (read 2, write 1 bytes); grad input rescaled (read and
@@ -435,11 +483,17 @@ def block_seconds(
 ) -> BlockSeconds:
     """[Note: block compute] for `tokens` tokens on this rank attending over `context` tokens
     (causally; with a sliding `window`, to at most that many before each)."""
-    shards = [_shard(k, n, tp, row) for k, n, row in shape.attention_gemms() + shape.mlp_gemms()]
+    gemms = shape.attention_gemms() + shape.mlp_gemms()
     casts = stack.fp8_casts if fp8 and gpu.fp8_tflops and fp8_recipe == "tensorwise" else None
     cast_bytes = INPUT_CAST_BYTES if casts is None else 0.0
-    gemm = sum(gemm_seconds(tokens, k, n, gpu, fp8, fp8_recipe, cast_bytes) for k, n in shards)
-    gemm_backward = sum(gemm_backward_seconds(tokens, k, n, gpu, fp8, fp8_recipe, cast_bytes) for k, n in shards)
+    gemm = gemm_backward = 0.0
+    for k, n, row in gemms:
+        ks, ns = _shard(k, n, tp, row)
+        fused = shape.norm_fused_input(k, row)
+        # a row-parallel GEMM's output gradient is quantized on the sequence shard, then gathered
+        grad_rows = tokens / tp if row else tokens
+        gemm += gemm_seconds(tokens, ks, ns, gpu, fp8, fp8_recipe, cast_bytes, amax_fused=fused)
+        gemm_backward += gemm_backward_seconds(tokens, ks, ns, gpu, fp8, fp8_recipe, cast_bytes, grad_rows)
     if casts is not None:
         cast_forward, cast_backward = fp8_cast_seconds(shape, tokens, gpu, casts, tp, stack.float8_tp_all_gather)
         gemm += cast_forward

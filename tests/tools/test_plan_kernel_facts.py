@@ -1,7 +1,7 @@
 """The documented kernel facts the run model prices: the 500 W H100's measured GEMM rate, float8
 rowwise scaling's casts and rescale, torchao's tensorwise casts and float8 tensor parallelism,
 FSDP2's gradient copy-in and torchtitan's foreach AdamW, and PyTorch's ring attention (repeated
-K/V heads, fp32 merges and gradient ring)."""
+K/V heads, fp32 merges and gradient ring), Transformer Engine's MXFP8 and current scaling."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import pytest
 
 from overlap.step_model.hardware import ACCELERATORS, GEMM_SHAPE_MIX, HBM_SHARE
 from overlap.step_model.kernels import (
+    CURRENT_AMAX_BYTES,
     FOREACH_ADAMW_CLIP_BYTES,
     MXFP8_EXTRA_BYTES,
     ROWWISE_KERNEL_SHARE,
@@ -276,3 +277,34 @@ def test_blackwell_attention_runs_at_cudnns_measured_gb200_rate() -> None:
     measured_s = flops / 1297e12 + 2.5 * flops / 1105e12
     assert b.attention_forward_s * 3.5 == pytest.approx(measured_s, rel=0.01)
     assert te.attention_share["hopper"] == 0.50  # Hopper keeps the FA3-class share
+
+
+def test_current_scaling_reads_each_quantized_tensor_for_its_amax_unless_a_fused_norm_took_it() -> None:
+    gpu, t, k, n = ACCELERATORS["h100-sxm"], 8192, 8192, 28672
+    hbm = gpu.hbm_tbps * 1e12 * HBM_SHARE
+    assert CURRENT_AMAX_BYTES == 2  # one read of the bf16 tensor
+    # forward: the input's amax, unless the kernel that wrote it took it; backward: the output gradient's
+    cs_fwd, tw_fwd = gemm_seconds(t, k, n, gpu, True, "current"), gemm_seconds(t, k, n, gpu, True)
+    assert cs_fwd - tw_fwd == pytest.approx(t * k * 2 / hbm)
+    assert gemm_seconds(t, k, n, gpu, True, "current", amax_fused=True) == pytest.approx(tw_fwd)
+    cs_bwd, tw_bwd = gemm_backward_seconds(t, k, n, gpu, True, "current"), gemm_backward_seconds(t, k, n, gpu, True)
+    assert cs_bwd - tw_bwd == pytest.approx(t * n * 2 / hbm)
+    assert gemm_seconds(t, k, n, gpu, False, "current") == gemm_seconds(t, k, n, gpu, False)  # bf16 untouched
+    # a Llama block under TP 4 (sequence parallel): linear_qkv and linear_fc1 read a fused
+    # LayerNormLinear (no pass); linear_proj's and linear_fc2's inputs pay one; every output
+    # gradient pays one, the row-parallel ones on the sequence shard before their all-gather
+    te, tp, tokens = STACKS["megatron-te"], 4, 8192
+    shape = LLAMA_8B.block()
+    cs = block_seconds(shape, tokens, 8192, gpu, te, tp=tp, fp8=True, fp8_recipe="current")
+    tw = block_seconds(shape, tokens, 8192, gpu, te, tp=tp, fp8=True)
+    h, kv, f = 4096, 1024, 14336
+    assert cs.forward_s - tw.forward_s == pytest.approx(tokens * (h + f) / tp * 2 / hbm)
+    grads = tokens * (h + 2 * kv + 2 * f) / tp + tokens / tp * 2 * h
+    assert cs.backward_s - tw.backward_s == pytest.approx(grads * 2 / hbm)
+    # MLA's down-projections read a standalone norm's output: their inputs pay the pass too
+    mla = BlockShape(hidden=7168, ffn_hidden=0, num_heads=128, num_kv_heads=128, head_dim=128, q_lora_rank=1536,
+                     kv_lora_rank=512, rope_head_dim=64, v_head_dim=128)  # fmt: skip
+    assert [mla.norm_fused_input(k, row) for k, _, row in mla.attention_gemms()] == [False, True, False, True, False]
+    with pytest.raises(ValueError, match="tensorwise"):
+        RunSpec(model=LLAMA_8B, gpu="h100-sxm", node="dgx-h100", num_gpus=8, seq_len=8192, global_batch=8,
+                micro_batch=1, precision="fp8", fp8_recipe="current", stack="torch-compile")  # fmt: skip

@@ -193,3 +193,18 @@ def test_a_published_pipeline_layout_plans_every_rank_and_the_slowest_paces_the_
         replace(base, pipeline_layout=(4,) * 7)
     with pytest.raises(ValueError, match="pipeline_layout"):
         replace(base, pipeline_layout=(4,) * 7 + (5,))
+
+
+def test_fp8_cs_rows_run_current_scaling_and_only_mxfp8_rows_speak_of_block_scales() -> None:
+    # Megatron-Bridge's FP8-CS (and the 26.04.01 H100 "FP8" rows, whose configurations are
+    # *_H100_FP8_CS_*) is Transformer Engine's Float8CurrentScaling
+    _, rows = pp.load_rows()
+    fp8 = [(row, spec) for row, spec, _ in rows if spec.stack == "megatron-te" and spec.precision == "fp8"]
+    assert len(fp8) >= 16
+    for row, spec in fp8:
+        where = row["published"]["where"]
+        assert spec.fp8_recipe == ("mxfp8" if "MX" in where else "current"), row["id"]
+        block_note = any("block" in note and "scal" in note for note in spec.notes)
+        assert block_note == (spec.fp8_recipe == "mxfp8"), row["id"]
+    cs = next(spec for row, spec in fp8 if row["id"] == "mbridge-25.11-h100-llama3-70b-64")
+    assert predict_run(cs).step_s > predict_run(replace(cs, fp8_recipe="tensorwise")).step_s  # the amax passes

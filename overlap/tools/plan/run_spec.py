@@ -162,8 +162,9 @@ class RunSpec:
     """Matmul precision: fp8 runs the blocks' GEMMs at the fp8 rate (attention stays bf16)."""
     fp8_recipe: Fp8Recipe = "tensorwise"
     """The fp8 scaling with fp8 precision: tensorwise, rowwise (torchao's, [Note: float8 recipes]
-    in overlap/step_model/kernels.py) or mxfp8 (Transformer Engine's MXFP8 block scaling on
-    Blackwell, [Note: MXFP8] there)."""
+    in overlap/step_model/kernels.py), mxfp8 (Transformer Engine's MXFP8 block scaling on
+    Blackwell, [Note: MXFP8] there) or current (Transformer Engine's Float8CurrentScaling,
+    Megatron-Core's "tensorwise": [Note: FP8 current scaling] there)."""
     fp8_all_gather: bool = False
     """ZeRO-3 gathers fp8 weights (torchtitan's enable_fsdp_float8_all_gather)."""
     param_bytes: int = 2
@@ -253,6 +254,11 @@ class RunSpec:
             raise ValueError(f"RunSpec.fp8_recipe must be one of {FP8_RECIPES}, got {self.fp8_recipe!r}")
         if self.fp8_recipe == "mxfp8" and ACCELERATORS[self.gpu].generation != "blackwell":
             raise ValueError(f"RunSpec.fp8_recipe mxfp8 runs on Blackwell tensor cores (SM 10.x); {self.gpu} has none")
+        if self.fp8_recipe == "current" and STACKS[self.stack].fp8_casts is not None:
+            raise ValueError(
+                f"RunSpec.fp8_recipe current is Transformer Engine's; stack {self.stack!r} runs torchao's casts: "
+                "use fp8_recipe tensorwise"
+            )
         if self.dp_mode not in DP_MODES:
             raise ValueError(f"RunSpec.dp_mode must be one of {DP_MODES}, got {self.dp_mode!r}")
         if self.num_gpus % (self.tp * self.pp * self.cp):

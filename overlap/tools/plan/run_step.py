@@ -254,10 +254,11 @@ def _recomputed_modules_s(spec: RunSpec, index: int, tokens: float, b) -> float:
     if "mla_up_proj" in modules and m.kv_lora_rank:
         block = m.block(moe_layer=True)
         ups = [(k, n) for k, n, _ in block.attention_gemms() if k in (m.q_lora_rank, m.kv_lora_rank)]
-        out += sum(gemm_seconds(tokens, k, n // spec.tp, gpu, fp8, spec.fp8_recipe) for k, n in ups)
+        out += sum(gemm_seconds(tokens, k, n // spec.tp, gpu, fp8, spec.fp8_recipe, amax_fused=True) for k, n in ups)
     if "mlp" in modules and not m.is_moe_layer(index):
-        mlp = [(k, n // spec.tp if not row else n) for k, n, row in m.block().mlp_gemms()]
-        out += sum(gemm_seconds(tokens, k, n, gpu, fp8, spec.fp8_recipe) for k, n in mlp)
+        block = m.block()
+        mlp = [(k, n // spec.tp if not row else n, block.norm_fused_input(k, row)) for k, n, row in block.mlp_gemms()]
+        out += sum(gemm_seconds(tokens, k, n, gpu, fp8, spec.fp8_recipe, amax_fused=fused) for k, n, fused in mlp)
     return out
 
 
