@@ -157,10 +157,12 @@ def test_torch_ring_attention_carries_repeated_kv_heads_and_fp32_gradients_acros
     torch_ring = _cp_run(8, **big)
     te_ring = replace(torch_ring, stack="megatron-te")
     one_block = 2 * 32768 * 262144 * 2048 / 300e12  # the rank's causal attention forward, ~0.12 s
-    torch_s, te_s = ring_attention.exposed_s(torch_ring, one_block), ring_attention.exposed_s(te_ring, one_block)
+    (share,) = torch_ring.rank_shares()
+    torch_s = ring_attention.exposed_s(torch_ring, share, one_block)
+    te_s = ring_attention.exposed_s(te_ring, share, one_block)
     assert te_s == 0.0  # K/V of 1 head per rank hide behind each step
     assert torch_s > 0.05 * torch_ring.layers_per_rank * one_block  # 16 repeated heads gathered behind 1/C
-    assert ring_attention.exposed_s(replace(torch_ring, ac="none"), one_block) < torch_s  # no recomputed ring
+    assert ring_attention.exposed_s(replace(torch_ring, ac="none"), share, one_block) < torch_s  # no recomputed ring
 
 
 def test_fsdp1_casts_and_predivides_each_unsharded_gradient_before_its_reduce_scatter() -> None:

@@ -208,3 +208,22 @@ def test_fp8_cs_rows_run_current_scaling_and_only_mxfp8_rows_speak_of_block_scal
         assert block_note == (spec.fp8_recipe == "mxfp8"), row["id"]
     cs = next(spec for row, spec in fp8 if row["id"] == "mbridge-25.11-h100-llama3-70b-64")
     assert predict_run(cs).step_s > predict_run(replace(cs, fp8_recipe="tensorwise")).step_s  # the amax passes
+
+
+def test_context_parallel_ring_counts_the_layers_each_pipeline_rank_holds() -> None:
+    # the ring's exposed K/V passes are paid per block the rank runs: under a pipeline layout,
+    # the rank's own layers (and the loss rank's multi-token-prediction depths), not the even split
+    base = RunSpec(model=LLAMA_8B, gpu="h100-sxm", node="dgx-h100", num_gpus=64, seq_len=65536, global_batch=8,
+                   micro_batch=1, pp=4, cp=8, tp=2, schedule="interleaved", virtual_stages=2, dp_mode="zero1",
+                   stack="torch-compile", ac="full")  # fmt: skip
+    spec = replace(base, pipeline_layout=(3, 4, 4, 4, 4, 4, 4, 5), mtp_layers=1)
+    shares = spec.rank_shares()
+    per_layer = []
+    for share in shares:
+        exposed = _predict_rank(spec, share, 1.0).cp_exposed_s
+        assert exposed > 0
+        per_layer.append(exposed / len(spec.rank_layers(share)))
+    assert per_layer == pytest.approx([per_layer[0]] * len(shares))
+    assert [len(spec.rank_layers(s)) for s in shares] == [7, 8, 8, 10]  # 9 decoder layers and 1 MTP depth
+    even = _predict_rank(base, base.rank_shares()[0], 1.0).cp_exposed_s
+    assert even == pytest.approx(per_layer[0] * base.layers_per_rank)

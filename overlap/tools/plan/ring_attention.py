@@ -34,7 +34,7 @@ from __future__ import annotations
 
 from overlap.step_model.hardware import HBM_SHARE, accelerator, node_spec, ring_link
 from overlap.step_model.kernels import ATTENTION_BACKWARD, stack
-from overlap.tools.plan.run_spec import RunSpec
+from overlap.tools.plan.run_spec import RankShare, RunSpec
 
 TORCH_MERGE_BYTES = 2 + 4 + 12 + 8 + 12
 """Bytes per output element of one step's fp32 merge of a partial result ([Note: ring attention])."""
@@ -75,11 +75,14 @@ def compute_s(spec: RunSpec) -> tuple[float, float]:
     return forward * (1 + RECOMPUTED_RING_FORWARDS[spec.ac]), backward
 
 
-def exposed_s(spec: RunSpec, attention_s: float) -> float:
-    """Seconds per micro-batch (all the rank's blocks) the ring's communication adds beyond the
-    attention kernels that hide it; `attention_s` is one block's attention forward on this rank."""
+def exposed_s(spec: RunSpec, share: RankShare, attention_s: float) -> float:
+    """Seconds per micro-batch the ring's communication adds beyond the attention kernels that
+    hide it, over the blocks of the pipeline rank holding `share` (`RunSpec.rank_layers`: its
+    layers under a `pipeline_layout`, multi-token-prediction depths included); `attention_s` is
+    one block's attention forward on this rank."""
     if spec.cp == 1:
         return 0.0
+    layers = len(spec.rank_layers(share))
     t, _, kv_width = _tokens_and_width(spec)
     per_node = max(1, node_spec(spec.node).gpus_per_node // spec.tp)
     link = ring_link(accelerator(spec.gpu), node_spec(spec.node), spec.cp, max(1, min(spec.cp, per_node)))
@@ -88,14 +91,14 @@ def exposed_s(spec: RunSpec, attention_s: float) -> float:
     if not _torch_ring(spec):  # a pass per step behind each step's kernel
         forward = max(0.0, (c - 1) * kv_pass - attention_s)
         backward = max(0.0, 2 * (c - 1) * kv_pass - ATTENTION_BACKWARD * attention_s)
-        return spec.layers_per_rank * (forward + backward)
+        return layers * (forward + backward)
     step_s = attention_s / c
     gather = (c - 1) * kv_pass  # a ring all-gather moves (C-1) chunks through each rank
     forward = max(0.0, gather - step_s)
     grad_pass = link.alpha_s + link.seconds(2 * t * kv_width * 4)
     backward = max(0.0, gather - ATTENTION_BACKWARD * step_s)
     backward += (c - 1) * max(0.0, grad_pass - ATTENTION_BACKWARD * step_s)
-    return spec.layers_per_rank * (forward * (1 + RECOMPUTED_RING_FORWARDS[spec.ac]) + backward)
+    return layers * (forward * (1 + RECOMPUTED_RING_FORWARDS[spec.ac]) + backward)
 
 
 __all__ = ["compute_s", "exposed_s"]

@@ -318,6 +318,13 @@ class RunSpec:
             shares.append(RankShare(layers=tuple(layers), embedding=rank == 0, head=rank == self.pp - 1))
         return tuple(shares)
 
+    def rank_layers(self, share: RankShare) -> tuple[int, ...]:
+        """Indices of the transformer layers a rank runs ([Note: pipeline ranks]): its decoder
+        layers, and on the rank of the loss one per multi-token-prediction depth, built as the
+        last decoder layer is ([Note: multi-token prediction] in run_step.py). Every per-layer
+        cost of a rank (blocks, collectives, context parallelism's ring) counts these."""
+        return share.layers + ((self.model.num_layers - 1,) * self.mtp_layers if share.head else ())
+
     @property
     def expert_ranks(self) -> int:
         """Ranks of one pipeline stage the expert layout splits into ep x expert data parallel

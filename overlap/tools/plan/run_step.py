@@ -123,11 +123,8 @@ def _group_link(spec: RunSpec, size: int, ranks_per_node: int) -> Link:
 
 
 def _rank_layers(spec: RunSpec, share: RankShare) -> tuple[int, ...]:
-    """Indices of the transformer layers a rank runs ([Note: pipeline ranks] in run_spec.py):
-    its decoder layers, and on the rank of the loss one per multi-token-prediction depth, built
-    as the last decoder layer is ([Note: multi-token prediction])."""
-    mtp = (spec.model.num_layers - 1,) * spec.mtp_layers if share.head else ()
-    return share.layers + mtp
+    """The transformer layers a rank runs (`RunSpec.rank_layers`)."""
+    return spec.rank_layers(share)
 
 
 def _head_seconds(spec: RunSpec, share: RankShare, tokens: float) -> tuple[float, float]:
@@ -488,7 +485,7 @@ def _predict_rank(spec: RunSpec, share: RankShare, compute_scale: float) -> RunP
     if _ep_overlap_hides(spec):  # hidden behind the other micro-batch, taking NCCL's SMs from it
         compute = mb_forward + mb_backward
         ep_mb = max(0.0, ep_mb - compute) + min(ep_mb, compute) * nccl_share(gpu)
-    cp_mb = ring_attention.exposed_s(spec, attention_s)
+    cp_mb = ring_attention.exposed_s(spec, share, attention_s)
     p2p_mb = 0.0
     if p > 1:
         link = _group_link(spec, 2, 1)
