@@ -171,6 +171,11 @@ def test_megatron_2021_rows_carry_the_papers_own_launch_script() -> None:
     assert specs["meg21-1.7b"].micro_batch == 16 and specs["meg21-1.7b"].dp_overlap  # --DDP-impl torch
     assert specs["meg21-145b"].micro_batch == 2 and specs["meg21-145b"].virtual_stages == 2
     assert specs["meg21-530b"].virtual_stages == 3 and not specs["meg21-530b"].dp_overlap  # --DDP-impl local
+    # its attention heads (NAH), not a 128-wide head assumed: 96-wide heads at 1.7B and 3.6B, 160-wide
+    # at 530B and 1T (the materialized scores' traffic scales with the heads)
+    nah = {"1.7b": 24, "3.6b": 32, "7.5b": 32, "18b": 48, "39b": 64, "76b": 80, "145b": 96, "310b": 128,
+           "530b": 128, "1t": 160}  # fmt: skip
+    assert {size: specs[f"meg21-{size}"].model.num_heads for size in nah} == nah
     one_f_one_b = predict_run(replace(specs["meg21-310b"], schedule="1f1b", virtual_stages=1))
     assert predict_run(specs["meg21-310b"]).pp_bubble_s < 0.6 * one_f_one_b.pp_bubble_s
 
