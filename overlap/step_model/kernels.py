@@ -83,6 +83,32 @@ default, so TE's fused activation + amax does not run); MLA's down-projections, 
 standalone TENorm's output; and every output gradient backward (TE's grad_output_preprocess calls
 the quantizer on it; under sequence parallelism on the rank's shard, before the fp8 all-gather).
 
+[Note: Transformer Engine's casts]
+Under its own recipes (current scaling, MXFP8) Transformer Engine quantizes each GEMM operand once
+for both of its usages, in forward the input for fprop (rowwise) and wgrad (columnwise), in
+backward the output gradient for dgrad and wgrad (transformer_engine/pytorch/module/linear.py:
+`input_quantizer.set_usage(rowwise=True, columnwise=backward_needs_input)`, the columnwise input
+saved for backward; https://github.com/NVIDIA/TransformerEngine/blob/
+d0067d0da6cb01811b8072a7d304f0e00344ce2b/transformer_engine/pytorch/module/linear.py). The input
+is not cast again backward. What a columnwise copy costs depends on the GPU: "Hopper: cannot
+efficiently access elements in columnwise fashion, so columnwise tensors need to be physically
+transposed in memory ... Blackwell: supports columnwise access natively, so no transpose is
+needed" (docs/features/low_precision_training/performance_considerations/
+performance_considerations.rst there). Per-tensor fp8 (`Float8CurrentScalingQuantizer::
+create_tensor` in transformer_engine/pytorch/csrc/quantizer.cpp allocates a transpose only where
+`nvte_is_non_tn_fp8_gemm_supported()` is false) is then written by one kernel, `cast_transpose`
+(transformer_engine/common/cast/dispatch/quantize.cuh: a tensor with columnwise data), which
+reads the bf16 tensor once and writes both fp8 copies: `HOPPER_TRANSPOSE_BYTES` more per element
+than the cast. A tensor gathered in fp8 under sequence parallelism (a column-parallel linear's
+input forward, a row-parallel linear's output gradient backward) is quantized on the rank's
+sequence shard, rowwise only ("All-gather is not supported with FP8 column-wise data",
+linear.py), and the gathered copy is transposed when wgrad needs it (`update_usage(
+columnwise_usage=True)`): a read and a write of one byte per gathered element on Hopper. MXFP8's
+second copy is [Note: MXFP8]'s. Megatron-Core runs q, k and v as one linear (linear_qkv) and a
+gated MLP's gate and up projections as one (linear_fc1, 2 x ffn wide): one input, quantized once
+(`KernelStack.fused_linears`). torchao's Float8Linear (torchtitan's wq, wk, wv and w1, w3) casts
+each module's input itself ([Note: float8 recipes]).
+
 [Note: attention at narrow heads]
 A flash kernel does the same softmax work per score whatever the head width, so at head dim 64
 each score carries half the matmul FLOPs of head dim 128 and the kernel reaches less of the peak.
@@ -140,7 +166,8 @@ ROWWISE_KERNEL_SHARE = 0.9
 """Rowwise-scaled fp8 GEMM rate / tensorwise ([Note: float8 recipes])."""
 INPUT_CAST_BYTES = 3
 """HBM bytes per input element of a GEMM's fp8 cast (read bf16, write fp8) where the stack does
-not say more (`KernelStack.fp8_casts`); the backward pays it twice."""
+not say more (`KernelStack.fp8_casts`); outside Transformer Engine's recipes the backward pays it
+twice, under them each output gradient pays it ([Note: Transformer Engine's casts])."""
 MXFP8_BLOCK = 32
 """Elements sharing one E8M0 (1-byte) scale under MXFP8 ([Note: MXFP8])."""
 MXFP8_EXTRA_BYTES = 1 + 2 / MXFP8_BLOCK
@@ -149,6 +176,12 @@ its second (columnwise) fp8 copy and both copies' E8M0 scales ([Note: MXFP8]).""
 CURRENT_AMAX_BYTES = ACT_BYTES
 """HBM bytes per element of current scaling's amax pass: one read of the bf16 tensor before its
 cast ([Note: FP8 current scaling])."""
+TE_RECIPES: tuple[Fp8Recipe, ...] = ("current", "mxfp8")
+"""The recipes Transformer Engine runs, which quantize each operand once for both usages
+([Note: Transformer Engine's casts])."""
+HOPPER_TRANSPOSE_BYTES = 1
+"""HBM bytes per element of the transposed fp8 copy that per-tensor fp8 writes on Hopper beside
+the rowwise one ([Note: Transformer Engine's casts])."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -211,6 +244,10 @@ class KernelStack:
     unfused_rope_passes: float | None = None
     """`rope_passes` where the stack's fused rotary kernel does not apply to the model's position
     embedding ([Note: unfused rotary embedding]); None: the fused passes for every embedding."""
+    fused_linears: bool = False
+    """q, k and v run as one linear and a gated MLP's gate and up projections as one (Megatron-Core's
+    linear_qkv and linear_fc1): each fused linear quantizes its input once ([Note: Transformer
+    Engine's casts]); False: one linear per weight."""
     float8_tp_all_gather: bool = False
     """Tensor parallelism under tensorwise float8 gathers in fp8: torchtitan applies torchao's
     PrepareFloat8ModuleInput / Float8ColwiseParallel / Float8RowwiseParallel, which cast a block
@@ -290,6 +327,7 @@ STACKS: dict[str, KernelStack] = {
     "megatron-te": KernelStack(name="Megatron-Core + Transformer Engine", attention_share=_CUDNN, norm_passes=2,
                                rope_passes=2, act_passes=3, residual_passes=4, tp_overlap_backward=True,
                                narrow_head_share=CUDNN_HD64_SHARE, unfused_rope_passes=UNFUSED_ROPE_PASSES,
+                               fused_linears=True,
                                source="Transformer Engine fused kernels; cuDNN fused attention"),
     # Megatron-LM 2021 (A100): fused bias-GeLU and fused LayerNorm kernels, softmax fused,
     # attention not flash (scores materialized): modelled as FA2-rate attention on Ampere.
@@ -388,6 +426,15 @@ class BlockShape:
             return False
         return not (self.kv_lora_rank and k == self.hidden)
 
+    def fused_with_previous(self) -> list[bool]:
+        """Per GEMM of `attention_gemms() + mlp_gemms()`: whether Megatron-Core runs it in one linear
+        with the GEMM before it (k and v in linear_qkv, the up projection in linear_fc1), reading
+        the input that linear quantized once ([Note: Transformer Engine's casts]). MLA's
+        down-projections are separate linears."""
+        gqa = not self.kv_lora_rank
+        attention = [gqa and i in (1, 2) for i in range(len(self.attention_gemms()))]
+        return attention + [self.mlp == "swiglu" and i == 1 for i in range(len(self.mlp_gemms()))]
+
     def gemms(self) -> list[tuple[int, int]]:
         """(K, N) of each weight matrix of the block, unsharded."""
         return [(k, n) for k, n, _ in self.attention_gemms() + self.mlp_gemms()]
@@ -420,30 +467,41 @@ def tile_efficiency(k: int, n: int) -> float:
 def gemm_seconds(tokens: float, k: int, n: int, gpu: Accelerator, fp8: bool, recipe: Fp8Recipe = "tensorwise",
                  cast_bytes: float = INPUT_CAST_BYTES, amax_fused: bool = False) -> float:  # fmt: skip
     """One forward GEMM of `tokens` rows through a K x N weight ([Note: block compute]); with fp8,
-    `cast_bytes` per input element for its cast, at HBM bandwidth, and under current scaling the
-    input's amax pass unless the kernel that wrote the input took it (`amax_fused`, [Note: FP8
+    `cast_bytes` per input element for its cast, at HBM bandwidth, and under Transformer Engine's
+    recipes the input quantized for both usages (`te_quantize_seconds`), under current scaling
+    with its amax pass unless the kernel that wrote the input took it (`amax_fused`, [Note: FP8
     current scaling])."""
-    flops = 2.0 * tokens * k * n
+    fp8 = bool(fp8 and gpu.fp8_tflops)
+    if fp8 and recipe in TE_RECIPES:
+        return _gemm_only_seconds(tokens, k, n, gpu, fp8, recipe) + te_quantize_seconds(
+            tokens, k, gpu, recipe, amax_fused=amax_fused
+        )
+    cast = tokens * k * cast_bytes / (gpu.hbm_tbps * 1e12 * HBM_SHARE) if fp8 else 0.0
+    return _gemm_only_seconds(tokens, k, n, gpu, fp8, recipe) + cast
+
+
+def _gemm_only_seconds(tokens: float, k: int, n: int, gpu: Accelerator, fp8: bool, recipe: Fp8Recipe) -> float:
+    """The GEMM kernel alone, its operands already in the dtype it reads ([Note: block compute])."""
     if fp8 and gpu.fp8_tflops:
         rate = gpu.fp8_tflops * gpu.fp8_gemm_share * (ROWWISE_KERNEL_SHARE if recipe == "rowwise" else 1.0)
-        cast = tokens * k * cast_bytes / (gpu.hbm_tbps * 1e12 * HBM_SHARE)
-        cast += mxfp8_extra_s(tokens * k, gpu) if recipe == "mxfp8" else 0.0
-        cast += current_amax_s(tokens * k, gpu) if recipe == "current" and not amax_fused else 0.0
     else:
-        rate, cast = gpu.bf16_tflops * gpu.gemm_share, 0.0
-    return flops / (rate * 1e12 * tile_efficiency(k, n)) + cast
+        rate = gpu.bf16_tflops * gpu.gemm_share
+    return 2.0 * tokens * k * n / (rate * 1e12 * tile_efficiency(k, n))
 
 
-def mxfp8_extra_s(elements: float, gpu: Accelerator) -> float:
-    """Seconds MXFP8 adds to the quantization of `elements` activation elements over a tensorwise
-    cast ([Note: MXFP8])."""
-    return elements * MXFP8_EXTRA_BYTES / (gpu.hbm_tbps * 1e12 * HBM_SHARE)
-
-
-def current_amax_s(elements: float, gpu: Accelerator) -> float:
-    """Seconds of current scaling's amax pass over `elements` bf16 elements ([Note: FP8 current
-    scaling])."""
-    return elements * CURRENT_AMAX_BYTES / (gpu.hbm_tbps * 1e12 * HBM_SHARE)
+def te_quantize_seconds(rows: float, width: int | float, gpu: Accelerator, recipe: Fp8Recipe, *,
+                        amax_fused: bool = False, gathered_rows: float | None = None) -> float:  # fmt: skip
+    """Seconds Transformer Engine takes to quantize a `rows` x `width` bf16 GEMM operand for both its
+    usages ([Note: Transformer Engine's casts]): the cast (`INPUT_CAST_BYTES`); under current
+    scaling the amax pass (unless the kernel that wrote the tensor took it) and, on Hopper, the
+    transposed copy, written by the cast's kernel or, for a tensor then all-gathered in fp8 to
+    `gathered_rows` rows, transposed after the gather; under MXFP8 the second copy and scales."""
+    per_element = INPUT_CAST_BYTES + (MXFP8_EXTRA_BYTES if recipe == "mxfp8" else 0.0)
+    per_element += CURRENT_AMAX_BYTES if recipe == "current" and not amax_fused else 0.0
+    transpose = 0.0
+    if recipe == "current" and gpu.generation != "blackwell":
+        transpose = (gathered_rows * 2 if gathered_rows else rows) * width * HOPPER_TRANSPOSE_BYTES
+    return (rows * width * per_element + transpose) / (gpu.hbm_tbps * 1e12 * HBM_SHARE)
 
 
 def gemm_backward_seconds(tokens: float, k: int, n: int, gpu: Accelerator, fp8: bool,
@@ -451,16 +509,16 @@ def gemm_backward_seconds(tokens: float, k: int, n: int, gpu: Accelerator, fp8: 
                           grad_rows: float | None = None) -> float:  # fmt: skip
     """The two backward GEMMs (grad input, grad weight) of one forward GEMM ([Note: float8
     recipes]): twice the forward's work, under rowwise scaling the casts along the other axis
-    and the rescale of grad input, under MXFP8 the output gradient's second copy ([Note: MXFP8]),
-    under current scaling the output gradient's amax pass over its `grad_rows` rows (default
-    `tokens`; the sequence shard where it is quantized before an all-gather)."""
+    and the rescale of grad input. Under Transformer Engine's recipes twice the forward's GEMM
+    and the output gradient quantized for both usages ([Note: Transformer Engine's casts]), on
+    its `grad_rows` rows (default `tokens`; the sequence shard where it is all-gathered after)."""
+    if fp8 and gpu.fp8_tflops and recipe in TE_RECIPES:
+        gathered = tokens if grad_rows is not None and grad_rows < tokens else None
+        grad = te_quantize_seconds(tokens if grad_rows is None else grad_rows, n, gpu, recipe, gathered_rows=gathered)
+        return 2 * _gemm_only_seconds(tokens, k, n, gpu, fp8, recipe) + grad
     base = 2 * gemm_seconds(tokens, k, n, gpu, fp8, "tensorwise", cast_bytes)
     if not (fp8 and gpu.fp8_tflops) or recipe == "tensorwise":
         return base
-    if recipe == "mxfp8":
-        return base + mxfp8_extra_s(tokens * n, gpu)
-    if recipe == "current":
-        return base + current_amax_s((tokens if grad_rows is None else grad_rows) * n, gpu)
     hbm = gpu.hbm_tbps * 1e12 * HBM_SHARE
     # grad_output (tokens x N) and the input (tokens x K) cast once more along their other axis:
     # a column amax (one read) and the cast (read 2, write 1 bytes); grad input rescaled (read and
@@ -486,13 +544,23 @@ def block_seconds(
     gemms = shape.attention_gemms() + shape.mlp_gemms()
     casts = stack.fp8_casts if fp8 and gpu.fp8_tflops and fp8_recipe == "tensorwise" else None
     cast_bytes = INPUT_CAST_BYTES if casts is None else 0.0
+    te = fp8 and gpu.fp8_tflops and fp8_recipe in TE_RECIPES
+    shared = shape.fused_with_previous() if stack.fused_linears else [False] * len(gemms)
     gemm = gemm_backward = 0.0
-    for k, n, row in gemms:
+    for (k, n, row), shares_input in zip(gemms, shared, strict=True):
         ks, ns = _shard(k, n, tp, row)
         fused = shape.norm_fused_input(k, row)
-        # a row-parallel GEMM's output gradient is quantized on the sequence shard, then gathered
+        # under sequence parallelism a column-parallel GEMM's input and a row-parallel GEMM's
+        # output gradient are quantized on the sequence shard, then gathered
         grad_rows = tokens / tp if row else tokens
-        gemm += gemm_seconds(tokens, ks, ns, gpu, fp8, fp8_recipe, cast_bytes, amax_fused=fused)
+        if te:
+            gemm += _gemm_only_seconds(tokens, ks, ns, gpu, True, fp8_recipe)
+            if not shares_input:
+                gathered = None if row or tp == 1 else tokens
+                rows = tokens if gathered is None else tokens / tp
+                gemm += te_quantize_seconds(rows, ks, gpu, fp8_recipe, amax_fused=fused, gathered_rows=gathered)
+        else:
+            gemm += gemm_seconds(tokens, ks, ns, gpu, fp8, fp8_recipe, cast_bytes, amax_fused=fused)
         gemm_backward += gemm_backward_seconds(tokens, ks, ns, gpu, fp8, fp8_recipe, cast_bytes, grad_rows)
     if casts is not None:
         cast_forward, cast_backward = fp8_cast_seconds(shape, tokens, gpu, casts, tp, stack.float8_tp_all_gather)

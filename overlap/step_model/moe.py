@@ -146,11 +146,12 @@ from overlap.step_model.hardware import HBM_SHARE, Accelerator
 from overlap.step_model.kernels import (
     ACT_BYTES,
     ROWWISE_KERNEL_SHARE,
+    TE_RECIPES,
     TILE,
     Fp8Recipe,
     gemm_backward_seconds,
     gemm_seconds,
-    mxfp8_extra_s,
+    te_quantize_seconds,
 )
 
 HostCpu = Literal["x86", "grace"]
@@ -230,11 +231,14 @@ class MoeSeconds:
 
 
 def expert_gemm_seconds(
-    m: float, k: int, n: int, gpu: Accelerator, fp8: bool, recipe: Fp8Recipe = "tensorwise"
+    m: float, k: int, n: int, gpu: Accelerator, fp8: bool, recipe: Fp8Recipe = "tensorwise", *, cast: bool = True
 ) -> float:
     """One expert's forward GEMM of `m` rows through a K x N weight inside a grouped GEMM ([Note:
     grouped GEMMs at small M]): M padded to whole tiles at the large-GEMM rate, no faster than
-    streaming its operands from HBM, plus the group's per-GEMM tail (and an fp8 input's cast)."""
+    streaming its operands from HBM, plus the group's per-GEMM tail and, with `cast`, an fp8
+    input's quantization (under Transformer Engine's recipes as a dense linear's,
+    `te_quantize_seconds`: TE's grouped linear quantizes each expert's input with the same
+    quantizer)."""
     if m <= 0:
         return 0.0
     hbm = gpu.hbm_tbps * 1e12 * HBM_SHARE
@@ -242,12 +246,13 @@ def expert_gemm_seconds(
     if fp8 and gpu.fp8_tflops:
         share = BLACKWELL_FP8_GROUPED_SHARE if gpu.generation == "blackwell" else gpu.fp8_gemm_share
         rate = gpu.fp8_tflops * share * (ROWWISE_KERNEL_SHARE if recipe == "rowwise" else 1.0)
-        weight_bytes, cast = 1, m * k * 3 / hbm + (mxfp8_extra_s(m * k, gpu) if recipe == "mxfp8" else 0.0)
+        quantize = te_quantize_seconds(m, k, gpu, recipe) if recipe in TE_RECIPES else m * k * 3 / hbm
+        weight_bytes, input_cast = 1, quantize if cast else 0.0
     else:
-        rate, weight_bytes, cast = gpu.bf16_tflops * gpu.gemm_share, ACT_BYTES, 0.0
+        rate, weight_bytes, input_cast = gpu.bf16_tflops * gpu.gemm_share, ACT_BYTES, 0.0
     compute = 2.0 * padded * k * n / (rate * 1e12)
     stream = (k * n * weight_bytes + m * (k + n) * ACT_BYTES) / hbm
-    return max(compute, stream) + cast + GROUPED_GEMM_TAIL_S
+    return max(compute, stream) + input_cast + GROUPED_GEMM_TAIL_S
 
 
 def expert_rows(tokens: float, moe: MoeShape, ep: int, capacity_factor: float | None) -> float:
@@ -288,12 +293,13 @@ def moe_seconds(
     rows, f = expert_rows(tokens, moe, ep, capacity_factor), moe.expert_ffn_hidden // etp
     shapes = [(hidden, 2 * f), (f, hidden)]  # fc1 (gate and up) splits N, fc2 splits K over ETP
     experts = local * sum(expert_gemm_seconds(rows, k, n, gpu, fp8, fp8_recipe) for k, n in shapes)
-    # backward: twice the forward's GEMMs and casts, under MXFP8 with the output gradients' second
-    # copies ([Note: MXFP8] in kernels.py) in place of the inputs'
+    # backward: twice the forward's GEMMs and casts; under Transformer Engine's recipes twice the
+    # GEMMs and each output gradient quantized for both usages, the inputs' columnwise copies
+    # made forward ([Note: Transformer Engine's casts] in kernels.py)
     experts_backward = 2 * experts
-    if fp8 and gpu.fp8_tflops and fp8_recipe == "mxfp8":
-        experts_backward = 2 * local * sum(expert_gemm_seconds(rows, k, n, gpu, fp8) for k, n in shapes)
-        experts_backward += local * sum(mxfp8_extra_s(rows * n, gpu) for _, n in shapes)
+    if fp8 and gpu.fp8_tflops and fp8_recipe in TE_RECIPES:
+        gemms = sum(expert_gemm_seconds(rows, k, n, gpu, fp8, fp8_recipe, cast=False) for k, n in shapes)
+        experts_backward = local * (2 * gemms + sum(te_quantize_seconds(rows, n, gpu, fp8_recipe) for _, n in shapes))
     # the SwiGLU activation between them: read 2, write 1 of rows x f per expert
     act = act_backward = local * rows * f * 3 * ACT_BYTES / hbm
     act_backward *= 2
@@ -303,7 +309,7 @@ def moe_seconds(
     shared = shared_bwd = 0.0
     if moe.shared_ffn_hidden:
         s, t = moe.shared_ffn_hidden // tp, tokens if shared_tokens is None else shared_tokens
-        parts = [(hidden, s), (hidden, s), (s, hidden)]
+        parts = [(hidden, 2 * s), (s, hidden)]  # Megatron-Core's linear_fc1 (gate and up) and linear_fc2
         shared = sum(gemm_seconds(t, k, n, gpu, fp8, fp8_recipe) for k, n in parts)
         shared_bwd = sum(gemm_backward_seconds(t, k, n, gpu, fp8, fp8_recipe) for k, n in parts)
     forward = router + experts + act + shared

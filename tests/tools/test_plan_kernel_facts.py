@@ -22,8 +22,9 @@ from overlap.step_model.kernels import (
     gemm_backward_seconds,
     gemm_seconds,
     narrow_head_factor,
+    te_quantize_seconds,
 )
-from overlap.step_model.moe import MoeShape, expert_rows, moe_seconds
+from overlap.step_model.moe import MoeShape, expert_gemm_seconds, expert_rows, moe_seconds
 from overlap.tools.plan import ring_attention
 from overlap.tools.plan.run_spec import ModelShape, RunSpec
 from overlap.tools.plan.run_step import _layer_numel, _tp_exposed, _weight_pass_s, predict_run
@@ -255,8 +256,10 @@ def test_mxfp8_writes_each_quantized_activation_row_and_columnwise_with_its_scal
     # forward: the input's columnwise copy; backward: the output gradient's
     mx_fwd, tw_fwd = gemm_seconds(t, k, n, gpu, True, "mxfp8"), gemm_seconds(t, k, n, gpu, True)
     assert mx_fwd - tw_fwd == pytest.approx(t * k * MXFP8_EXTRA_BYTES / hbm)
-    mx_bwd, tw_bwd = gemm_backward_seconds(t, k, n, gpu, True, "mxfp8"), gemm_backward_seconds(t, k, n, gpu, True)
-    assert mx_bwd - tw_bwd == pytest.approx(t * n * MXFP8_EXTRA_BYTES / hbm)
+    # backward: the GEMMs and the output gradient quantized row- and columnwise; the input is not cast again
+    gemm = gemm_seconds(t, k, n, gpu, True, cast_bytes=0.0)
+    mx_bwd = gemm_backward_seconds(t, k, n, gpu, True, "mxfp8")
+    assert mx_bwd - 2 * gemm == pytest.approx(t * n * (3 + MXFP8_EXTRA_BYTES) / hbm)
     assert gemm_seconds(t, k, n, gpu, False, "mxfp8") == gemm_seconds(t, k, n, gpu, False)  # bf16 untouched
     # the experts' grouped GEMMs: fc1 (h -> 2f) and fc2 (f -> h) of each local expert
     moe = MoeShape(num_experts=128, top_k=8, expert_ffn_hidden=768)
@@ -264,7 +267,10 @@ def test_mxfp8_writes_each_quantized_activation_row_and_columnwise_with_its_scal
     tw = moe_seconds(moe, 2048, t, gpu, ep=8, fp8=True)
     rows, local = expert_rows(t, moe, 8, None), 128 // 8
     assert mx.forward_s - tw.forward_s == pytest.approx(local * rows * (2048 + 768) * MXFP8_EXTRA_BYTES / hbm)
-    assert mx.backward_s - tw.backward_s == pytest.approx(local * rows * (2 * 768 + 2048) * MXFP8_EXTRA_BYTES / hbm)
+    # backward: each output gradient quantized for both usages in place of the inputs' two casts
+    grads, inputs = 2 * 768 + 2048, 2048 + 768
+    assert mx.backward_s - tw.backward_s == pytest.approx(
+        local * rows * (grads * (3 + MXFP8_EXTRA_BYTES) - inputs * 2 * 3) / hbm)  # fmt: skip
     with pytest.raises(ValueError, match="mxfp8"):
         RunSpec(model=LLAMA_8B, gpu="h100-sxm", node="dgx-h100", num_gpus=8, seq_len=8192, global_batch=8,
                 micro_batch=1, precision="fp8", fp8_recipe="mxfp8")  # fmt: skip
@@ -282,27 +288,16 @@ def test_blackwell_attention_runs_at_cudnns_measured_gb200_rate() -> None:
 
 
 def test_current_scaling_reads_each_quantized_tensor_for_its_amax_unless_a_fused_norm_took_it() -> None:
-    gpu, t, k, n = ACCELERATORS["h100-sxm"], 8192, 8192, 28672
+    gpu, t, k, n = ACCELERATORS["gb200"], 8192, 8192, 28672
     hbm = gpu.hbm_tbps * 1e12 * HBM_SHARE
     assert CURRENT_AMAX_BYTES == 2  # one read of the bf16 tensor
-    # forward: the input's amax, unless the kernel that wrote it took it; backward: the output gradient's
-    cs_fwd, tw_fwd = gemm_seconds(t, k, n, gpu, True, "current"), gemm_seconds(t, k, n, gpu, True)
-    assert cs_fwd - tw_fwd == pytest.approx(t * k * 2 / hbm)
-    assert gemm_seconds(t, k, n, gpu, True, "current", amax_fused=True) == pytest.approx(tw_fwd)
-    cs_bwd, tw_bwd = gemm_backward_seconds(t, k, n, gpu, True, "current"), gemm_backward_seconds(t, k, n, gpu, True)
-    assert cs_bwd - tw_bwd == pytest.approx(t * n * 2 / hbm)
+    # forward: the input's amax and cast, the amax unless the kernel that wrote it took it;
+    # backward: the output gradient's, the input not cast again (Blackwell: one copy serves both usages)
+    gemm = gemm_seconds(t, k, n, gpu, True, cast_bytes=0.0)
+    assert gemm_seconds(t, k, n, gpu, True, "current") - gemm == pytest.approx(t * k * (2 + 3) / hbm)
+    assert gemm_seconds(t, k, n, gpu, True, "current", amax_fused=True) - gemm == pytest.approx(t * k * 3 / hbm)
+    assert gemm_backward_seconds(t, k, n, gpu, True, "current") - 2 * gemm == pytest.approx(t * n * (2 + 3) / hbm)
     assert gemm_seconds(t, k, n, gpu, False, "current") == gemm_seconds(t, k, n, gpu, False)  # bf16 untouched
-    # a Llama block under TP 4 (sequence parallel): linear_qkv and linear_fc1 read a fused
-    # LayerNormLinear (no pass); linear_proj's and linear_fc2's inputs pay one; every output
-    # gradient pays one, the row-parallel ones on the sequence shard before their all-gather
-    te, tp, tokens = STACKS["megatron-te"], 4, 8192
-    shape = LLAMA_8B.block()
-    cs = block_seconds(shape, tokens, 8192, gpu, te, tp=tp, fp8=True, fp8_recipe="current")
-    tw = block_seconds(shape, tokens, 8192, gpu, te, tp=tp, fp8=True)
-    h, kv, f = 4096, 1024, 14336
-    assert cs.forward_s - tw.forward_s == pytest.approx(tokens * (h + f) / tp * 2 / hbm)
-    grads = tokens * (h + 2 * kv + 2 * f) / tp + tokens / tp * 2 * h
-    assert cs.backward_s - tw.backward_s == pytest.approx(grads * 2 / hbm)
     # MLA's down-projections read a standalone norm's output: their inputs pay the pass too
     mla = BlockShape(hidden=7168, ffn_hidden=0, num_heads=128, num_kv_heads=128, head_dim=128, q_lora_rank=1536,
                      kv_lora_rank=512, rope_head_dim=64, v_head_dim=128)  # fmt: skip
@@ -310,3 +305,66 @@ def test_current_scaling_reads_each_quantized_tensor_for_its_amax_unless_a_fused
     with pytest.raises(ValueError, match="tensorwise"):
         RunSpec(model=LLAMA_8B, gpu="h100-sxm", node="dgx-h100", num_gpus=8, seq_len=8192, global_batch=8,
                 micro_batch=1, precision="fp8", fp8_recipe="current", stack="torch-compile")  # fmt: skip
+
+
+def _gemm_only(shape: BlockShape, tokens: float, gpu, tp: int) -> float:
+    """The block's GEMM kernels alone, fp8, no casts."""
+    shards = [(k // tp, n) if row else (k, n // tp) for k, n, row in shape.attention_gemms() + shape.mlp_gemms()]
+    return sum(gemm_seconds(tokens, k, n, gpu, True, cast_bytes=0.0) for k, n in shards)
+
+
+def test_megatron_quantizes_the_input_of_linear_qkv_and_linear_fc1_once() -> None:
+    gpu, tokens = ACCELERATORS["gb200"], 8192
+    hbm = gpu.hbm_tbps * 1e12 * HBM_SHARE
+    te, shape, h = STACKS["megatron-te"], LLAMA_8B.block(), 4096
+    assert te.fused_linears and not STACKS["torch-compile"].fused_linears
+    assert shape.fused_with_previous() == [False, True, True, False, False, True, False]
+    fused = block_seconds(shape, tokens, 8192, gpu, te, fp8=True, fp8_recipe="current")
+    apart = block_seconds(shape, tokens, 8192, gpu, replace(te, fused_linears=False), fp8=True, fp8_recipe="current")
+    # k, v and the up projection read the input linear_qkv / linear_fc1 quantized (cast only: the norm took the amax)
+    assert apart.gemm_forward_s - fused.gemm_forward_s == pytest.approx(3 * tokens * h * 3 / hbm)
+    assert apart.backward_s == pytest.approx(fused.backward_s)  # each output gradient is still quantized
+    mla = BlockShape(hidden=7168, ffn_hidden=0, num_heads=128, num_kv_heads=128, head_dim=128, q_lora_rank=1536,
+                     kv_lora_rank=512, rope_head_dim=64, v_head_dim=128)  # fmt: skip
+    assert not any(mla.fused_with_previous())  # MLA's q and kv down-projections are separate linears
+
+
+def test_hopper_writes_the_transposed_fp8_copy_of_each_current_scaled_operand() -> None:
+    h100, gb200, rows, width = ACCELERATORS["h100-sxm"], ACCELERATORS["gb200"], 8192, 4096
+    hbm = h100.hbm_tbps * 1e12 * HBM_SHARE
+    # Hopper: cast_transpose writes the rowwise and the transposed copy; Blackwell reads one copy both ways
+    assert te_quantize_seconds(rows, width, h100, "current") == pytest.approx(rows * width * (2 + 3 + 1) / hbm)
+    blackwell_hbm = gb200.hbm_tbps * 1e12 * HBM_SHARE
+    assert te_quantize_seconds(rows, width, gb200, "current") == pytest.approx(rows * width * (2 + 3) / blackwell_hbm)
+    # quantized on the sequence shard, gathered in fp8, then the gathered copy transposed (read and write)
+    gathered = te_quantize_seconds(rows / 4, width, h100, "current", gathered_rows=rows)
+    assert gathered == pytest.approx((rows / 4 * width * 5 + rows * width * 2) / hbm)
+    # a Llama block under TP 4 on an H100: linear_qkv's and linear_fc1's inputs quantized once on
+    # the shard (their norms took the amax) and transposed after the gather; linear_proj's and
+    # linear_fc2's inputs in one cast_transpose; every output gradient in one, the row-parallel
+    # ones on the shard and transposed after their gather
+    te, tp, tokens, shape = STACKS["megatron-te"], 4, 8192, LLAMA_8B.block()
+    h, kv, f = 4096, 1024, 14336
+    b = block_seconds(shape, tokens, 8192, h100, te, tp=tp, fp8=True, fp8_recipe="current")
+    gemm = _gemm_only(shape, tokens, h100, tp)
+    inputs = 2 * (tokens / tp * h * 3 + tokens * h * 2) + tokens * (h + f) / tp * 6
+    assert b.gemm_forward_s - gemm == pytest.approx(inputs / hbm)
+    grads = tokens * (h + 2 * kv + 2 * f) / tp * 6 + 2 * (tokens / tp * h * 5 + tokens * h * 2)
+    gemm_backward = b.backward_s - 2.5 * b.attention_forward_s - 2 * b.elementwise_forward_s
+    assert gemm_backward - 2 * gemm == pytest.approx(grads / hbm)
+
+
+def test_experts_under_current_scaling_quantize_as_the_dense_linears_do() -> None:
+    gpu, t = ACCELERATORS["h100-sxm"], 4096
+    hbm = gpu.hbm_tbps * 1e12 * HBM_SHARE
+    rows, k, n = 2048, 2048, 1536
+    gemm = expert_gemm_seconds(rows, k, n, gpu, True, "current", cast=False)
+    # each expert's input: amax, cast and Hopper's transposed copy, as te_quantize_seconds prices a dense one
+    assert expert_gemm_seconds(rows, k, n, gpu, True, "current") - gemm == pytest.approx(rows * k * 6 / hbm)
+    moe = MoeShape(num_experts=128, top_k=8, expert_ffn_hidden=768)
+    cs = moe_seconds(moe, 2048, t, gpu, ep=8, fp8=True, fp8_recipe="current")
+    tw = moe_seconds(moe, 2048, t, gpu, ep=8, fp8=True)
+    rows, local = expert_rows(t, moe, 8, None), 128 // 8
+    inputs, grads = 2048 + 768, 2 * 768 + 2048
+    assert cs.forward_s - tw.forward_s == pytest.approx(local * rows * inputs * (6 - 3) / hbm)
+    assert cs.backward_s - tw.backward_s == pytest.approx(local * rows * (grads * 6 - inputs * 2 * 3) / hbm)
