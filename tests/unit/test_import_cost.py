@@ -1,5 +1,5 @@
 """`import overlap` costs about what `import torch` does: DTensor (torch.distributed.tensor),
-torch._dynamo and torch.distributed.checkpoint load on first use ([Note: import cost] in
+torch._dynamo, torch.distributed.checkpoint and triton load on first use ([Note: import cost] in
 overlap/engine/lazy_torch.py). Each check runs in a fresh interpreter, which sees what an import
 loads; none times anything (a loaded machine makes wall time meaningless), they check which modules
 are loaded and that the deferred features still work."""
@@ -10,7 +10,7 @@ import json
 import subprocess
 import sys
 
-DEFERRED = ("torch.distributed.tensor", "torch._dynamo", "torch.distributed.checkpoint")
+DEFERRED = ("torch.distributed.tensor", "torch._dynamo", "torch.distributed.checkpoint", "triton")
 
 
 def loaded_after(code: str) -> dict[str, bool]:

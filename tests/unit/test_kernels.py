@@ -251,7 +251,7 @@ def test_fp8_falls_back_below_sm89(monkeypatch):
     capabilities = {0: (8, 0), 1: (9, 0)}
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: capabilities[index])
     monkeypatch.setattr(triton_launch, "_capability", {})
-    monkeypatch.setattr(triton_launch, "triton", object())  # "installed"
+    monkeypatch.setattr(triton_launch, "available", lambda: True)  # "installed"
     monkeypatch.setattr(quantize, "_fp8_fallback_warned", set())
     a100, h100 = torch.device("cuda", 0), torch.device("cuda", 1)
     with pytest.warns(UserWarning, match=r"cuda:0 \(compute capability \(8, 0\)\) has no fp8"):
