@@ -106,6 +106,22 @@ between GPU kernels where CPU cannot launch kernels fast enough": CUDA graphs, "
 micro-batch size"): the host work is per micro-batch, so it shows at small micro-batches and
 many local experts.
 
+[Note: forced load balancing]
+The published Megatron-Bridge MoE runs route at random: every performance recipe sets
+`moe_router_force_load_balancing` (scripts/performance/configs/*/…_llm_pretrain.py, e.g.
+https://github.com/NVIDIA-NeMo/Megatron-Bridge/blob/v0.4.2/scripts/performance/configs/gpt_oss/gpt_oss_llm_pretrain.py),
+under which Megatron-Core's router replaces the gate's logits by `RandomSTE.apply(logits)`
+(megatron/core/transformer/moe/router.py, moe_utils.py,
+https://github.com/NVIDIA/Megatron-LM/blob/d98e8a64ddf34856e74b24714e3bedb2f5a39553/megatron/core/transformer/moe/moe_utils.py):
+inside `get_cuda_rng_tracker().fork(...)` it runs `logits.clone().normal_()`. On the GPU that is
+a read and a write of the t x E logits and one more write (`FORCE_BALANCE_PASSES`, fp32 as the
+router's other logit passes); on the host two eager operators and the tracker's fork, which
+gets and sets the CUDA generator's state on entry and again on exit (tensor_parallel/random.py
+`fork`): `FORCE_BALANCE_OPS` = 6 eager operators in the router's part (one launch when the
+router is a CUDA graph). The fork's checks of the CPU generator's state touch no device and are
+not counted. The routing it produces is balanced only in expectation; that skew is not priced
+([Note: expert parallelism]).
+
 [Note: the dispatcher's sync]
 The host wait of [Note: MoE host work] sits in the middle of the layer: the host issues the
 attention, the router and the preprocessing (H1), waits until the GPU has run them (G1) and the
@@ -276,10 +292,12 @@ def moe_seconds(
     fp8_recipe: Fp8Recipe = "tensorwise",
     capacity_factor: float | None = None,
     dispatcher: str = "alltoall",
+    force_balance: bool = False,
 ) -> MoeSeconds:
     """[Note: expert parallelism] for `tokens` tokens routed from this rank; the routed experts
     split over `etp`, the shared experts over `tp` like a dense MLP, run on `shared_tokens`
-    (default `tokens`); `dispatcher` is Megatron-Core's moe_token_dispatcher_type."""
+    (default `tokens`); `dispatcher` is Megatron-Core's moe_token_dispatcher_type;
+    `force_balance` its moe_router_force_load_balancing ([Note: forced load balancing])."""
     if moe.num_experts % ep:
         raise ValueError(f"{moe.num_experts} experts do not split over expert parallel {ep}")
     hbm = gpu.hbm_tbps * 1e12 * HBM_SHARE
@@ -289,7 +307,8 @@ def moe_seconds(
     # softmax / top-k over E logits (fp32, read and write) and the permute + unpermute copies;
     # the alltoall dispatcher's chunk sorts by local expert, there and back
     permutations = 2 + (2 if dispatcher == "alltoall" and ep > 1 and local > 1 else 0)
-    router += tokens * moe.num_experts * 4 * 2 / hbm + permutations * copies * hidden * ACT_BYTES * 2 / hbm
+    logit_passes = 2 + (FORCE_BALANCE_PASSES if force_balance else 0)
+    router += tokens * moe.num_experts * 4 * logit_passes / hbm + permutations * copies * hidden * ACT_BYTES * 2 / hbm
     rows, f = expert_rows(tokens, moe, ep, capacity_factor), moe.expert_ffn_hidden // etp
     shapes = [(hidden, 2 * f), (f, hidden)]  # fc1 (gate and up) splits N, fc2 splits K over ETP
     experts = local * sum(expert_gemm_seconds(rows, k, n, gpu, fp8, fp8_recipe) for k, n in shapes)
@@ -317,6 +336,12 @@ def moe_seconds(
     return MoeSeconds(forward, backward, experts, router, copies * hidden * ACT_BYTES, act, shared)
 
 
+FORCE_BALANCE_PASSES = 3
+"""Passes over the t x E fp32 logits of the random logits' clone and normal_ ([Note: forced load
+balancing])."""
+FORCE_BALANCE_OPS = 6
+"""Eager operators of the random logits on the host: clone, normal_ and the RNG tracker fork's two
+gets and two sets of the CUDA generator's state ([Note: forced load balancing])."""
 CLAMP_PASSES = (8, 10)
 """(forward, backward) passes over rows x f of the clamp outside the fused activation ([Note:
 clamped expert activation])."""
@@ -357,16 +382,20 @@ def host_cpu(gpu: str) -> HostCpu:
     return "grace" if gpu in GRACE_HOSTED else "x86"
 
 
-def moe_host_split(moe: MoeShape, ep: int, fp8: bool, graphed: tuple[str, ...] = (), *,
-                   host: HostCpu = "x86", dispatcher: str = "alltoall") -> tuple[float, float]:  # fmt: skip
+def moe_host_split(moe: MoeShape, ep: int, fp8: bool, graphed: tuple[str, ...] = (), *, host: HostCpu = "x86",
+                   dispatcher: str = "alltoall", force_balance: bool = False) -> tuple[float, float]:  # fmt: skip
     """(before the token-count sync, after it) CPU seconds of one MoE layer's forward ([Note: MoE
     host work]): its TE modules and other eager operators outside CUDA graphs, a graphed part as
     one launch, and the grouped GEMMs' launches per local expert (fc1 and fc2; with fp8 each
     input's cast too). Before the sync: the attention, router and preprocessing (and the shared
     experts inside the router's graph); after it: the dispatch, the experts, the combine and
-    ungraphed shared experts ([Note: the dispatcher's sync])."""
+    ungraphed shared experts ([Note: the dispatcher's sync]); `force_balance` adds the random
+    logits' operators to the router's part ([Note: forced load balancing])."""
     module_s = TE_MODULE_S[host] * (TE_FP8_FACTOR if fp8 else 1.0)
     parts = dict(HOST_OPS, **FLEX_ROUTER_OPS) if dispatcher == "flex" else dict(HOST_OPS)
+    if force_balance:
+        modules, ops = parts["moe_router"]
+        parts["moe_router"] = (modules, ops + FORCE_BALANCE_OPS)
     if moe.shared_ffn_hidden and "moe_router" not in graphed:
         parts["shared"] = SHARED_OPS
     pre = post = 0.0
@@ -380,11 +409,11 @@ def moe_host_split(moe: MoeShape, ep: int, fp8: bool, graphed: tuple[str, ...] =
     return pre, post + moe.num_experts // ep * per_expert * LAUNCH_S[host]
 
 
-def moe_host_seconds(moe: MoeShape, ep: int, fp8: bool, graphed: tuple[str, ...] = (), *,
-                     host: HostCpu = "x86", dispatcher: str = "alltoall") -> tuple[float, float]:  # fmt: skip
+def moe_host_seconds(moe: MoeShape, ep: int, fp8: bool, graphed: tuple[str, ...] = (), *, host: HostCpu = "x86",
+                     dispatcher: str = "alltoall", force_balance: bool = False) -> tuple[float, float]:  # fmt: skip
     """(forward, backward) CPU seconds of one MoE layer ([Note: MoE host work]): `moe_host_split`'s
     two parts, backward twice the forward."""
-    forward = sum(moe_host_split(moe, ep, fp8, graphed, host=host, dispatcher=dispatcher))
+    forward = sum(moe_host_split(moe, ep, fp8, graphed, host=host, dispatcher=dispatcher, force_balance=force_balance))
     return forward, 2 * forward
 
 
@@ -448,6 +477,8 @@ def all_to_all_s(num_bytes: float, ep: int, ranks_per_domain: int, nvlink: Link,
 
 __all__ = [
     "BLACKWELL_FP8_GROUPED_SHARE",
+    "FORCE_BALANCE_OPS",
+    "FORCE_BALANCE_PASSES",
     "GROUPED_GEMM_TAIL_S",
     "HOST_OPS",
     "LAUNCH_S",

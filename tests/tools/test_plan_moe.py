@@ -16,6 +16,8 @@ from overlap.step_model.hardware import ACCELERATORS, HBM_SHARE
 from overlap.step_model.kernels import TILE, gemm_seconds
 from overlap.step_model.moe import (
     BLACKWELL_FP8_GROUPED_SHARE,
+    FORCE_BALANCE_OPS,
+    FORCE_BALANCE_PASSES,
     GROUPED_GEMM_TAIL_S,
     HOST_OPS,
     LAUNCH_S,
@@ -431,3 +433,24 @@ def test_deepseek_rows_price_multi_token_prediction_as_their_table_names_it() ->
         else:  # "w/ MTP", or the recipe's mtp_num_layers = 1 where the table does not say
             assert run["mtp_layers"] == 1, row["id"]
         assert not any("not priced" in n and "multi-token" in n for n in run["notes"]), row["id"]
+
+
+def test_forced_load_balancing_prices_the_random_logits_in_the_routers_part() -> None:
+    """[Note: forced load balancing]: RandomSTE's clone and normal_ over the t x E logits on the
+    GPU, its eager operators and the RNG tracker's fork on the host before the sync, one launch
+    inside a graphed router; the published Megatron-Bridge MoE rows all set it."""
+    moe, hbm = QWEN3_30B.moe, H100.hbm_tbps * 1e12 * HBM_SHARE
+    plain, forced = (moe_seconds(moe, 2048, 4096, H100, ep=8, force_balance=f) for f in (False, True))
+    assert forced.router_forward_s - plain.router_forward_s == pytest.approx(
+        4096 * moe.num_experts * 4 * FORCE_BALANCE_PASSES / hbm
+    )
+    assert forced.backward_s - plain.backward_s == pytest.approx(2 * (forced.router_forward_s - plain.router_forward_s))
+    pre, post = moe_host_split(moe, 8, fp8=False)
+    forced_pre, forced_post = moe_host_split(moe, 8, fp8=False, force_balance=True)
+    assert (forced_pre - pre, forced_post) == (pytest.approx(FORCE_BALANCE_OPS * TORCH_OP_S["x86"]), post)
+    graphed = ("moe_router", "moe_preprocess")
+    assert moe_host_split(moe, 8, False, graphed, force_balance=True) == moe_host_split(moe, 8, False, graphed)
+    assert predict_run(qwen_run(force_load_balancing=True)).step_s > predict_run(qwen_run()).step_s
+    rows = [r for r in json.loads(DATA.read_text())["rows"] if r["source"].startswith("megatron-bridge")]
+    moe_rows = [r for r in rows if r["run"].get("ep", 1) > 1]
+    assert moe_rows and all(r["run"]["force_load_balancing"] for r in moe_rows)

@@ -200,6 +200,10 @@ class RunSpec:
     """The flex dispatcher's kernels (Megatron-Core's moe_flex_dispatcher_backend, default deepep):
     hybridep or deepep, each priced at the bandwidths its authors publish ([Note: flex kernels'
     achieved bandwidth] in overlap/step_model/moe_flex.py); ignored with the alltoall dispatcher."""
+    force_load_balancing: bool = False
+    """Megatron-Core's moe_router_force_load_balancing: the router draws random logits each
+    forward, as every Megatron-Bridge MoE performance recipe sets ([Note: forced load balancing]
+    in overlap/step_model/moe.py); ignored without experts."""
     cuda_graph_scope: tuple[str, ...] = ()
     """Parts of each layer run as CUDA graphs (Transformer Engine's cuda_graph_scope: attn,
     moe_router, moe_preprocess); the rest is launched op by op ([Note: MoE host work])."""

@@ -221,7 +221,8 @@ def _microbatch_compute(spec: RunSpec, share: RankShare) -> tuple[list[tuple[flo
             # dispatcher's sync]); the host issues while exposed all-to-alls run too
             cpu = host_cpu(spec.gpu)
             host_pre, host_post = moe_host_split(m.moe, spec.ep, fp8, spec.cuda_graph_scope, host=cpu,
-                                                 dispatcher=spec.dispatcher)  # fmt: skip
+                                                 dispatcher=spec.dispatcher,
+                                                 force_balance=spec.force_load_balancing)  # fmt: skip
             if spec.capacity_factor is None:
                 post = e.expert_forward_s + e.act_forward_s
                 post += e.shared_forward_s if "moe_router" not in spec.cuda_graph_scope else 0.0
@@ -277,7 +278,7 @@ def _moe_seconds(spec: RunSpec, tokens: float):
     return moe_seconds(spec.model.moe, spec.model.hidden, routed, accelerator(spec.gpu), ep=spec.ep,
                        tp=spec.tp, etp=spec.etp, shared_tokens=tokens, fp8=spec.precision == "fp8",
                        fp8_recipe=spec.fp8_recipe, capacity_factor=spec.capacity_factor,
-                       dispatcher=spec.dispatcher)  # fmt: skip
+                       dispatcher=spec.dispatcher, force_balance=spec.force_load_balancing)  # fmt: skip
 
 
 def _ep_exposed(spec: RunSpec, share: RankShare) -> float:
