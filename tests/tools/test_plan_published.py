@@ -238,3 +238,16 @@ def test_context_parallel_ring_counts_the_layers_each_pipeline_rank_holds() -> N
     assert [len(spec.rank_layers(s)) for s in shares] == [7, 8, 8, 10]  # 9 decoder layers and 1 MTP depth
     even = _predict_rank(base, base.rank_shares()[0], 1.0).cp_exposed_s
     assert even == pytest.approx(per_layer[0] * base.layers_per_rank)
+
+
+def test_gpt_oss_rows_run_fused_attention_where_their_container_has_cudnn_9_13_1() -> None:
+    """GPT-OSS's learnable-softmax attention runs in cuDNN FusedAttention from cuDNN 9.13.1 (else
+    unfused); the 25.11 and 26.04 containers ship 9.13.1.26 and 9.20.0.48, so the rows run the
+    stack's fused kernel, not the materialized-scores path."""
+    _, rows = pp.load_rows()
+    gpt_oss = [(row, spec) for row, spec, _ in rows if row["model"] == "gpt-oss-120b"]
+    assert gpt_oss
+    for row, spec in gpt_oss:
+        assert spec is not None and STACKS[spec.stack].score_passes == 0, row["id"]
+        cudnn = [n for n in spec.notes if "FusedAttention" in n]
+        assert cudnn and ("9.13.1.26" in cudnn[0] or "9.20.0.48" in cudnn[0]), row["id"]
