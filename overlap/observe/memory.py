@@ -5,8 +5,9 @@ The runtime adds a buffer's bytes when it creates the buffer and subtracts them 
 its last reference (for the unsharded parameters: when their storage is resized up and down).
 Integer adds on the training thread, nothing else: the account costs nothing on the device and
 is exact for what the library allocates. What it cannot see: activations, the optimizer's
-state, and allocator overheads (CUDA's caching, glibc's free lists); `overlap bench memory`
-puts the OS and CUDA figures beside it. Gradient shards are the reduced outputs the optimizer
+state, and allocator overheads (CUDA's caching, glibc's free lists, the idle buffers of
+csrc/pool.cpp's recycled reduce-scatter outputs, never more than were lent at once);
+`overlap bench memory` puts the OS and CUDA figures beside it. Gradient shards are the reduced outputs the optimizer
 reads as `.grad`; they are re-counted at the start of each step from the parameters, so a
 `zero_grad(set_to_none=True)` shows up there.
 """
