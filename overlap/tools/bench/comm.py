@@ -50,11 +50,13 @@ down; a reduce-scatter's smaller writes, and the streaming stores of the posts (
 posts] in csrc/shm.cpp) on buffers larger than the cache, can lift it past 100%. The copy runs on
 the same processes and cores, right after its case, so load on a shared machine falls on both
 alike. `benchmarks/shm_bandwidth.py` interleaves the same calls with gloo's over rounds and
-reports median and spread.
+reports median and spread. Every page of every ring is faulted in once before the sweep, as
+after a training run's first steps (`_map_every_page`).
 """
 
 from __future__ import annotations
 
+import mmap
 import statistics
 import time
 from collections.abc import Callable
@@ -508,7 +510,24 @@ def open_segments(max_bytes: int, device: torch.device) -> ShmSegments:
         raise ValueError(f"overlap bench comm --transport shm: shared memory is not usable: {why}")
     keep_freed_cpu_memory()  # as `wrap` sets it: a reduce-scatter's sum reuses freed blocks
     ring_bytes = shm.ring_bytes_for_collective(max_bytes)  # as the engine sizes it for such a unit
-    return ShmSegments(group, ring_bytes, timedelta(seconds=DEFAULT_TIMEOUT_S))
+    segments = ShmSegments(group, ring_bytes, timedelta(seconds=DEFAULT_TIMEOUT_S))
+    _map_every_page(segments)
+    return segments
+
+
+def _map_every_page(segments: ShmSegments) -> None:
+    """Fault in every page of every rank's ring on this rank before the sweep, outside any
+    clock: in training the ring's pages are mapped after the first steps, where a case's first
+    calls would otherwise land on fresh pages (at 64 MiB a few calls a case, the default budget's,
+    spend more in page faults than in copies). This rank writes its own ring and reads a byte of
+    every page of its peers'."""
+    page = mmap.PAGESIZE
+    for rank, ring in enumerate(segments.rings):
+        if rank == segments.rank:
+            ring.zero_()
+        else:
+            ring[::page].sum()
+    dist.barrier()
 
 
 # ---------------------------------------------------------------------------------------------
