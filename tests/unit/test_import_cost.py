@@ -66,6 +66,22 @@ assert not [m for m in sys.modules if m.startswith(("overlap.tools.plan", "overl
     assert loaded_after(code) == dict.fromkeys(DEFERRED, False)
 
 
+def test_subcommand_help_loads_nothing_deferred():
+    """Each command's --help imports its module (to add its flags), none of the deferred ones."""
+    code = """
+import contextlib, io
+from overlap.tools.cli import COMMANDS, main
+for command in COMMANDS:
+    with contextlib.redirect_stdout(io.StringIO()) as out:
+        try:
+            main([command, "--help"])
+        except SystemExit as done:
+            assert done.code == 0, (command, done.code)
+    assert "usage: overlap " + command in out.getvalue(), command
+"""
+    assert loaded_after(code) == dict.fromkeys(DEFERRED, False)
+
+
 def test_wrap_and_a_step_leave_dcp_out():
     """A one-rank world: wrap builds DTensors (DTensor loads then, and dynamo with it:
     `DTensor.from_local` is `torch.compiler.disable`d) and trains a step; nothing saves, so DCP

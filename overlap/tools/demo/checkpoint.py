@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from overlap import checkpoint
+import overlap
 from overlap.tools.demo.config import DemoConfig
 
 CRASH_AT_ENV = "OVERLAP_DEMO_CRASH_AT"
@@ -67,10 +67,10 @@ def resume(
 ) -> tuple[int, list[float]]:
     """Load the latest checkpoint under `checkpoint_dir`, if there is one. Collective. Returns
     the steps already done and their losses (averaged over ranks)."""
-    found = None if cfg.checkpoint_dir is None else checkpoint.latest(cfg.checkpoint_dir)
+    found = None if cfg.checkpoint_dir is None else overlap.checkpoint.latest(cfg.checkpoint_dir)
     if found is None:
         return 0, []
-    info = checkpoint.load(found, model, opt, scheduler=sched)
+    info = overlap.checkpoint.load(found, model, opt, scheduler=sched)
     extra = info["extra"]
     if not isinstance(extra, dict) or not {"data_position", "loss_history"} <= extra.keys():
         raise ValueError(
@@ -94,4 +94,4 @@ def save(
     assert cfg.checkpoint_dir is not None
     assert len(history) == done, f"rank {dist.get_rank()}: {len(history)} losses for {done} steps"
     extra = {"data_position": done, "loss_history": history}
-    checkpoint.save(cfg.checkpoint_dir, model, opt, step=done, scheduler=sched, extra=extra)
+    overlap.checkpoint.save(cfg.checkpoint_dir, model, opt, step=done, scheduler=sched, extra=extra)

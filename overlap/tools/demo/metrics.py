@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.tensor import DTensor
 
+from overlap.engine.lazy_torch import is_dtensor
 from overlap.observe.monitor import rss_bytes
 from overlap.tools.demo.config import DemoConfig
 from overlap.tools.worlds.launch import current_device
@@ -22,7 +22,7 @@ from overlap.tools.worlds.launch import current_device
 
 def _local_bytes(t: torch.Tensor) -> int:
     """Bytes this rank stores for `t`: a DTensor shard counts only its local piece."""
-    local = t.to_local() if isinstance(t, DTensor) else t
+    local = t.to_local() if is_dtensor(t) else t
     return local.numel() * local.element_size()
 
 

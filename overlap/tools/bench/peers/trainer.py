@@ -14,7 +14,8 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
+
+from overlap.engine.lazy_torch import is_dtensor
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -77,7 +78,7 @@ class Trainer:
 def local_bytes(t: torch.Tensor | None) -> int:
     if t is None:
         return 0
-    if isinstance(t, DTensor):
+    if is_dtensor(t):
         t = t.to_local()
     return t.numel() * t.element_size()
 
