@@ -158,17 +158,9 @@ from dataclasses import dataclass
 from typing import Literal
 
 from overlap.step_model.cost import Link
+from overlap.step_model.fp8 import ROWWISE_KERNEL_SHARE, TE_RECIPES, Fp8Recipe, te_quantize_seconds
 from overlap.step_model.hardware import HBM_SHARE, Accelerator
-from overlap.step_model.kernels import (
-    ACT_BYTES,
-    ROWWISE_KERNEL_SHARE,
-    TE_RECIPES,
-    TILE,
-    Fp8Recipe,
-    gemm_backward_seconds,
-    gemm_seconds,
-    te_quantize_seconds,
-)
+from overlap.step_model.kernels import ACT_BYTES, TILE, gemm_backward_seconds, gemm_seconds
 
 HostCpu = Literal["x86", "grace"]
 GRACE_HOSTED = ("gb200",)
@@ -314,7 +306,7 @@ def moe_seconds(
     experts = local * sum(expert_gemm_seconds(rows, k, n, gpu, fp8, fp8_recipe) for k, n in shapes)
     # backward: twice the forward's GEMMs and casts; under Transformer Engine's recipes twice the
     # GEMMs and each output gradient quantized for both usages, the inputs' columnwise copies
-    # made forward ([Note: Transformer Engine's casts] in kernels.py)
+    # made forward ([Note: Transformer Engine's casts] in fp8.py)
     experts_backward = 2 * experts
     if fp8 and gpu.fp8_tflops and fp8_recipe in TE_RECIPES:
         gemms = sum(expert_gemm_seconds(rows, k, n, gpu, fp8, fp8_recipe, cast=False) for k, n in shapes)

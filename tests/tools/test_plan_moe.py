@@ -37,7 +37,7 @@ from overlap.step_model.moe import (
 from overlap.step_model.moe_flex import flex_call_s
 from overlap.tools.plan.models import MODELS
 from overlap.tools.plan.run_spec import ModelShape, RunSpec
-from overlap.tools.plan.run_step import _microbatch_compute, _predict_rank, _rank_layers, _stage_numel, predict_run
+from overlap.tools.plan.run_step import _microbatch_compute, _predict_rank, _stage_numel, predict_run
 
 H100 = ACCELERATORS["h100-sxm"]
 DATA = Path(__file__).resolve().parents[2] / "benchmarks" / "published_runs.json"
@@ -406,7 +406,7 @@ def test_multi_token_prediction_runs_a_last_layer_and_an_output_layer_more_on_th
                    pipeline_layout=(4,) * 15 + (1,), mtp_layers=1)  # fmt: skip
     without = replace(spec, mtp_layers=0)
     first, last = spec.rank_shares()[1], spec.rank_shares()[-1]
-    assert last.head and _rank_layers(spec, last) == (60, 60) and _rank_layers(without, last) == (60,)
+    assert last.head and spec.rank_layers(last) == (60, 60) and without.rank_layers(last) == (60,)
     blocks, head = _microbatch_compute(spec, last)
     blocks0, head0 = _microbatch_compute(without, last)
     assert blocks == blocks0 + blocks0[-1:]  # the depth's transformer layer is the decoder's last (MoE) layer

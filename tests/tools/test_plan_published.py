@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from overlap.step_model import kernels
+from overlap.step_model import fp8 as fp8_model
 from overlap.step_model.hardware import ACCELERATORS, NODES, ring_link
 from overlap.step_model.kernels import STACKS, BlockShape, block_seconds
 from overlap.tools.plan.run_spec import ModelShape, RunSpec
@@ -214,10 +214,10 @@ def test_fp8_cs_rows_run_current_scaling_and_only_mxfp8_rows_speak_of_block_scal
         assert block_note == (spec.fp8_recipe == "mxfp8"), row["id"]
     cs = next(spec for row, spec in fp8 if row["id"] == "mbridge-25.11-h100-llama3-70b-64")
     step_s = predict_run(cs).step_s
-    monkeypatch.setattr(kernels, "CURRENT_AMAX_BYTES", 0)
+    monkeypatch.setattr(fp8_model, "CURRENT_AMAX_BYTES", 0)
     no_amax_s = predict_run(cs).step_s
     assert step_s > no_amax_s  # the amax passes
-    monkeypatch.setattr(kernels, "HOPPER_TRANSPOSE_BYTES", 0)
+    monkeypatch.setattr(fp8_model, "HOPPER_TRANSPOSE_BYTES", 0)
     assert no_amax_s > predict_run(cs).step_s  # Hopper's transposed copies
 
 

@@ -33,8 +33,9 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
+from overlap.step_model.fp8 import FP8_RECIPES, Fp8Recipe
 from overlap.step_model.hardware import ACCELERATORS, NODES
-from overlap.step_model.kernels import FP8_RECIPES, STACKS, BlockShape, Fp8Recipe, Mlp, PositionEmbedding, Recompute
+from overlap.step_model.kernels import STACKS, BlockShape, Mlp, PositionEmbedding, Recompute
 from overlap.step_model.moe import MoeShape
 from overlap.step_model.moe_flex import FLEX_BACKENDS, FlexBackend
 
@@ -162,7 +163,7 @@ class RunSpec:
     """Matmul precision: fp8 runs the blocks' GEMMs at the fp8 rate (attention stays bf16)."""
     fp8_recipe: Fp8Recipe = "tensorwise"
     """The fp8 scaling with fp8 precision: tensorwise, rowwise (torchao's, [Note: float8 recipes]
-    in overlap/step_model/kernels.py), mxfp8 (Transformer Engine's MXFP8 block scaling on
+    in overlap/step_model/fp8.py), mxfp8 (Transformer Engine's MXFP8 block scaling on
     Blackwell, [Note: MXFP8] there) or current (Transformer Engine's Float8CurrentScaling,
     Megatron-Core's "tensorwise": [Note: FP8 current scaling] there)."""
     fp8_all_gather: bool = False

@@ -122,11 +122,6 @@ def _group_link(spec: RunSpec, size: int, ranks_per_node: int) -> Link:
     return ring_link(accelerator(spec.gpu), node_spec(spec.node), size, max(1, min(size, ranks_per_node)))
 
 
-def _rank_layers(spec: RunSpec, share: RankShare) -> tuple[int, ...]:
-    """The transformer layers a rank runs (`RunSpec.rank_layers`)."""
-    return spec.rank_layers(share)
-
-
 def _head_seconds(spec: RunSpec, share: RankShare, tokens: float) -> tuple[float, float]:
     """(forward, backward) seconds of the output layer and its loss on the rank that holds them,
     and of each multi-token-prediction depth's projection, norms and second pass through the
@@ -200,10 +195,10 @@ def _microbatch_compute(spec: RunSpec, share: RankShare) -> tuple[list[tuple[flo
     fp8 = spec.precision == "fp8"
     ring_fwd, ring_bwd = ring_attention.compute_s(spec)
     blocks = []
-    moe_layers = sum(m.is_moe_layer(i) for i in _rank_layers(spec, share))
+    moe_layers = sum(m.is_moe_layer(i) for i in spec.rank_layers(share))
     # one direction's share of a MoE layer's exposed all-to-alls (none when overlapped)
     a2a_layer = 0.0 if _ep_overlap_hides(spec) or not moe_layers else _ep_exposed(spec, share) / moe_layers / 2
-    for index in _rank_layers(spec, share):
+    for index in spec.rank_layers(share):
         moe_layer = m.is_moe_layer(index)
         b = block_seconds(m.block(moe_layer=moe_layer), tokens, spec.seq_len, gpu, kernels, tp=spec.tp, fp8=fp8,
                           fp8_recipe=spec.fp8_recipe, recompute=spec.ac,
@@ -284,7 +279,7 @@ def _moe_seconds(spec: RunSpec, tokens: float):
 def _ep_exposed(spec: RunSpec, share: RankShare) -> float:
     """Exposed seconds of one micro-batch's dispatch and combine all-to-alls ([Note: expert
     parallelism]): two forward, two backward and two per recomputed forward, per MoE layer."""
-    moe_layers = sum(spec.model.is_moe_layer(i) for i in _rank_layers(spec, share))
+    moe_layers = sum(spec.model.is_moe_layer(i) for i in spec.rank_layers(share))
     if spec.ep == 1 or not moe_layers:
         return 0.0
     gpu, node = accelerator(spec.gpu), node_spec(spec.node)
@@ -322,7 +317,7 @@ def _ep_overlap_hides(spec: RunSpec) -> bool:
 def _stage_numel(spec: RunSpec, share: RankShare) -> tuple[float, float, float]:
     """(dense block, routed-expert, root) parameters on a pipeline rank ([Note: a run's step]):
     1/T of the dense ones, the rank's experts."""
-    layers = [_layer_numel(spec, i) for i in _rank_layers(spec, share)]
+    layers = [_layer_numel(spec, i) for i in spec.rank_layers(share)]
     return sum(d for d, _ in layers), sum(e for _, e in layers), _root_numel(spec, share)
 
 
@@ -342,7 +337,7 @@ def _tp_exposed(spec: RunSpec, share: RankShare) -> float:
     size = spec.micro_batch * spec.seq_len / spec.cp * spec.model.hidden * 2
     link = _group_link(spec, spec.tp, spec.tp)
     topo = Topology(spec.tp, spec.tp, link, link)
-    layers = len(_rank_layers(spec, share))
+    layers = len(spec.rank_layers(share))
     count = layers * TP_COLLECTIVES[spec.ac] + 4
     if spec.async_tp:
         count = 0 if stack(spec.stack).tp_overlap_backward else layers * 4 + 2
@@ -371,7 +366,7 @@ def _simulated_fsdp(spec: RunSpec, share: RankShare, blocks: list[tuple[float, f
     wire = _expert_wire_share(spec, size, link)
     units: list[UnitCost] = [cal.unit("root", int(root_numel * spec.param_bytes), int(root_numel * grad_bytes), *head,
                                       gather_wire_bytes=int(root_numel * spec.param_bytes))]  # fmt: skip
-    for i, ((f, b), index) in enumerate(zip(blocks, _rank_layers(spec, share), strict=True)):
+    for i, ((f, b), index) in enumerate(zip(blocks, spec.rank_layers(share), strict=True)):
         dense, expert = _layer_numel(spec, index)
         numel = int(dense + expert)
         units.append(cal.unit(f"blocks.{i}", numel * spec.param_bytes, numel * grad_bytes, f, b,
