@@ -397,7 +397,8 @@ def measure(
         wrong = 0.0 if _is_correct(case, device, via.call) else 1.0
         case.inp.zero_()
         sums = [_shm_calls_us(via, iters, warmup), wrong, _copy_floor_us(segments, size, iters, warmup)]
-    # once per case, after its timed loop (outside any clock): the ranks' times summed and read back
+    # once per case, after its timed loop (outside any clock; never in a training step): the ranks'
+    # times summed and read back to the host (.item(): a device sync on GPU ranks, here harmless)
     totals = torch.tensor(sums, dtype=torch.float64, device=device)
     dist.all_reduce(totals)
     time_us = totals[0].item() / n
