@@ -193,6 +193,7 @@ def recycled_sums(rank: int, world: int) -> dict:
         full.copy_(torch.arange(numel, dtype=torch.float32).view(world, -1) * (rank + 1) + k)
         got = comm.wait(reduce(full, None))
         rows = torch.arange(numel, dtype=torch.float32).view(world, -1)[rank]
+        # integers below 2**24: exact in fp32 whatever the order or vector width of the sum
         if not torch.equal(got, sum(rows * (r + 1) + k for r in range(world))):
             wrong.append(k)
         pointers.append(got.data_ptr())
@@ -285,6 +286,8 @@ def test_large_sums_are_recycled(world2):
 
 
 def test_training_on_recycled_sums_is_ddps(world2):
+    # bitwise at two ranks on any CPU: each reduced element is one fp32 addition of the two
+    # ranks' values (commutative, one rounding) divided by 2 (exact), as DDP's all-reduce does
     for rank, r in enumerate(world2.run(train_on_recycled_sums, timeout_s=300)):
         assert r["kinds"] == ["ShmAllGather", "ShmReduceScatter"] and r["diff"] == 0.0, (rank, r)
         assert r["pool"][2] > 0, (rank, r["pool"])  # the sums came from the pool
