@@ -98,12 +98,9 @@ each module's input itself ([Note: float8 recipes]).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 from overlap.step_model.hardware import HBM_SHARE, Accelerator
-
-if TYPE_CHECKING:
-    from overlap.step_model.kernels import BlockShape
 
 Fp8Recipe = Literal["tensorwise", "rowwise", "mxfp8", "current"]
 FP8_RECIPES: tuple[Fp8Recipe, ...] = ("tensorwise", "rowwise", "mxfp8", "current")
@@ -161,31 +158,3 @@ def te_quantize_seconds(rows: float, width: int | float, gpu: Accelerator, recip
     if recipe == "current" and gpu.generation != "blackwell":
         transpose = (gathered_rows * 2 if gathered_rows else rows) * width * HOPPER_TRANSPOSE_BYTES
     return (rows * width * per_element + transpose) / (gpu.hbm_tbps * 1e12 * HBM_SHARE)
-
-
-def fp8_cast_seconds(shape: BlockShape, tokens: float, gpu: Accelerator, casts: Fp8Casts, tp: int,
-                     float8_tp: bool) -> tuple[float, float]:  # fmt: skip
-    """(forward, backward) seconds of one block's activation casts under tensorwise fp8
-    ([Note: float8 recipes]). Column-parallel GEMMs that read the same input (q, k, v; the MLP's
-    gate and up) cast it once (torch.compile merges the identical casts); with float8 tensor
-    parallelism that cast runs on the rank's sequence shard before the fp8 all-gather, and the
-    row-parallel GEMMs' output gradients are scaled and cast on the shard before theirs, the
-    gathered fp8 tensors transposed (read and write 1 byte) for grad_weight."""
-    hbm = gpu.hbm_tbps * 1e12 * HBM_SHARE
-    shard = tokens / tp if float8_tp and tp > 1 else tokens
-    forward = backward = 0.0
-    for gemms in (shape.attention_gemms(), shape.mlp_gemms()):
-        inputs = {k for k, _, row in gemms if not row}  # one input per width of column GEMMs
-        forward += sum(shard * k * casts.forward_input for k in inputs)
-        backward += sum(tokens * k * (2 if shard < tokens else casts.backward_input) for k in inputs)
-        for k, n, row in gemms:
-            if not row:
-                backward += tokens * (n / tp) * casts.backward_grad
-                continue
-            forward += tokens * (k / tp) * casts.forward_input
-            backward += tokens * (k / tp) * casts.backward_input
-            grad_scaled = casts.forward_input  # amax and the first cast, on the shard
-            backward += shard * n * grad_scaled + tokens * n * (
-                2 if shard < tokens else casts.backward_grad - grad_scaled
-            )
-    return forward / hbm, backward / hbm

@@ -9,19 +9,14 @@ from dataclasses import replace
 
 import pytest
 
-from overlap.step_model.fp8 import (
-    CURRENT_AMAX_BYTES,
-    MXFP8_EXTRA_BYTES,
-    ROWWISE_KERNEL_SHARE,
-    fp8_cast_seconds,
-    te_quantize_seconds,
-)
+from overlap.step_model.fp8 import CURRENT_AMAX_BYTES, MXFP8_EXTRA_BYTES, ROWWISE_KERNEL_SHARE, te_quantize_seconds
 from overlap.step_model.hardware import ACCELERATORS, GEMM_SHAPE_MIX, HBM_SHARE
 from overlap.step_model.kernels import (
     FOREACH_ADAMW_CLIP_BYTES,
     STACKS,
     BlockShape,
     block_seconds,
+    fp8_cast_seconds,
     gemm_backward_seconds,
     gemm_seconds,
     narrow_head_factor,
