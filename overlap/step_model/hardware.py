@@ -18,6 +18,24 @@ rail, so a collective whose group has k ranks in each node drives min(k, rails) 
 a data-parallel group of 8 ranks per node moves 8 x 400 Gb/s between nodes, a group of 1 rank
 per node (tensor parallel 8 inside the node) one adapter. The bus bandwidth one rank sees
 across nodes is that share of the node's rails, capped by NVLink (the ring's other hops).
+
+[Note: compute beside a collective]
+A collective hidden behind compute is not free: NCCL's kernels hold SMs and stream through the same
+HBM and L2 as the kernels beside them, which run slower while it is in flight. On Hopper the
+slowdown is measured: PyTorch's copy-engine collectives pass reports matmuls overlapped by NCCL
+collectives 30-40% slower on 8 x H100 over NVLink (https://github.com/pytorch/pytorch/pull/179937),
+the midpoint taken (`MATMUL_SLOWDOWN_BESIDE_NCCL`). PyTorch's overlapped matmul + all-gather
+benchmark (benchmarks/distributed/bench_overlapped_matmul_allgather.py,
+https://github.com/pytorch/pytorch/pull/172714: an 8192^3 fp16 matmul beside an all-gather of
+64 MiB per rank on 8 x H100: 2.96 ms one after the other, 2.02 ms overlapped, 1.77 ms with
+copy-engine all-gathers that take no SMs) bounds it: with the matmul alone at the 797.5 TFLOPS measured on an
+H100 SXM at 8192^3 (1.38 ms; fp16 and bf16 share the tensor cores' peak) the overlapped matmul
+takes at most 2.02 ms, 1.46x. The ISPASS 2025 characterization of the same overlap on 4 x H100,
+A100, MI250 and MI210 (https://arxiv.org/abs/2507.03114) reports compute 18.9% slower on average,
+up to 40% (FSDP of 13B models on H100). The compute beside a collective runs at 1/slowdown of its
+speed, so loses 1 - 1/1.35 = 0.26 of it (`collective_share_lost`), where NCCL's 24 SMs alone are
+0.18 of an H100. No measurement of the same kind was found for Ampere or Blackwell: there the share
+lost stays NCCL's SMs over the GPU's.
 """
 
 from __future__ import annotations
@@ -35,7 +53,11 @@ RAIL_SHARE = 0.9
 NCCL_SMS = 24
 """SMs NCCL's collectives occupy while they overlap compute: Megatron-LM's FSDP guide
 (docs/user-guide/features/megatron_fsdp.md) measures 16-32 SMs for FSDP's collectives (1-6 with
-SHARP offload); the middle is taken. Compute beside a collective loses that share of the GPU."""
+SHARP offload); the middle is taken. Where no slowdown of the compute beside a collective was
+measured, it loses that share of the GPU ([Note: compute beside a collective])."""
+MATMUL_SLOWDOWN_BESIDE_NCCL: dict[str, float] = {"hopper": 1.35}
+"""Per GPU generation: how many times longer a matmul takes while an NCCL collective runs beside
+it ([Note: compute beside a collective]: 1.3-1.4x measured on H100)."""
 NVLINK_SHARE = 0.8
 """Share of NVLink's one-way rate a ring reaches (nccl-tests all_gather busbw ~360 GB/s on
 8 x H100 of 450; the `nvlink4` preset)."""
@@ -203,9 +225,13 @@ def ring_link(gpu: Accelerator, node: NodeSpec, group_size: int, ranks_per_node:
     return Link(f"{rails_used} x {node.rail_gbit:g}G rails", node.alpha_inter_s, busbw, node.source)
 
 
-def nccl_share(gpu: Accelerator) -> float:
-    """Share of the GPU's compute a collective in flight takes from the kernels beside it."""
-    return NCCL_SMS / gpu.sm_count
+def collective_share_lost(gpu: Accelerator) -> float:
+    """Share of its speed the compute beside a collective in flight loses ([Note: compute beside
+    a collective]): the measured matmul slowdown of the GPU's generation, else NCCL's SMs."""
+    slowdown = MATMUL_SLOWDOWN_BESIDE_NCCL.get(gpu.generation)
+    if slowdown is None:
+        return NCCL_SMS / gpu.sm_count
+    return 1.0 - 1.0 / slowdown
 
 
 def accelerator(name: str) -> Accelerator:

@@ -12,7 +12,8 @@ the sequence), the head and loss, recomputation by the checkpointing policy. Com
                     PipelineStage keeps its units for the step (zero3-keep). DDP, ZeRO-1 and a
                     kept ZeRO-3 exchange once per step, hidden behind one micro-batch's
                     backward (forward) when `dp_overlap`, else exposed. While a
-                    collective overlaps compute it takes NCCL's SMs from it (`nccl_share`).
+                    collective overlaps compute it slows it ([Note: compute beside a
+                    collective] in hardware.py, `collective_share_lost`).
     tensor          4 collectives forward and 4 backward per block (sequence parallel), plus
                     those recomputation replays; rings over T ranks on NVLink; exposed unless
                     overlapped (async TP: the forward's; Transformer Engine: all)
@@ -67,7 +68,14 @@ from overlap.config import OverlapConfig
 from overlap.step_model.calibration import default_calibration
 from overlap.step_model.cost import Link, Topology, UnitCost, ring_time_s
 from overlap.step_model.fitting import solve_increasing
-from overlap.step_model.hardware import HBM_SHARE, NVLINK_SHARE, accelerator, nccl_share, node_spec, ring_link
+from overlap.step_model.hardware import (
+    HBM_SHARE,
+    NVLINK_SHARE,
+    accelerator,
+    collective_share_lost,
+    node_spec,
+    ring_link,
+)
 from overlap.step_model.kernels import (
     ACT_BYTES,
     block_seconds,
@@ -361,7 +369,9 @@ def _simulated_fsdp(spec: RunSpec, share: RankShare, blocks: list[tuple[float, f
     size, link = _dp_group(spec)
     root_numel = _stage_numel(spec, share)[2]
     gather_bytes = 1 if spec.fp8_all_gather else spec.param_bytes
-    cal = replace(default_calibration("nccl", size, link), compute_share_lost=nccl_share(accelerator(spec.gpu)))
+    cal = replace(
+        default_calibration("nccl", size, link), compute_share_lost=collective_share_lost(accelerator(spec.gpu))
+    )
     grad_bytes = spec.reduce_bytes if reduce else 0
     wire = _expert_wire_share(spec, size, link)
     units: list[UnitCost] = [cal.unit("root", int(root_numel * spec.param_bytes), int(root_numel * grad_bytes), *head,
@@ -407,9 +417,9 @@ def _once_per_step(spec: RunSpec, share: RankShare, mb_forward_s: float, mb_back
             gather_s += ring_time_s("all_gather", numel * gather_bytes, topo)
     if not spec.dp_overlap:
         return reduce_s + gather_s
-    # what hides still takes NCCL's SMs from the compute beside it ([Note: accelerator rates])
+    # what hides still slows the compute beside it ([Note: compute beside a collective])
     hidden = min(reduce_s, mb_backward_s) + min(gather_s, mb_forward_s)
-    share = nccl_share(accelerator(spec.gpu))
+    share = collective_share_lost(accelerator(spec.gpu))
     return max(0.0, reduce_s - mb_backward_s) + max(0.0, gather_s - mb_forward_s) + hidden * share
 
 
@@ -478,9 +488,9 @@ def _predict_rank(spec: RunSpec, share: RankShare, compute_scale: float) -> RunP
     optimizer_s = optimizer_bytes * owned / (gpu.hbm_tbps * 1e12 * HBM_SHARE)
     tp_mb = _tp_exposed(spec, share)
     ep_mb = _ep_exposed(spec, share)
-    if _ep_overlap_hides(spec):  # hidden behind the other micro-batch, taking NCCL's SMs from it
+    if _ep_overlap_hides(spec):  # hidden behind the other micro-batch, slowing it
         compute = mb_forward + mb_backward
-        ep_mb = max(0.0, ep_mb - compute) + min(ep_mb, compute) * nccl_share(gpu)
+        ep_mb = max(0.0, ep_mb - compute) + min(ep_mb, compute) * collective_share_lost(gpu)
     cp_mb = ring_attention.exposed_s(spec, share, attention_s)
     p2p_mb = 0.0
     if p > 1:
