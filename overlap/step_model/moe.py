@@ -28,9 +28,11 @@ experts are not, Megatron-Core's expert_tensor_parallel_size 1) costs, forward:
     shared       a dense SwiGLU of the shared experts' width over all t tokens
 Backward is twice the GEMMs and the permutations, and both all-to-alls again. Balanced routing
 is what the published benchmarks run (Megatron-Bridge: "we force-balance the token distribution
-among experts and all benchmarks are token-dropless"); no load imbalance is priced, since no
-source publishes the skew of the runs it measured. A capacity factor (token dropping with padding
-to capacity) multiplies the expert rows and the dispatched tokens.
+among experts and all benchmarks are token-dropless"); a learned router's imbalance is not
+priced, since no source publishes the skew of the runs it measured, and the random router of
+forced balancing is priced at its busiest rank ([Note: forced-balance skew] in moe_skew.py). A
+capacity factor (token dropping with padding to capacity) multiplies the expert rows and the
+dispatched tokens.
 
 [Note: grouped GEMMs at small M]
 An expert's GEMM has few rows: Qwen3-30B-A3B at 4,096 tokens, top 8 of 128 experts and EP 8 gives
@@ -119,8 +121,9 @@ router's other logit passes); on the host two eager operators and the tracker's 
 gets and sets the CUDA generator's state on entry and again on exit (tensor_parallel/random.py
 `fork`): `FORCE_BALANCE_OPS` = 6 eager operators in the router's part (one launch when the
 router is a CUDA graph). The fork's checks of the CPU generator's state touch no device and are
-not counted. The routing it produces is balanced only in expectation; that skew is not priced
-([Note: expert parallelism]).
+not counted. The routing it produces is balanced only in expectation: the busiest rank of the EP
+group receives about one percent more than its share, and the layer runs at its rows ([Note:
+forced-balance skew] in moe_skew.py).
 
 [Note: the dispatcher's sync]
 The host wait of [Note: MoE host work] sits in the middle of the layer: the host issues the
@@ -161,6 +164,7 @@ from overlap.step_model.cost import Link
 from overlap.step_model.fp8 import ROWWISE_KERNEL_SHARE, TE_RECIPES, Fp8Recipe, te_quantize_seconds
 from overlap.step_model.hardware import HBM_SHARE, Accelerator
 from overlap.step_model.kernels import ACT_BYTES, TILE, gemm_backward_seconds, gemm_seconds
+from overlap.step_model.moe_skew import routing_skew
 
 HostCpu = Literal["x86", "grace"]
 GRACE_HOSTED = ("gb200",)
@@ -232,7 +236,8 @@ class MoeSeconds:
     expert_forward_s: float
     router_forward_s: float
     dispatch_bytes: float
-    """Bytes one rank sends into one all-to-all (dispatch or combine), its own share included."""
+    """Bytes one rank sends into one all-to-all (dispatch or combine), its own share included; under
+    forced balancing what the busiest rank receives ([Note: forced-balance skew] in moe_skew.py)."""
     act_forward_s: float = 0.0
     """The experts' SwiGLU activation (what Megatron-Core's `moe_act` recompute repeats)."""
     shared_forward_s: float = 0.0
@@ -317,6 +322,10 @@ def moe_seconds(
     if moe.activation_clamp:  # [Note: clamped expert activation]
         act += local * rows * f * CLAMP_PASSES[0] * ACT_BYTES / hbm
         act_backward += local * rows * f * CLAMP_PASSES[1] * ACT_BYTES / hbm
+    # random routing: the busiest rank's experts pace the layer, its copies the all-to-alls ([Note:
+    # forced-balance skew]); the balanced rows keep their tiles
+    skew = routing_skew(moe, ep, tokens, force_balance=force_balance, capacity_factor=capacity_factor)
+    experts, experts_backward, act, act_backward = (skew * x for x in (experts, experts_backward, act, act_backward))
     shared = shared_bwd = 0.0
     if moe.shared_ffn_hidden:
         s, t = moe.shared_ffn_hidden // tp, tokens if shared_tokens is None else shared_tokens
@@ -325,7 +334,7 @@ def moe_seconds(
         shared_bwd = sum(gemm_backward_seconds(t, k, n, gpu, fp8, fp8_recipe) for k, n in parts)
     forward = router + experts + act + shared
     backward = 2 * router + experts_backward + act_backward + shared_bwd
-    return MoeSeconds(forward, backward, experts, router, copies * hidden * ACT_BYTES, act, shared)
+    return MoeSeconds(forward, backward, experts, router, copies * skew * hidden * ACT_BYTES, act, shared)
 
 
 FORCE_BALANCE_PASSES = 3

@@ -35,6 +35,7 @@ from overlap.step_model.moe import (
     synced_forward_s,
 )
 from overlap.step_model.moe_flex import flex_call_s
+from overlap.step_model.moe_skew import forced_balance_skew
 from overlap.tools.plan.models import MODELS
 from overlap.tools.plan.run_spec import ModelShape, RunSpec
 from overlap.tools.plan.run_step import _microbatch_compute, _predict_rank, _stage_numel, predict_run
@@ -444,7 +445,12 @@ def test_forced_load_balancing_prices_the_random_logits_in_the_routers_part() ->
     assert forced.router_forward_s - plain.router_forward_s == pytest.approx(
         4096 * moe.num_experts * 4 * FORCE_BALANCE_PASSES / hbm
     )
-    assert forced.backward_s - plain.backward_s == pytest.approx(2 * (forced.router_forward_s - plain.router_forward_s))
+    # backward: twice the router's, and the busiest rank's experts ([Note: forced-balance skew])
+    experts_backward = plain.backward_s - 2 * plain.router_forward_s
+    skew = forced_balance_skew(moe, 8, 4096)
+    assert forced.backward_s - plain.backward_s == pytest.approx(
+        2 * (forced.router_forward_s - plain.router_forward_s) + (skew - 1) * experts_backward
+    )
     pre, post = moe_host_split(moe, 8, fp8=False)
     forced_pre, forced_post = moe_host_split(moe, 8, fp8=False, force_balance=True)
     assert (forced_pre - pre, forced_post) == (pytest.approx(FORCE_BALANCE_OPS * TORCH_OP_S["x86"]), post)

@@ -86,6 +86,7 @@ from overlap.step_model.kernels import (
 )
 from overlap.step_model.moe import all_to_all_s, host_cpu, moe_host_split, moe_seconds, synced_forward_s
 from overlap.step_model.moe_flex import flex_call_s
+from overlap.step_model.moe_skew import routing_skew
 from overlap.tools.plan import ring_attention
 from overlap.tools.plan.fsdp import OPTIMIZER_BYTES_PER_PARAM
 from overlap.tools.plan.run_spec import RankShare, RunSpec
@@ -300,6 +301,9 @@ def _ep_exposed(spec: RunSpec, share: RankShare) -> float:
     count = moe_layers * (4 + 2 * recomputed)
     if spec.dispatcher == "flex":  # [Note: flex kernels' achieved bandwidth] in moe_flex.py
         routed = tokens / (spec.tp // spec.etp)
+        # the busiest rank's copies ([Note: forced-balance skew] in moe_skew.py)
+        routed *= routing_skew(spec.model.moe, spec.ep, routed, force_balance=spec.force_load_balancing,
+                               capacity_factor=spec.capacity_factor)  # fmt: skip
         dispatch, combine = flex_call_s(routed * spec.model.hidden * ACT_BYTES, spec.model.moe, spec.ep, per_domain,
                                         backend=spec.flex_backend, gpu=spec.gpu, nvlink_max_gbps=gpu.nvlink_gbps,
                                         rail_gbit=node.rail_gbit, nvlink=nvlink, rail=rail)  # fmt: skip
