@@ -28,11 +28,11 @@ the midpoint taken (`MATMUL_SLOWDOWN_BESIDE_NCCL`). PyTorch's overlapped matmul 
 benchmark (benchmarks/distributed/bench_overlapped_matmul_allgather.py,
 https://github.com/pytorch/pytorch/pull/172714: an 8192^3 fp16 matmul beside an all-gather of
 64 MiB per rank on 8 x H100: 2.96 ms one after the other, 2.02 ms overlapped, 1.77 ms with
-copy-engine all-gathers that take no SMs) bounds it: with the matmul alone at the 797.5 TFLOPS measured on an
-H100 SXM at 8192^3 (1.38 ms; fp16 and bf16 share the tensor cores' peak) the overlapped matmul
-takes at most 2.02 ms, 1.46x. The ISPASS 2025 characterization of the same overlap on 4 x H100,
-A100, MI250 and MI210 (https://arxiv.org/abs/2507.03114) reports compute 18.9% slower on average,
-up to 40% (FSDP of 13B models on H100). The compute beside a collective runs at 1/slowdown of its
+copy-engine all-gathers that take no SMs) bounds it: with the matmul alone at the 797.5 TFLOPS
+measured on an H100 SXM at 8192^3 (1.38 ms; fp16 and bf16 share the tensor cores' peak) the
+overlapped matmul takes at most 2.02 ms, 1.46x. The ISPASS 2025 characterization of the same overlap on 4 x H100,
+A100, MI250 and MI210 (https://arxiv.org/abs/2507.03114) reports compute 18.9% slower on average
+over its GPUs and models, up to 40%. The compute beside a collective runs at 1/slowdown of its
 speed, so loses 1 - 1/1.35 = 0.26 of it (`collective_share_lost`), where NCCL's 24 SMs alone are
 0.18 of an H100. No measurement of the same kind was found for Ampere or Blackwell: there the share
 lost stays NCCL's SMs over the GPU's.
