@@ -35,6 +35,7 @@ from overlap.engine.units import group_units
 from overlap.step_model.cost import LINKS, Link, Topology, UnitCost
 from overlap.step_model.simulate import Contention, Prediction, simulate
 from overlap.transport.backend import ALL_TO_ALL_GATHER_MAX_BYTES
+from overlap.transport.shm_segments import MAX_RING_BYTES
 
 Backend = Literal["gloo", "nccl"]
 Level = Literal["intra", "inter"]
@@ -48,23 +49,44 @@ def codec_path(param_compression: str | None, grad_compression: str | None) -> s
     return f"{param_compression}/{grad_compression}"
 
 
-def gather_op(backend: str, num_ranks: int, compressed: bool, wire_bytes: int) -> str:
-    """The collective a unit's all-gather goes through, as the transports decide it: gloo
-    gathers an uncompressed unit of a two-rank group as a pair exchange ([Note: gather of a
-    pair] in overlap/transport/collectives.py), compressed units as an exchange ([Note:
-    receive before send] in pairwise.py) and small shards through all-to-all
-    (`CommSemantics.auto_gather_impl`); all put the bytes of an all-to-all on the wire and are
-    timed by the all-to-all link ("all_to_all"). Everything else: "all_gather"."""
+def shm_carries(shared_memory: bool, compressed: bool, wire_bytes: int) -> bool:
+    """Whether shared memory carries a collective of `wire_bytes` (every rank's part): only
+    uncompressed ones (a codec's exchange takes gloo) that fit the largest ring's half
+    (`ShmSegments.fits`)."""
+    return shared_memory and not compressed and wire_bytes <= MAX_RING_BYTES // 2
+
+
+def gather_op(backend: str, num_ranks: int, compressed: bool, wire_bytes: int, shared_memory: bool = False) -> str:
+    """The collective a unit's all-gather goes through, as the transports decide it: "shm"
+    where shared memory carries it (`shm_carries`); gloo gathers an uncompressed unit of a
+    two-rank group as a pair exchange ([Note: gather of a pair] in
+    overlap/transport/collectives.py), compressed units as an exchange ([Note: receive before
+    send] in pairwise.py) and small shards through all-to-all (`CommSemantics.auto_gather_impl`);
+    all put the bytes of an all-to-all on the wire and are timed by the all-to-all link
+    ("all_to_all"). Everything else: "all_gather"."""
     if backend != "gloo":
         return "all_gather"
+    if shm_carries(shared_memory, compressed, wire_bytes):
+        return "shm"
     if compressed or num_ranks == 2:
         return "all_to_all"
     return "all_to_all" if wire_bytes <= ALL_TO_ALL_GATHER_MAX_BYTES else "all_gather"
 
 
+def reduce_op(backend: str, compressed: bool, wire_bytes: int, shared_memory: bool = False) -> str:
+    """The collective a unit's gradient reduction goes through: "shm" where shared memory
+    carries it (`shm_carries`), else the backend's "reduce_scatter" (timed by the reduce link)."""
+    return "shm" if backend == "gloo" and shm_carries(shared_memory, compressed, wire_bytes) else "reduce_scatter"
+
+
 def params_compressed(codec: str) -> bool:
     """Whether the codec path (`codec_path`) compresses the all-gathered parameters."""
     return codec != NO_CODEC and codec.split("/")[0] != "None"
+
+
+def grads_compressed(codec: str) -> bool:
+    """Whether the codec path (`codec_path`) compresses the reduced gradients."""
+    return codec != NO_CODEC and codec.split("/")[1] != "None"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -156,6 +178,11 @@ class Calibration:
     """Ranks of one shard group in the calibrated world."""
     num_replicas: int = 1
     """HSDP replicas of the calibrated world (1: plain sharding)."""
+    shared_memory: bool = False
+    """The shard group's ranks share a host and exchange through shared memory
+    (`OverlapConfig.shared_memory`): its uncompressed all-gathers and reductions are host work,
+    no wire ([Note: shared-memory collectives] in cost.py); codecs' exchanges stay on gloo. A
+    replica group on one host likewise: `replica_link` is then `SHARED_MEMORY`."""
     level: Level = "intra"
     """The link level the measurements crossed: "intra" (one host, loopback; NVLink) or "inter"
     (between hosts; an emulated link). `overlap plan` puts the links on that level."""
@@ -231,11 +258,13 @@ class Calibration:
         calibrated one's)."""
         host = self.host_costs(codec)
         wire = param_bytes if gather_wire_bytes is None else gather_wire_bytes
-        op = gather_op(self.backend, num_ranks or self.num_ranks, params_compressed(codec), wire)
+        op = gather_op(self.backend, num_ranks or self.num_ranks, params_compressed(codec), wire, self.shared_memory)
+        grad_wire = grad_bytes if reduce_wire_bytes is None else reduce_wire_bytes
         return UnitCost(
             name, param_bytes, grad_bytes, forward_s, backward_s,
             gather_wire_bytes=gather_wire_bytes, reduce_wire_bytes=reduce_wire_bytes,
             gather_codec_s=gather_codec_s, reduce_codec_s=reduce_codec_s, gather_op=op,
+            reduce_op=reduce_op(self.backend, grads_compressed(codec), grad_wire, self.shared_memory),
             **(host.for_unit(param_bytes) if host is not None else {}),
         )  # fmt: skip
 

@@ -9,11 +9,19 @@ every rank's S. B is the bus bandwidth a rank sustains, so busbw from nccl-tests
 `overlap bench comm`, which prints the same column) is exactly B. On two levels (GPUs per node
 over NVLink, nodes over InfiniBand/Ethernet) a ring spanning nodes is limited by the inter-node
 link: B is the per-GPU share of the node's network bandwidth and α the inter-node latency.
+
+[Note: shared-memory collectives]
+Ranks of one host exchange through shared memory (overlap/transport/shm.py): a rank posts its
+bytes into its ring at issue and pulls every peer's at the wait, both copies on the training
+thread. Nothing is in flight between the two, so the op "shm" crosses `SHARED_MEMORY`, a link of
+no time; its copies are host work ([Note: host work] in simulate.py), measured on the
+runtime's own verbs (overlap/tools/plan/measure.py `measure_host`).
 """
 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,6 +38,11 @@ class Link:
     def seconds(self, num_bytes: float) -> float:
         return num_bytes / (self.busbw_gbps * 1e9)
 
+
+SHARED_MEMORY = Link(
+    "shared memory", 0.0, math.inf, "no wire: the post and the pull are copies on the training thread (host work)"
+)
+"""The link of a shared-memory collective ([Note: shared-memory collectives])."""
 
 # Presets. Each cites where its numbers come from; busbw is what collectives achieve, not the
 # line rate.
@@ -115,7 +128,10 @@ class Topology:
         return self.intra if self.num_ranks <= self.ranks_per_node else self.inter
 
     def link_for(self, op: str) -> Link:
-        """The link that times `op`: `reduce_link` for reduce-scatter / all-to-all if set."""
+        """The link that times `op`: `reduce_link` for reduce-scatter / all-to-all if set;
+        `SHARED_MEMORY` for "shm" ([Note: shared-memory collectives])."""
+        if op == "shm":
+            return SHARED_MEMORY
         if self.reduce_link is not None and op in ("reduce_scatter", "all_to_all"):
             return self.reduce_link
         return self.link()
@@ -129,7 +145,7 @@ def ring_time_s(op: str, total_bytes: float, topo: Topology) -> float:
     link = topo.link_for(op)
     steps = n - 1
     frac = (n - 1) / n
-    if op in ("all_gather", "reduce_scatter", "all_to_all"):
+    if op in ("all_gather", "reduce_scatter", "all_to_all", "shm"):
         return steps * link.alpha_s + frac * link.seconds(total_bytes)
     if op == "all_reduce":
         return 2 * (steps * link.alpha_s + frac * link.seconds(total_bytes))
@@ -188,8 +204,11 @@ class UnitCost:
     training thread in the bucket's wait."""
     gather_op: str = "all_gather"
     """The collective that carries the all-gather, and so the link that times it: "all_gather"
-    (the backend's own), or "all_to_all" where gloo gathers through all-to-all (two ranks, or
-    small shards: `overlap.step_model.calibration.gather_op`)."""
+    (the backend's own), "all_to_all" where gloo gathers through all-to-all (two ranks, or
+    small shards), or "shm" through shared memory (`overlap.step_model.calibration.gather_op`)."""
+    reduce_op: str = "reduce_scatter"
+    """Likewise for the gradient reduction: "reduce_scatter" (the backend's, timed by the
+    reduce link) or "shm" (`overlap.step_model.calibration.reduce_op`)."""
 
     def gather_s(self, topo: Topology) -> float:
         """Seconds of this unit's all-gather: the ring over its wire bytes plus codec kernels."""

@@ -44,7 +44,10 @@ in its wait, the reduction's packing (and encoding) at its issue, the sum of rec
 (and decoding) in its wait. `UnitCost.*_host_s` carry those seconds; the clock charges them to
 the training thread where the runtime does the work, so they delay compute and the next issue.
 On GPUs they are kernels on the comm streams (`gather_codec_s`, `reduce_codec_s`) and the
-host fields stay 0.
+host fields stay 0. Through shared memory the collective itself is host work: the post at issue,
+the pull (the peers' copies, the sum) in the wait, and nothing in flight between ([Note:
+shared-memory collectives] in cost.py); an HSDP all-reduce through it is pulled at the bucket's
+last wait, its seconds here charged with the sum.
 """
 
 from __future__ import annotations
@@ -317,7 +320,7 @@ class _Clock:
             elif isinstance(a, Reduce):
                 bucket = [self.units[i] for i in a.units]
                 wire = sum(u.grad_bytes if u.reduce_wire_bytes is None else u.reduce_wire_bytes for u in bucket)
-                seconds = ring_time_s("reduce_scatter", wire, self.topo) + sum(u.reduce_codec_s for u in bucket)
+                seconds = ring_time_s(bucket[0].reduce_op, wire, self.topo) + sum(u.reduce_codec_s for u in bucket)
                 names = ",".join(u.name for u in bucket)
                 self._host(sum(u.reduce_issue_host_s for u in bucket), f"pack [{names}]")
                 num_bytes = sum(u.grad_bytes for u in bucket)

@@ -293,3 +293,46 @@ def test_compute_profile_takes_each_steps_slowest_rank():
     samples[1, 1, 0] = 9.0  # rank 1 is now the slowest in step 1 too: [1,2,2,2], [9,1,1,2], [3,1,2,2]
     assert slowest_per_step(samples, 2) == ([3.0, 1.0], [2.0, 2.0])
     assert slowest_per_step(samples[:1], 2) == ([1.0, 1.0], [2.0, 2.0])  # one rank: its own medians
+
+
+def test_shared_memory_collectives_are_host_work(tmp_path):
+    """[Note: shared-memory collectives]: where ranks share a host, uncompressed gathers and
+    reductions are the post and pull on the training thread, no wire: their step is compute
+    plus host work whatever the links and the contention; a codec's exchange stays on gloo."""
+    from overlap.step_model.cost import SHARED_MEMORY
+    from overlap.transport.shm_segments import MAX_RING_BYTES
+
+    assert calib.gather_op("gloo", 2, False, 12 * 2**20, True) == "shm"
+    assert calib.gather_op("gloo", 4, False, 12 * 2**20, True) == "shm"
+    assert calib.gather_op("gloo", 2, True, 3 * 2**20, True) == "all_to_all"  # int8: gloo's exchange
+    assert calib.gather_op("gloo", 4, False, MAX_RING_BYTES, True) == "all_gather"  # beyond the ring
+    assert calib.gather_op("nccl", 2, False, 12 * 2**20, True) == "all_gather"
+    assert calib.reduce_op("gloo", False, 12 * 2**20, True) == "shm"
+    assert (
+        calib.reduce_op("gloo", True, 3 * 2**20, True) == calib.reduce_op("gloo", False, 12 * 2**20) == "reduce_scatter"
+    )
+    assert ring_time_s("shm", 2**30, Topology(4, 4, Link("slow", 1.0, 1e-3), Link("slow", 1.0, 1e-3))) == 0.0
+
+    shm = replace(_cal(1.0), shared_memory=True)
+    unit = measured_units(shm, OverlapConfig())[0]
+    assert unit.gather_op == unit.reduce_op == "shm" and unit.gather_s(shm.topology()) == 0.0
+    step = predict_measured(shm, OverlapConfig())
+    assert step.exposed_s == 0.0
+    # no time on a wire, so neither the links nor the contention move it; host work does
+    slow = replace(
+        shm, gather_link=Link("slow", 1e-2, 1e-3), reduce_link=None, compute_share_lost=0.9, comm_stretch=5.0
+    )
+    assert predict_measured(slow, OverlapConfig()).step_s == pytest.approx(step.step_s)
+    compute = sum(shm.compute.forward_s) + sum(shm.compute.backward_s) + shm.compute.optimizer_s
+    assert step.step_s > compute + 4 * (1e-3 + 2e-3 + 3e-3 + 4e-3) * 0.99
+    busy = replace(shm, host={k: h.scaled(2.0) for k, h in shm.host.items()})
+    assert predict_measured(busy, OverlapConfig()).step_s > step.step_s
+    # int8 on both: gloo carries the codecs' exchanges, so the link times them again
+    int8 = OverlapConfig(param_compression="int8", grad_compression="int8", error_feedback=True)
+    assert measured_units(shm, int8)[0].gather_op == "all_to_all"
+    assert predict_measured(slow, int8).step_s > predict_measured(shm, int8).step_s * 1.5
+    # HSDP replicas on one host: their all-reduce is shared memory too, and the file keeps it
+    hsdp = replace(shm, num_replicas=2, replica_link=SHARED_MEMORY)
+    back = Calibration.load(hsdp.save(tmp_path / "shm.json"))
+    assert back.shared_memory and back.replica_link == SHARED_MEMORY
+    assert predict_measured(back, OverlapConfig()).step_s == pytest.approx(step.step_s)

@@ -53,7 +53,7 @@ from overlap.step_model.calibration import (
     contention_share,
     median_calibration,
 )
-from overlap.step_model.cost import Topology, ring_time_s
+from overlap.step_model.cost import SHARED_MEMORY, Topology, ring_time_s
 from overlap.tools.plan.hooks import measure_hooks
 from overlap.tools.plan.measure import (  # the measurements (measure.py)
     CONCURRENCY_OPS,
@@ -68,6 +68,8 @@ from overlap.tools.plan.measure import (  # the measurements (measure.py)
 )
 from overlap.tools.plan.world import World, groups, max_over_ranks, mean_over_ranks, set_up_rank, w1  # re-exported
 from overlap.tools.workloads import step as workload
+from overlap.transport import ShmAllReduce
+from overlap.transport.shm import ShmAllGather
 
 CODEC_OVERRIDES: dict[str, dict[str, Any]] = {
     NO_CODEC: {},
@@ -99,6 +101,12 @@ class Rig:
     """A wrapped W1's parameters and gradients from one backward, for `measure_optimizer`."""
     bench: Any
     """The W1 every model here is built from (`w1()`, or one with other sizes)."""
+
+    def shared_memory(self) -> tuple[bool, bool]:
+        """Whether the wrapped models' shard group, and their replica group, exchange through
+        shared memory (`OverlapConfig.shared_memory`; overlap/transport/shm.py)."""
+        transport = next(iter(self.host_models.values()))._overlap_state.runtime.transport
+        return isinstance(transport.all_gather, ShmAllGather), isinstance(transport.all_reduce, ShmAllReduce)
 
     @property
     def layer_numel(self) -> int:
@@ -144,15 +152,17 @@ def calibrate_round(rig: Rig, profile_steps: int = 2) -> Calibration:
     solos = [concurrency[i % 2] for i in range(CONCURRENCY_OPS)]
     optimizer_s = max_over_ranks([measure_optimizer(rig.opt, rig.grads)])[0]
     bench = rig.bench
+    shard_shm, replica_shm = rig.shared_memory()
     return Calibration(
-        source=f"measured: W1 on {world}, gloo, {time.strftime('%Y-%m-%d %H:%M')}",
+        source=f"measured: W1 on {world}, gloo{', shared memory' if shard_shm else ''}, {time.strftime('%Y-%m-%d %H:%M')}",
         backend="gloo",
         num_ranks=world.shard_size,
         num_replicas=world.num_replicas,
+        shared_memory=shard_shm,
         level="intra" if world.link == "loopback" else "inter",
         gather_link=gather_link,
         reduce_link=reduce_link,
-        replica_link=replica_link,
+        replica_link=SHARED_MEMORY if replica_shm else replica_link,
         compute_share_lost=contention_share(contention[0], contention[1]),
         comm_stretch=max(1.0, contention[3] / contention[2]),
         concurrent_throughput=concurrent_throughput(solos, concurrency[2]),
@@ -231,10 +241,15 @@ def format_calibration(cal: Calibration, rounds: list[Calibration] | None = None
         ("all_to_all", cal.reduce_link),
         ("all_reduce", cal.replica_link),
     ):
-        if link is not None:
+        if link is SHARED_MEMORY or link == SHARED_MEMORY:
+            lines.append(f"  {name:<10}  shared memory (its copies are host work)")
+        elif link is not None:
             attr = {"all_gather": "gather_link", "all_to_all": "reduce_link", "all_reduce": "replica_link"}[name]
             lines.append(f"  {name:<10}  alpha {link.alpha_s * 1e6:7.1f} us  busbw {link.busbw_gbps:.3f} GB/s"
                          f"{spread(lambda x, a=attr: getattr(x, a).busbw_gbps, 1)}")  # fmt: skip
+    if cal.shared_memory:
+        lines.append("  shared memory: the shard group's uncompressed all-gathers and reductions (host work below);"
+                     " the links above time the codecs' gloo exchanges")  # fmt: skip
     if cal.compute is not None:
         c = cal.compute
         lines.append(f"  compute per layer: forward {statistics.fmean(c.forward_s) * ms:.1f} ms"

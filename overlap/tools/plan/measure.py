@@ -16,6 +16,7 @@ from torch import nn
 from overlap.step_model.calibration import HostCosts, fit_link, gather_op
 from overlap.tools.plan.world import World, max_over_ranks, mean_over_ranks, w1
 from overlap.tools.worlds.collectives import all_gather_single, iters_for
+from overlap.transport.shm_segments import ShmWork
 
 LINK_SIZES_BYTES = tuple(k * 2**20 for k in (1, 4, 12, 24))
 """Up to what W1 moves: 12 MiB (a layer) and 24 MiB (two). A 32 MiB all-gather measured up to
@@ -207,9 +208,11 @@ def measure_host(model: nn.Module, reps: int = 3) -> HostCosts:
     verbs of a wrapped W1 (`Runtime.gather`, `wait_gather`, `reduce`, `release_reduce`,
     `wait_reduce`, driven by hand, outside any step; `model` is used for nothing else): each
     collective is waited for untimed first (HSDP: the all-reduce too), so the timed waits hold
-    only the host work (decode, copy-out; sum, decode, scale). The forward gather encodes the
-    shard (with a codec), the backward re-gather resends those bytes: both are timed. A first,
-    untimed repetition warms the buffers."""
+    only the host work (decode, copy-out; sum, decode, scale), except where shared memory
+    carries it: its wait is the pull (the peers' copies, the sum) on this thread, host work
+    timed into the wait ([Note: shared-memory collectives] in overlap/step_model/cost.py). The
+    forward gather encodes the shard (with a codec), the backward re-gather resends those bytes:
+    both are timed. A first, untimed repetition warms the buffers."""
     state: Any = model._overlap_state  # OverlapState; its runtime's verbs are driven by hand
     rt, unit = state.runtime, 0
     assert state.root_unit is None and len(rt.units) == w1().layers, (
@@ -223,16 +226,20 @@ def measure_host(model: nn.Module, reps: int = 3) -> HostCosts:
         fn(*args)
         samples[key].append(time.perf_counter() - t0)
 
-    def settle(work: Any) -> None:  # the collective itself, untimed (private handles: see doc)
-        if work is not None:
-            work.wait()
+    def settle(work: Any) -> float:  # the collective itself; seconds of a shared-memory pull (see doc)
+        if work is None:
+            return 0.0
+        t0 = time.perf_counter()
+        work.wait()
+        return time.perf_counter() - t0 if isinstance(work, ShmWork) else 0.0
 
     for rep in range(reps + 1):
         for key, for_backward in (("gather issue", False), ("regather issue", True)):
             dist.barrier()
             timed(key, rt.gather, unit, for_backward)
-            settle(rt.gather_in_flight(unit).comm.work)
+            pulled = settle(rt.gather_in_flight(unit).comm.work)
             timed("gather wait", rt.wait_gather, unit)
+            samples["gather wait"][-1] += pulled
             if not for_backward:
                 rt.free(unit)
         for p in rt.units[unit].unsharded_params:
@@ -240,12 +247,12 @@ def measure_host(model: nn.Module, reps: int = 3) -> HostCosts:
         dist.barrier()
         timed("reduce issue", rt.reduce, rep, (unit,))
         pending = rt._pending[rep]
-        settle(pending.result.work)
+        summed = settle(pending.result.work)
         t0 = time.perf_counter()
         rt.release_reduce(rep)  # the sum; HSDP: the all-reduce issued
-        summed = time.perf_counter() - t0
+        summed += time.perf_counter() - t0
         if pending.all_reduce is not None:
-            settle(pending.all_reduce.work)
+            summed += settle(pending.all_reduce.work)
         timed("reduce wait", rt.wait_reduce, rep, (unit,))
         samples["reduce wait"][-1] += summed
         rt.free(unit)
