@@ -11,13 +11,21 @@ applies.
 
 HybridEP (https://github.com/deepseek-ai/DeepEP/blob/hybrid-ep/docs/README_Hybrid-EP.md,
 "Performance Results", 4,096 tokens of hidden 7,168, top 8, 8 local experts, "Torch API", BF16
-dispatch and combine, 16 SMs: Megatron-Core's default `moe_hybridep_num_sms` = 16, "In pure NVL
-scenarios, 16 SMs can generally achieve good bandwidth", megatron/core/transformer/
-transformer_config.py at the commit that added HybridEP):
-    GB200 NVLink, by ranks   8: 550.10 / 538.44 GB/s, 16: 472.84 / 474.48, 24: 441.89 / 444.40,
-                             32: 485.50 / 423.19, 36: 469.96 / 418.27 (dispatch / combine)
-    B200 NVLink, 8 ranks     535.94 / 530.86
-    H100 InfiniBand, by ranks 16: 54.47 / 53.35, 32: 47.36 / 52.53, 64: 41.24 / 46.57
+dispatch and combine) at the SMs the published runs gave it: Megatron-Core's default
+`moe_hybridep_num_sms` is 16, but Megatron-Bridge's performance scripts set 32 for every HybridEP
+workload ("recipe.model.moe_hybridep_num_sms = 32", scripts/performance/utils/helpers.py
+`set_common_perf_overrides` in v0.2.1,
+https://github.com/NVIDIA-NeMo/Megatron-Bridge/blob/v0.2.1/scripts/performance/utils/helpers.py,
+and scripts/performance/utils/overrides.py `_set_common_perf_overrides` in v0.4.2,
+https://github.com/NVIDIA-NeMo/Megatron-Bridge/blob/v0.4.2/scripts/performance/utils/overrides.py,
+applied after the workload's config has named its backend). The page measures 32 SMs on GB200;
+on B200 and H100 InfiniBand it measures at most 16, which is taken (on H100 the InfiniBand
+figures at 8 and 16 SMs are within 10% of each other: the adapter, not the SMs, bounds them):
+    GB200 NVLink, 32 SMs, by ranks  8: 545.71 / 568.94 GB/s, 16: 523.48 / 521.55,
+                                    24: 507.32 / 483.76, 32: 484.22 / 464.54, 36: 479.02 / 447.89
+                                    (dispatch / combine)
+    B200 NVLink, 16 SMs, 8 ranks    535.94 / 530.86
+    H100 InfiniBand, 16 SMs, by ranks 16: 54.47 / 53.35, 32: 47.36 / 52.53, 64: 41.24 / 46.57
 The NVLink figure divides the bytes a rank receives (`dispatched_hidden.numel() * 2`: one copy of
 each token per destination rank, its own tokens included) by the call's time; the InfiniBand
 figure divides the bytes it sends to other nodes (one copy per token and destination node,
@@ -54,16 +62,16 @@ FLEX_BACKENDS = ("hybridep", "deepep")
 
 HYBRIDEP_NVLINK_GBPS: dict[str, dict[int, tuple[float, float]]] = {
     "gb200": {
-        8: (550.10, 538.44),
-        16: (472.84, 474.48),
-        24: (441.89, 444.40),
-        32: (485.50, 423.19),
-        36: (469.96, 418.27),
+        8: (545.71, 568.94),
+        16: (523.48, 521.55),
+        24: (507.32, 483.76),
+        32: (484.22, 464.54),
+        36: (479.02, 447.89),
     },
     "b200": {8: (535.94, 530.86)},
 }
-"""(dispatch, combine) GB/s HybridEP reaches over NVLink, by GPU and ranks ([Note: flex kernels'
-achieved bandwidth])."""
+"""(dispatch, combine) GB/s HybridEP reaches over NVLink, by GPU and ranks, at the SMs Megatron-Bridge's
+performance runs give it (32; on B200 the 16 measured) ([Note: flex kernels' achieved bandwidth])."""
 HYBRIDEP_IB_GBPS: dict[int, tuple[float, float]] = {16: (54.47, 53.35), 32: (47.36, 52.53), 64: (41.24, 46.57)}
 """(dispatch, combine) GB/s HybridEP sends to other nodes over one 400 Gb/s ConnectX-7, by ranks."""
 DEEPEP_NVLINK_GBPS: dict[str, dict[int, tuple[float, float]]] = {
