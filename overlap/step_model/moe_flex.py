@@ -28,12 +28,17 @@ figures at 8 and 16 SMs are within 10% of each other: the adapter, not the SMs, 
     H100 InfiniBand, 16 SMs, by ranks 16: 54.47 / 53.35, 32: 47.36 / 52.53, 64: 41.24 / 46.57
 The NVLink figure divides the bytes a rank receives (`dispatched_hidden.numel() * 2`: one copy of
 each token per destination rank, its own tokens included) by the call's time; the InfiniBand
-figure divides the bytes it sends to other nodes (one copy per token and destination node,
-`count_rdma_send_from_routing_map`) by it (tests/test_hybrid_ep.py on that branch). So one call
-costs
+figure divides one copy per token and destination node, its own node included, by it
+(`count_rdma_send_from_routing_map` in tests/utils.py on that branch, used by
+tests/test_hybrid_ep.py: "To align with the implementation in the DeepEP, we do not set the
+local node map to zeros"; DeepEP's test_internode.py counts `num_rdma_token_sent` over every node
+a token reaches the same way, which makes its figure N / (N - 1) times the adapter's traffic on
+N nodes, as NIC counters show in https://github.com/deepseek-ai/DeepEP/issues/51). A figure is
+applied to the bytes it was computed on, so one call costs
     NVLink domain only   ranks_hit · t·h·2 / B_nvl
-    across domains       max(remote_nodes_hit · t·h·2 / B_ib, the NVLink part)
-with ranks_hit and remote_nodes_hit from [Note: flex dispatch] (balanced routing). A group of
+    across domains       max(nodes_hit · t·h·2 / B_ib, the NVLink part)
+with ranks_hit and nodes_hit (the token's own node counted when hit) from [Note: flex dispatch]
+(balanced routing): on 2 nodes twice the remote copies, on 8 nodes 8/7 of them. A group of
 more ranks than the table's largest takes the largest's figure, a group between two the smaller
 group's; the InfiniBand figures were measured with ConnectX-7 at 400 Gb/s and price any node
 with that adapter (the NIC bounds them, not the GPU).
@@ -41,8 +46,8 @@ DeepEP (https://github.com/deepseek-ai/DeepEP/blob/main/docs/legacy.md, "Normal 
 NVLink and RDMA forwarding", H800 with "~160 GB/s NVLink maximum bandwidth" and CX7 400 Gb/s):
 intranode EP 8 153 / 158 GB/s over NVLink, i.e. 0.956 / 0.988 of the NVLink maximum (taken as a
 share of any GPU's NVLink); internode EP 16 43 / 43, EP 32 58 / 57, EP 64 51 / 50 GB/s over RDMA.
-Its NVLink figure counts the same received bytes, its RDMA figure the same node-deduplicated
-sends. On Blackwell, HybridEP's page measures DeepEP beside it (Torch API, BF16, the same
+Its NVLink figure counts the same received bytes, its RDMA figure the same per-node copies, its own
+node included. On Blackwell, HybridEP's page measures DeepEP beside it (Torch API, BF16, the same
 received bytes) at 16 and 24 SMs: B200 8 ranks 348 / 302 and 494 / 420 GB/s; GB200 8 ranks
 362.01 / 310.21 and 512.72 / 425.95, 16 ranks 328.80 / 278.34 and 442.47 / 378.32, 24 ranks
 324.64 / 126.53 and 450.22 / 163.62. Megatron-Core gives DeepEP 20 SMs (`moe_deepep_num_sms`,
@@ -132,8 +137,10 @@ def flex_call_s(token_bytes: float, moe: MoeShape, ep: int, ranks_per_domain: in
         return max(nvlink_s, rail_s), max(nvlink_s, rail_s)
     table = HYBRIDEP_IB_GBPS if backend == "hybridep" else DEEPEP_RDMA_GBPS
     dispatch_gbps, combine_gbps = _measured(table, ep)
-    sent = inter * token_bytes
-    return max(nvlink_s, sent / (dispatch_gbps * 1e9)), max(nvlink_s, sent / (combine_gbps * 1e9))
+    # the figures count a copy to the sender's own node too ([Note: flex kernels' achieved bandwidth])
+    domains = ep // local
+    counted = inter * domains / (domains - 1) * token_bytes
+    return max(nvlink_s, counted / (dispatch_gbps * 1e9)), max(nvlink_s, counted / (combine_gbps * 1e9))
 
 
 __all__ = [
