@@ -451,7 +451,8 @@ def _lacks(spec: RunSpec) -> list[str]:
         graphs = f" (CUDA graphs: {', '.join(spec.cuda_graph_scope)})" if spec.cuda_graph_scope else ""
         kernels = f" ({spec.flex_backend} at its published bandwidths)" if spec.dispatcher == "flex" else ""
         out.append(
-            f"routing balanced (no load imbalance priced); {spec.dispatcher} dispatch and combine{kernels} {overlap}; "
+            f"{'random routing at its busiest rank' if spec.force_load_balancing else 'routing balanced'}; "
+            f"{spec.dispatcher} dispatch and combine{kernels} {overlap}; "
             f"host work per MoE layer from eager operator and launch costs{graphs}"
         )
     if spec.precision == "fp8" and spec.fp8_recipe == "mxfp8":
