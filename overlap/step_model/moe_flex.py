@@ -33,7 +33,10 @@ figure divides one copy per token and destination node, its own node included, b
 tests/test_hybrid_ep.py: "To align with the implementation in the DeepEP, we do not set the
 local node map to zeros"; DeepEP's test_internode.py counts `num_rdma_token_sent` over every node
 a token reaches the same way, which makes its figure N / (N - 1) times the adapter's traffic on
-N nodes, as NIC counters show in https://github.com/deepseek-ai/DeepEP/issues/51). A figure is
+N nodes: "algorithm bandwidth", as both pages label it, its maintainers' answer in
+https://github.com/deepseek-ai/DeepEP/issues/141, and in
+https://github.com/deepseek-ai/DeepEP/issues/285 (EP 16's 43 GB/s is "only 43 * 0.5 = 21.5GB/s"
+on the wire; NIC counters agree in https://github.com/deepseek-ai/DeepEP/issues/51). A figure is
 applied to the bytes it was computed on, so one call costs
     NVLink domain only   ranks_hit · t·h·2 / B_nvl
     across domains       max(nodes_hit · t·h·2 / B_ib, the NVLink part)
