@@ -32,10 +32,22 @@ makes published expert-parallel steps slower than their kernels.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-if TYPE_CHECKING:  # moe.py imports this module
-    from overlap.step_model.moe import MoeShape
+
+class MoeShape(Protocol):
+    """What the skew reads of a MoE layer's routing (`overlap.step_model.moe.MoeShape` has it;
+    named here, not imported: moe.py imports this module)."""
+
+    @property
+    def num_experts(self) -> int: ...
+    @property
+    def top_k(self) -> int: ...
+    @property
+    def groups(self) -> int: ...
+    @property
+    def group_topk(self) -> int: ...
+
 
 _GRID = 4000
 _SPAN = 9.0
