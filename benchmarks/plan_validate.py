@@ -135,7 +135,9 @@ def uncalibrated(cal: Calibration, world: World) -> Calibration:
     from overlap.tools.worlds.link import LinkSpec
 
     link = None if world.link == "loopback" else LinkSpec.parse(world.link)
-    defaults = default_world_calibration(world.shard_size, "gloo", link, num_replicas=world.num_replicas)
+    defaults = default_world_calibration(
+        world.shard_size, "gloo", link, num_replicas=world.num_replicas, shared_memory=cal.shared_memory
+    )
     return replace(defaults, compute=cal.compute)
 
 

@@ -113,8 +113,10 @@ class AutoTuner:
         tune_buckets: bool,
         num_ranks: int = 1,
         num_replicas: int = 1,
+        shared_memory: bool = False,
     ) -> None:
         self.schedule, self.stats, self.config = schedule, stats, config
+        self.shared_memory = shared_memory  # the transport's: what the model's defaults price
         self.group, self.device, self.timeout = group, device, timeout
         self.rank = dist.get_rank(group)
         self.lag = stats.max_lag_steps if device.type == "cuda" else 0
@@ -178,7 +180,7 @@ class AutoTuner:
             tuple(s.unit_bytes), tuple(s.grad_bytes), tuple(s.forward_order), s.root,
             s.config.reshard_after_forward, "nccl" if self.device.type == "cuda" else "gloo",
             self.num_ranks, self.num_replicas, self.tune_buckets, self.config.autotune_calibration,
-            None if self.folder is None else str(self.folder),
+            None if self.folder is None else str(self.folder), self.shared_memory,
         )  # fmt: skip
         try:
             return StepModel(view).propose(knobs, measured)

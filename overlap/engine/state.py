@@ -173,6 +173,7 @@ class OverlapState:
                 tune_buckets=config.grad_compression is None,
                 num_ranks=dist.get_world_size(groups.shard),
                 num_replicas=1 if groups.replicate is None else dist.get_world_size(groups.replicate),
+                shared_memory=self.runtime.transport.all_gather.through_shared_memory,
             )
         )
         self._install_hooks(model, hooked)

@@ -32,7 +32,7 @@ import torch
 from overlap.compression import make_grad_codec, make_param_codec
 from overlap.config import OverlapConfig
 from overlap.engine.units import group_units
-from overlap.step_model.cost import LINKS, Link, Topology, UnitCost
+from overlap.step_model.cost import LINKS, SHARED_MEMORY, Link, Topology, UnitCost
 from overlap.step_model.simulate import Contention, Prediction, simulate
 from overlap.transport.backend import ALL_TO_ALL_GATHER_MAX_BYTES
 from overlap.transport.shm_segments import MAX_RING_BYTES
@@ -336,6 +336,13 @@ GLOO_DEFAULT_HOST = HostCosts(
 """Host work of a gloo world nobody calibrated: one W1 layer's (12 MiB fp32), the median
 calibration of `benchmarks/plan_validate.py --worlds loopback` on the 2-core development machine
 (2026-12-03, 3 rounds, load average 1.2 at the start, 2.4 at the end). Calibrate your machine."""
+SHM_DEFAULT_HOST = HostCosts(
+    unit_bytes=12_609_536, gather_issue_s=0.72e-3, regather_issue_s=0.73e-3, gather_wait_s=2.45e-3,
+    reduce_issue_s=1.98e-3, reduce_wait_s=1.73e-3,
+)  # fmt: skip
+"""The same for ranks exchanging through shared memory, where the waits hold the pulls (the
+peers' copies, the sum): `overlap plan --calibrate --calibrate-rounds 3` on loopback 2 ranks, the
+median of 3 rounds (2-core AMD EPYC, 2026-12-07, load average 0.5 at the start, 2.2 at the end)."""
 GLOO_DEFAULT_CONTENTION: Mapping[str, float] = {
     "compute_share_lost": 0.43,
     "comm_stretch": 1.74,
@@ -347,19 +354,23 @@ measured 0.00-0.76, 1.2-2.5x and 1.0-2.0x."""
 
 
 def default_calibration(backend: Backend, num_ranks: int, link: Link, *, num_replicas: int = 1,
-                        level: Level = "intra") -> Calibration:  # fmt: skip
+                        level: Level = "intra", shared_memory: bool = False) -> Calibration:  # fmt: skip
     """What the tools assume without a calibration file: `link` for every collective; on
     nccl no contention and no host work (the comm streams hold it), on gloo
-    `GLOO_DEFAULT_CONTENTION` and `GLOO_DEFAULT_HOST`."""
+    `GLOO_DEFAULT_CONTENTION` and `GLOO_DEFAULT_HOST`; with `shared_memory` (ranks of one host,
+    replicas too) `SHM_DEFAULT_HOST`, the link and contention left to the codecs' exchanges."""
     if backend == "nccl":
         return Calibration(source=f"defaults: {link.name}, no contention", backend="nccl",
                            num_ranks=num_ranks, num_replicas=num_replicas, level=level, gather_link=link)  # fmt: skip
     g = GLOO_DEFAULT_CONTENTION
+    host = "SHM_DEFAULT_HOST (shared memory)" if shared_memory else "GLOO_DEFAULT_HOST"
     return Calibration(
-        source=f"defaults: {link.name}, gloo terms of GLOO_DEFAULT_CONTENTION and GLOO_DEFAULT_HOST", backend="gloo",
-        num_ranks=num_ranks, num_replicas=num_replicas, level=level, gather_link=link,
+        source=f"defaults: {link.name}, gloo terms of GLOO_DEFAULT_CONTENTION and {host}", backend="gloo",
+        num_ranks=num_ranks, num_replicas=num_replicas, level=level, gather_link=link, shared_memory=shared_memory,
+        replica_link=SHARED_MEMORY if shared_memory and num_replicas > 1 else None,
         compute_share_lost=g["compute_share_lost"], comm_stretch=g["comm_stretch"],
-        concurrent_throughput=g["concurrent_throughput"], host={NO_CODEC: GLOO_DEFAULT_HOST},
+        concurrent_throughput=g["concurrent_throughput"],
+        host={NO_CODEC: SHM_DEFAULT_HOST if shared_memory else GLOO_DEFAULT_HOST},
     )  # fmt: skip
 
 
@@ -394,15 +405,18 @@ def emulated_link(spec: EmulatedLink) -> Link:
 
 
 def default_world_calibration(num_ranks: int, backend: str, link: EmulatedLink | None = None, *, num_replicas: int = 1,
-                              ranks_per_node: int | None = None) -> Calibration:  # fmt: skip
+                              ranks_per_node: int | None = None, shared_memory: bool = False) -> Calibration:  # fmt: skip
     """`default_calibration` for a world of `num_ranks` shard ranks: the emulated `link`'s line
-    rate when there is one (`emulated_link`), gloo loopback for other gloo worlds, NVLink
-    within a node and NDR InfiniBand across nodes for NCCL."""
+    rate when there is one (`emulated_link`), gloo loopback for other gloo worlds (through
+    shared memory where `shared_memory`: the runtime's transport says, `through_shared_memory`),
+    NVLink within a node and NDR InfiniBand across nodes for NCCL."""
     if link is not None:
         kind: Backend = "nccl" if "nccl" in backend else "gloo"
         return default_calibration(kind, num_ranks, emulated_link(link), num_replicas=num_replicas, level="inter")
     if "nccl" not in backend:
-        return default_calibration("gloo", num_ranks, LINKS["gloo-loopback"], num_replicas=num_replicas)
+        return default_calibration(
+            "gloo", num_ranks, LINKS["gloo-loopback"], num_replicas=num_replicas, shared_memory=shared_memory
+        )
     per_node = ranks_per_node or num_ranks
     inter = num_ranks * num_replicas > per_node
     return default_calibration("nccl", num_ranks, LINKS["ndr400" if inter else "nvlink4"],

@@ -19,7 +19,10 @@ window by two scales, solved by nested bisection on the simulator itself:
 for each link scale tried, the compute that makes the predicted step the measured one; then the
 link scale whose exposed communication is the measured one. One scale for all links, not one per
 collective: on two gloo ranks the all-gathers go through all-to-all, the reductions' link, so
-the two waits do not say two things. The fitted model reproduces the baseline by
+the two waits do not say two things. Where the ranks exchange through shared memory
+(`TunerView.shared_memory`) the exchange has no link: its waits are the pulls, host work, and the
+same scale multiplies that host work with the links (which then time only codecs' exchanges).
+The fitted model reproduces the baseline by
 construction; what it adds is how the step moves when the knobs move (deeper prefetch, other
 buckets, more reductions in flight), which the baseline alone cannot say. Every candidate of a
 small grid around the baseline is simulated and those predicted fastest are proposed; the
@@ -80,11 +83,13 @@ class StepModel:
         def scaled(link: Link) -> Link:
             return replace(link, alpha_s=link.alpha_s * link_scale, busbw_gbps=link.busbw_gbps / link_scale)
 
+        host = {k: h.scaled(link_scale) for k, h in base.host.items()} if base.shared_memory else base.host
         return replace(
             base,
             gather_link=scaled(base.gather_link),
             reduce_link=scaled(base.reduce_link or base.gather_link),
             replica_link=scaled(base.replica_link or base.gather_link),
+            host=host,
         )
 
     def units(self, cal: Calibration, compute_s: float) -> list[UnitCost]:
@@ -201,7 +206,9 @@ def base_calibration(view: TunerView) -> Calibration:
             )
         else:
             return replace(cal, num_ranks=view.num_ranks, num_replicas=view.num_replicas)
-    return default_world_calibration(view.num_ranks, view.backend, None, num_replicas=view.num_replicas)
+    return default_world_calibration(
+        view.num_ranks, view.backend, None, num_replicas=view.num_replicas, shared_memory=view.shared_memory
+    )
 
 
 def exposed(p: Prediction) -> tuple[float, float]:

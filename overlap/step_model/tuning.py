@@ -73,3 +73,5 @@ class TunerView:
     """The file the model starts from (`OverlapConfig.autotune_calibration`); None: defaults."""
     folder: str | None = None
     """Where the fitted model is written (`calibration.json`); None: nowhere (ranks but 0)."""
+    shared_memory: bool = False
+    """The shard group exchanges through shared memory (`Strategy.through_shared_memory`)."""

@@ -110,6 +110,15 @@ def host_identity() -> str:
     return f"{socket.gethostname()}|{boot}|{os.stat('/dev/shm').st_dev}|{netns}"
 
 
+def usable_here(device: torch.device, setting: str, world_size: int) -> bool:
+    """What this process alone can tell of `usable`: the setting, the device, the size, and
+    /dev/shm with the compiled flag protocol (csrc/shm.cpp) here. Whether every rank shares the
+    host is the collective part."""
+    if setting == "off" or device.type != "cpu" or not 1 < world_size <= MAX_RANKS:
+        return False
+    return os.path.isdir("/dev/shm") and cpu.load_extension() is not None
+
+
 def usable(group: dist.ProcessGroup, device: torch.device, setting: str) -> bool:
     """Whether the shared-memory strategies apply to `device`'s tensors over `group`: every rank
     on this host ([Note: shared-memory exchange]) with the compiled flag protocol (csrc/shm.cpp).
@@ -117,7 +126,7 @@ def usable(group: dist.ProcessGroup, device: torch.device, setting: str) -> bool
     world_size = dist.get_world_size(group)
     if setting == "off" or device.type != "cpu" or not 1 < world_size <= MAX_RANKS:
         return False
-    mine = host_identity() if os.path.isdir("/dev/shm") and cpu.load_extension() is not None else ""
+    mine = host_identity() if usable_here(device, setting, world_size) else ""
     identities: list[Any] = [None] * world_size
     dist.all_gather_object(identities, mine, group=group)
     return mine != "" and len(set(identities)) == 1
@@ -155,6 +164,7 @@ class _OnSegments(Strategy):
     """A strategy through the segments, with `fallback` (gloo's) for what they do not carry."""
 
     fallback: Any
+    through_shared_memory = True
 
     def __init__(self, plan: ShmPlan, fallback: Any) -> None:
         self.shared, self.fallback = plan, fallback

@@ -30,6 +30,8 @@ class ShmAllReduce(AllReduce):
     """Sums over `group` (the replicate group) through shared memory; `fallback` (gloo's
     all-reduce) for what the segments do not carry ([Note: shared-memory all-reduce])."""
 
+    through_shared_memory = True
+
     def __init__(self, group: dist.ProcessGroup, timeout: timedelta | None, fallback: AllReduce) -> None:
         self.group, self.timeout, self.fallback = group, timeout, fallback
         self.segments: shm.ShmSegments | None = None

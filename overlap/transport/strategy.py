@@ -93,6 +93,9 @@ class Strategy:
     """What every strategy shares: the wire it was planned for."""
 
     wire: Wire
+    through_shared_memory = False
+    """Whether the strategy exchanges through shared memory (overlap/transport/shm.py): its
+    collectives are copies on the training thread, which the step model prices as host work."""
 
     def plan(self, wire: Wire) -> None:
         """Decide once, from sizes every rank shares (a strategy may add)."""

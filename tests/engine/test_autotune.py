@@ -231,6 +231,20 @@ def test_online_model_fit_reproduces_the_baseline_and_recovers_its_scales():
     assert math.isclose(fit.predicted_step_s, made.step_s, rel_tol=0.001), fit
 
 
+def test_online_model_through_shared_memory_fits_the_pulls():
+    """Through shared memory the exchange is host work (the pulls in the waits): the fitted
+    scale multiplies it, and a step made at 3x the defaults' host work is found back."""
+    view = replace(W1_LIKE, shared_memory=True)
+    model = StepModel(view)
+    assert model.base.shared_memory and model.base.host["none"].gather_wait_s > 0
+    made = model.predict(DEFAULTS, 0.5, 3.0)
+    assert made.step_s > model.predict(DEFAULTS, 0.5, 1.0).step_s  # host work, not a link, moves it
+    gather, reduce = exposed(made)
+    fit = model.fit_to(DEFAULTS, Measurement(made.step_s * 1e3, gather * 1e3, reduce * 1e3, 0))
+    assert math.isclose(fit.compute_s, 0.5, rel_tol=0.02), fit
+    assert math.isclose(fit.link_scale, 3.0, rel_tol=0.02), fit
+
+
 def test_online_model_proposes_prefetch_behind_a_slow_link_and_nothing_where_comm_is_hidden():
     model = StepModel(W1_LIKE)
     slow = model.predict(DEFAULTS, 0.5, 20.0)  # comm far longer than compute: exposed
@@ -281,7 +295,7 @@ def test_a_model_that_fails_leaves_the_coordinate_moves(caplog, monkeypatch):
     )  # fmt: skip
     tuner = SimpleNamespace(
         schedule=schedule, device=torch.device("cpu"), num_ranks=2, num_replicas=1, tune_buckets=True,
-        config=overlap.OverlapConfig(), folder=None,
+        config=overlap.OverlapConfig(), folder=None, shared_memory=False,
     )  # fmt: skip
     monkeypatch.setattr(autotune, "StepModel", Broken)
     with caplog.at_level("WARNING", logger="overlap.autotune"):

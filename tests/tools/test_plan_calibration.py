@@ -181,6 +181,25 @@ def test_defaults_for_a_world():
     )
     nccl = calib.default_world_calibration(8, "nccl", None)
     assert nccl.backend == "nccl" and not nccl.host and nccl.concurrent_throughput is None
+    # ranks of one host through shared memory: its host work, replicas too; a wire or NCCL: none
+    shm = calib.default_world_calibration(2, "gloo", None, num_replicas=2, shared_memory=True)
+    assert (
+        shm.shared_memory and shm.host["none"] == calib.SHM_DEFAULT_HOST and shm.replica_link.busbw_gbps == float("inf")
+    )
+    assert not gloo.shared_memory and gloo.host["none"] == calib.GLOO_DEFAULT_HOST
+    assert not calib.default_world_calibration(2, "gloo", LinkSpec.parse("1gbit"), shared_memory=True).shared_memory
+    assert not calib.default_world_calibration(8, "nccl", None, shared_memory=True).shared_memory
+
+
+def test_shared_memory_is_known_before_any_group():
+    """What `overlap tune` asks before it prices a local world: the setting, the device, the size."""
+    from overlap.kernels import cpu
+    from overlap.transport.shm import usable_here
+
+    cpu_ = torch.device("cpu")
+    assert not usable_here(cpu_, "off", 2) and not usable_here(cpu_, "auto", 1)
+    assert not usable_here(torch.device("cuda"), "auto", 2)
+    assert usable_here(cpu_, "auto", 4) == (cpu.load_extension() is not None)
 
 
 def test_plan_tune_and_validate_share_the_model(monkeypatch, tmp_path):

@@ -68,8 +68,6 @@ from overlap.tools.plan.measure import (  # the measurements (measure.py)
 )
 from overlap.tools.plan.world import World, groups, max_over_ranks, mean_over_ranks, set_up_rank, w1  # re-exported
 from overlap.tools.workloads import step as workload
-from overlap.transport import ShmAllReduce
-from overlap.transport.shm import ShmAllGather
 
 CODEC_OVERRIDES: dict[str, dict[str, Any]] = {
     NO_CODEC: {},
@@ -106,7 +104,7 @@ class Rig:
         """Whether the wrapped models' shard group, and their replica group, exchange through
         shared memory (`OverlapConfig.shared_memory`; overlap/transport/shm.py)."""
         transport = next(iter(self.host_models.values()))._overlap_state.runtime.transport
-        return isinstance(transport.all_gather, ShmAllGather), isinstance(transport.all_reduce, ShmAllReduce)
+        return transport.all_gather.through_shared_memory, transport.all_reduce.through_shared_memory
 
     @property
     def layer_numel(self) -> int:

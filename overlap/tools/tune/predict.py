@@ -198,13 +198,15 @@ def topology_for(world_size: int, backend: str, link: str | None) -> Topology:
 
 
 def calibration_for(
-    world_size: int, backend: str, link: str | None, calibration: Calibration | None
+    world_size: int, backend: str, link: str | None, calibration: Calibration | None, shared_memory: bool = False
 ) -> tuple[Calibration, Topology]:
     """The model `overlap tune` prunes with ([Note: one model] in overlap/step_model/calibration.py):
-    `calibration` on this world's ranks, or the defaults for this world."""
+    `calibration` on this world's ranks, or the defaults for this world (`shared_memory`: its
+    ranks exchange through shared memory)."""
     if calibration is not None:
         return calibration, calibration.topology(num_ranks=world_size, num_replicas=1)
-    defaults = default_world_calibration(world_size, backend, LinkSpec.parse(link) if link else None)
+    spec = LinkSpec.parse(link) if link else None
+    defaults = default_world_calibration(world_size, backend, spec, shared_memory=shared_memory and spec is None)
     return defaults, topology_for(world_size, backend, link)
 
 

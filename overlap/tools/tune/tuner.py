@@ -79,6 +79,7 @@ from overlap.tools.tune.result import RoundResult, TuneResult
 from overlap.tools.tune.space import Codec, TuneSpace, default_space, describe, tuned_fields
 from overlap.tools.worlds.link import active_link
 from overlap.transport.backend import semantics
+from overlap.transport.shm import usable_here
 
 __all__ = ["CachePolicy", "RoundResult", "TuneConfig", "TuneResult", "default_optimizer", "tune"]
 
@@ -117,7 +118,9 @@ def _plan(
     backend = semantics(pg, torch.device(profile.device_type)).backend
     given = cfg.calibration
     assert given is None or isinstance(given, Calibration), f"rank {pg.rank()}: {given!r} not loaded"
-    calibration, topo = calibration_for(pg.size(), backend, active_link(), given)
+    link = active_link()  # a local world: one host, shared memory unless behind an emulated link
+    shm = link is None and usable_here(torch.device(profile.device_type), cfg.base.shared_memory, pg.size())
+    calibration, topo = calibration_for(pg.size(), backend, link, given, shm)
     planned = plan_grid(profile, grid, pg.size(), calibration, cfg.topology or topo)
     predicted_ms = [0.0] * len(grid)
     for c in planned:
