@@ -23,7 +23,24 @@ PyTorch's (torch.distributed.tensor.experimental context_parallel, what torchtit
                 pair), the K/V gradients accumulated in fp32 (read 4 + 2, write 4, each) and
                 concatenated for the send (read and write 4, each), the query gradient
                 accumulated in fp32 (10 bytes)
-A recomputed forward (full checkpointing) runs the ring forward again.
+A recomputed forward (full checkpointing) runs the ring forward again. The backward permutes the
+K/V gradients C times (after every step, `_templated_ring_attention_backward`); the last is waited
+for after the loop with no step left to hide it.
+
+Where the blocks are compiled (torchtitan's `apply_compile` wraps each TransformerBlock in
+`torch.compile(fullgraph=True)`, the attention and so the ring inside it), the ring's functional
+collectives are traced: a traced collective is waited for where it is issued ("wait_tensor() op is
+immediately called", torch/distributed/_functional_collectives.py's module docstring: "Compiled
+tracing currently relies on the compiler to perform this optimization"; the ring's own
+`_maybe_wait`: "When tracing the code, the result tensor is not an AsyncCollectiveTensor"), and
+Inductor's pass that would move the waits is off by default (`reorder_for_compute_comm_overlap =
+False`, torch/_inductor/config.py; its generated code then runs a collective and its wait_tensor
+back to back: https://github.com/KellerJordan/modded-nanogpt/pull/97). Under a compiled stack
+every K/V gather and gradient pass is therefore exposed. Sources, at the torch commit of torchtitan's December 2024 H100 page:
+https://github.com/pytorch/pytorch/blob/1963fc83a1c32e162162e2414f78b043f0674bae/torch/distributed/_functional_collectives.py,
+https://github.com/pytorch/pytorch/blob/1963fc83a1c32e162162e2414f78b043f0674bae/torch/_inductor/config.py,
+https://github.com/pytorch/pytorch/blob/1963fc83a1c32e162162e2414f78b043f0674bae/torch/distributed/tensor/experimental/_attention.py,
+https://github.com/pytorch/torchtitan/blob/9dec370ad26b5f8e9a7333a0e36165018262644b/torchtitan/parallelisms/parallelize_llama.py.
 
 Transformer Engine's (Megatron-Core, `--context-parallel-size`): point-to-point K/V passes of the
 K/V width (GQA heads are not repeated), each hidden behind a step's attention kernel; the merge
@@ -46,6 +63,9 @@ TORCH_GRAD_Q_BYTES = 10
 """Bytes per query element of a backward step's fp32 accumulation of the query gradient."""
 RECOMPUTED_RING_FORWARDS = {"none": 0, "selective": 0, "attention": 1, "full": 1, "layer2": 0.5}
 """Ring forwards a recomputation repeats per block (the attention is inside what it re-runs)."""
+COMPILED_STACKS = frozenset({"torch-compile"})
+"""Stacks whose blocks run under torch.compile, the ring traced with them: its collectives are
+waited for where they are issued ([Note: ring attention])."""
 
 
 def _torch_ring(spec: RunSpec) -> bool:
@@ -94,10 +114,13 @@ def exposed_s(spec: RunSpec, share: RankShare, attention_s: float) -> float:
         return layers * (forward + backward)
     step_s = attention_s / c
     gather = (c - 1) * kv_pass  # a ring all-gather moves (C-1) chunks through each rank
-    forward = max(0.0, gather - step_s)
     grad_pass = link.alpha_s + link.seconds(2 * t * kv_width * 4)
-    backward = max(0.0, gather - ATTENTION_BACKWARD * step_s)
-    backward += (c - 1) * max(0.0, grad_pass - ATTENTION_BACKWARD * step_s)
+    if spec.stack in COMPILED_STACKS:  # traced: each collective waited for where it is issued
+        forward, backward = gather, gather + c * grad_pass
+    else:  # the gathers behind the first step; C-1 gradient passes behind the next steps, the last after them
+        forward = max(0.0, gather - step_s)
+        backward = max(0.0, gather - ATTENTION_BACKWARD * step_s)
+        backward += (c - 1) * max(0.0, grad_pass - ATTENTION_BACKWARD * step_s) + grad_pass
     return layers * (forward * (1 + RECOMPUTED_RING_FORWARDS[spec.ac]) + backward)
 
 
