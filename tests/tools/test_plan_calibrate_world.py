@@ -8,8 +8,17 @@ from __future__ import annotations
 import pytest
 
 from overlap import OverlapConfig
-from overlap.step_model.calibration import Calibration, median_calibration, predict_measured
-from overlap.tools.plan.calibrate import CODEC_OVERRIDES, CalibrateConfig, Rig, World, calibrate_round, set_up_rank, w1
+from overlap.step_model.calibration import Calibration, measured_units, median_calibration, predict_measured
+from overlap.tools.plan.calibrate import (
+    CODEC_OVERRIDES,
+    CalibrateConfig,
+    Rig,
+    World,
+    calibrate_round,
+    format_calibration,
+    set_up_rank,
+    w1,
+)
 from overlap.tools.plan.measure import LINK_SIZES_BYTES
 
 pytestmark = pytest.mark.slow  # spawns worlds or runs a command end to end: `-m 'not slow'` leaves it out
@@ -32,6 +41,13 @@ def test_one_calibration_round_measures_every_term(world2):
     cal, other = world2.run(calibrate_narrow_rank, timeout_s=600, cfg=cfg)  # 2 gloo ranks, a thread each
     assert other is None and isinstance(cal, Calibration)
     assert cal.num_ranks == 2 and cal.backend == "gloo" and cal.level == "intra"
+    # ranks of one host exchange through shared memory where it is built: priced as host work
+    from overlap.kernels import cpu
+
+    assert cal.shared_memory == (cpu.load_extension() is not None)
+    if cal.shared_memory:
+        assert measured_units(cal, OverlapConfig())[0].gather_op == "shm"
+        assert "shared memory" in format_calibration(cal)
     for link in (cal.gather_link, cal.reduce_link):
         assert link is not None and link.busbw_gbps > 0 and link.alpha_s >= 0
     for op in ("all_gather", "all_to_all"):

@@ -210,7 +210,10 @@ def measure_host(model: nn.Module, reps: int = 3) -> HostCosts:
     collective is waited for untimed first (HSDP: the all-reduce too), so the timed waits hold
     only the host work (decode, copy-out; sum, decode, scale), except where shared memory
     carries it: its wait is the pull (the peers' copies, the sum) on this thread, host work
-    timed into the wait ([Note: shared-memory collectives] in overlap/step_model/cost.py). The
+    timed into the wait ([Note: shared-memory collectives] in overlap/step_model/cost.py), after
+    a barrier: every peer has posted, so it times the copies, not a wait for the slowest peer's
+    post (ranks sharing cores are descheduled at times; in training a prefetched gather's peers
+    posted long before its wait, and which rank is late is the compute profile's). The
     forward gather encodes the shard (with a codec), the backward re-gather resends those bytes:
     both are timed. A first, untimed repetition warms the buffers."""
     state: Any = model._overlap_state  # OverlapState; its runtime's verbs are driven by hand
@@ -237,6 +240,7 @@ def measure_host(model: nn.Module, reps: int = 3) -> HostCosts:
         for key, for_backward in (("gather issue", False), ("regather issue", True)):
             dist.barrier()
             timed(key, rt.gather, unit, for_backward)
+            dist.barrier()  # every peer posted (see doc)
             pulled = settle(rt.gather_in_flight(unit).comm.work)
             timed("gather wait", rt.wait_gather, unit)
             samples["gather wait"][-1] += pulled
@@ -247,11 +251,13 @@ def measure_host(model: nn.Module, reps: int = 3) -> HostCosts:
         dist.barrier()
         timed("reduce issue", rt.reduce, rep, (unit,))
         pending = rt._pending[rep]
+        dist.barrier()
         summed = settle(pending.result.work)
         t0 = time.perf_counter()
         rt.release_reduce(rep)  # the sum; HSDP: the all-reduce issued
         summed += time.perf_counter() - t0
         if pending.all_reduce is not None:
+            dist.barrier()
             summed += settle(pending.all_reduce.work)
         timed("reduce wait", rt.wait_reduce, rep, (unit,))
         samples["reduce wait"][-1] += summed
