@@ -18,7 +18,10 @@ same order; each one is separate from the training steps it will predict:
    optimizer   AdamW's step on a wrapped W1's shards, timed alone
    host        the training thread's work around one unit's collectives, timed on the runtime's
                own verbs driven by hand (`measure_host`): gather issue (encode), copy-out
-               (decode), reduction packing (encode), summing (decode) and scaling
+               (decode), reduction packing (encode), summing (decode) and scaling; through
+               shared memory (ranks of one host) the exchange itself, the post at issue and the
+               pull in the wait: the calibration then prices those collectives as host work
+               (`Calibration.shared_memory`), the links below for the codecs' gloo exchanges
    wrapper     what the wrapper's own verbs add per unit to forward and backward, with nothing
                gathered or reduced (`measure_hooks`, [Note: hook cost] in hooks.py)
    contention  one layer's forward+backward alone and beside a loop of one-layer all-gathers:
