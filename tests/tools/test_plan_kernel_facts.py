@@ -163,17 +163,19 @@ def test_torch_ring_attention_carries_repeated_kv_heads_and_fp32_gradients_acros
     assert ring_attention.exposed_s(replace(torch_ring, ac="none"), share, one_block) < torch_s  # no recomputed ring
 
 
-def test_fsdp1_casts_and_predivides_each_unsharded_gradient_before_its_reduce_scatter() -> None:
-    # torch/distributed/fsdp/_runtime_utils.py (v2.1.0): the bf16 gradient cast to the reduce
-    # dtype where it differs, then divided in place by the pre-divide factor
+def test_fsdp1_concatenates_casts_and_predivides_each_unsharded_gradient_before_its_reduce_scatter() -> None:
+    # torch/distributed/fsdp/flat_param.py (v2.1.0): the modules compute with split views of the
+    # flat parameter, whose backward concatenates their gradients into the flat one;
+    # _runtime_utils.py: the bf16 gradient cast to the reduce dtype where it differs, then divided
+    # in place by the pre-divide factor
     mpt = ModelShape(num_layers=24, hidden=2048, ffn_hidden=8192, num_heads=16, num_kv_heads=16, vocab_size=50368,
                      mlp="gelu", tied_embeddings=True)  # fmt: skip
     spec = RunSpec(model=mpt, gpu="h100-sxm", node="dgx-h100", num_gpus=8, seq_len=2048, global_batch=112,
                    micro_batch=14, stack="llm-foundry", param_bytes=2, reduce_bytes=2)  # fmt: skip
     numel = sum(_layer_numel(spec, 0))
     hbm = ACCELERATORS["h100-sxm"].hbm_tbps * 1e12 * 0.85
-    assert _weight_pass_s(spec, 0) == pytest.approx((0.0, numel * 2 * 2 / hbm))
-    assert _weight_pass_s(replace(spec, reduce_bytes=4), 0)[1] == pytest.approx(numel * (2 + 4 + 2 * 4) / hbm)
+    assert _weight_pass_s(spec, 0) == pytest.approx((0.0, numel * (2 * 2 + 2 * 2) / hbm))
+    assert _weight_pass_s(replace(spec, reduce_bytes=4), 0)[1] == pytest.approx(numel * (2 * 2 + 2 + 4 + 2 * 4) / hbm)
     assert _weight_pass_s(replace(spec, num_gpus=1, global_batch=14), 0) == (0.0, 0.0)
 
 

@@ -49,9 +49,25 @@ reduction, cast down again (6); FSDP2 copies every all-gather's output into the 
 and write the gathered bytes) and every gradient into its reduce-scatter input, cast to the
 reduce dtype (`foreach_reduce_scatter_copy_in`, https://github.com/pytorch/pytorch/blob/main/
 torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py; on the reduce-scatter stream, but on
-the same HBM); FSDP1 casts each unsharded gradient to the reduce dtype and pre-divides it in
-place before its reduce-scatter (`KernelStack.flat_param_reduce`). Per micro-batch, at HBM
-bandwidth. Large micro-batches hide it; small ones do not.
+the same HBM); FSDP1 gathers into a flat parameter whose views the modules use, so autograd
+concatenates the parameters' gradients into the flat gradient (read and write the gradient's
+bytes), then casts it to the reduce dtype and pre-divides it in place before its reduce-scatter
+(`KernelStack.flat_param_reduce`). Per micro-batch, at HBM bandwidth. Large micro-batches hide
+it; small ones do not.
+[Note: FSDP1's schedule]
+FSDP1 (torch/distributed/fsdp at v2.1.0, the llm-foundry sweep's pin) issues its collectives on
+one NCCL stream in the order overlap's Schedule does at prefetch depth 1: the next unit's
+all-gather before the current unit's reduce-scatter, under BACKWARD_PRE (issued in the
+pre-backward hook) and BACKWARD_POST alike (`_post_backward_reshard` prefetches before
+`_reduce_grad`,
+https://github.com/pytorch/pytorch/blob/v2.1.0/torch/distributed/fsdp/_runtime_utils.py). The
+all-gather waits on no compute (the unshard stream waits on the pre-unshard cast only), and
+`limit_all_gathers` holds the CPU, not the GPU: it synchronizes on the free of the unit two
+frees back, leaving one unit computing and one gathering, which depth 1 never exceeds. Without
+`forward_prefetch` the CPU running ahead issues the next forward all-gather while the current
+unit computes. So the replay is FSDP1's schedule; what differs is that FSDP1 reshards every unit
+but the root after forward (the Schedule keeps the last unit; one more all-gather a micro-batch
+in FSDP1, 0.1 points on the llm-foundry rows) and its weight passes above.
 
 Every collective's ring runs on the link `ring_link` gives its group ([Note: rails] in
 hardware.py). The optimizer streams the bytes per parameter it owns that the stack's optimizer
@@ -189,8 +205,14 @@ def _weight_pass_s(spec: RunSpec, index: int) -> tuple[float, float]:
         # reduce dtype (_chunk_cat: read 2, write reduce_bytes)
         backward += 2 + spec.reduce_bytes if spec.dp_mode in ("zero3", "zero2") else 0
     if kernels.flat_param_reduce and spec.dp_mode in ("zero3", "zero2") and spec.dp * spec.cp > 1:
-        # FSDP1 casts the bf16 gradient to the reduce dtype (read 2, write reduce_bytes) where
-        # they differ, then pre-divides it in place (read and write reduce_bytes)
+        # FSDP1's modules compute with views of the unsharded flat parameter (torch.split, then
+        # view: FlatParamHandle._get_unflat_views_aligned, https://github.com/pytorch/pytorch/blob/
+        # v2.1.0/torch/distributed/fsdp/flat_param.py), so autograd builds the flat gradient by
+        # split_with_sizes' backward, a cat of the parameters' gradients (tools/autograd/
+        # derivatives.yaml; read and write the gradient's bytes); then FSDP1 casts the bf16
+        # gradient to the reduce dtype (read 2, write reduce_bytes) where they differ, and
+        # pre-divides it in place (read and write reduce_bytes)
+        backward += 2 * spec.param_bytes
         backward += (2 + spec.reduce_bytes if spec.reduce_bytes != 2 else 0) + 2 * spec.reduce_bytes
     rate = gpu.hbm_tbps * 1e12 * HBM_SHARE
     return numel * forward / rate, numel * backward / rate
