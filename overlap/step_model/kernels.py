@@ -112,8 +112,10 @@ class KernelStack:
     the unsharded gradient to the reduce dtype where that differs from the compute dtype and
     divides it in place by the pre-divide factor (`_post_backward_hook` and `_reduce_grad`,
     https://github.com/pytorch/pytorch/blob/v2.1.0/torch/distributed/fsdp/_runtime_utils.py):
-    passes over every gathered parameter's gradient, each micro-batch. FSDP2 averages inside the
-    reduce-scatter instead."""
+    passes over every gathered parameter's gradient, each micro-batch; before them autograd
+    concatenates the parameters' gradients into the flat gradient (the backward of the split
+    views its modules compute with: [Note: FSDP1's schedule] in overlap/tools/plan/run_step.py).
+    FSDP2 averages inside the reduce-scatter instead."""
     tp_overlap_backward: bool = False
     """Overlapped tensor parallelism hides the backward's collectives too (Transformer Engine's
     userbuffers overlap dgrad and wgrad); PyTorch's async TP fuses the forward's all-gather +
