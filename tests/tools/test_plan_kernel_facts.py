@@ -12,7 +12,6 @@ import pytest
 from overlap.step_model.fp8 import CURRENT_AMAX_BYTES, MXFP8_EXTRA_BYTES, ROWWISE_KERNEL_SHARE, te_quantize_seconds
 from overlap.step_model.hardware import ACCELERATORS, GEMM_SHAPE_MIX, HBM_SHARE
 from overlap.step_model.kernels import (
-    FOREACH_ADAMW_CLIP_BYTES,
     STACKS,
     BlockShape,
     block_seconds,
@@ -22,6 +21,7 @@ from overlap.step_model.kernels import (
     narrow_head_factor,
 )
 from overlap.step_model.moe import MoeShape, expert_gemm_seconds, expert_rows, moe_seconds
+from overlap.step_model.stacks import FOREACH_ADAMW_CLIP_BYTES
 from overlap.tools.plan import ring_attention
 from overlap.tools.plan.run_spec import ModelShape, RunSpec
 from overlap.tools.plan.run_step import _layer_numel, _tp_exposed, _weight_pass_s, predict_run

@@ -35,9 +35,9 @@ from overlap.step_model.calibration import Calibration, codec_path, default_cali
 from overlap.step_model.cost import LINKS, Link, Topology, UnitCost
 from overlap.step_model.hardware import accelerator
 from overlap.step_model.kernels import block_seconds, head_seconds
-from overlap.step_model.kernels import stack as kernel_stack
 from overlap.step_model.moe import moe_seconds
 from overlap.step_model.simulate import Prediction
+from overlap.step_model.stacks import stack as kernel_stack
 from overlap.tools.plan.layout import ParallelBreakdown, ParallelDims
 from overlap.tools.plan.models import GpuSpec, ModelProfile
 
@@ -90,7 +90,7 @@ class Cluster:
     apply. None: NCCL on the link presets, no contention, no host work ([Note: one model] in
     overlap/step_model/calibration.py)."""
     kernels: str | None = None
-    """A kernel stack of `overlap.step_model.kernels.STACKS`: each block of a preset model is
+    """A kernel stack of `overlap.step_model.stacks.STACKS`: each block of a preset model is
     priced by the kernel model (GEMMs, attention, element-wise bytes on this GPU) instead of
     FLOPs at `achieved_tflops`. None, or a module-path model: FLOPs at `achieved_tflops`."""
     dims: ParallelDims = ParallelDims()

@@ -74,7 +74,7 @@ class PlanConfig:
     async_tp: bool = False
     """Tensor-parallel collectives hidden behind the matmuls (default: exposed)."""
     stack: str = "torch-eager"
-    """The kernels a preset model's blocks run on (`overlap.step_model.kernels.STACKS`): the
+    """The kernels a preset model's blocks run on (`overlap.step_model.stacks.STACKS`): the
     kernel model prices each block on the GPU from them, unless `mfu` or `tflops` gives a rate."""
 
     def __post_init__(self) -> None:

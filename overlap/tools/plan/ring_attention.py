@@ -50,7 +50,7 @@ is fused into its attention kernels. Its residual cost is what `exposed_s` retur
 from __future__ import annotations
 
 from overlap.step_model.hardware import HBM_SHARE, accelerator, node_spec, ring_link
-from overlap.step_model.kernels import ATTENTION_BACKWARD, stack
+from overlap.step_model.stacks import ATTENTION_BACKWARD, stack
 from overlap.tools.plan.run_spec import RankShare, RunSpec
 
 TORCH_MERGE_BYTES = 2 + 4 + 12 + 8 + 12

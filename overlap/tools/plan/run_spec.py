@@ -176,7 +176,7 @@ class RunSpec:
     """Activation checkpointing: none, selective (torchtitan op-level), full, or attention
     (Megatron's selective: core attention only)."""
     stack: str = "torch-eager"
-    """A preset of `overlap.step_model.kernels.STACKS`: the kernels' rates and fusion."""
+    """A preset of `overlap.step_model.stacks.STACKS`: the kernels' rates and fusion."""
     async_tp: bool = False
     """Tensor-parallel collectives overlapped with the GEMMs (async TP, --tp-comm-overlap)."""
     ep: int = 1

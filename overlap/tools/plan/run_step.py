@@ -92,17 +92,11 @@ from overlap.step_model.hardware import (
     node_spec,
     ring_link,
 )
-from overlap.step_model.kernels import (
-    ACT_BYTES,
-    block_seconds,
-    gemm_backward_seconds,
-    gemm_seconds,
-    head_seconds,
-    stack,
-)
+from overlap.step_model.kernels import ACT_BYTES, block_seconds, gemm_backward_seconds, gemm_seconds, head_seconds
 from overlap.step_model.moe import all_to_all_s, host_cpu, moe_host_split, moe_seconds, synced_forward_s
 from overlap.step_model.moe_flex import flex_call_s
 from overlap.step_model.moe_skew import routing_skew
+from overlap.step_model.stacks import stack
 from overlap.tools.plan import ring_attention
 from overlap.tools.plan.fsdp import OPTIMIZER_BYTES_PER_PARAM
 from overlap.tools.plan.run_spec import RankShare, RunSpec

@@ -1,0 +1,187 @@
+"""The kernel stacks a published run can use (`KernelStack`, `STACKS`): each one's attention
+kernel and its rate by GPU generation, and how many passes its fused or eager element-wise kernels
+make. kernels.py prices a block's compute with them ([Note: attention at narrow heads] and
+[Note: unfused rotary embedding] there)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from overlap.step_model.fp8 import TORCHAO_TENSORWISE_CASTS, Fp8Casts
+
+ATTENTION_SEQ_HALF = 512
+"""Context length at which a flash kernel reaches half its long-sequence rate (FlashAttention-2
+paper, Figures 4-7: throughput rises from 512 to 8K and flattens after)."""
+ATTENTION_BACKWARD = 2.5
+"""Flash attention backward / forward FLOPs (the benchmark convention of flash-attn)."""
+CUDNN_HD64_SHARE = 413.0 / 595.0
+"""cuDNN's BF16 attention rate at head dim 64 over head dim 128 ([Note: attention at narrow heads])."""
+FA2_HD64_SHARE = 324.0 / 370.0
+"""FlashAttention-2's, on the same figure."""
+UNFUSED_ROPE_PASSES = 12
+"""Passes over q and k of Megatron-Core's unfused rotary embedding ([Note: unfused rotary embedding])."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class KernelStack:
+    """The software a published run used, as its kernels' rates and fusion."""
+
+    name: str
+    attention_share: dict[str, float]
+    """Flash attention forward+backward share of the bf16 peak at long sequences, head dim 128,
+    causal, by GPU generation."""
+    norm_passes: float
+    """Activation-sized HBM passes (reads + writes, in units of h elements) of one norm."""
+    rope_passes: float
+    """Passes over q and k for the rotary embedding (0 for ALiBi/learned positions)."""
+    act_passes: float
+    """Passes over the MLP's hidden activations (in units of the FFN width) of the activation."""
+    residual_passes: float
+    """Passes over h of the two residual adds and the layout copies around attention."""
+    score_passes: float = 0.0
+    """Attention that materializes its scores (no flash kernel): HBM passes over the score
+    matrix (heads x context per token, 2 bytes) of the softmax, mask and dropout, forward and
+    backward together; its two batched GEMMs run unmasked (full, not causal, FLOPs) at the
+    GEMM rate of a head_dim-wide K. 0: a flash kernel at `attention_share`."""
+    gather_copy_out: bool = False
+    """The data-parallel wrapper copies each all-gather's output into the parameters on the
+    compute stream (FSDP2's copy-out: one read and one write of the gathered bytes); FSDP1's flat
+    parameters and Megatron's buffers gather in place."""
+    flat_param_reduce: bool = False
+    """The data-parallel wrapper is FSDP1 (FlatParameter): before each reduce-scatter it casts
+    the unsharded gradient to the reduce dtype where that differs from the compute dtype and
+    divides it in place by the pre-divide factor (`_post_backward_hook` and `_reduce_grad`,
+    https://github.com/pytorch/pytorch/blob/v2.1.0/torch/distributed/fsdp/_runtime_utils.py):
+    passes over every gathered parameter's gradient, each micro-batch; before them autograd
+    concatenates the parameters' gradients into the flat gradient (the backward of the split
+    views its modules compute with: [Note: FSDP1's schedule] in overlap/tools/plan/run_step.py).
+    FSDP2 averages inside the reduce-scatter instead."""
+    tp_overlap_backward: bool = False
+    """Overlapped tensor parallelism hides the backward's collectives too (Transformer Engine's
+    userbuffers overlap dgrad and wgrad); PyTorch's async TP fuses the forward's all-gather +
+    matmul and matmul + reduce-scatter only (its announcement measured ~29% on the forward and
+    ~8% end to end on Llama 3 8B/70B)."""
+    fp8_casts: Fp8Casts | None = None
+    """The casts its tensorwise fp8 linears run ([Note: float8 recipes]); None: the input's,
+    `INPUT_CAST_BYTES`, once forward and twice backward."""
+    optimizer_bytes_per_param: float | None = None
+    """HBM bytes per owned parameter of the optimizer step and gradient clipping; None: a fused
+    AdamW step (overlap/tools/plan/fsdp.py's OPTIMIZER_BYTES_PER_PARAM)."""
+    narrow_head_share: float = 1.0
+    """The attention kernel's rate at head dim 64 over its rate at head dim 128 ([Note: attention
+    at narrow heads]); 1: no measurement at other head dims, taken as equal."""
+    unfused_rope_passes: float | None = None
+    """`rope_passes` where the stack's fused rotary kernel does not apply to the model's position
+    embedding ([Note: unfused rotary embedding]); None: the fused passes for every embedding."""
+    fused_linears: bool = False
+    """q, k and v run as one linear and a gated MLP's gate and up projections as one (Megatron-Core's
+    linear_qkv and linear_fc1): each fused linear quantizes its input once ([Note: Transformer
+    Engine's casts]); False: one linear per weight."""
+    float8_tp_all_gather: bool = False
+    """Tensor parallelism under tensorwise float8 gathers in fp8: torchtitan applies torchao's
+    PrepareFloat8ModuleInput / Float8ColwiseParallel / Float8RowwiseParallel, which cast a block
+    input before its all-gather and the output gradient before the backward's all-gather
+    (https://github.com/pytorch/ao/blob/main/torchao/float8/float8_tensor_parallel.py: "the
+    float8 cast happens before the all-gather";
+    torchtitan's llama parallelize applies them only for the tensorwise recipe); the
+    reduce-scatters stay bf16."""
+    torch_ring: bool = False
+    """Context parallelism runs PyTorch's ring attention as torchtitan calls it (K/V heads
+    repeated, fp32 merges and gradient ring: [Note: ring attention] in
+    overlap/tools/plan/ring_attention.py); False: Transformer Engine's."""
+    source: str = ""
+
+
+# Attention shares: FlashAttention-2 (Dao 2023, arXiv:2307.08691) reaches 50-73% of the A100
+# peak forward and ~225 TFLOPs/s (72%) forward+backward; on H100 it runs Ampere-style MMAs and
+# reaches ~335 TFLOPs/s (34%). FlashAttention-3 (Shah et al. 2024, arXiv:2407.08608) reaches 75%
+# of H100 forward and 1.5-1.75x FA2's backward: ~50% forward+backward, taken for cuDNN's fused
+# attention (Transformer Engine) as well. The causal kernels are given the same shares (an
+# assumption: the papers' causal curves sit close to the non-causal ones at long sequences).
+_FA2 = {"ampere": 0.60, "hopper": 0.34, "blackwell": 0.34}
+_FA3 = {"ampere": 0.60, "hopper": 0.50, "blackwell": 0.50}
+# cuDNN's fused attention on Blackwell, measured by NVIDIA's cudnn-frontend SDPA training benchmark
+# on a GB200 with cuDNN 9.18.1 (benchmark/sdpa_benchmark_training/results/gb200_918_only_cudnn/
+# llama3.1_20260126_110503.csv, https://github.com/NVIDIA/cudnn-frontend/blob/
+# 9072c4e78eaba9e5af685c4d5de69d18d94a1a29/benchmark/sdpa_benchmark_training/results/gb200_918_only_cudnn/
+# llama3.1_20260126_110503.csv): causal, BF16, 64 query / 8 key-value heads of 128, sequence 4096:
+# forward 1,297 and backward 1,105 TFLOPS (backward counted as 2.5 forwards, our convention), so
+# forward+backward 3.5 / (1 / 1297 + 2.5 / 1105) = 1,154 TFLOPS, 0.462 of the 2,500 TFLOPS peak;
+# through the model's sequence factor 4096 / (4096 + ATTENTION_SEQ_HALF) that is a long-sequence
+# share of 0.52 (the 8192 point, 1,563 / 1,279, gives 0.57: the model's curve is FlashAttention-2's
+# and rises more slowly than cuDNN's on Blackwell, so 8192-token runs are priced a little slow).
+# 4096 is the sequence of most published Blackwell runs this stack prices (16 of 24); DeepSeek-V3's
+# 192/128 MLA heads measure the same there (dsv3_20260126_110621.csv: 1,324 / 1,083, 0.51). Taken for every Blackwell card as a share of its own peak.
+CUDNN_BLACKWELL_SHARE = round(3.5 / (1 / 1297 + 2.5 / 1105) / 2500 / (4096 / (4096 + ATTENTION_SEQ_HALF)), 3)
+_CUDNN = {**_FA3, "blackwell": CUDNN_BLACKWELL_SHARE}
+# torchtitan builds AdamW with foreach=True (fused=False, its default: torchtitan/optimizer.py,
+# https://github.com/pytorch/torchtitan/blob/9dec370ad26b5f8e9a7333a0e36165018262644b/torchtitan/optimizer.py)
+# and clips with clip_grad_norm_(foreach=True): torch's _multi_tensor_adam runs weight decay (read and write 4
+# bytes), lerp of exp_avg (12), mul and addcmul of exp_avg_sq (8 + 12), sqrt, div and add eps into
+# a temporary (8 + 8 + 8) and addcdiv into the parameter (16): 80 bytes per parameter; the
+# clipping's _foreach_norm reads the gradient (4) and _foreach_mul_ rescales it (8).
+FOREACH_ADAMW_CLIP_BYTES = 80 + 12
+# FlashAttention in Triton (the kernel MPT's attn_impl "triton" runs): FlashAttention-2 is "around
+# 1.3-1.5x faster than FlashAttention in Triton in the forward pass and around 2x faster in the
+# backward pass" (FA2 paper, Section 4.1). With the backward 2.5 forwards of work, forward and
+# backward together take (1.4 + 2.5 x 2) / (1 + 2.5) = 1.83 times FA2's time.
+TRITON_FA_SLOWDOWN = (1.4 + ATTENTION_BACKWARD * 2.0) / (1 + ATTENTION_BACKWARD)
+_FA_TRITON = {generation: share / TRITON_FA_SLOWDOWN for generation, share in _FA2.items()}
+# fmt: off
+STACKS: dict[str, KernelStack] = {
+    # eager PyTorch: RMSNorm as ~6 kernels (cast, pow, mean, rsqrt, mul, mul) each reading and
+    # writing h: 12 passes; rotary via complex views: 8 passes over q and k; SwiGLU's silu and
+    # mul: 5 passes over f; residual adds (3 passes each) and the q/k/v/output transposes: 10.
+    "torch-eager": KernelStack(name="PyTorch eager, SDPA flash (FA2)", attention_share=_FA2, norm_passes=12,
+                               rope_passes=8, act_passes=5, residual_passes=10, gather_copy_out=True, torch_ring=True,
+                               narrow_head_share=FA2_HD64_SHARE,
+                               fp8_casts=TORCHAO_TENSORWISE_CASTS, float8_tp_all_gather=True,
+                               optimizer_bytes_per_param=FOREACH_ADAMW_CLIP_BYTES,
+                               source="torchtitan's Llama modules run eagerly; SDPA's flash backend is FA2"),
+    # torch.compile: Inductor fuses each norm, the rotary embedding and the activation into one
+    # read and one write, residual adds into their neighbours.
+    "torch-compile": KernelStack(name="PyTorch + torch.compile, SDPA flash (FA2)", attention_share=_FA2,
+                                 norm_passes=2, rope_passes=2, act_passes=3, residual_passes=4, gather_copy_out=True,
+                                 torch_ring=True, narrow_head_share=FA2_HD64_SHARE, fp8_casts=TORCHAO_TENSORWISE_CASTS, float8_tp_all_gather=True,
+                                 optimizer_bytes_per_param=FOREACH_ADAMW_CLIP_BYTES,
+                                 source="torch.compile (Inductor) fusion of point-wise chains"),
+    # Megatron-Core / NeMo with Transformer Engine: fused LayerNorm+GEMM, fused rotary, fused bias
+    # + activation, cuDNN / FA3-class attention.
+    "megatron-te": KernelStack(name="Megatron-Core + Transformer Engine", attention_share=_CUDNN, norm_passes=2,
+                               rope_passes=2, act_passes=3, residual_passes=4, tp_overlap_backward=True,
+                               narrow_head_share=CUDNN_HD64_SHARE, unfused_rope_passes=UNFUSED_ROPE_PASSES,
+                               fused_linears=True,
+                               source="Transformer Engine fused kernels; cuDNN fused attention"),
+    # Megatron-LM 2021 (A100): fused bias-GeLU and fused LayerNorm kernels, softmax fused,
+    # attention not flash (scores materialized): modelled as FA2-rate attention on Ampere.
+    # attention as Megatron-LM computed it in 2021: QK^T and AV as batched GEMMs over the whole
+    # s x s score matrix, its fused scale-mask-softmax (read + write) and dropout (read, write and
+    # a byte mask) forward, the same three backward: ~10 passes of 2 bytes.
+    "megatron-2021": KernelStack(name="Megatron-LM 2021 fused kernels", attention_share=_FA2, norm_passes=2,
+                                 rope_passes=0, act_passes=3, residual_passes=6, score_passes=10,
+                                 source="Megatron-LM fused layer norm, bias-GeLU and scaled-masked-softmax kernels"),
+    # llm-foundry MPT as its benchmark tables ran: scripts/train/benchmarking/submit_benchmarks.py
+    # sets attn_impl "triton" (its default in every version that produced the tables, on the
+    # torch 1.13.1 image): FlashAttention in Triton; torch layer_norm (one kernel: 2 passes),
+    # torch GELU (one kernel), ALiBi (no rotary), eager residual adds and transposes.
+    "llm-foundry": KernelStack(name="llm-foundry MPT (eager, Triton flash attention)", attention_share=_FA_TRITON,
+                               norm_passes=2, rope_passes=0, act_passes=2, residual_passes=10, flat_param_reduce=True,
+                               source="llm-foundry MPT blocks: low-precision LayerNorm, FlashAttention in Triton, GELU"),
+    # llm-foundry's large-scale H100 sweep (scripts/train/benchmarking/sweep.py, added with the
+    # "H100 80GB BF16 (Large Scale)" table, https://github.com/mosaicml/llm-foundry/blob/
+    # 5e85bd62d4ec9e13353ca95877477602ab538e5b/scripts/train/benchmarking/sweep.py) runs the 1b, 3b,
+    # 7b and 70b models with `--attn_impl flash` and installs flash-attn 2.4.2 (`.[gpu-flash2]`),
+    # whose kernel takes ALiBi slopes: FlashAttention-2, the rest of the block as above.
+    "llm-foundry-flash2": KernelStack(name="llm-foundry MPT (eager, FlashAttention-2)", attention_share=_FA2,
+                                      norm_passes=2, rope_passes=0, act_passes=2, residual_passes=10,
+                                      narrow_head_share=FA2_HD64_SHARE, flat_param_reduce=True,
+                                      source="llm-foundry MPT blocks with attn_impl flash (flash-attn 2.4.2)"),
+}
+# fmt: on
+
+
+def stack(name: str) -> KernelStack:
+    try:
+        return STACKS[name]
+    except KeyError:
+        raise ValueError(f"unknown kernel stack {name!r}; use one of {sorted(STACKS)}") from None
