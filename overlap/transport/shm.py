@@ -114,9 +114,13 @@ def usable_here(device: torch.device, setting: str, world_size: int) -> bool:
     """What this process alone can tell of `usable`: the setting, the device, the size, and
     /dev/shm with the compiled flag protocol (csrc/shm.cpp) here. Whether every rank shares the
     host is the collective part."""
-    if setting == "off" or device.type != "cpu" or not 1 < world_size <= MAX_RANKS:
+    if _ruled_out(device, setting, world_size):
         return False
     return os.path.isdir("/dev/shm") and cpu.load_extension() is not None
+
+
+def _ruled_out(device: torch.device, setting: str, world_size: int) -> bool:
+    return setting == "off" or device.type != "cpu" or not 1 < world_size <= MAX_RANKS
 
 
 def usable(group: dist.ProcessGroup, device: torch.device, setting: str) -> bool:
@@ -124,7 +128,7 @@ def usable(group: dist.ProcessGroup, device: torch.device, setting: str) -> bool
     on this host ([Note: shared-memory exchange]) with the compiled flag protocol (csrc/shm.cpp).
     Collective over `group` unless the setting, the device or the size rules it out."""
     world_size = dist.get_world_size(group)
-    if setting == "off" or device.type != "cpu" or not 1 < world_size <= MAX_RANKS:
+    if _ruled_out(device, setting, world_size):  # every rank alike: no collective
         return False
     mine = host_identity() if usable_here(device, setting, world_size) else ""
     identities: list[Any] = [None] * world_size

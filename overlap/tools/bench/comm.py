@@ -398,7 +398,7 @@ def measure(
         case.inp.zero_()
         sums = [_shm_calls_us(via, iters, warmup), wrong, _copy_floor_us(segments, size, iters, warmup)]
     # once per case, after its timed loop (outside any clock; never in a training step): the ranks'
-    # times summed and read back to the host (.item(): a device sync on GPU ranks, here harmless)
+    # times summed and read back to the host once per case (.item(): a device sync, outside the loop)
     totals = torch.tensor(sums, dtype=torch.float64, device=device)
     dist.all_reduce(totals)
     time_us = totals[0].item() / n
