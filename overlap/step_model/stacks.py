@@ -121,6 +121,14 @@ _CUDNN = {**_FA3, "blackwell": CUDNN_BLACKWELL_SHARE}
 # a temporary (8 + 8 + 8) and addcdiv into the parameter (16): 80 bytes per parameter; the
 # clipping's _foreach_norm reads the gradient (4) and _foreach_mul_ rescales it (8).
 FOREACH_ADAMW_CLIP_BYTES = 80 + 12
+# llm-foundry's MPT configs train with Composer's DecoupledAdamW (weight_decay 0.0) and clip the
+# gradient norm (Composer's gradient_clipping algorithm: FSDP1's clip_grad_norm_). DecoupledAdamW.adamw
+# (https://github.com/mosaicml/composer/blob/02c872e43c708781bba06355a4e673557f3d5056/composer/optim/
+# decoupled_weight_decay.py) runs per parameter: exp_avg's mul_ (8 bytes) and add_ (12), exp_avg_sq's
+# mul_ (8) and addcmul_ of the gradient twice (16), sqrt, the division and add_(eps) into the
+# denominator (8 + 8 + 8) and addcdiv_ into the parameter (16): 84 bytes; the clipping's norm reads
+# the gradient (4) and its mul_ rescales it (8), unconditionally.
+DECOUPLED_ADAMW_CLIP_BYTES = 84 + 12
 # FlashAttention in Triton (the kernel MPT's attn_impl "triton" runs): FlashAttention-2 is "around
 # 1.3-1.5x faster than FlashAttention in Triton in the forward pass and around 2x faster in the
 # backward pass" (FA2 paper, Section 4.1). With the backward 2.5 forwards of work, forward and
@@ -166,6 +174,7 @@ STACKS: dict[str, KernelStack] = {
     # torch GELU (one kernel), ALiBi (no rotary), eager residual adds and transposes.
     "llm-foundry": KernelStack(name="llm-foundry MPT (eager, Triton flash attention)", attention_share=_FA_TRITON,
                                norm_passes=2, rope_passes=0, act_passes=2, residual_passes=10, flat_param_reduce=True,
+                               optimizer_bytes_per_param=DECOUPLED_ADAMW_CLIP_BYTES,
                                source="llm-foundry MPT blocks: low-precision LayerNorm, FlashAttention in Triton, GELU"),
     # llm-foundry's large-scale H100 sweep (scripts/train/benchmarking/sweep.py, added with the
     # "H100 80GB BF16 (Large Scale)" table, https://github.com/mosaicml/llm-foundry/blob/
@@ -175,6 +184,7 @@ STACKS: dict[str, KernelStack] = {
     "llm-foundry-flash2": KernelStack(name="llm-foundry MPT (eager, FlashAttention-2)", attention_share=_FA2,
                                       norm_passes=2, rope_passes=0, act_passes=2, residual_passes=10,
                                       narrow_head_share=FA2_HD64_SHARE, flat_param_reduce=True,
+                                      optimizer_bytes_per_param=DECOUPLED_ADAMW_CLIP_BYTES,
                                       source="llm-foundry MPT blocks with attn_impl flash (flash-attn 2.4.2)"),
 }
 # fmt: on

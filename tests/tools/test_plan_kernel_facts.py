@@ -21,7 +21,7 @@ from overlap.step_model.kernels import (
     narrow_head_factor,
 )
 from overlap.step_model.moe import MoeShape, expert_gemm_seconds, expert_rows, moe_seconds
-from overlap.step_model.stacks import FOREACH_ADAMW_CLIP_BYTES
+from overlap.step_model.stacks import DECOUPLED_ADAMW_CLIP_BYTES, FOREACH_ADAMW_CLIP_BYTES
 from overlap.tools.plan import ring_attention
 from overlap.tools.plan.run_spec import ModelShape, RunSpec
 from overlap.tools.plan.run_step import _layer_numel, _tp_exposed, _weight_pass_s, predict_run
@@ -105,6 +105,19 @@ def test_fsdp2_copies_gradients_into_the_reduce_scatter_and_torchtitan_steps_for
     fused = replace(spec, stack="megatron-te", dp_mode="zero1")
     owned = predict_run(replace(spec, dp_mode="zero1")).optimizer_s
     assert owned == pytest.approx(predict_run(fused).optimizer_s * FOREACH_ADAMW_CLIP_BYTES / 28)
+
+
+def test_llm_foundry_steps_composers_decoupled_adamw_and_fsdp1_clipping() -> None:
+    # Composer's DecoupledAdamW loops over parameters with eight eager kernels each (84 bytes per
+    # parameter) and FSDP1's clip_grad_norm_ reads and rescales every gradient (12): more traffic
+    # per owned parameter than a fused AdamW's 28, and than torchtitan's foreach step
+    mpt_13b = ModelShape(num_layers=40, hidden=5120, ffn_hidden=20480, num_heads=40, num_kv_heads=40, vocab_size=50368)
+    for name in ("llm-foundry", "llm-foundry-flash2"):
+        spec = RunSpec(model=mpt_13b, gpu="h100-sxm", node="dgx-h100", num_gpus=8, seq_len=2048, global_batch=16,
+                       micro_batch=2, stack=name)  # fmt: skip
+        fused = predict_run(replace(spec, stack="megatron-te")).optimizer_s
+        assert predict_run(spec).optimizer_s == pytest.approx(fused * DECOUPLED_ADAMW_CLIP_BYTES / 28)
+    assert DECOUPLED_ADAMW_CLIP_BYTES > FOREACH_ADAMW_CLIP_BYTES
 
 
 def test_rowwise_fp8_pays_its_slower_kernel_second_casts_and_rescale() -> None:
