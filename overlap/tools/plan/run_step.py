@@ -84,27 +84,24 @@ from overlap.config import OverlapConfig
 from overlap.step_model.calibration import default_calibration
 from overlap.step_model.cost import Link, Topology, UnitCost, ring_time_s
 from overlap.step_model.fitting import solve_increasing
-from overlap.step_model.hardware import (
-    HBM_SHARE,
-    NVLINK_SHARE,
-    accelerator,
-    collective_share_lost,
-    node_spec,
-    ring_link,
-)
+from overlap.step_model.hardware import HBM_SHARE, accelerator, collective_share_lost, node_spec
 from overlap.step_model.kernels import ACT_BYTES, block_seconds, gemm_backward_seconds, gemm_seconds, head_seconds
-from overlap.step_model.moe import all_to_all_s, host_cpu, moe_host_split, moe_seconds, synced_forward_s
-from overlap.step_model.moe_flex import flex_call_s
-from overlap.step_model.moe_skew import routing_skew
 from overlap.step_model.stacks import stack
 from overlap.tools.plan import ring_attention
 from overlap.tools.plan.fsdp import OPTIMIZER_BYTES_PER_PARAM
+from overlap.tools.plan.run_experts import (
+    RECOMPUTED_FORWARDS,
+    ep_exposed,
+    ep_overlap_hides,
+    expert_group,
+    expert_wire_share,
+    group_link,
+    moe_layer_s,
+)
 from overlap.tools.plan.run_spec import RankShare, RunSpec
 
 MTP_NORMS = 3
 """Norms of one multi-token-prediction depth: enorm, hnorm and its final_layernorm."""
-RECOMPUTED_FORWARDS = {"none": 0.0, "selective": 0.0, "attention": 0.0, "full": 1.0, "layer2": 0.5}
-"""Forwards of a block's weights that recomputation repeats, per micro-batch."""
 TP_COLLECTIVES = {"none": 8, "selective": 10, "attention": 8, "full": 12, "layer2": 10}
 """Per block and micro-batch: 2 all-gathers + 2 reduce-scatters forward, the same backward, and
 the forward's again when the whole block is recomputed. torchtitan's per-op policy ("selective")
@@ -135,10 +132,6 @@ class RunPrediction:
     def tokens_per_s_per_gpu(self) -> float:
         s = self.spec
         return s.global_batch * s.seq_len / (self.step_s * s.num_gpus)
-
-
-def _group_link(spec: RunSpec, size: int, ranks_per_node: int) -> Link:
-    return ring_link(accelerator(spec.gpu), node_spec(spec.node), size, max(1, min(size, ranks_per_node)))
 
 
 def _head_seconds(spec: RunSpec, share: RankShare, tokens: float) -> tuple[float, float]:
@@ -222,7 +215,7 @@ def _microbatch_compute(spec: RunSpec, share: RankShare) -> tuple[list[tuple[flo
     blocks = []
     moe_layers = sum(m.is_moe_layer(i) for i in spec.rank_layers(share))
     # one direction's share of a MoE layer's exposed all-to-alls (none when overlapped)
-    a2a_layer = 0.0 if _ep_overlap_hides(spec) or not moe_layers else _ep_exposed(spec, share) / moe_layers / 2
+    a2a_layer = 0.0 if ep_overlap_hides(spec) or not moe_layers else ep_exposed(spec, share) / moe_layers / 2
     for index in spec.rank_layers(share):
         moe_layer = m.is_moe_layer(index)
         b = block_seconds(m.block(moe_layer=moe_layer), tokens, spec.seq_len, gpu, kernels, tp=spec.tp, fp8=fp8,
@@ -233,23 +226,7 @@ def _microbatch_compute(spec: RunSpec, share: RankShare) -> tuple[list[tuple[flo
         backward = b.backward_s + b.recompute_s + weights_bwd + ring_bwd
         backward += _recomputed_modules_s(spec, index, tokens, b)
         if moe_layer:
-            e = _moe_seconds(spec, tokens)
-            forward += e.forward_s
-            backward += e.backward_s + RECOMPUTED_FORWARDS[spec.ac] * e.forward_s
-            backward += _module_recompute_moe_s(spec, e)
-            # the GPU waits on the host once per MoE layer ([Note: MoE host work], [Note: the
-            # dispatcher's sync]); the host issues while exposed all-to-alls run too
-            cpu = host_cpu(spec.gpu)
-            host_pre, host_post = moe_host_split(m.moe, spec.ep, fp8, spec.cuda_graph_scope, host=cpu,
-                                                 dispatcher=spec.dispatcher,
-                                                 force_balance=spec.force_load_balancing)  # fmt: skip
-            if spec.capacity_factor is None:
-                post = e.expert_forward_s + e.act_forward_s
-                post += e.shared_forward_s if "moe_router" not in spec.cuda_graph_scope else 0.0
-                forward = synced_forward_s(forward - post, post, host_pre, host_post, a2a_layer, cpu)
-            else:
-                forward = max(forward, host_pre + host_post - a2a_layer)
-            backward = max(backward, 2 * (host_pre + host_post) - a2a_layer)
+            forward, backward = moe_layer_s(spec, tokens, forward, backward, a2a_layer)
         blocks.append((forward, backward))
     return blocks, _head_seconds(spec, share, tokens)
 
@@ -280,79 +257,11 @@ def _recomputed_modules_s(spec: RunSpec, index: int, tokens: float, b) -> float:
     return out
 
 
-def _module_recompute_moe_s(spec: RunSpec, e) -> float:
-    """The MoE parts of [Note: recomputed modules]: the experts' activation (moe_act), the whole
-    layer (moe; its all-to-alls in `_ep_exposed`) or the shared experts (shared_experts)."""
-    modules = spec.recompute_modules
-    if spec.ac == "full":
-        return 0.0
-    if "moe" in modules:
-        return e.forward_s
-    return ("moe_act" in modules) * e.act_forward_s + ("shared_experts" in modules) * e.shared_forward_s
-
-
-def _moe_seconds(spec: RunSpec, tokens: float):
-    """One MoE layer's MLP for the rank's `tokens` (sequence-parallel shard of them with ETP 1)."""
-    assert spec.model.moe is not None
-    routed = tokens / (spec.tp // spec.etp)
-    return moe_seconds(spec.model.moe, spec.model.hidden, routed, accelerator(spec.gpu), ep=spec.ep,
-                       tp=spec.tp, etp=spec.etp, shared_tokens=tokens, fp8=spec.precision == "fp8",
-                       fp8_recipe=spec.fp8_recipe, capacity_factor=spec.capacity_factor,
-                       dispatcher=spec.dispatcher, force_balance=spec.force_load_balancing)  # fmt: skip
-
-
-def _ep_exposed(spec: RunSpec, share: RankShare) -> float:
-    """Exposed seconds of one micro-batch's dispatch and combine all-to-alls ([Note: expert
-    parallelism]): two forward, two backward and two per recomputed forward, per MoE layer."""
-    moe_layers = sum(spec.model.is_moe_layer(i) for i in spec.rank_layers(share))
-    if spec.ep == 1 or not moe_layers:
-        return 0.0
-    gpu, node = accelerator(spec.gpu), node_spec(spec.node)
-    nvlink = Link(f"nvlink ({gpu.name})", node.alpha_intra_s, gpu.nvlink_gbps * NVLINK_SHARE, gpu.source)
-    rail = Link(f"{node.rail_gbit:g}G rail", node.alpha_inter_s, node.rail_gbps(), node.source)
-    # the EP group's ranks are consecutive in the expert layout (ETP innermost)
-    per_domain = node.nvlink_domain // spec.etp
-    tokens = spec.micro_batch * spec.seq_len / spec.cp
-    recomputed = RECOMPUTED_FORWARDS[spec.ac] or float("moe" in spec.recompute_modules)
-    count = moe_layers * (4 + 2 * recomputed)
-    if spec.dispatcher == "flex":  # [Note: flex kernels' achieved bandwidth] in moe_flex.py
-        routed = tokens / (spec.tp // spec.etp)
-        # the busiest rank's copies ([Note: forced-balance skew] in moe_skew.py)
-        routed *= routing_skew(spec.model.moe, spec.ep, routed, force_balance=spec.force_load_balancing,
-                               capacity_factor=spec.capacity_factor)  # fmt: skip
-        dispatch, combine = flex_call_s(routed * spec.model.hidden * ACT_BYTES, spec.model.moe, spec.ep, per_domain,
-                                        backend=spec.flex_backend, gpu=spec.gpu, nvlink_max_gbps=gpu.nvlink_gbps,
-                                        rail_gbit=node.rail_gbit, nvlink=nvlink, rail=rail)  # fmt: skip
-        return count * (dispatch + combine) / 2
-    e = _moe_seconds(spec, tokens)
-    return count * all_to_all_s(e.dispatch_bytes, spec.ep, per_domain, nvlink, rail)
-
-
-def _ep_overlap_hides(spec: RunSpec) -> bool:
-    """[Note: overlap on GB200] Megatron-Core's 1F1B all-to-all overlap hides the dispatch and
-    combine behind the other micro-batch's compute, except where the host issues too slowly for it.
-
-    The overlap splits each layer's forward and backward into stages it schedules against the
-    other micro-batch's, "and there is some synchronization between different stages, which
-    aggravates the CPU overhead, so the overall benefit is negative on the GB200" (Megatron-Core's
-    DeepSeek-V3 GB200 guide, section 3.2,
-    https://github.com/NVIDIA/Megatron-LM/blob/dev/docs/discussions/deepseek-v3-gb200-optimization/deepseek-v3-gb200-optimization.md).
-    On a Grace-hosted card the overlap is priced as hiding nothing: the all-to-alls
-    stay exposed (the measured net loss beyond that is not priced)."""
-    return spec.ep_overlap and host_cpu(spec.gpu) != "grace"
-
-
 def _stage_numel(spec: RunSpec, share: RankShare) -> tuple[float, float, float]:
     """(dense block, routed-expert, root) parameters on a pipeline rank ([Note: a run's step]):
     1/T of the dense ones, the rank's experts."""
     layers = [_layer_numel(spec, i) for i in spec.rank_layers(share)]
     return sum(d for d, _ in layers), sum(e for _, e in layers), _root_numel(spec, share)
-
-
-def _expert_group(spec: RunSpec) -> tuple[int, Link]:
-    """The expert data-parallel group and its link: EDP ranks strided by ETP x EP."""
-    per_node = max(1, node_spec(spec.node).gpus_per_node // (spec.ep * spec.etp))
-    return spec.edp, _group_link(spec, spec.edp, per_node)
 
 
 def _tp_exposed(spec: RunSpec, share: RankShare) -> float:
@@ -363,7 +272,7 @@ def _tp_exposed(spec: RunSpec, share: RankShare) -> float:
     if spec.tp == 1:
         return 0.0
     size = spec.micro_batch * spec.seq_len / spec.cp * spec.model.hidden * 2
-    link = _group_link(spec, spec.tp, spec.tp)
+    link = group_link(spec, spec.tp, spec.tp)
     topo = Topology(spec.tp, spec.tp, link, link)
     layers = len(spec.rank_layers(share))
     count = layers * TP_COLLECTIVES[spec.ac] + 4
@@ -379,7 +288,7 @@ def _dp_group(spec: RunSpec) -> tuple[int, Link]:
     dp_shard_cp mesh) and their link."""
     size = spec.dp * spec.cp // spec.replicas if spec.dp_mode in ("zero3", "zero3-keep") else spec.dp * spec.cp
     per_node = max(1, node_spec(spec.node).gpus_per_node // spec.tp)
-    return size, _group_link(spec, size, per_node)
+    return size, group_link(spec, size, per_node)
 
 
 def _simulated_fsdp(spec: RunSpec, share: RankShare, blocks: list[tuple[float, float]], head: tuple[float, float],
@@ -393,7 +302,7 @@ def _simulated_fsdp(spec: RunSpec, share: RankShare, blocks: list[tuple[float, f
         default_calibration("nccl", size, link), compute_share_lost=collective_share_lost(accelerator(spec.gpu))
     )
     grad_bytes = spec.reduce_bytes if reduce else 0
-    wire = _expert_wire_share(spec, size, link)
+    wire = expert_wire_share(spec, size, link)
     units: list[UnitCost] = [cal.unit("root", int(root_numel * spec.param_bytes), int(root_numel * grad_bytes), *head,
                                       gather_wire_bytes=int(root_numel * spec.param_bytes))]  # fmt: skip
     for i, ((f, b), index) in enumerate(zip(blocks, spec.rank_layers(share), strict=True)):
@@ -406,18 +315,9 @@ def _simulated_fsdp(spec: RunSpec, share: RankShare, blocks: list[tuple[float, f
                            reshard_after_forward=spec.dp_mode == "zero3")  # fmt: skip
     replicas = spec.replicas if spec.dp_mode == "zero3" else 1
     topo = Topology(size, size, link, link, num_replicas=replicas,
-                    replica_link=_group_link(spec, replicas, 1) if replicas > 1 else None)  # fmt: skip
+                    replica_link=group_link(spec, replicas, 1) if replicas > 1 else None)  # fmt: skip
     p = cal.predict(units, config, topology=topo, root=0)
     return p.step_s, p.exposed_s
-
-
-def _expert_wire_share(spec: RunSpec, size: int, link: Link) -> float:
-    """Routed-expert bytes as the data-parallel group's bytes of the same ring time: the experts
-    gather and reduce over the expert data-parallel group instead ([Note: a run's step])."""
-    edp, elink = _expert_group(spec)
-    if edp == 1 or size == 1:
-        return 0.0
-    return ((edp - 1) / edp / elink.busbw_gbps) / ((size - 1) / size / link.busbw_gbps)
 
 
 def _once_per_step(spec: RunSpec, share: RankShare, mb_forward_s: float, mb_backward_s: float) -> float:
@@ -428,7 +328,7 @@ def _once_per_step(spec: RunSpec, share: RankShare, mb_forward_s: float, mb_back
     reduce_op = "all_reduce" if spec.dp_mode == "ddp" else "reduce_scatter"
     gather_bytes = 1 if spec.fp8_all_gather else spec.param_bytes
     reduce_s = gather_s = 0.0
-    for group, link, numel in ((*_dp_group(spec), dense + root), (*_expert_group(spec), expert)):
+    for group, link, numel in ((*_dp_group(spec), dense + root), (*expert_group(spec), expert)):
         if group == 1 or not numel:
             continue
         topo = Topology(group, group, link, link)
@@ -461,8 +361,8 @@ def _lacks(spec: RunSpec) -> list[str]:
             + ("" if stack(spec.stack).torch_ring else "; its merges as fused into the kernels")
         )
     if spec.model.moe is not None:
-        overlap = "overlapped with another micro-batch" if _ep_overlap_hides(spec) else "exposed"
-        if spec.ep_overlap and not _ep_overlap_hides(spec):
+        overlap = "overlapped with another micro-batch" if ep_overlap_hides(spec) else "exposed"
+        if spec.ep_overlap and not ep_overlap_hides(spec):
             overlap += " (the 1F1B all-to-all overlap hides nothing behind a Grace host: [Note: overlap on GB200])"
         graphs = f" (CUDA graphs: {', '.join(spec.cuda_graph_scope)})" if spec.cuda_graph_scope else ""
         kernels = f" ({spec.flex_backend} at its published bandwidths)" if spec.dispatcher == "flex" else ""
@@ -508,14 +408,14 @@ def _predict_rank(spec: RunSpec, share: RankShare, compute_scale: float) -> RunP
     optimizer_bytes = stack(spec.stack).optimizer_bytes_per_param or OPTIMIZER_BYTES_PER_PARAM
     optimizer_s = optimizer_bytes * owned / (gpu.hbm_tbps * 1e12 * HBM_SHARE)
     tp_mb = _tp_exposed(spec, share)
-    ep_mb = _ep_exposed(spec, share)
-    if _ep_overlap_hides(spec):  # hidden behind the other micro-batch, slowing it
+    ep_mb = ep_exposed(spec, share)
+    if ep_overlap_hides(spec):  # hidden behind the other micro-batch, slowing it
         compute = mb_forward + mb_backward
         ep_mb = max(0.0, ep_mb - compute) + min(ep_mb, compute) * collective_share_lost(gpu)
     cp_mb = ring_attention.exposed_s(spec, share, attention_s)
     p2p_mb = 0.0
     if p > 1:
-        link = _group_link(spec, 2, 1)
+        link = group_link(spec, 2, 1)
         size = spec.micro_batch * spec.seq_len / spec.cp * spec.model.hidden * 2 / spec.tp
         p2p_mb = 2 * v * (link.alpha_s + link.seconds(size))
     compute_mb = mb_forward + mb_backward
