@@ -106,10 +106,29 @@ class Accelerator:
 # 989 (80.1%; "H200 is the same"), B200 SXM 1745.0 of 2250 (77.6%), GB200 1822.0 of 2500 (72.9%);
 # fp8 (float8_e4m3fn): H100 SXM 1402.6 of 1979 (70.9%), H200 SXM 1453.4 (73.4%), B200 3432.5 of 4500
 # (76.3%), GB200 3615.6 of 5000 (72.3%). The shapes a model runs are not the best one, so
-# GEMM_SHAPE_MIX of each MAMF share is taken (bf16: 0.773 A100, 0.721 H100/H200, 0.698 B200, 0.656
-# GB200). Blackwell's larger peak is reached by fewer of the shapes a model runs (a lower share).
+# GEMM_SHAPE_MIX of each MAMF share is taken (bf16: 0.773 A100, 0.721 H100/H200), on Blackwell the
+# mix measured at a model's shapes, BLACKWELL_GEMM_SHAPE_MIX (bf16: 0.662 B200, 0.622 GB200; fp8:
+# 0.660, 0.626). Blackwell's larger peak is reached by fewer of the shapes a model runs (a lower share).
 # SM counts: A100 108, H100/H200 132, B200 148 (NVIDIA architecture whitepapers).
 GEMM_SHAPE_MIX = 0.9
+# Blackwell's shape mix is measured at a Llama-8B-sized layer: Transformer Engine's GEMM profiling
+# tutorial (docs/examples/gemm_profiling/gemm_profiling.rst, https://github.com/NVIDIA/TransformerEngine/
+# blob/d0067d0da6cb01811b8072a7d304f0e00344ce2b/docs/examples/gemm_profiling/gemm_profiling.rst)
+# times the 12 GEMMs of a hidden 4096, intermediate 16384 layer at M = 15,872 tokens on a B300
+# (cuBLAS through TE, CUDA events over 100 iterations), pre-quantized: 13.102 ms per layer in bf16,
+# 6.812 ms in fp8 (Float8CurrentScaling). The layer is 3 x 2 x 15872 x 4096 x (12288 + 4096 +
+# 16384 + 16384) = 1.917e13 FLOPs: 1463 TFLOPS bf16 and 2815 fp8, 0.827 and 0.839 of the B300's
+# own MAMF (1769.0 bf16, 3353.3 fp8, the table above); over the tile efficiency kernels.py gives
+# those GEMMs (every min(K, N) is 4096: 4096 / 4224) that is a mix of 0.853 and 0.866 where
+# Hopper's is taken as 0.9. The backward is where Blackwell loses: its dgrad + wgrad take 2.16x
+# the fprop in fp8 (2.08x bf16), where the same tool on an H200 measures 2.01x (2.00x). B300 and
+# B200 share the sm_100 family's kernels and the 2,250 / 4,500 TFLOPS dense peaks; taken for
+# every Blackwell card, on its own MAMF.
+_TE_LAYER_TFLOP = 3 * 2 * 15872 * 4096 * (12288 + 4096 + 16384 + 16384) / 1e12
+_TE_TILE = 4096 / (4096 + 128)
+BLACKWELL_GEMM_SHAPE_MIX = (_TE_LAYER_TFLOP / 13.102e-3 / 1769.0 / _TE_TILE,
+                            _TE_LAYER_TFLOP / 6.812e-3 / 3353.3 / _TE_TILE)  # fmt: skip
+"""(bf16, fp8) share of a Blackwell card's MAMF its GEMMs reach at a model's shapes."""
 MAMF_SHARE = {  # (bf16, fp8) MAMF / datasheet peak, the table above
     "a100": (0.859, 0.0), "h100": (0.801, 0.709), "h200": (0.801, 0.734), "b200": (0.776, 0.763),
     "gb200": (0.729, 0.723),
@@ -160,14 +179,16 @@ ACCELERATORS: dict[str, Accelerator] = {
                         **{**_HOPPER, "fp8_gemm_share": MAMF_SHARE["h200"][1] * GEMM_SHAPE_MIX}),
     "b200": Accelerator(name="B200 (DGX B200)", generation="blackwell", bf16_tflops=2250.0, fp8_tflops=4500.0,
                         hbm_gib=180, hbm_tbps=8.0, power_w=1000, nvlink_gbps=900.0, sm_count=148,
-                        gemm_share=MAMF_SHARE["b200"][0] * GEMM_SHAPE_MIX,
-                        fp8_gemm_share=MAMF_SHARE["b200"][1] * GEMM_SHAPE_MIX,
-                        source="NVIDIA DGX B200 datasheet, per GPU; GEMM shares: B200 SXM MAMF"),
+                        gemm_share=MAMF_SHARE["b200"][0] * BLACKWELL_GEMM_SHAPE_MIX[0],
+                        fp8_gemm_share=MAMF_SHARE["b200"][1] * BLACKWELL_GEMM_SHAPE_MIX[1],
+                        source="NVIDIA DGX B200 datasheet, per GPU; GEMM shares: B200 SXM MAMF x TE's "
+                        "measured Blackwell shape mix"),
     "gb200": Accelerator(name="B200 in GB200 NVL72", generation="blackwell", bf16_tflops=2500.0, fp8_tflops=5000.0,
                          hbm_gib=186, hbm_tbps=8.0, power_w=1200, nvlink_gbps=900.0, sm_count=148,
-                         gemm_share=MAMF_SHARE["gb200"][0] * GEMM_SHAPE_MIX,
-                         fp8_gemm_share=MAMF_SHARE["gb200"][1] * GEMM_SHAPE_MIX,
-                         source="NVIDIA GB200 NVL72 datasheet, per GPU; GEMM shares: GB200 MAMF"),
+                         gemm_share=MAMF_SHARE["gb200"][0] * BLACKWELL_GEMM_SHAPE_MIX[0],
+                         fp8_gemm_share=MAMF_SHARE["gb200"][1] * BLACKWELL_GEMM_SHAPE_MIX[1],
+                         source="NVIDIA GB200 NVL72 datasheet, per GPU; GEMM shares: GB200 MAMF x TE's "
+                         "measured Blackwell shape mix"),
 }
 # fmt: on
 
