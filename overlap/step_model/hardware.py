@@ -118,12 +118,12 @@ GEMM_SHAPE_MIX = 0.9
 # (cuBLAS through TE, CUDA events over 100 iterations), pre-quantized: 13.102 ms per layer in bf16,
 # 6.812 ms in fp8 (Float8CurrentScaling). The layer is 3 x 2 x 15872 x 4096 x (12288 + 4096 +
 # 16384 + 16384) = 1.917e13 FLOPs: 1463 TFLOPS bf16 and 2815 fp8, 0.827 and 0.839 of the B300's
-# own MAMF (1769.0 bf16, 3353.3 fp8, the table above); over the tile efficiency kernels.py gives
+# own MAMF (B300 SXM 1769.0 bf16, 3353.3 fp8 in the same MAMF table); over the tile efficiency kernels.py gives
 # those GEMMs (every min(K, N) is 4096: 4096 / 4224) that is a mix of 0.853 and 0.866 where
 # Hopper's is taken as 0.9. The backward is where Blackwell loses: its dgrad + wgrad take 2.16x
-# the fprop in fp8 (2.08x bf16), where the same tool on an H200 measures 2.01x (2.00x). B300 and
-# B200 share the sm_100 family's kernels and the 2,250 / 4,500 TFLOPS dense peaks; taken for
-# every Blackwell card, on its own MAMF.
+# the fprop in fp8 (2.08x bf16), where the same tool on an H200 NVL measures 2.01x (2.00x). B300
+# and B200 are one architecture (sm_10x, cuBLAS's Blackwell kernels) with the same 2,250 / 4,500
+# TFLOPS dense peaks; taken for every Blackwell card, on its own MAMF.
 _TE_LAYER_TFLOP = 3 * 2 * 15872 * 4096 * (12288 + 4096 + 16384 + 16384) / 1e12
 _TE_TILE = 4096 / (4096 + 128)
 BLACKWELL_GEMM_SHAPE_MIX = (_TE_LAYER_TFLOP / 13.102e-3 / 1769.0 / _TE_TILE,
