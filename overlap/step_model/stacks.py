@@ -169,9 +169,14 @@ STACKS: dict[str, KernelStack] = {
                                  rope_passes=0, act_passes=3, residual_passes=6, score_passes=10,
                                  source="Megatron-LM fused layer norm, bias-GeLU and scaled-masked-softmax kernels"),
     # llm-foundry MPT as its benchmark tables ran: scripts/train/benchmarking/submit_benchmarks.py
-    # sets attn_impl "triton" (its default in every version that produced the tables, on the
-    # torch 1.13.1 image): FlashAttention in Triton; torch layer_norm (one kernel: 2 passes),
-    # torch GELU (one kernel), ALiBi (no rotary), eager residual adds and transposes.
+    # sets attn_impl "triton" (its default in every version that produced the tables): FlashAttention
+    # in Triton, compiled by triton-pre-mlir (llm-foundry's setup.py pins vchiley/triton's
+    # triton_pre_mlir_sm90 branch); the H100 and A100 80GB sweep that produced the "H100 80GB BF16"
+    # table (sweep.sh at b2a43a1477a45f40f4086a1c72f851b0ab42d0ac) ran llm-foundry v0.3.0 on the
+    # mosaicml/pytorch:2.1.0_cu121 image. Torch layer_norm (one kernel: 2 passes), torch GELU (one
+    # kernel), eager residual adds and transposes. No rotary and no ALiBi: the pretrain yamls leave
+    # attn_config.alibi at its default, False, so MPT adds learned position embeddings once, at the
+    # embedding (llmfoundry/models/mpt/configuration_mpt.py at v0.3.0).
     "llm-foundry": KernelStack(name="llm-foundry MPT (eager, Triton flash attention)", attention_share=_FA_TRITON,
                                norm_passes=2, rope_passes=0, act_passes=2, residual_passes=10, flat_param_reduce=True,
                                optimizer_bytes_per_param=DECOUPLED_ADAMW_CLIP_BYTES,
@@ -180,12 +185,23 @@ STACKS: dict[str, KernelStack] = {
     # "H100 80GB BF16 (Large Scale)" table, https://github.com/mosaicml/llm-foundry/blob/
     # 5e85bd62d4ec9e13353ca95877477602ab538e5b/scripts/train/benchmarking/sweep.py) runs the 1b, 3b,
     # 7b and 70b models with `--attn_impl flash` and installs flash-attn 2.4.2 (`.[gpu-flash2]`),
-    # whose kernel takes ALiBi slopes: FlashAttention-2, the rest of the block as above.
+    # the first to take ALiBi slopes (which these yamls leave off): FlashAttention-2, the rest of
+    # the block as above. Its flash_attn_fn (llmfoundry/models/layers/attention.py at that commit)
+    # unpads around the kernel in every layer, through flash-attn's bert_padding
+    # (https://github.com/Dao-AILab/flash-attention/blob/1a2c3e8c25251fa30ebee074c27ecbf69c2bad2b/
+    # flash_attn/bert_padding.py, v2.4.2): unpad_input on q, k and v (IndexFirstAxis: a torch.gather
+    # of each, read 2 and write 2 bytes an element; backward torch.zeros and scatter_, 2 + 2 + 2)
+    # and pad_input on the output (IndexPutFirstAxis: torch.zeros and the indexed copy, 2 + 2 + 2;
+    # backward the indexed read, 2 + 2). Per token and layer that is 3 x 4 + 6 = 18 bytes per
+    # element of h forward (9 passes of 2 bytes) and 3 x 6 + 4 = 22 backward (11 passes); the block
+    # model charges backward twice the forward's element-wise work, so the 20 passes are 20 / 3 more
+    # forward passes beside the residual adds. (Each unpad_input also waits on the GPU twice,
+    # torch.nonzero and .item(): two host syncs per tensor, six a layer, not priced.)
     "llm-foundry-flash2": KernelStack(name="llm-foundry MPT (eager, FlashAttention-2)", attention_share=_FA2,
-                                      norm_passes=2, rope_passes=0, act_passes=2, residual_passes=10,
+                                      norm_passes=2, rope_passes=0, act_passes=2, residual_passes=10 + (9 + 11) / 3,
                                       narrow_head_share=FA2_HD64_SHARE, flat_param_reduce=True,
                                       optimizer_bytes_per_param=DECOUPLED_ADAMW_CLIP_BYTES,
-                                      source="llm-foundry MPT blocks with attn_impl flash (flash-attn 2.4.2)"),
+                                      source="llm-foundry MPT blocks with attn_impl flash (flash-attn 2.4.2, unpadded)"),
 }
 # fmt: on
 

@@ -207,10 +207,11 @@ def test_mpt_benchmarks_run_flash_attention_in_triton_at_fa2s_documented_distanc
 
 def test_mpt_large_scale_sweep_runs_flash_attention_2_where_it_says_attn_impl_flash() -> None:
     # llm-foundry's sweep.py: 1b, 3b, 7b and 70b with --attn_impl flash (flash-attn 2.4.2); the
-    # rest of the MPT block is the same eager code
+    # rest of the MPT block is the same eager code, plus flash_attn_fn's unpadding around the kernel
+    # (tests/tools/test_plan_foundry.py)
     flash2, triton = STACKS["llm-foundry-flash2"], STACKS["llm-foundry"]
     assert flash2.attention_share == STACKS["torch-compile"].attention_share
-    assert (flash2.norm_passes, flash2.act_passes, flash2.residual_passes, flash2.rope_passes) == (
+    assert (flash2.norm_passes, flash2.act_passes, flash2.residual_passes - (9 + 11) / 3, flash2.rope_passes) == (
         triton.norm_passes, triton.act_passes, triton.residual_passes, triton.rope_passes)  # fmt: skip
 
 
