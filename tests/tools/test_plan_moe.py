@@ -35,8 +35,10 @@ from overlap.step_model.moe import (
     synced_forward_s,
 )
 from overlap.step_model.moe_flex import flex_call_s
+from overlap.step_model.moe_kernels import GRAPH_KERNEL_GAP_S, KERNEL_GAP_S, moe_kernel_gaps
 from overlap.step_model.moe_skew import forced_balance_skew
 from overlap.tools.plan.models import MODELS
+from overlap.tools.plan.run_experts import moe_layer_s, moe_layer_seconds
 from overlap.tools.plan.run_spec import ModelShape, RunSpec
 from overlap.tools.plan.run_step import _microbatch_compute, _predict_rank, _stage_numel, predict_run
 
@@ -462,3 +464,34 @@ def test_forced_load_balancing_prices_the_random_logits_in_the_routers_part() ->
     rows = [r for r in json.loads(DATA.read_text())["rows"] if r["source"].startswith("megatron-bridge")]
     moe_rows = [r for r in rows if r["run"].get("ep", 1) > 1]
     assert moe_rows and all(r["run"]["force_load_balancing"] for r in moe_rows)
+
+
+def test_small_kernels_pay_the_measured_gap_between_kernels_on_the_gpu_side() -> None:
+    """[Note: small kernels' GPU floor]: the H100's measured gaps (2.1 us on a stream, 1.3 us in a
+    graph) x Megatron-Core's kernels: router 31 (+2 forced), preprocess 10, permute 4 before the
+    sync; after it chunk sorts 2 each way, unpermute 1, activation 1 (+3 clamped), fp8 casts 2 per
+    local expert. The run model adds them to the GPU's side, backward twice."""
+    gap, graph_gap, moe = KERNEL_GAP_S, GRAPH_KERNEL_GAP_S, QWEN3_30B.moe
+    assert (gap, graph_gap) == (2.1e-6, 1.3e-6)
+    g = moe_kernel_gaps(moe, 8, fp8=False)
+    assert (g.pre_sync_s, g.dispatch_s, g.experts_s, g.act_s) == pytest.approx((45 * gap, 5 * gap, 0.0, gap))
+    graphed = moe_kernel_gaps(moe, 8, False, ("moe_router", "moe_preprocess"), force_balance=True)
+    assert graphed.pre_sync_s == pytest.approx(43 * graph_gap + 4 * gap)  # a graph keeps the GPU's gaps
+    assert moe_kernel_gaps(moe, 8, fp8=True).experts_s == pytest.approx(2 * 16 * gap)
+    assert moe_kernel_gaps(replace(moe, activation_clamp=True), 8, False).act_s == pytest.approx(4 * gap)
+    assert moe_kernel_gaps(moe, 128, False).dispatch_s == pytest.approx(gap)  # one expert a rank: no sort
+    flex = moe_kernel_gaps(moe, 8, False, dispatcher="flex")
+    assert (flex.pre_sync_s, flex.dispatch_s) == (pytest.approx(17 * gap), 0.0)
+    spec, tokens = qwen_run(seq_len=8192), 8192.0
+    e, bare = moe_layer_seconds(spec, tokens), moe_seconds(moe, QWEN3_30B.hidden, tokens, H100, ep=8)
+    assert (e.forward_s - bare.forward_s, e.backward_s - bare.backward_s) == pytest.approx(
+        (g.forward_s, 2 * g.forward_s)
+    )
+    assert (e.router_forward_s - bare.router_forward_s, e.dispatch_forward_s) == pytest.approx(
+        (g.pre_sync_s, g.dispatch_s)
+    )
+    forward, backward = moe_layer_s(spec, tokens, 1e-3, 2e-3, 0.0)  # GPU-bound: the gaps show
+    post = e.expert_forward_s + e.act_forward_s + e.dispatch_forward_s
+    pre_h, post_h = moe_host_split(moe, 8, fp8=False)
+    assert forward == pytest.approx(synced_forward_s(1e-3 + e.forward_s - post, post, pre_h, post_h, 0.0, "x86"))
+    assert backward == pytest.approx(2e-3 + e.backward_s)

@@ -5,11 +5,15 @@ any group of a run's ranks runs on."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from overlap.step_model.cost import Link
 from overlap.step_model.hardware import NVLINK_SHARE, accelerator, node_spec, ring_link
 from overlap.step_model.kernels import ACT_BYTES
-from overlap.step_model.moe import MoeSeconds, all_to_all_s, host_cpu, moe_host_split, moe_seconds, synced_forward_s
+from overlap.step_model.moe import MoeSeconds, all_to_all_s, moe_seconds
 from overlap.step_model.moe_flex import flex_call_s
+from overlap.step_model.moe_host import host_cpu, moe_host_split, synced_forward_s
+from overlap.step_model.moe_kernels import moe_kernel_gaps
 from overlap.step_model.moe_skew import routing_skew
 from overlap.tools.plan.run_spec import RankShare, RunSpec
 
@@ -35,13 +39,20 @@ def module_recompute_moe_s(spec: RunSpec, e: MoeSeconds) -> float:
 
 
 def moe_layer_seconds(spec: RunSpec, tokens: float) -> MoeSeconds:
-    """One MoE layer's MLP for the rank's `tokens` (sequence-parallel shard of them with ETP 1)."""
+    """One MoE layer's MLP for the rank's `tokens` (sequence-parallel shard of them with ETP 1): its
+    bytes and FLOPs, and the GPU's idle time between Megatron-Core's small kernels ([Note: small
+    kernels' GPU floor] in overlap/step_model/moe_kernels.py), the router's before the sync."""
     assert spec.model.moe is not None
-    routed = tokens / (spec.tp // spec.etp)
-    return moe_seconds(spec.model.moe, spec.model.hidden, routed, accelerator(spec.gpu), ep=spec.ep,
-                       tp=spec.tp, etp=spec.etp, shared_tokens=tokens, fp8=spec.precision == "fp8",
-                       fp8_recipe=spec.fp8_recipe, capacity_factor=spec.capacity_factor,
-                       dispatcher=spec.dispatcher, force_balance=spec.force_load_balancing)  # fmt: skip
+    routed, fp8 = tokens / (spec.tp // spec.etp), spec.precision == "fp8"
+    e = moe_seconds(spec.model.moe, spec.model.hidden, routed, accelerator(spec.gpu), ep=spec.ep,
+                    tp=spec.tp, etp=spec.etp, shared_tokens=tokens, fp8=fp8,
+                    fp8_recipe=spec.fp8_recipe, capacity_factor=spec.capacity_factor,
+                    dispatcher=spec.dispatcher, force_balance=spec.force_load_balancing)  # fmt: skip
+    g = moe_kernel_gaps(spec.model.moe, spec.ep, fp8, spec.cuda_graph_scope, dispatcher=spec.dispatcher,
+                        force_balance=spec.force_load_balancing)  # fmt: skip
+    return replace(e, forward_s=e.forward_s + g.forward_s, backward_s=e.backward_s + 2 * g.forward_s,
+                   router_forward_s=e.router_forward_s + g.pre_sync_s, expert_forward_s=e.expert_forward_s + g.experts_s,
+                   act_forward_s=e.act_forward_s + g.act_s, dispatch_forward_s=e.dispatch_forward_s + g.dispatch_s)  # fmt: skip
 
 
 def ep_exposed(spec: RunSpec, share: RankShare) -> float:
@@ -103,7 +114,7 @@ def expert_wire_share(spec: RunSpec, size: int, link: Link) -> float:
 def moe_layer_s(spec: RunSpec, tokens: float, forward: float, backward: float, a2a_layer: float) -> tuple[float, float]:
     """(forward, backward) seconds of a MoE layer on the compute stream: its block's `forward` and
     `backward` with the MoE part's, its recomputation, and the host's pace ([Note: MoE host work],
-    [Note: the dispatcher's sync] in overlap/step_model/moe.py); `a2a_layer` is one direction's
+    [Note: the dispatcher's sync] in overlap/step_model/moe_host.py); `a2a_layer` is one direction's
     exposed all-to-alls, during which the host issues too."""
     fp8 = spec.precision == "fp8"
     e = moe_layer_seconds(spec, tokens)
@@ -117,7 +128,7 @@ def moe_layer_s(spec: RunSpec, tokens: float, forward: float, backward: float, a
                                          dispatcher=spec.dispatcher,
                                          force_balance=spec.force_load_balancing)  # fmt: skip
     if spec.capacity_factor is None:
-        post = e.expert_forward_s + e.act_forward_s
+        post = e.expert_forward_s + e.act_forward_s + e.dispatch_forward_s
         post += e.shared_forward_s if "moe_router" not in spec.cuda_graph_scope else 0.0
         forward = synced_forward_s(forward - post, post, host_pre, host_post, a2a_layer, cpu)
     else:
