@@ -52,41 +52,40 @@ the same processes and cores, right after its case, so load on a shared machine 
 alike. `benchmarks/shm_bandwidth.py` interleaves the same calls with gloo's over rounds and
 reports median and spread. Every page of every ring is faulted in once before the sweep, as
 after a training run's first steps (`_map_every_page`).
+
+This module holds the configuration, the measurement and the per-rank sweep; one case's buffers,
+check and timed loop are in comm_cases.py, the shared-memory transport's calls and segments in
+comm_shm.py, the rows, the report and its tables in comm_report.py.
 """
 
 from __future__ import annotations
 
-import mmap
-import statistics
-import time
-from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
-from datetime import timedelta
-from typing import Literal, NamedTuple, get_args
+from dataclasses import dataclass, field
+from typing import get_args
 
 import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from overlap.kernels import cpu
+from overlap.tools.bench.comm_cases import OPS, Op, Transport, _is_correct, _loop_us, build_case, count_for
+from overlap.tools.bench.comm_cases import CommCase as CommCase  # re-exported: importable from here as before
+from overlap.tools.bench.comm_report import CommReport, CommRow, format_table
+from overlap.tools.bench.comm_shm import ShmCase, _copy_floor_us, _shm_calls_us, open_segments
+from overlap.tools.bench.comm_shm import shm_all_gather as shm_all_gather  # re-exported: benchmarks/shm_bandwidth.py
+from overlap.tools.bench.comm_shm import shm_reduce_scatter as shm_reduce_scatter
+from overlap.tools.bench.comm_shm import shm_stage as shm_stage
 from overlap.tools.flags import JSON_FLAG, LINK_FLAG, command, flag
-from overlap.tools.worlds.collectives import all_gather_single, iters_for, reduce_scatter_single
-from overlap.tools.worlds.launch import DEFAULT_TIMEOUT_S, current_device
+from overlap.tools.worlds.collectives import iters_for
+from overlap.tools.worlds.launch import current_device
 from overlap.tools.worlds.link import LinkSpec, active_link
 from overlap.tools.worlds.runner import run_bench
-from overlap.transport import collectives as comm
-from overlap.transport import shm
-from overlap.transport.host import keep_freed_cpu_memory
+from overlap.transport import shm as shm  # re-exported: `comm.shm`, the module whose host_identity tests patch
 from overlap.transport.shm_segments import MAX_RANKS, MAX_RING_BYTES, ShmSegments
 
-Op = Literal["all_gather", "reduce_scatter", "all_reduce", "all_to_all"]
-OPS: tuple[Op, ...] = get_args(Op)
-Transport = Literal["backend", "shm"]
 SHM_OPS: tuple[Op, ...] = ("all_gather", "reduce_scatter")
 """What the shared-memory transport carries (transport/shm.py); the rest is the backend's."""
 DTYPES = ("float32", "float64", "float16", "bfloat16", "int32", "int64", "int8", "uint8")
 _SUMMED_BY_SHM = ("float32", "float64", "float16", "bfloat16")  # csrc/reduce.cpp's sum_rows
-_CHUNKED: frozenset[Op] = frozenset({"all_gather", "reduce_scatter", "all_to_all"})
 
 
 def bus_factor(op: Op, world_size: int) -> float:
@@ -121,12 +120,6 @@ def sweep_sizes(min_bytes: int, max_bytes: int) -> list[int]:
         sizes.append(size)
         size *= 2
     return sizes
-
-
-def count_for(op: Op, num_bytes: int, element_size: int, world_size: int) -> int:
-    """Elements per buffer: a multiple of the world size for chunked ops (0: too small)."""
-    count = num_bytes // element_size
-    return count - count % world_size if op in _CHUNKED else count
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -219,152 +212,6 @@ class CommBenchConfig:
         return getattr(torch, self.dtype)
 
 
-@dataclass(frozen=True, kw_only=True)
-class CommRow:
-    """One measured case, averaged over ranks."""
-
-    op: Op
-    bytes: int
-    count: int
-    dtype: str
-    inplace: bool
-    time_us: float
-    algbw_gbps: float
-    busbw_gbps: float
-    num_wrong: int
-    """Ranks whose output differed from the expected values."""
-    copy_time_us: float | None = None
-    """transport "shm": one memcpy of `bytes` between two private buffers, every rank at once,
-    timed beside the case (the floor); None for the backend's rows."""
-    copy_gbps: float | None = None
-    """`bytes` / `copy_time_us`, in GB/s (None for the backend's rows)."""
-    copy_pct: float | None = None
-    """`algbw_gbps` as a percentage of `copy_gbps` (None for the backend's rows)."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class CommReport:
-    backend: str
-    world_size: int
-    link: str | None
-    rows: list[CommRow]
-    transport: Transport = "backend"
-
-    def avg_busbw_gbps(self, op: Op | None = None) -> float:
-        """Mean busbw over the rows (of `op`), as nccl-tests' closing line."""
-        values = [r.busbw_gbps for r in self.rows if op is None or r.op == op]
-        return statistics.fmean(values) if values else float("nan")
-
-    def to_json(self) -> dict[str, object]:
-        return {
-            "backend": self.backend,
-            "world_size": self.world_size,
-            "link": self.link,
-            "transport": self.transport,
-            "rows": [asdict(r) for r in self.rows],
-            "avg_busbw_gbps": self.avg_busbw_gbps(),
-        }
-
-
-# ---------------------------------------------------------------------------------------------
-# one case
-
-
-@dataclass(frozen=True)
-class CommCase:
-    """The buffers of one collective; `inp` aliases `out` for the in-place variants."""
-
-    op: Op
-    inp: torch.Tensor
-    out: torch.Tensor
-
-    def launch(self, async_op: bool = False) -> dist.Work | None:
-        match self.op:
-            case "all_gather":
-                return all_gather_single(self.out, self.inp, async_op=async_op)
-            case "reduce_scatter":
-                return reduce_scatter_single(self.out, self.inp, async_op=async_op)
-            case "all_reduce":
-                return dist.all_reduce(self.out, async_op=async_op)
-            case "all_to_all":
-                return dist.all_to_all_single(self.out, self.inp, async_op=async_op)
-        raise AssertionError(f"rank {dist.get_rank()}: unknown op {self.op}")
-
-
-def _blocks(values: list[int], block_numel: int, like: torch.Tensor) -> torch.Tensor:
-    """`values[j]` repeated `block_numel` times, block after block."""
-    small = torch.tensor(values, dtype=like.dtype, device=like.device)
-    return small.repeat_interleave(block_numel)
-
-
-def build_case(op: Op, count: int, inplace: bool, dtype: torch.dtype, device: torch.device) -> CommCase:
-    n, r = dist.get_world_size(), dist.get_rank()
-    chunk = count // n if op in _CHUNKED else count
-    big = torch.zeros(count, dtype=dtype, device=device)
-    if op == "all_reduce":
-        return CommCase(op, big, big)
-    small = big.narrow(0, r * chunk, chunk) if inplace else torch.zeros(chunk, dtype=dtype, device=device)
-    if op == "all_gather":
-        return CommCase(op, small, big)
-    if op == "reduce_scatter":
-        return CommCase(op, big, small)
-    return CommCase(op, big, torch.zeros_like(big))  # all_to_all
-
-
-def _fill_and_expect(case: CommCase) -> torch.Tensor:
-    """Write this rank's known values into the input; return the output the collective must
-    produce (small integers, exact in every dtype for a few ranks)."""
-    n, r = dist.get_world_size(), dist.get_rank()
-    chunk = case.out.numel() // n if case.op != "reduce_scatter" else case.out.numel()
-    match case.op:
-        case "all_gather":
-            case.inp.fill_(r + 1)
-            return _blocks([j + 1 for j in range(n)], chunk, case.out)
-        case "reduce_scatter":
-            case.inp.copy_(_blocks([(r + 1) * (j + 1) for j in range(n)], chunk, case.inp))
-            return torch.full_like(case.out, (r + 1) * n * (n + 1) // 2)
-        case "all_reduce":
-            case.inp.fill_(r + 1)
-            return torch.full_like(case.out, n * (n + 1) // 2)
-        case "all_to_all":
-            case.inp.copy_(_blocks([r * n + j + 1 for j in range(n)], chunk, case.inp))
-            return _blocks([j * n + r + 1 for j in range(n)], chunk, case.out)
-    raise AssertionError(f"rank {r}: unknown op {case.op}")
-
-
-def _is_correct(case: CommCase, device: torch.device, launch: Callable[[], torch.Tensor] | None = None) -> bool:
-    """Fill `case`, run it once (`launch`, which returns the output, or `case.launch`) and
-    compare the output with what it must be."""
-    expected = _fill_and_expect(case)
-    if launch is None:
-        case.launch()
-        out = case.out
-    else:
-        out = launch()
-    _sync(device)
-    if out.dtype in (torch.float16, torch.bfloat16):  # partial sums may round
-        return torch.allclose(out, expected, rtol=1e-2, atol=0.0)
-    return torch.equal(out, expected)
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _loop_us(call: Callable[[], object], iters: int, warmup: int, device: torch.device) -> float:
-    """Microseconds per `call` in a loop of `iters` after `warmup` calls and a barrier."""
-    for _ in range(warmup):
-        call()
-    _sync(device)
-    dist.barrier()
-    start = time.perf_counter()
-    for _ in range(iters):
-        call()
-    _sync(device)
-    return (time.perf_counter() - start) / iters * 1e6
-
-
 def measure(
     op: Op,
     num_bytes: int,
@@ -417,181 +264,6 @@ def measure(
         copy_gbps=None if copy_time_us is None else algbw_gbps(size, copy_time_us),
         copy_pct=None if copy_time_us is None else 100 * copy_time_us / time_us,
     )
-
-
-# ---------------------------------------------------------------------------------------------
-# through shared memory
-
-
-def shm_all_gather(segments: ShmSegments, send: torch.Tensor, spare: torch.Tensor) -> torch.Tensor:
-    """One all-gather of `send` as `ShmAllGather` runs it: into an output allocated in this
-    rank's ring (`ShmSegments.output`, [Note: all-gather output in the ring] in transport/shm.py),
-    or into `spare` (private, `spare.numel()` elements) where the ring has no room now. Returns
-    the output after the wait; drop it then, as the runtime does (the ring reuses those bytes
-    once it is freed)."""
-    out = segments.output(spare.numel(), spare.dtype)
-    return comm.wait(segments.all_gather(send, spare if out is None else out))
-
-
-def shm_stage(segments: ShmSegments, full: torch.Tensor) -> torch.Tensor:
-    """A reduce-scatter's copy-in: the rank-major `full` written into the room reserved for this
-    rank's next post (`ShmReduceScatter.allocate` puts the engine's input there)."""
-    room = segments.reserve(full.numel() * full.element_size()).view(full.dtype).view(full.shape)
-    room.copy_(full)
-    return room
-
-
-def shm_reduce_scatter(segments: ShmSegments, room: torch.Tensor) -> torch.Tensor:
-    """One reduce-scatter of `room` (`shm_stage`'s): posted, then the wait sums this rank's row
-    of every rank's ring in rank order; returns the sum (`CommResult.finish`)."""
-    return comm.wait(segments.reduce_scatter(room.view(-1), None))
-
-
-class ShmCase(NamedTuple):
-    """`case`'s collective through `segments` ([Note: comm bench over shared memory]): it sends
-    `case.inp`; an all-gather's `case.out` is its output where the ring has no room."""
-
-    case: CommCase
-    segments: ShmSegments
-
-    def stage(self) -> torch.Tensor:
-        """What a call takes, made before its clock starts: a reduce-scatter's copy-in."""
-        if self.case.op == "reduce_scatter":
-            return shm_stage(self.segments, self.case.inp)
-        return self.case.inp
-
-    def launch(self, staged: torch.Tensor) -> torch.Tensor:
-        """Issue and wait; the output."""
-        if self.case.op == "all_gather":
-            return shm_all_gather(self.segments, staged, self.case.out)
-        return shm_reduce_scatter(self.segments, staged)
-
-    def call(self) -> torch.Tensor:
-        return self.launch(self.stage())
-
-
-def _shm_calls_us(via: ShmCase, iters: int, warmup: int) -> float:
-    """Microseconds per call, each clocked from its issue to the end of its wait, the output
-    dropped inside the clock and the copy-in outside it."""
-    for _ in range(warmup):
-        via.call()
-    dist.barrier()
-    spent = 0.0
-    for _ in range(iters):
-        staged = via.stage()
-        start = time.perf_counter()
-        via.launch(staged)
-        spent += time.perf_counter() - start
-    return spent / iters * 1e6
-
-
-def _copy_floor_us(segments: ShmSegments, num_bytes: int, iters: int, warmup: int) -> float:
-    """Microseconds per memcpy of `num_bytes` between two private buffers kept across calls
-    (csrc/shm.cpp's, `ShmSegments.copy`), every rank at once: the floor of a shared-memory case."""
-    src, dst = torch.ones(num_bytes, dtype=torch.uint8), torch.zeros(num_bytes, dtype=torch.uint8)
-    return _loop_us(lambda: segments.copy(dst, src), iters, max(warmup, 1), torch.device("cpu"))
-
-
-def open_segments(max_bytes: int, device: torch.device) -> ShmSegments:
-    """The default group's segments, with a ring for collectives of up to `max_bytes` (collective
-    over the group); ValueError on every rank where the ranks cannot share memory."""
-    group = dist.group.WORLD
-    assert group is not None, "open_segments: no default process group"
-    if not shm.usable(group, device, "auto"):  # collective: every rank gets the same answer
-        n = dist.get_world_size(group)
-        why = (
-            f"the ranks use {device.type} tensors, and it carries CPU tensors only"
-            if device.type != "cpu"
-            else f"it needs 2 to {MAX_RANKS} ranks, not {n}"
-            if not 1 < n <= MAX_RANKS
-            else "it needs the compiled kernels (csrc/shm.cpp), which did not build here"
-            if cpu.load_extension() is None
-            else "the ranks are not all on this host (hostname, boot id, /dev/shm and network namespace must match)"
-        )
-        raise ValueError(f"overlap bench comm --transport shm: shared memory is not usable: {why}")
-    keep_freed_cpu_memory()  # as `wrap` sets it: a reduce-scatter's sum reuses freed blocks
-    ring_bytes = shm.ring_bytes_for_collective(max_bytes)  # as the engine sizes it for such a unit
-    segments = ShmSegments(group, ring_bytes, timedelta(seconds=DEFAULT_TIMEOUT_S))
-    _map_every_page(segments)
-    return segments
-
-
-def _map_every_page(segments: ShmSegments) -> None:
-    """Fault in every page of every rank's ring on this rank before the sweep, outside any
-    clock: in training the ring's pages are mapped after the first steps, where a case's first
-    calls would otherwise land on fresh pages (at 64 MiB a few calls a case, the default budget's,
-    spend more in page faults than in copies). This rank writes its own ring and reads a byte of
-    every page of its peers'."""
-    page = mmap.PAGESIZE
-    for rank, ring in enumerate(segments.rings):
-        if rank == segments.rank:
-            ring.zero_()
-        else:
-            ring[::page].sum()
-    dist.barrier()
-
-
-# ---------------------------------------------------------------------------------------------
-# sweep, table, entry points
-
-
-_COLLECTIVE_HEAD = (
-    f"{'time':>10}{'algbw':>8}{'busbw':>8}{'#wrong':>7}",
-    f"{'(us)':>10}{'(GB/s)':>8}{'(GB/s)':>8}{'':>7}",
-)
-_COPY_HEAD = (f"{'time':>10}{'copy':>8}{'% copy':>8}", f"{'(us)':>10}{'(GB/s)':>8}{'':>8}")
-
-
-def format_table(report: CommReport, op: Op) -> str:
-    """`op`'s rows as nccl-tests prints them: out-of-place and in-place side by side; through
-    shared memory, the collective and its memcpy floor side by side."""
-    redop = "sum" if op in ("reduce_scatter", "all_reduce") else "none"
-    link = f", link {report.link}" if report.link else ""
-    if report.transport == "shm":
-        title, groups, right = (
-            f"{report.backend}, shared memory",
-            f"{'shared memory':>30}{'memcpy floor':>28}",
-            _COPY_HEAD,
-        )
-        cells = _shm_cells
-    else:
-        title, groups, right = report.backend, f"{'out-of-place':>30}{'in-place':>35}", _COLLECTIVE_HEAD
-        cells = _backend_cells
-    lines = [
-        f"# {op}: {report.world_size} ranks, {title}{link}",
-        f"#{'':>40}{groups}",
-        f"#{'size':>11}{'count':>13}{'type':>9}{'redop':>7}" + _COLLECTIVE_HEAD[0] + right[0],
-        f"#{'(B)':>11}{'(elements)':>13}{'':>16}" + _COLLECTIVE_HEAD[1] + right[1],
-    ]
-    by_size: dict[int, dict[bool, CommRow]] = {}
-    for row in report.rows:
-        if row.op == op:
-            by_size.setdefault(row.bytes, {})[row.inplace] = row
-    for size, pair in by_size.items():
-        first = next(iter(pair.values()))
-        lines.append(f"{size:>12}{first.count:>13}{first.dtype:>9}{redop:>7}{cells(pair)}")
-    num_wrong = sum(r.num_wrong for r in report.rows if r.op == op)
-    lines.append(f"# Out of bounds values : {num_wrong} {'OK' if num_wrong == 0 else 'FAILED'}")
-    lines.append(f"# Avg bus bandwidth    : {report.avg_busbw_gbps(op):.4f} GB/s")
-    return "\n".join(lines)
-
-
-def _collective_cells(r: CommRow) -> str:
-    return f"{r.time_us:>10.1f}{r.algbw_gbps:>8.3f}{r.busbw_gbps:>8.3f}{r.num_wrong:>7}"
-
-
-def _backend_cells(pair: dict[bool, CommRow]) -> str:
-    """Out-of-place, then in-place (n/a where `variants` leaves it out)."""
-    return "".join(
-        f"{'n/a':>10}{'':>8}{'':>8}{'':>7}" if inplace not in pair else _collective_cells(pair[inplace])
-        for inplace in (False, True)
-    )
-
-
-def _shm_cells(pair: dict[bool, CommRow]) -> str:
-    """The collective, then its memcpy floor and the collective's share of it."""
-    r = pair[False]
-    return _collective_cells(r) + f"{r.copy_time_us:>10.1f}{r.copy_gbps:>8.3f}{r.copy_pct:>7.0f}%"
 
 
 def comm_rank(rank: int, world_size: int, cfg: CommBenchConfig) -> CommReport | None:
