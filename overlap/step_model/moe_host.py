@@ -58,7 +58,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Literal
 
 if TYPE_CHECKING:
-    from overlap.step_model.moe import MoeShape
+    from overlap.step_model.moe_shape import MoeShape
 
 HostCpu = Literal["x86", "grace"]
 GRACE_HOSTED = ("gb200",)

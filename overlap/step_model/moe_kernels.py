@@ -65,7 +65,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from overlap.step_model.moe import MoeShape
+    from overlap.step_model.moe_shape import MoeShape
 
 KERNEL_GAP_S = 2.1e-6
 """GPU idle seconds between two kernels queued on a stream (H100, [Note: small kernels' GPU floor])."""
