@@ -5,7 +5,7 @@ make. kernels.py prices a block's compute with them ([Note: attention at narrow 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 from overlap.step_model.fp8 import TORCHAO_TENSORWISE_CASTS, Fp8Casts
 
@@ -67,6 +67,9 @@ class KernelStack:
     optimizer_bytes_per_param: float | None = None
     """HBM bytes per owned parameter of the optimizer step and gradient clipping; None: a fused
     AdamW step (overlap/tools/plan/fsdp.py's OPTIMIZER_BYTES_PER_PARAM)."""
+    attention_seq_half: dict[str, float] = field(default_factory=dict)
+    """By GPU generation: the sequence at which the attention kernel reaches half its long-sequence
+    share, where measured ([Note: cuDNN attention on Blackwell]); elsewhere ATTENTION_SEQ_HALF."""
     narrow_head_share: float = 1.0
     """The attention kernel's rate at head dim 64 over its rate at head dim 128 ([Note: attention
     at narrow heads]); 1: no measurement at other head dims, taken as equal."""
@@ -100,20 +103,49 @@ class KernelStack:
 # assumption: the papers' causal curves sit close to the non-causal ones at long sequences).
 _FA2 = {"ampere": 0.60, "hopper": 0.34, "blackwell": 0.34}
 _FA3 = {"ampere": 0.60, "hopper": 0.50, "blackwell": 0.50}
-# cuDNN's fused attention on Blackwell, measured by NVIDIA's cudnn-frontend SDPA training benchmark
-# on a GB200 with cuDNN 9.18.1 (benchmark/sdpa_benchmark_training/results/gb200_918_only_cudnn/
-# llama3.1_20260126_110503.csv, https://github.com/NVIDIA/cudnn-frontend/blob/
-# 9072c4e78eaba9e5af685c4d5de69d18d94a1a29/benchmark/sdpa_benchmark_training/results/gb200_918_only_cudnn/
-# llama3.1_20260126_110503.csv): causal, BF16, 64 query / 8 key-value heads of 128, sequence 4096:
-# forward 1,297 and backward 1,105 TFLOPS (backward counted as 2.5 forwards, our convention), so
-# forward+backward 3.5 / (1 / 1297 + 2.5 / 1105) = 1,154 TFLOPS, 0.462 of the 2,500 TFLOPS peak;
-# through the model's sequence factor 4096 / (4096 + ATTENTION_SEQ_HALF) that is a long-sequence
-# share of 0.52 (the 8192 point, 1,563 / 1,279, gives 0.57: the model's curve is FlashAttention-2's
-# and rises more slowly than cuDNN's on Blackwell, so 8192-token runs are priced a little slow).
-# 4096 is the sequence of most published Blackwell runs this stack prices (16 of 24); DeepSeek-V3's
-# 192/128 MLA heads measure the same there (dsv3_20260126_110621.csv: 1,324 / 1,083, 0.51). Taken for every Blackwell card as a share of its own peak.
-CUDNN_BLACKWELL_SHARE = round(3.5 / (1 / 1297 + 2.5 / 1105) / 2500 / (4096 / (4096 + ATTENTION_SEQ_HALF)), 3)
-_CUDNN = {**_FA3, "blackwell": CUDNN_BLACKWELL_SHARE}
+# [Note: cuDNN attention on Blackwell]
+# cuDNN's fused attention on Blackwell is measured by NVIDIA's cudnn-frontend SDPA training
+# benchmark (causal, BF16, key-value heads of 128, batch 1; backward counted as 2.5 forwards, our
+# convention: forward+backward 3.5 / (1 / forward + 2.5 / backward)) at two sequences each, and
+# each release's container ran its own cuDNN:
+#   cuDNN 9.18.1 on a GB200 (results/gb200_918_only_cudnn/llama3.1_20260126_110503.csv,
+#   https://github.com/NVIDIA/cudnn-frontend/blob/9072c4e78eaba9e5af685c4d5de69d18d94a1a29/benchmark/
+#   sdpa_benchmark_training/results/gb200_918_only_cudnn/llama3.1_20260126_110503.csv; 64 query
+#   heads): sequence 4096 forward 1,297 / backward 1,105 TFLOPS (1,154 together, 0.462 of 2,500),
+#   8192 1,563 / 1,279 (1,349, 0.540). DeepSeek-V3's 192/128 MLA heads measure the same at 4096
+#   (dsv3_20260126_110621.csv: 1,324 / 1,083). Megatron-Bridge 26.04 ships cuDNN 9.20, the
+#   nearest measured is this one.
+#   cuDNN 9.13.1 on a B200 (artifacts/sdpa_bf16_benchmark_results_NVIDIA_B200.csv and its README,
+#   "nvcr.io/nvidia/pytorch:25.09-py3, where cuDNN 9.13.1 was used",
+#   https://github.com/NVIDIA/cudnn-frontend/blob/be6c079be8aaffa0fc079fcf039887e637c289c7/benchmark/
+#   sdpa_benchmark_training/artifacts/sdpa_bf16_benchmark_results_NVIDIA_B200.csv; 128 query heads):
+#   4096 855.7 / 701.3 (739, 0.329 of 2,250), 8192 1,171.3 / 942.5 (998, 0.444). Megatron-Bridge's
+#   25.11 container ships cuDNN 9.13.1.26 (docs/releases/software-versions.md,
+#   https://github.com/NVIDIA-NeMo/Megatron-Bridge/blob/2075a5b8aa562e45c441b55f079434b2e7baa027/docs/releases/software-versions.md).
+# cuDNN's rate rises with the sequence faster than FlashAttention-2's (ATTENTION_SEQ_HALF), so each
+# is given the curve share x s / (s + half) through its own two points (`two_point_curve`): 9.18.1
+# a long-sequence share 0.65 and half 1,668 tokens, 9.13.1 0.68 and 4,412. Taken for every
+# Blackwell card as a share of its own peak. (Through the FlashAttention-2 curve, one point at 4096
+# gave 9.18.1 a share of 0.52 and priced 8192-token runs 8% slow.)
+
+
+def two_point_curve(s1: int, share1: float, s2: int, share2: float) -> tuple[float, float]:
+    """(long-sequence share, half-rate sequence) of share x s / (s + half) through two measured
+    (sequence, share of peak) points."""
+    q = share2 / share1
+    half = (q - 1) * s1 * s2 / (s2 - q * s1)
+    return share1 * (s1 + half) / s1, half
+
+
+def _fwd_bwd_share(forward: float, backward: float, peak: float) -> float:
+    return 3.5 / (1 / forward + ATTENTION_BACKWARD / backward) / peak
+
+
+CUDNN_918_BLACKWELL = two_point_curve(4096, _fwd_bwd_share(1297, 1105, 2500), 8192, _fwd_bwd_share(1563, 1279, 2500))
+CUDNN_913_BLACKWELL = two_point_curve(4096, _fwd_bwd_share(855.678, 701.265, 2250),
+                                      8192, _fwd_bwd_share(1171.278, 942.509, 2250))  # fmt: skip
+_CUDNN = {**_FA3, "blackwell": CUDNN_918_BLACKWELL[0]}
+_CUDNN_913 = {**_FA3, "blackwell": CUDNN_913_BLACKWELL[0]}
 # torchtitan builds AdamW with foreach=True (fused=False, its default: torchtitan/optimizer.py,
 # https://github.com/pytorch/torchtitan/blob/9dec370ad26b5f8e9a7333a0e36165018262644b/torchtitan/optimizer.py)
 # and clips with clip_grad_norm_(foreach=True): torch's _multi_tensor_adam runs weight decay (read and write 4
@@ -158,8 +190,8 @@ STACKS: dict[str, KernelStack] = {
     "megatron-te": KernelStack(name="Megatron-Core + Transformer Engine", attention_share=_CUDNN, norm_passes=2,
                                rope_passes=2, act_passes=3, residual_passes=4, tp_overlap_backward=True,
                                narrow_head_share=CUDNN_HD64_SHARE, unfused_rope_passes=UNFUSED_ROPE_PASSES,
-                               fused_linears=True,
-                               source="Transformer Engine fused kernels; cuDNN fused attention"),
+                               fused_linears=True, attention_seq_half={"blackwell": CUDNN_918_BLACKWELL[1]},
+                               source="Transformer Engine fused kernels; cuDNN fused attention (9.18 on Blackwell)"),
     # Megatron-LM 2021 (A100): fused bias-GeLU and fused LayerNorm kernels, softmax fused,
     # attention not flash (scores materialized): modelled as FA2-rate attention on Ampere.
     # attention as Megatron-LM computed it in 2021: QK^T and AV as batched GEMMs over the whole
@@ -204,6 +236,15 @@ STACKS: dict[str, KernelStack] = {
                                       source="llm-foundry MPT blocks with attn_impl flash (flash-attn 2.4.2, unpadded)"),
 }
 # fmt: on
+# Megatron-Bridge's 25.11 container: the same stack with cuDNN 9.13.1's attention on Blackwell
+# ([Note: cuDNN attention on Blackwell]); Hopper keeps the FlashAttention-3-class share.
+STACKS["megatron-te-cudnn9.13"] = replace(
+    STACKS["megatron-te"],
+    name="Megatron-Core + Transformer Engine (cuDNN 9.13)",
+    attention_share=_CUDNN_913,
+    attention_seq_half={"blackwell": CUDNN_913_BLACKWELL[1]},
+    source="Transformer Engine fused kernels; cuDNN 9.13.1 fused attention (NeMo 25.11)",
+)
 
 
 def stack(name: str) -> KernelStack:

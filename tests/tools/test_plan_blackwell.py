@@ -39,3 +39,39 @@ def test_blackwell_reaches_less_of_its_mamf_at_model_shapes_than_the_generic_mix
         assert gpu.fp8_gemm_share == pytest.approx(MAMF_SHARE[name][1] * BLACKWELL_GEMM_SHAPE_MIX[1])
     h100 = ACCELERATORS["h100-sxm"]
     assert h100.fp8_gemm_share == pytest.approx(MAMF_SHARE["h100"][1] * 0.9)
+
+
+# cudnn-frontend's SDPA training benchmark, causal BF16, forward / backward TFLOPS: cuDNN 9.18.1 on
+# a GB200 (peak 2,500) and cuDNN 9.13.1 on a B200 (peak 2,250), at sequences 4096 and 8192
+CUDNN_MEASURED = {
+    "megatron-te": ("gb200", 2500.0, {4096: (1297, 1105), 8192: (1563, 1279)}),
+    "megatron-te-cudnn9.13": ("b200", 2250.0, {4096: (855.678, 701.265), 8192: (1171.278, 942.509)}),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CUDNN_MEASURED))
+def test_cudnn_attention_on_blackwell_runs_at_its_measured_rate_at_both_sequences(name: str) -> None:
+    # the whole causal kernel forward + backward (the block's attention at one head of 128, no
+    # other work) takes what cudnn-frontend measured at each sequence, through the stack's own curve
+    from overlap.step_model.kernels import STACKS, BlockShape, block_seconds
+
+    gpu_name, peak, points = CUDNN_MEASURED[name]
+    gpu = ACCELERATORS[gpu_name]
+    shape = BlockShape(hidden=8192, ffn_hidden=28672, num_heads=64, num_kv_heads=8)
+    for seq, (fwd, bwd) in points.items():
+        share = 3.5 / (1 / fwd + 2.5 / bwd) / peak  # forward + backward, of the measuring card's peak
+        causal_flops = 4.0 * seq * (seq / 2) * shape.hidden
+        expected_s = causal_flops / (gpu.attention_peak_tflops * 1e12 * share)
+        assert block_seconds(shape, seq, seq, gpu, STACKS[name]).attention_forward_s == pytest.approx(expected_s)
+
+
+def test_the_25_11_container_prices_cudnn_9_13_slower_than_9_18_on_blackwell_only() -> None:
+    from overlap.step_model.kernels import STACKS, BlockShape, block_seconds
+
+    shape = BlockShape(hidden=4096, ffn_hidden=14336, num_heads=32, num_kv_heads=8)
+    old, new = STACKS["megatron-te-cudnn9.13"], STACKS["megatron-te"]
+    for seq in (4096, 8192):
+        blackwell = [block_seconds(shape, seq, seq, ACCELERATORS["b200"], s).attention_forward_s for s in (old, new)]
+        hopper = [block_seconds(shape, seq, seq, ACCELERATORS["h100-sxm"], s).attention_forward_s for s in (old, new)]
+        assert blackwell[0] > blackwell[1]
+        assert hopper[0] == hopper[1]

@@ -347,9 +347,10 @@ def _lacks(spec: RunSpec) -> list[str]:
     out = list(spec.notes)
     gpu = accelerator(spec.gpu)
     if gpu.generation == "blackwell":
+        measured = {"megatron-te": "cuDNN 9.18's measured GB200", "megatron-te-cudnn9.13": "cuDNN 9.13's measured B200"}
         attention = (
-            "Blackwell attention at cuDNN 9.18's measured GB200 rate"
-            if spec.stack == "megatron-te"
+            f"Blackwell attention at {measured[spec.stack]} rates (4096 and 8192 tokens)"
+            if spec.stack in measured
             else "Blackwell attention share taken from Hopper (FA3-class)"
         )
         out.append(f"{attention}; GEMM shares from its MAMF")
