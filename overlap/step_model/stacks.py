@@ -122,9 +122,17 @@ _FA3 = {"ampere": 0.60, "hopper": 0.50, "blackwell": 0.50}
 #   4096 855.7 / 701.3 (739, 0.329 of 2,250), 8192 1,171.3 / 942.5 (998, 0.444). Megatron-Bridge's
 #   25.11 container ships cuDNN 9.13.1.26 (docs/releases/software-versions.md,
 #   https://github.com/NVIDIA-NeMo/Megatron-Bridge/blob/2075a5b8aa562e45c441b55f079434b2e7baa027/docs/releases/software-versions.md).
+#   cuDNN 9.19.1 on an H200 (results/h200_919_only_cudnn/llama3.1_20260227_034703.csv,
+#   https://github.com/NVIDIA/cudnn-frontend/blob/df73764adb98b7445b77662ce07b1ea434c8f3ee/benchmark/
+#   sdpa_benchmark_training/results/h200_919_only_cudnn/llama3.1_20260227_034703.csv; 64 query heads;
+#   an H200's tensor cores are an H100 SXM's): 4096 591 / 474 (502, 0.508 of 989.4), 8192 644 / 541
+#   (567, 0.573). Megatron-Bridge 26.04 ships cuDNN 9.20.0.48 (the same software-versions.md), so its
+#   rows run the measured 9.19.1 on Hopper and 9.18.1 on Blackwell (`megatron-te-cudnn9.20`); rows
+#   of other releases keep FlashAttention-3's paper share on Hopper.
 # cuDNN's rate rises with the sequence faster than FlashAttention-2's (ATTENTION_SEQ_HALF), so each
 # is given the curve share x s / (s + half) through its own two points (`two_point_curve`): 9.18.1
-# a long-sequence share 0.65 and half 1,668 tokens, 9.13.1 0.68 and 4,412. Taken for every
+# a long-sequence share 0.65 and half 1,668 tokens, 9.13.1 0.68 and 4,412, 9.19.1 on Hopper 0.66
+# and 1,206. Taken for every
 # Blackwell card as a share of its own peak. (Through the FlashAttention-2 curve, one point at 4096
 # gave 9.18.1 a share of 0.52 and priced 8192-token runs 8% slow.)
 
@@ -144,6 +152,7 @@ def _fwd_bwd_share(forward: float, backward: float, peak: float) -> float:
 CUDNN_918_BLACKWELL = two_point_curve(4096, _fwd_bwd_share(1297, 1105, 2500), 8192, _fwd_bwd_share(1563, 1279, 2500))
 CUDNN_913_BLACKWELL = two_point_curve(4096, _fwd_bwd_share(855.678, 701.265, 2250),
                                       8192, _fwd_bwd_share(1171.278, 942.509, 2250))  # fmt: skip
+CUDNN_919_HOPPER = two_point_curve(4096, _fwd_bwd_share(591, 474, 989.4), 8192, _fwd_bwd_share(644, 541, 989.4))
 _CUDNN = {**_FA3, "blackwell": CUDNN_918_BLACKWELL[0]}
 _CUDNN_913 = {**_FA3, "blackwell": CUDNN_913_BLACKWELL[0]}
 # torchtitan builds AdamW with foreach=True (fused=False, its default: torchtitan/optimizer.py,
@@ -244,6 +253,15 @@ STACKS["megatron-te-cudnn9.13"] = replace(
     attention_share=_CUDNN_913,
     attention_seq_half={"blackwell": CUDNN_913_BLACKWELL[1]},
     source="Transformer Engine fused kernels; cuDNN 9.13.1 fused attention (NeMo 25.11)",
+)
+
+# Megatron-Bridge's 26.04 container (cuDNN 9.20): the measured 9.19.1 on Hopper, 9.18.1 on Blackwell.
+STACKS["megatron-te-cudnn9.20"] = replace(
+    STACKS["megatron-te"],
+    name="Megatron-Core + Transformer Engine (cuDNN 9.20)",
+    attention_share={**_CUDNN, "hopper": CUDNN_919_HOPPER[0]},
+    attention_seq_half={"hopper": CUDNN_919_HOPPER[1], "blackwell": CUDNN_918_BLACKWELL[1]},
+    source="Transformer Engine fused kernels; cuDNN 9.19/9.18 fused attention as measured (NeMo 26.04 ships 9.20)",
 )
 
 

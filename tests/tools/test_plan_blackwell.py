@@ -42,10 +42,11 @@ def test_blackwell_reaches_less_of_its_mamf_at_model_shapes_than_the_generic_mix
 
 
 # cudnn-frontend's SDPA training benchmark, causal BF16, forward / backward TFLOPS: cuDNN 9.18.1 on
-# a GB200 (peak 2,500) and cuDNN 9.13.1 on a B200 (peak 2,250), at sequences 4096 and 8192
+# a GB200 (peak 2,500), cuDNN 9.13.1 on a B200 (peak 2,250) and 9.19.1 on an H200, at sequences 4096 and 8192
 CUDNN_MEASURED = {
     "megatron-te": ("gb200", 2500.0, {4096: (1297, 1105), 8192: (1563, 1279)}),
     "megatron-te-cudnn9.13": ("b200", 2250.0, {4096: (855.678, 701.265), 8192: (1171.278, 942.509)}),
+    "megatron-te-cudnn9.20": ("h200", 989.4, {4096: (591, 474), 8192: (644, 541)}),  # cuDNN 9.19.1 on an H200
 }
 
 

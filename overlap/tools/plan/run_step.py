@@ -347,7 +347,11 @@ def _lacks(spec: RunSpec) -> list[str]:
     out = list(spec.notes)
     gpu = accelerator(spec.gpu)
     if gpu.generation == "blackwell":
-        measured = {"megatron-te": "cuDNN 9.18's measured GB200", "megatron-te-cudnn9.13": "cuDNN 9.13's measured B200"}
+        measured = {
+            "megatron-te": "cuDNN 9.18's measured GB200",
+            "megatron-te-cudnn9.20": "cuDNN 9.18's measured GB200",
+            "megatron-te-cudnn9.13": "cuDNN 9.13's measured B200",
+        }
         attention = (
             f"Blackwell attention at {measured[spec.stack]} rates (4096 and 8192 tokens)"
             if spec.stack in measured
