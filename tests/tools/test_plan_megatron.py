@@ -49,3 +49,19 @@ def test_strong_scaling_rows_under_1f1b_cannot_keep_the_published_share(rows) ->
     predicted = predict_run(large).tokens_per_s_per_gpu / predict_run(small).tokens_per_s_per_gpu
     assert predicted <= bound * 1.01
     assert any("1F1B cannot give the published" in note for note in large.notes)
+
+
+def test_recompute_num_layers_recomputes_that_many_layers_whole(rows) -> None:
+    # Megatron-Core's recompute_method "block": the first N layers of the rank rerun their whole
+    # forward, the rest run `ac`; the Megatron-Bridge H100 8B FP8-CS config sets N = 5 of 32
+    from dataclasses import replace
+
+    _, spec = rows["mbridge-25.11-h100-llama3-8b-8"]
+    assert spec.recompute_num_layers == 5
+    none = predict_run(replace(spec, recompute_num_layers=0)).compute_s
+    full = predict_run(replace(spec, recompute_num_layers=0, ac="full")).compute_s
+    assert predict_run(spec).compute_s == pytest.approx(none + 5 / 32 * (full - none))
+    with pytest.raises(ValueError, match="recompute_num_layers"):
+        replace(spec, ac="full")
+    with pytest.raises(ValueError, match="recompute_num_layers"):
+        replace(spec, recompute_num_layers=-1)

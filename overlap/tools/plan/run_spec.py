@@ -208,6 +208,10 @@ class RunSpec:
     cuda_graph_scope: tuple[str, ...] = ()
     """Parts of each layer run as CUDA graphs (Transformer Engine's cuda_graph_scope: attn,
     moe_router, moe_preprocess); the rest is launched op by op ([Note: MoE host work])."""
+    recompute_num_layers: int = 0
+    """Megatron-Core's recompute_num_layers with recompute_method "block": the first this many
+    layers of each pipeline rank recompute their whole forward (as `ac` "full"), the others run
+    `ac`. Priced for dense models without context parallelism or interleaved stages."""
     recompute_modules: tuple[str, ...] = ()
     """Megatron-Core's selective recompute_modules ([Note: recomputed modules] in run_step.py)."""
     mtp_layers: int = 0
@@ -301,6 +305,12 @@ class RunSpec:
     def _check_layout(self) -> None:
         if not isinstance(self.mtp_layers, int) or isinstance(self.mtp_layers, bool) or self.mtp_layers < 0:
             raise ValueError(f"RunSpec.mtp_layers must be an int >= 0, got {self.mtp_layers!r}")
+        n = self.recompute_num_layers
+        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+            raise ValueError(f"RunSpec.recompute_num_layers must be an int >= 0, got {n!r}")
+        if n and (self.model.moe is not None or self.cp > 1 or self.virtual_stages > 1 or self.ac == "full"):
+            raise ValueError("RunSpec.recompute_num_layers is priced for dense models without context parallelism, "
+                             "interleaved stages or ac 'full' (where every layer recomputes)")  # fmt: skip
         layout = self.pipeline_layout
         if not layout:
             return

@@ -216,15 +216,18 @@ def _microbatch_compute(spec: RunSpec, share: RankShare) -> tuple[list[tuple[flo
     moe_layers = sum(m.is_moe_layer(i) for i in spec.rank_layers(share))
     # one direction's share of a MoE layer's exposed all-to-alls (none when overlapped)
     a2a_layer = 0.0 if ep_overlap_hides(spec) or not moe_layers else ep_exposed(spec, share) / moe_layers / 2
-    for index in spec.rank_layers(share):
+    # the rank's first recompute_num_layers layers recompute their whole forward
+    full = replace(spec, ac="full", recompute_num_layers=0) if spec.recompute_num_layers else spec
+    for position, index in enumerate(spec.rank_layers(share)):
+        layer_spec = full if position < spec.recompute_num_layers else spec
         moe_layer = m.is_moe_layer(index)
         b = block_seconds(m.block(moe_layer=moe_layer), tokens, spec.seq_len, gpu, kernels, tp=spec.tp, fp8=fp8,
-                          fp8_recipe=spec.fp8_recipe, recompute=spec.ac,
+                          fp8_recipe=spec.fp8_recipe, recompute=layer_spec.ac,
                           window=m.sliding_window if m.is_sliding_layer(index) else 0)  # fmt: skip
-        weights_fwd, weights_bwd = _weight_pass_s(spec, index)
+        weights_fwd, weights_bwd = _weight_pass_s(layer_spec, index)
         forward = b.forward_s + weights_fwd + ring_fwd
         backward = b.backward_s + b.recompute_s + weights_bwd + ring_bwd
-        backward += _recomputed_modules_s(spec, index, tokens, b)
+        backward += _recomputed_modules_s(layer_spec, index, tokens, b)
         if moe_layer:
             forward, backward = moe_layer_s(spec, tokens, forward, backward, a2a_layer)
         blocks.append((forward, backward))
@@ -275,7 +278,8 @@ def _tp_exposed(spec: RunSpec, share: RankShare) -> float:
     link = group_link(spec, spec.tp, spec.tp)
     topo = Topology(spec.tp, spec.tp, link, link)
     layers = len(spec.rank_layers(share))
-    count = layers * TP_COLLECTIVES[spec.ac] + 4
+    full = min(spec.recompute_num_layers, layers)
+    count = (layers - full) * TP_COLLECTIVES[spec.ac] + full * TP_COLLECTIVES["full"] + 4
     if spec.async_tp:
         count = 0 if stack(spec.stack).tp_overlap_backward else layers * 4 + 2
     if spec.precision == "fp8" and spec.fp8_recipe == "tensorwise" and stack(spec.stack).float8_tp_all_gather:
