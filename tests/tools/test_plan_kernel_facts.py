@@ -120,6 +120,22 @@ def test_llm_foundry_steps_composers_decoupled_adamw_and_fsdp1_clipping() -> Non
     assert DECOUPLED_ADAMW_CLIP_BYTES > FOREACH_ADAMW_CLIP_BYTES
 
 
+def test_rowwise_fp8_async_tp_leaves_its_all_gathers_exposed() -> None:
+    # torch's micro-pipeline TP fuses rowwise matmul + reduce-scatters, not all-gather + matmuls:
+    # under selective checkpointing the forward's two all-gathers a block and the backward's two
+    # re-gathers stay exposed beside the backward's four, in bf16
+    spec = RunSpec(model=LLAMA_8B, gpu="h100-96gb-500w", node="grand-teton", num_gpus=64, tp=8, seq_len=8192,
+                   global_batch=96, micro_batch=12, ac="selective", stack="torch-compile", precision="fp8",
+                   fp8_recipe="rowwise", async_tp=True)  # fmt: skip
+    share = spec.rank_shares()[0]
+    layers = LLAMA_8B.num_layers
+    per_collective = _tp_exposed(replace(spec, async_tp=False), share) / (layers * 10 + 4)
+    assert _tp_exposed(spec, share) == pytest.approx(per_collective * (layers * (4 + 2 + 2) + 2))
+    tensorwise = replace(spec, fp8_recipe="tensorwise")
+    assert _tp_exposed(tensorwise, share) < _tp_exposed(replace(spec, precision="bf16"), share)  # fused
+    assert _tp_exposed(spec, share) > 1.9 * _tp_exposed(replace(spec, precision="bf16"), share)
+
+
 def test_rowwise_fp8_pays_its_slower_kernel_second_casts_and_rescale() -> None:
     gpu = ACCELERATORS["h100-sxm"]
     t, k, n = 16384, 4096, 14336

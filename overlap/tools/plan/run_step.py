@@ -109,6 +109,10 @@ saves reduce_scatter_tensor outputs but not all-gathers (its `_save_list`,
 https://github.com/pytorch/torchtitan/blob/820504e20d1149fbf0b98c567af24c4b0433b22d/torchtitan/models/llama3/parallelize_llama.py):
 the backward re-gathers the two block inputs its weight gradients need (as layout.py's
 RECOMPUTED_TP_COLLECTIVES)."""
+ROWWISE_REGATHERS = {"none": 0, "selective": 2, "attention": 0, "full": 2, "layer2": 1}
+"""Per block and micro-batch: all-gathers a recomputation repeats (torchtitan's selective policy
+re-gathers the two block inputs; a whole-block recompute replays the forward's two; layer2 does so
+for half the blocks), which rowwise float8's async TP leaves exposed."""
 
 
 @dataclass(frozen=True)
@@ -282,6 +286,13 @@ def _tp_exposed(spec: RunSpec, share: RankShare) -> float:
     count = (layers - full) * TP_COLLECTIVES[spec.ac] + full * TP_COLLECTIVES["full"] + 4
     if spec.async_tp:
         count = 0 if stack(spec.stack).tp_overlap_backward else layers * 4 + 2
+        if count and spec.precision == "fp8" and spec.fp8_recipe == "rowwise":
+            # torch's micro-pipeline TP fuses rowwise-scaled matmul + reduce-scatters but not the
+            # all-gather + matmuls ("the all-gather-matmul patterns were NOT being fused properly",
+            # https://github.com/pytorch/pytorch/issues/149990; rowwise support went to the
+            # reduce-scatter fusion, pytorch/pytorch#149247): the forward's two all-gathers a block
+            # and those a recomputation repeats stay exposed, in bf16 (rowwise casts after the gather)
+            count += (layers - full) * (2 + ROWWISE_REGATHERS[spec.ac]) + full * (2 + ROWWISE_REGATHERS["full"])
     if spec.precision == "fp8" and spec.fp8_recipe == "tensorwise" and stack(spec.stack).float8_tp_all_gather:
         return count / 2 * (ring_time_s("all_gather", size, topo) + ring_time_s("all_gather", size / 2, topo))
     return count * ring_time_s("all_gather", size, topo)
