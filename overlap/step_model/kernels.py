@@ -285,9 +285,15 @@ def block_seconds(
         span = min(context, window) if window else context
         # a causal token attends to context / 2 positions on average, to w - w^2 / 2s in a window w
         attended = context / 2 if span == context else span - span * span / (2 * context)
-        half = stack.attention_seq_half.get(gpu.generation, ATTENTION_SEQ_HALF)
-        attn_share = stack.attention_share[gpu.generation] * span / (span + half)
-        attn_share *= narrow_head_factor(shape.qk_head_dim, stack)
+        if span < context and gpu.generation in stack.window_curve:
+            # measured at head dim 64 ([Note: cuDNN sliding-window attention] in stacks.py)
+            share, half = stack.window_curve[gpu.generation]
+            narrow = narrow_head_factor(shape.qk_head_dim, stack) / narrow_head_factor(64, stack)
+            attn_share = share * span / (span + half) * narrow
+        else:
+            half = stack.attention_seq_half.get(gpu.generation, ATTENTION_SEQ_HALF)
+            attn_share = stack.attention_share[gpu.generation] * span / (span + half)
+            attn_share *= narrow_head_factor(shape.qk_head_dim, stack)
         attention = 4.0 * tokens * attended * heads_dim / (gpu.attention_peak_tflops * 1e12 * attn_share)
     h, kv, f = shape.hidden / tp, shape.kv_dim / tp, shape.ffn_hidden / tp
     rope_passes = stack.rope_passes

@@ -70,6 +70,10 @@ class KernelStack:
     attention_seq_half: dict[str, float] = field(default_factory=dict)
     """By GPU generation: the sequence at which the attention kernel reaches half its long-sequence
     share, where measured ([Note: cuDNN attention on Blackwell]); elsewhere ATTENTION_SEQ_HALF."""
+    window_curve: dict[str, tuple[float, float]] = field(default_factory=dict)
+    """(share, half-rate window) of the stack's sliding-window kernel at head dim 64 by GPU
+    generation, measured: a window of w runs at share x w / (w + half) of the peak whatever the
+    context ([Note: cuDNN sliding-window attention]); absent: the causal curve at span w."""
     narrow_head_share: float = 1.0
     """The attention kernel's rate at head dim 64 over its rate at head dim 128 ([Note: attention
     at narrow heads]); 1: no measurement at other head dims, taken as equal."""
@@ -153,6 +157,35 @@ CUDNN_918_BLACKWELL = two_point_curve(4096, _fwd_bwd_share(1297, 1105, 2500), 81
 CUDNN_913_BLACKWELL = two_point_curve(4096, _fwd_bwd_share(855.678, 701.265, 2250),
                                       8192, _fwd_bwd_share(1171.278, 942.509, 2250))  # fmt: skip
 CUDNN_919_HOPPER = two_point_curve(4096, _fwd_bwd_share(591, 474, 989.4), 8192, _fwd_bwd_share(644, 541, 989.4))
+# [Note: cuDNN sliding-window attention]
+# The same benchmark measures GPT-OSS's attention: head dim 64, causal with a sliding window
+# (cuDNN's diagonal band, left bound W), BF16, non-deterministic backward, no softmax sinks (the
+# benchmark has no sink input: learnable sinks are unmeasured). Its FLOPs
+# (benchmark_single_sdpa.py `flops`) count 2 x batch x heads x unmasked scores x (64 + 64) forward and
+# x (3 x 64 + 2 x 64) backward, with W(W+1)/2 + (s - W)W unmasked scores: per token
+# W - W^2/2s + W/2s positions, our `attended` (to 0.1% at W 128), and backward 2.5 forwards, ours.
+# At sequence 4096, forward / backward TFLOPS (forward+backward as above):
+#   cuDNN 9.19.1, W 1024, 64 query / 8 key-value heads, batch 2
+#   (https://github.com/NVIDIA/cudnn-frontend/blob/df73764adb98b7445b77662ce07b1ea434c8f3ee/benchmark/
+#   sdpa_benchmark_training/results/): H200 (h200_919_only_cudnn/gpt_oss_20260227_034819.csv)
+#   336 / 289 (301, 0.304 of 989.4), GB200 (gb200_919_only_cudnn/gpt_oss_20260226_175022.csv)
+#   574 / 617 (604, 0.242 of 2,500); both within 5% from 8192 to 32768 tokens (H200 349-358 /
+#   299-303, GB200 609-632 / 646-660): the windowed kernel's rate is set by W, not the context.
+#   cuDNN 9.22.0, W 128 (GPT-OSS's window), 128 / 128 heads, batch 1, GB200
+#   (https://github.com/NVIDIA/cudnn-frontend/blob/fb682ce761a2705e40f9b5d528737a3e0eb33cec/benchmark/
+#   sdpa_benchmark_training/results/gpt_oss/gb200/gpt_oss_20260424_100011.csv): 161 / 182 (175,
+#   0.070), 165 / 187 at 8192, 167 / 188 at 16384.
+# The causal curve at span W with the narrow-head ratio priced these at 0.209 (H200, W 1024),
+# 0.171 (GB200, W 1024) and 0.032 (GB200, W 128): 0.69x, 0.71x and 0.46x the measured rates. So
+# the stack measured gets the window curve share x W / (W + half) through the two GB200 points
+# (`two_point_curve`: half 549 tokens, share 0.371) on Blackwell and, with that half (no Hopper
+# measurement at a second window), through the H200 point on Hopper (share 0.304 x (1024 + 549)
+# / 1024 = 0.467; 0.088 at W 128). Megatron-Bridge 26.04's cuDNN 9.20 lies between the measured
+# 9.19.1 and 9.22.0; 25.11's 9.13.1 measured well below 9.18 on full attention, so its stack
+# keeps the causal curve.
+CUDNN_SWA_BLACKWELL = two_point_curve(128, _fwd_bwd_share(161, 182, 2500), 1024, _fwd_bwd_share(574, 617, 2500))
+_SWA_919_HOPPER_1024 = _fwd_bwd_share(336, 289, 989.4)
+CUDNN_SWA_HOPPER = (_SWA_919_HOPPER_1024 * (1024 + CUDNN_SWA_BLACKWELL[1]) / 1024, CUDNN_SWA_BLACKWELL[1])
 _CUDNN = {**_FA3, "blackwell": CUDNN_918_BLACKWELL[0]}
 _CUDNN_913 = {**_FA3, "blackwell": CUDNN_913_BLACKWELL[0]}
 # torchtitan builds AdamW with foreach=True (fused=False, its default: torchtitan/optimizer.py,
@@ -261,6 +294,7 @@ STACKS["megatron-te-cudnn9.20"] = replace(
     name="Megatron-Core + Transformer Engine (cuDNN 9.20)",
     attention_share={**_CUDNN, "hopper": CUDNN_919_HOPPER[0]},
     attention_seq_half={"hopper": CUDNN_919_HOPPER[1], "blackwell": CUDNN_918_BLACKWELL[1]},
+    window_curve={"hopper": CUDNN_SWA_HOPPER, "blackwell": CUDNN_SWA_BLACKWELL},
     source="Transformer Engine fused kernels; cuDNN 9.19/9.18 fused attention as measured (NeMo 26.04 ships 9.20)",
 )
 
