@@ -49,7 +49,7 @@ class CommCase:
 
 def _blocks(values: list[int], block_numel: int, like: torch.Tensor) -> torch.Tensor:
     """`values[j]` repeated `block_numel` times, block after block."""
-    small = torch.tensor(values, dtype=like.dtype, device=like.device)
+    small = torch.tensor(values, dtype=like.dtype, device=like.device)  # a case's fill, once per check: no loop
     return small.repeat_interleave(block_numel)
 
 
@@ -105,7 +105,7 @@ def _is_correct(case: CommCase, device: torch.device, launch: Callable[[], torch
 
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
-        torch.cuda.synchronize(device)
+        torch.cuda.synchronize(device)  # the benchmark's clock edges: before and after a timed loop, never inside it
 
 
 def _loop_us(call: Callable[[], object], iters: int, warmup: int, device: torch.device) -> float:
